@@ -1,0 +1,48 @@
+# The two commands a newcomer types: `make report` (the main job) and `make test`.
+# Both bootstrap .venv from pyproject.toml on first use; the stamp makes later runs instant.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch first, pinned: on this CPU machine the CPU build lies on disk; on a CUDA machine the same
+# specifier gives PyPI's CUDA build. Override with `make TORCH_SPEC='torch==X' ...`.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PROFILE ?=
+PYTEST_ARGS ?=
+
+.PHONY: help venv report test lint format lab clean-venv
+
+help:
+	@echo "make report   run the experiment pipeline into reports/ (profile from the hardware; PROFILE=smoke|cpu|gpu)"
+	@echo "make test     lint, unit/kernel/parity tests, pipeline end-to-end and nbval"
+	@echo "make lab      JupyterLab with the 'workbench' kernel"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	$(PY) -m ipykernel install --sys-prefix --name workbench --display-name "Python (workbench)" >/dev/null
+	@touch $(STAMP)
+
+report: $(STAMP)
+	$(VENV)/bin/workbench report $(if $(PROFILE),--profile $(PROFILE),)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
+	MPLBACKEND=agg $(PY) -m pytest $(PYTEST_ARGS)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,53 @@
+"""The ``workbench`` command.
+
+Each subcommand lives in its own module, which defines ``add_arguments(parser)`` and ``run(args) -> int``.
+Only the chosen subcommand's module is imported, so ``workbench roofline`` starts without importing torch.
+To add a subcommand, add one line to ``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from workbench.errors import WorkbenchError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "checkpoint": ("workbench.commands.checkpoint", "write a randomly initialised HF checkpoint of a preset"),
+    "generate": ("workbench.commands.generate", "generate tokens for prompts of token ids"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="workbench",
+        description="LLM inference workbench: prefill and decode, measured and modelled.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except WorkbenchError as exc:
+        print(f"workbench {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Model configuration: read from a Hugging Face ``config.json``, validated, with named presets.
+
+``ModelConfig`` is the one description of a decoder-only Llama-family transformer that every room of the
+workbench reads: the model code builds layers from it, the roofline model counts FLOPs and bytes from it,
+the KV-cache calculator sizes caches from it. It understands the keys of Llama (1/2/3.x), Mistral and
+Qwen2 configs. Presets live in ``data/models/<name>.json`` as plain HF config files (sources in
+``data/models/README.md``); ``ModelConfig.from_name`` looks them up and ``ModelConfig.resolve`` accepts a
+preset name, a ``config.json`` path or a checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import ConfigError
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+MODELS_DIR = DATA_DIR / "models"
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# model_type as transformers writes it, per architecture
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "fp32": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp16": "fp16",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "fp8": "fp8",
+    "float8": "fp8",
+    "int8": "int8",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """Map 'float16', 'half', 'torch.float16', ... to the workbench's short names ('fp16', ...)."""
+    key = str(name).lower().removeprefix("torch.")
+    if key not in DTYPE_ALIASES:
+        raise ConfigError(f"unknown dtype {name!r}; expected one of {sorted(set(DTYPE_ALIASES.values()))}")
+    return DTYPE_ALIASES[key]
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype given by any accepted name."""
+    return DTYPE_BYTES[canonical_dtype(name)]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. Field names follow the workbench, not HF (see ``from_hf_config``).
+
+    MHA, GQA and MQA are the same model with ``num_kv_heads`` equal to ``num_heads``, a divisor of it, or 1.
+    """
+
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    torch_dtype: str = "bf16"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"{self.name}: unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for fname in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, fname)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{self.name}: {fname} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ConfigError(
+                f"{self.name}: num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"{self.name}: head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (self.rms_norm_eps > 0):
+            raise ConfigError(f"{self.name}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not (self.rope_theta > 0):
+            raise ConfigError(f"{self.name}: rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind == "llama3":
+                for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                    if key not in self.rope_scaling:
+                        raise ConfigError(f"{self.name}: rope_scaling of type llama3 needs {key!r}")
+            elif kind not in (None, "default"):
+                raise ConfigError(
+                    f"{self.name}: rope_scaling type {kind!r} is not supported; supported: llama3 (or none)"
+                )
+        for tok in self.eos_token_ids:
+            if not 0 <= tok < self.vocab_size:
+                raise ConfigError(f"{self.name}: eos token id {tok} outside the vocabulary [0, {self.vocab_size})")
+        canonical_dtype(self.torch_dtype)
+
+    # ---- derived sizes -------------------------------------------------------------------------------
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_kind(self) -> str:
+        """'MHA', 'MQA' or 'GQA' from the number of KV heads."""
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        if self.num_kv_heads == 1:
+            return "MQA"
+        return "GQA"
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Number of parameters, counted from the shapes (biases and norms included)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h  # q,k,v,o + gate,up,down + two RMSNorm weights
+        total = self.num_layers * per_layer + h  # final norm
+        if include_embeddings:
+            total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return total
+
+    def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
+        """Bytes of K and V cached per token over all layers: 2 * layers * kv_heads * head_dim * bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(kv_dtype)
+
+    def weight_bytes(self, dtype: str = "bf16") -> int:
+        return self.num_params() * dtype_bytes(dtype)
+
+    def with_overrides(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again), e.g. ``num_kv_heads=1`` for an MQA variant."""
+        data = asdict(self)
+        data.update(changes)
+        return ModelConfig(**data)
+
+    # ---- HF config.json ---------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], name: str | None = None) -> ModelConfig:
+        """Build from the dict of an HF ``config.json`` (Llama, Mistral, Qwen2 keys)."""
+        where = name or hf.get("_name_or_path") or "config.json"
+        archs = hf.get("architectures") or []
+        if not archs:
+            model_type = hf.get("model_type")
+            archs = [a for a, t in MODEL_TYPES.items() if t == model_type]
+        if not archs:
+            raise ConfigError(f"{where}: no 'architectures' or known 'model_type' in config")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"{where}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if k not in hf
+        ]
+        if missing:
+            raise ConfigError(f"{where}: config is missing required key(s) {missing}")
+        num_heads = hf["num_attention_heads"]
+        num_kv_heads = hf.get("num_key_value_heads") or num_heads
+        head_dim = hf.get("head_dim") or (hf["hidden_size"] // num_heads)
+        if hf.get("head_dim") is None and hf["hidden_size"] % num_heads != 0:
+            raise ConfigError(
+                f"{where}: hidden_size ({hf['hidden_size']}) is not divisible by num_attention_heads "
+                f"({num_heads}) and no head_dim is given"
+            )
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        rope_params = hf.get("rope_parameters")  # transformers >= 5 folds theta and scaling into this dict
+        if rope_params:
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        attention_bias = bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM"))
+        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+        known = {
+            "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias",
+            "bos_token_id", "eos_token_id", "sliding_window", "torch_dtype", "dtype", "model_type",
+        }  # fmt: skip
+        return cls(
+            name=name or str(hf.get("_name_or_path") or arch),
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=sliding,
+            torch_dtype=canonical_dtype(dtype),
+            extra={k: v for k, v in hf.items() if k not in known},
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The HF ``config.json`` dict for this shape (what ``transformers.AutoConfig.for_model`` takes)."""
+        hf: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": MODEL_TYPES[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "torch_dtype": {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(self.torch_dtype),
+        }
+        if self.architecture == "LlamaForCausalLM":
+            hf["attention_bias"] = self.attention_bias
+            hf["mlp_bias"] = False
+        if self.architecture == "MistralForCausalLM":
+            hf["sliding_window"] = self.sliding_window
+        if self.architecture == "Qwen2ForCausalLM":
+            if not self.attention_bias:
+                raise ConfigError(f"{self.name}: Qwen2 always has QKV bias; attention_bias=False is not Qwen2")
+            hf["use_sliding_window"] = False
+            hf["sliding_window"] = None
+        return hf
+
+    @classmethod
+    def from_json(cls, path: str | Path, name: str | None = None) -> ModelConfig:
+        path = Path(path)
+        try:
+            hf = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return cls.from_hf_config(hf, name=name or (path.stem if path.name != "config.json" else path.parent.name))
+
+    @classmethod
+    def from_name(cls, name: str) -> ModelConfig:
+        """A preset from ``data/models/``, by file stem (case-insensitive), e.g. ``Llama-3.1-8B``, ``tiny-gqa``."""
+        presets = {p.stem.lower(): p for p in MODELS_DIR.glob("*.json")}
+        path = presets.get(name.lower())
+        if path is None:
+            raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}")
+        return cls.from_json(path, name=path.stem)
+
+    @classmethod
+    def resolve(cls, name_or_path: str | Path) -> ModelConfig:
+        """A preset name, a ``config.json`` file, or a checkpoint directory containing one."""
+        path = Path(name_or_path)
+        if path.is_dir():
+            if not (path / "config.json").exists():
+                raise ConfigError(f"{path}: directory has no config.json")
+            return cls.from_json(path / "config.json", name=path.name)
+        if path.suffix == ".json" and path.exists():
+            return cls.from_json(path)
+        return cls.from_name(str(name_or_path))
+
+    def summary(self) -> dict[str, Any]:
+        """A small table-friendly description."""
+        return {
+            "name": self.name,
+            "architecture": self.architecture,
+            "attention": f"{self.attention_kind} ({self.num_heads}q/{self.num_kv_heads}kv)",
+            "layers": self.num_layers,
+            "hidden": self.hidden_size,
+            "head_dim": self.head_dim,
+            "params_M": round(self.num_params() / 1e6, 1),
+            "kv_bytes_per_token_bf16": self.kv_bytes_per_token("bf16"),
+        }
+
+
+def preset_names() -> list[str]:
+    """Names of the presets in ``data/models/``, sorted."""
+    return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = [
+    "ModelConfig",
+    "ConfigError",
+    "canonical_dtype",
+    "dtype_bytes",
+    "preset_names",
+    "ceil_div",
+    "DTYPE_BYTES",
+]

@@ -1,0 +1,24 @@
+"""``workbench checkpoint --preset NAME --out DIR [--seed S] [--dtype D]``: a random HF checkpoint of a preset."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from workbench.config import ModelConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", required=True, help="model preset name (see data/models) or a config.json path")
+    p.add_argument("--out", required=True, help="output directory (config.json + safetensors)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation (default 0)")
+    p.add_argument("--dtype", default="fp32", help="fp32 | fp16 | bf16 (default fp32)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from workbench.model.checkpoint import save_random_checkpoint
+
+    cfg = ModelConfig.resolve(args.preset)
+    out = save_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype)
+    print(json.dumps({"checkpoint": str(out), "preset": cfg.name, "params": cfg.num_params(), "dtype": args.dtype}))
+    return 0

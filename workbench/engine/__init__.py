@@ -1,0 +1,1 @@
+"""The serving engine: sequences, scheduler policies, model runner, sampler, metrics."""

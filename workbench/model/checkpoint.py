@@ -1,0 +1,188 @@
+"""Hugging Face checkpoints: load a local directory into our ``Transformer``; write a random one of a preset.
+
+A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
+``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file). Supported architectures:
+LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM. Our model fuses q/k/v into ``qkv_proj`` and gate/up into
+``gate_up_proj``; the loader concatenates the HF tensors into them (rows in q, k, v and gate, up order).
+
+No weights can be downloaded where this workbench is tested, so ``save_random_checkpoint`` builds a randomly
+initialised model of a preset's architecture *through transformers* and saves it as a real HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from workbench.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from workbench.device import torch_dtype
+from workbench.errors import CheckpointError, ConfigError
+from workbench.model.transformer import Transformer
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _tensor_files(ckpt: Path) -> dict[str, Path]:
+    """Tensor name -> file that holds it."""
+    if (ckpt / INDEX_FILE).exists():
+        try:
+            weight_map = json.loads((ckpt / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{ckpt / INDEX_FILE}: not a valid safetensors index ({exc})") from None
+        files = {name: ckpt / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.exists():
+                raise CheckpointError(f"{ckpt}: shard {shard.name} named in {INDEX_FILE} is missing")
+        return files
+    if (ckpt / SINGLE_FILE).exists():
+        from safetensors import safe_open
+
+        with safe_open(str(ckpt / SINGLE_FILE), framework="pt") as f:
+            return {name: ckpt / SINGLE_FILE for name in f.keys()}  # noqa: SIM118
+    raise CheckpointError(f"{ckpt}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
+
+
+def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor names and shapes for this config."""
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if cfg.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
+    return shapes
+
+
+def load_checkpoint(
+    path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
+) -> Transformer:
+    """Load a local HF checkpoint directory. Errors name the missing file or tensor, or the wrong shape."""
+    ckpt = Path(path)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {ckpt}")
+    if not (ckpt / "config.json").exists():
+        raise CheckpointError(f"{ckpt}: missing config.json")
+    try:
+        cfg = ModelConfig.from_json(ckpt / "config.json", name=ckpt.name)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    files = _tensor_files(ckpt)
+    expected = _expected_hf_tensors(cfg)
+    missing = [n for n in expected if n not in files]
+    if missing:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise CheckpointError(f"{ckpt}: missing tensor(s) {missing[:3]}{more}")
+
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(set(files[n] for n in expected)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in expected:
+                if files[name] == file:
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != expected[name]:
+                        raise CheckpointError(
+                            f"{ckpt}: tensor {name} has shape {tuple(t.shape)}, expected {expected[name]}"
+                        )
+                    tensors[name] = t
+
+    model = Transformer.from_config(cfg, dtype=torch.float32, device="cpu", init_std=0.0)
+    state: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+        "norm.weight": tensors["model.norm.weight"],
+    }
+    if not cfg.tie_word_embeddings:
+        state["lm_head.weight"] = tensors["lm_head.weight"]
+    for layer in range(cfg.num_layers):
+        p, o = f"model.layers.{layer}.", f"layers.{layer}."
+        attn = p + "self_attn."
+        state[o + "input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
+        state[o + "post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        state[o + "self_attn.qkv_proj.weight"] = torch.cat([tensors[attn + f"{x}_proj.weight"] for x in "qkv"])
+        if cfg.attention_bias:
+            state[o + "self_attn.qkv_proj.bias"] = torch.cat([tensors[attn + f"{x}_proj.bias"] for x in "qkv"])
+        state[o + "self_attn.o_proj.weight"] = tensors[attn + "o_proj.weight"]
+        state[o + "mlp.gate_up_proj.weight"] = torch.cat(
+            [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
+        )
+        state[o + "mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for name, value in state.items():
+            params[name].copy_(value.float())
+    return model.to(device=device, dtype=torch_dtype(dtype)).eval()
+
+
+def hf_config_object(cfg: ModelConfig):  # noqa: ANN201  (a transformers PretrainedConfig)
+    """The transformers config object for our ModelConfig."""
+    from transformers import AutoConfig
+
+    hf = cfg.to_hf_config()
+    model_type = hf.pop("model_type")
+    hf.pop("architectures")
+    hf.pop("torch_dtype")
+    config = AutoConfig.for_model(model_type, **hf)
+    config.architectures = [cfg.architecture]
+    return config
+
+
+def save_random_checkpoint(
+    cfg: ModelConfig | str,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str = "fp32",
+    max_shard_size: str = "2GB",
+) -> Path:
+    """Build a randomly initialised HF model of ``cfg``'s architecture with transformers and save it to ``out_dir``."""
+    if isinstance(cfg, str):
+        cfg = ModelConfig.resolve(cfg)
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"unsupported architecture {cfg.architecture}")
+    import transformers
+
+    config = hf_config_object(cfg)
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, cfg.architecture)
+    model = model_cls(config).to(torch_dtype(dtype)).eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    return out
+
+
+def load_model(
+    name_or_path: str | Path,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> Transformer:
+    """A checkpoint directory (real weights) or a preset name / config.json (random weights, seeded)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return load_checkpoint(path, dtype=dtype, device=device)
+    cfg = ModelConfig.resolve(name_or_path)
+    return Transformer.from_config(cfg, dtype=torch_dtype(dtype), device=device, seed=seed)

@@ -1,0 +1,82 @@
+"""The plainest generation loop: one static batch over a contiguous cache, prefill once, then decode step by step.
+
+This is the seed's pseudocode made real (and what gpt-fast does): it has no scheduler, so every sequence waits for
+the longest one. The engine (``workbench.engine``) does the same work with continuous batching, paging and
+chunking; this loop stays as the reference it is compared with.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from workbench.device import synchronize
+from workbench.engine.sampler import Sampler
+from workbench.engine.sequence import SamplingParams
+from workbench.model.transformer import Transformer
+
+
+@dataclass
+class GenerationResult:
+    """One request's output and timings (seconds; TTFT from the start of the batch)."""
+
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_ids": self.prompt_ids,
+            "tokens": self.tokens,
+            "finish_reason": self.finish_reason,
+            "ttft_s": self.ttft_s,
+            "itl_s": self.itl_s,
+        }
+
+
+def generate_static(
+    model: Transformer, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams
+) -> list[GenerationResult]:
+    """Generate for all prompts as one static batch; stops each at EOS (unless ignore_eos) or max_tokens."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    cfg = model.config
+    max_len = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+    max_len = min(max_len, cfg.max_position_embeddings)
+    for p in prompts:
+        model.check_prompt(p, max_len)
+    cache = model.new_cache(len(prompts), max_len)
+    sampler = Sampler()
+    results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
+    eos = [() if sp.ignore_eos else cfg.eos_token_ids for sp in params]
+    active = list(range(len(prompts)))
+    seq_ids = list(range(len(prompts)))
+
+    t0 = time.perf_counter()
+    logits = model.prefill(prompts, cache, active)
+    last_time = [0.0] * len(prompts)
+    while active:
+        tokens = sampler(logits, [params[i] for i in active], [seq_ids[i] for i in active])
+        synchronize(model.device)
+        now = time.perf_counter() - t0
+        still = []
+        for i, tok in zip(active, tokens):
+            r = results[i]
+            r.tokens.append(tok)
+            if len(r.tokens) == 1:
+                r.ttft_s = now
+            else:
+                r.itl_s.append(now - last_time[i])
+            last_time[i] = now
+            if tok in eos[i]:
+                r.finish_reason = "stop"
+            elif len(r.tokens) >= params[i].max_tokens or cache.lengths[i] + 1 > cache.max_len:
+                r.finish_reason = "length"
+            else:
+                still.append(i)
+        active = still
+        if active:
+            logits = model.decode([results[i].tokens[-1] for i in active], cache, active)
+    return results

@@ -1,0 +1,421 @@
+"""Batching policies over ``Sequence`` objects, in plain Python: what runs in the next step.
+
+``Scheduler.schedule()`` returns a ``StepPlan`` (which sequences run, how many new tokens each, which were
+preempted); the model runner turns it into tensors, or the simulator's cost model into a duration;
+``Scheduler.update()`` then appends the sampled tokens and finishes sequences. The same objects serve the
+real engine and the simulator, so every policy exists once.
+
+Policies (``SchedulerConfig.policy``):
+
+- ``static``: request-level batching, as a framework without continuous batching does (HF ``generate``,
+  early FasterTransformer). A batch (up to ``max_num_seqs`` requests, prompts summing to at most
+  ``token_budget`` tokens) is admitted only when nothing is running; its prompts are prefilled in one step,
+  then the whole batch decodes together until its last member finishes. Finished members leave idle slots
+  and nothing new joins until the batch is done. ``StepPlan.num_padding_tokens`` counts the padding a
+  padded batch would carry (prompts padded to the longest) and ``num_idle_slots`` the finished members
+  still occupying the batch; the runner computes neither.
+- ``continuous``: iteration-level scheduling (Orca) as in vLLM v0's default scheduler, which prioritises
+  prefills: each step, if waiting requests can be admitted (FCFS, stopping at the first that does not fit
+  the token budget, ``max_num_seqs`` or the free blocks), the step is made of their whole-prompt prefills
+  only and the running decodes wait ("generation stalls"); otherwise the step decodes every running
+  sequence. A step is all prefills or all decodes.
+- ``prefill-first``: the same policy as ``continuous`` (an alias, kept so experiments can name the
+  priority explicitly).
+- ``decode-first``: mixed batches with decodes prioritised, as vLLM v1 schedules with chunked prefill off:
+  each step first schedules one token for every running sequence, then admits waiting requests as *whole*
+  prompt prefills into the token budget left over (FCFS, stopping at the first that does not fit). Decodes
+  never wait for prefills, but a step that carries a long prompt is long for its decodes too.
+- ``chunked``: Sarathi-Serve's stall-free batching: each step's ``token_budget`` is filled first with every
+  running decode, then with the next chunks of running partial prefills, then with the first chunks of
+  newly admitted requests; each prefill chunk holds at most ``chunk_size`` tokens and the budget left.
+
+Memory (all policies): admission reserves blocks for all of a request's current tokens (vLLM v0 does the
+same), less the blocks found in the prefix cache; a running sequence only needs a new block when its decode
+crosses a block boundary. When that block is not available the most recently arrived running sequence is
+preempted by recomputation (vLLM's default): its blocks are freed, it returns to the front of the waiting
+queue with ``num_computed_tokens = 0`` and keeps its outputs. The oldest running sequence is thus never
+preempted while another runs, and alone it always fits (``add`` rejects a request whose longest possible
+length would not), so every accepted request finishes. Admission keeps ``watermark`` of the pool free while
+something is running (vLLM's 1% watermark against immediate re-preemption); no request is admitted in a
+step that preempted one.
+
+Cost per step is O(running sequences + admitted requests): there is no per-step work over all requests. A
+later fast path for the simulator can advance several pure-decode steps at once when nothing changes (no
+waiting request, no finish, no block boundary): ``decode_steps_without_change`` tells how many.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from workbench.engine.sequence import Sequence, SequenceStatus
+from workbench.errors import ConfigError, RequestError
+from workbench.kv.block_manager import BlockManager
+
+POLICIES = ("static", "continuous", "chunked", "prefill-first", "decode-first")
+
+
+@dataclass
+class SchedulerConfig:
+    """Knobs of the scheduler, validated; errors name the field and the allowed values.
+
+    ``token_budget`` is vLLM's ``max_num_batched_tokens``: new tokens per step over all sequences. ``None``
+    picks a default: ``max(max_model_len, 2048)`` for the whole-prompt policies (a prompt is never split,
+    so the budget must hold the longest), ``2048`` for ``chunked``. ``chunk_size`` only matters for
+    ``chunked`` (``None``: the token budget). ``watermark`` is the fraction of blocks kept free at admission.
+    """
+
+    policy: str = "continuous"
+    max_num_seqs: int = 256
+    token_budget: int | None = None
+    chunk_size: int | None = None
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = False
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        for name in ("max_num_seqs", "max_model_len"):
+            _check_positive_int(name, getattr(self, name))
+        if self.token_budget is None:
+            self.token_budget = 2048 if self.policy == "chunked" else max(self.max_model_len, 2048)
+        _check_positive_int("token_budget", self.token_budget)
+        if self.chunk_size is None:
+            self.chunk_size = self.token_budget
+        _check_positive_int("chunk_size", self.chunk_size)
+        if self.policy != "chunked" and self.token_budget < self.max_model_len:
+            raise ConfigError(
+                f"token_budget ({self.token_budget}) must be >= max_model_len ({self.max_model_len}) "
+                f"for policy {self.policy!r}, which never splits a prompt "
+                "(policy 'chunked' allows a smaller budget)"
+            )
+        if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
+        self.enable_prefix_caching = bool(self.enable_prefix_caching)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_new_tokens`` tokens of ``seq`` computed this step, from position ``start``."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int
+    is_prefill: bool
+    samples: bool  # True when start + num_new_tokens == seq.num_tokens: this chunk yields the next token
+
+
+@dataclass
+class StepPlan:
+    """What one step computes. ``preempted`` sequences lost their blocks in this schedule() call."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_padding_tokens: int = 0  # static policy only: tokens a padded batch would carry in addition
+    num_idle_slots: int = 0  # static policy only: finished members still holding a batch slot
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks if c.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks if not c.is_prefill)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return bool(self.chunks) and all(not c.is_prefill for c in self.chunks)
+
+
+def _arrival_key(seq: Sequence) -> tuple[float, int]:
+    return (seq.arrival_time, seq.seq_id)
+
+
+class Scheduler:
+    """One of the policies of the module docstring over a ``BlockManager``."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.enable_prefix_caching and not block_manager.enable_prefix_caching:
+            raise ConfigError("enable_prefix_caching is set but the BlockManager was built without it")
+        self.config = config
+        self.block_manager = block_manager
+        self.policy = "continuous" if config.policy == "prefill-first" else config.policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # ordered by (arrival_time, seq_id): the last is preempted first
+        self._by_id: dict[int, Sequence] = {}
+        self._rejected: list[Sequence] = []  # reported by the next update()
+        self._static_batch_size = 0
+        self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        # cumulative counters
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_rejected = 0
+        self.num_prefill_tokens = 0  # computed, i.e. not served by the prefix cache
+        self.num_decode_tokens = 0
+
+    # ---- queue state -------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        """True while a request waits or runs, or a rejection is still to be reported by ``update``."""
+        return bool(self.waiting or self.running or self._rejected)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens served from the prefix cache so far (over all admissions)."""
+        return self.block_manager.num_hit_tokens
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def max_len_of(self, seq: Sequence) -> int:
+        """The most tokens (prompt + outputs) ``seq`` can reach: max_tokens, capped by the model's context."""
+        longest = seq.num_prompt_tokens + seq.sampling.max_tokens
+        return min(longest, max(self.config.max_model_len, seq.num_prompt_tokens + 1))
+
+    def check_request(self, seq: Sequence) -> None:
+        """Raise RequestError if ``seq`` can never be served by this scheduler and pool."""
+        if seq.num_prompt_tokens == 0:
+            raise RequestError("empty prompt")
+        if seq.num_prompt_tokens > self.config.max_model_len:
+            raise RequestError(
+                f"prompt of {seq.num_prompt_tokens} tokens is longer than max_model_len ({self.config.max_model_len})"
+            )
+        # the last token is sampled, never computed, so the cache holds at most max_len - 1 positions
+        bm = self.block_manager
+        needed = bm.num_blocks_for(max(self.max_len_of(seq) - 1, seq.num_prompt_tokens))
+        if needed > bm.num_blocks:
+            raise RequestError(
+                f"request needs up to {needed} KV blocks of {bm.block_size} tokens "
+                f"(prompt {seq.num_prompt_tokens} + max_tokens {seq.sampling.max_tokens}) but the whole pool "
+                f"has {bm.num_blocks}"
+            )
+
+    def add(self, seq: Sequence) -> bool:
+        """Queue a request; False if it is rejected (then it is reported finished by the next ``update``)."""
+        if seq.seq_id in self._by_id:
+            raise ValueError(f"sequence id {seq.seq_id} is already in the scheduler")
+        try:
+            self.check_request(seq)
+        except RequestError as exc:
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "rejected"
+            seq.reject_reason = str(exc)
+            seq.finish_time = seq.arrival_time
+            self._rejected.append(seq)
+            self.num_rejected += 1
+            return False
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._by_id[seq.seq_id] = seq
+        return True
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Drop an unfinished request (finish_reason 'abort'), freeing its blocks; None if unknown."""
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return seq
+
+    # ---- scheduling --------------------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> StepPlan:
+        """Plan the next step; ``now`` (s), if given, stamps ``first_scheduled_time`` of admitted requests."""
+        plan = StepPlan()
+        if self.policy == "static":
+            self._schedule_static(plan)
+        elif self.policy == "continuous":
+            budget = self._admit(plan, self.config.token_budget, whole=True)
+            if not plan.chunks:
+                self._schedule_running(plan, budget, decodes_only=False)
+        else:  # decode-first, chunked
+            budget = self._schedule_running(plan, self.config.token_budget, decodes_only=True)
+            if self.policy == "chunked":
+                budget = self._schedule_partial_prefills(plan, budget)
+            if not plan.preempted:
+                self._admit(plan, budget, whole=self.policy != "chunked")
+        if now is not None:
+            for chunk in plan.chunks:
+                if chunk.seq.first_scheduled_time is None:
+                    chunk.seq.first_scheduled_time = now
+        return plan
+
+    def _schedule_static(self, plan: StepPlan) -> None:
+        if not self.running:
+            self._static_batch_size = 0
+            self._admit(plan, self.config.token_budget, whole=True)
+            self._static_batch_size = len(plan.chunks)
+            if plan.chunks:
+                longest = max(c.num_new_tokens for c in plan.chunks)
+                plan.num_padding_tokens = sum(longest - c.num_new_tokens for c in plan.chunks)
+            return
+        self._schedule_running(plan, self.config.token_budget, decodes_only=False)
+        plan.num_idle_slots = max(self._static_batch_size - len(plan.chunks), 0)
+
+    def _preempt_last(self, plan: StepPlan) -> Sequence:
+        victim = self.running.pop()
+        self.block_manager.free(victim)
+        victim.status = SequenceStatus.WAITING
+        victim.num_computed_tokens = 0
+        victim.num_cached_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        plan.preempted.append(victim)
+        return victim
+
+    def _schedule_running(self, plan: StepPlan, budget: int, decodes_only: bool) -> int:
+        """One token for each running decode (oldest first), preempting the newest when out of blocks.
+
+        With ``decodes_only=False`` a running sequence that is still prefilling (only possible after a
+        policy change) gets its whole remainder; returns the budget left.
+        """
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            start = seq.num_computed_tokens
+            remaining = seq.num_tokens - start
+            if remaining > 1 and decodes_only:
+                i += 1
+                continue
+            if remaining > budget:
+                break
+            while not bm.append_slots(seq, start + remaining):
+                victim = self._preempt_last(plan)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # preempted itself: it was the newest, so nothing after it remains
+            plan.chunks.append(ScheduledChunk(seq, remaining, start, remaining > 1, True))
+            budget -= remaining
+            i += 1
+        return budget
+
+    def _schedule_partial_prefills(self, plan: StepPlan, budget: int) -> int:
+        """Next chunks of running sequences still prefilling (their blocks were reserved at admission)."""
+        chunk_size = self.config.chunk_size
+        for seq in self.running:
+            if budget <= 0:
+                break
+            start = seq.num_computed_tokens
+            remaining = seq.num_tokens - start
+            if remaining <= 1:
+                continue
+            n = min(remaining, chunk_size, budget)
+            plan.chunks.append(ScheduledChunk(seq, n, start, True, n == remaining))
+            budget -= n
+        return budget
+
+    def _admit(self, plan: StepPlan, budget: int, whole: bool) -> int:
+        """Admit waiting requests FCFS into ``budget``; stops at the first that does not fit."""
+        bm = self.block_manager
+        chunk_size = self.config.chunk_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            watermark = self._watermark_blocks if self.running else 0
+            remaining = seq.num_tokens - bm.num_cached_prefix_tokens(seq)
+            n = remaining if whole else min(remaining, chunk_size, budget)
+            if n > budget or not bm.allocate(seq, watermark):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival_key)
+            plan.chunks.append(ScheduledChunk(seq, n, seq.num_computed_tokens, True, n == remaining))
+            budget -= n
+        return budget
+
+    # ---- results -----------------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: dict[int, int], now: float) -> list[Sequence]:
+        """Apply a computed step: advance counters, append ``sampled[seq_id]`` for sampling chunks, finish.
+
+        Returns the sequences finished by this step (and requests rejected since the last call).
+        """
+        finished, self._rejected = self._rejected, []
+        bm = self.block_manager
+        max_model_len = self.config.max_model_len
+        self.num_steps += 1
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between schedule() and update()
+            seq.num_computed_tokens += chunk.num_new_tokens
+            if chunk.is_prefill:
+                self.num_prefill_tokens += chunk.num_new_tokens
+            else:
+                self.num_decode_tokens += chunk.num_new_tokens
+            bm.mark_computed(seq)
+            if not chunk.samples:
+                continue
+            try:
+                token = sampled[seq.seq_id]
+            except KeyError:
+                raise ValueError(f"update(): no sampled token for sequence {seq.seq_id}") from None
+            seq.output_token_ids.append(token)
+            seq.token_times.append(now)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if token in seq.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= max_model_len:
+                seq.finish_reason = "length"
+            else:
+                continue
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_time = now
+            bm.free(seq)
+            self.running.remove(seq)
+            del self._by_id[seq.seq_id]
+            finished.append(seq)
+        return finished
+
+    def decode_steps_without_change(self) -> int:
+        """How many next steps would be the same pure-decode step over the same running sequences.
+
+        Zero unless no request waits and every running sequence is decoding; otherwise the number of steps
+        before the first block boundary, ``max_tokens`` or context limit among them (a stop token can still
+        end a sequence earlier; a simulator that ignores EOS can advance this many steps at once). The last
+        of these steps may finish sequences; the step after it may need a block or admit a request.
+        """
+        if (self.waiting and self.policy != "static") or not self.running or self._rejected:
+            return 0
+        bs = self.block_manager.block_size
+        steps = None
+        for seq in self.running:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                return 0
+            room = len(seq.block_table) * bs - seq.num_computed_tokens  # positions before a new block
+            left = min(seq.sampling.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
+            s = min(room, left)
+            steps = s if steps is None else min(steps, s)
+        return max(steps or 0, 0)

@@ -148,7 +148,7 @@ def test_random_operations_keep_the_books(
             seq = list(live.values())[idx % len(live)]
             if kind == "compute":
                 # write the next `amount` positions (the only writes a runner does), then append a token
-                end = min(seq.num_computed_tokens + amount, len(seq.block_table) * block_size)
+                end = min(seq.num_computed_tokens + amount, len(seq.block_table) * block_size, seq.num_tokens)
                 for p in range(seq.num_computed_tokens, end):
                     block = bm.blocks[seq.block_table[p // block_size]]
                     assert block.ref_count == 1, "write into a shared block"

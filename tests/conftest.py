@@ -6,3 +6,23 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("MPLBACKEND", "agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+TINY_PRESETS = ("tiny-mha", "tiny-gqa", "tiny-mqa", "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A function preset -> directory of a random HF checkpoint written by transformers (made once per session)."""
+    from workbench.model.checkpoint import save_random_checkpoint
+
+    made: dict[str, object] = {}
+
+    def make(preset: str, seed: int = 0):
+        key = f"{preset}-{seed}"
+        if key not in made:
+            made[key] = save_random_checkpoint(preset, tmp_path_factory.mktemp(key), seed=seed)
+        return made[key]
+
+    return make

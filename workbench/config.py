@@ -102,8 +102,7 @@ class ModelConfig:
                 raise ConfigError(f"{self.name}: {fname} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ConfigError(
-                f"{self.name}: num_heads ({self.num_heads}) must be divisible by num_kv_heads "
-                f"({self.num_kv_heads})"
+                f"{self.name}: num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2 != 0:
             raise ConfigError(f"{self.name}: head_dim must be even for rotary embeddings, got {self.head_dim}")
@@ -114,7 +113,12 @@ class ModelConfig:
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind == "llama3":
-                for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                for key in (
+                    "factor",
+                    "low_freq_factor",
+                    "high_freq_factor",
+                    "original_max_position_embeddings",
+                ):
                     if key not in self.rope_scaling:
                         raise ConfigError(f"{self.name}: rope_scaling of type llama3 needs {key!r}")
             elif kind not in (None, "default"):
@@ -191,7 +195,13 @@ class ModelConfig:
             )
         missing = [
             k
-            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
             if k not in hf
         ]
         if missing:

@@ -1,0 +1,131 @@
+"""Hardware table and measured ceilings."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import workbench.hardware as hardware
+from workbench.cli import main
+from workbench.errors import ConfigError
+from workbench.hardware import HardwareSpec, get_hardware, hardware_names, load_table, measure_cpu, measured_spec
+
+NAMES = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "l4", "l40s", "mi300x", "b200")
+# tiny sizes: enough to exercise every code path in well under a second
+TINY = {"matmul_n": 64, "bandwidth_bytes": 1 << 20, "repeats": 2, "warmup": 1}
+
+
+def test_table_has_every_named_part_with_a_source() -> None:
+    assert hardware_names() == [*NAMES, "measured"]
+    for name in NAMES:
+        spec = get_hardware(name)
+        assert spec.source.startswith(("NVIDIA", "AMD"))  # a vendor document
+        assert {"fp32", "bf16", "fp16"} <= set(spec.peak_flops)
+        assert spec.mem_bandwidth > 1e11 and spec.mem_capacity > 16 * 2**30
+
+
+def test_balance_points_of_h100_and_h200() -> None:
+    # H100 SXM: 989.5 TFLOP/s dense bf16 (1,979 with sparsity / 2) over 3.35 TB/s
+    h100 = get_hardware("h100-sxm")
+    assert h100.peak("bf16") == 989.5e12
+    assert h100.balance_point("bf16") == pytest.approx(295, abs=1)
+    # H200: same compute, 4.8 TB/s
+    assert get_hardware("h200").balance_point("bf16") == pytest.approx(206, abs=1)
+    # A100 80GB: 312 / 2.039
+    assert get_hardware("a100-80gb").balance_point("fp16") == pytest.approx(153, abs=1)
+
+
+def test_dense_not_sparse_peaks() -> None:
+    # datasheets print "with sparsity" figures twice the dense ones; dense ones are recorded
+    assert get_hardware("a100-40gb").peak("bf16") == 312e12
+    assert get_hardware("l4").peak("fp8") == 242.5e12
+    assert get_hardware("b200").peak("bf16") == 2250e12
+    assert get_hardware("mi300x").peak("bf16") == 1307.4e12
+
+
+def test_peak_fallbacks_and_names() -> None:
+    a100 = get_hardware("A100_40GB")
+    assert a100.name == "a100-40gb"
+    assert a100.peak("fp8") == a100.peak("bf16")  # no fp8 tensor cores: runs at bf16
+    assert a100.peak("float16") == 312e12
+    assert a100.vector_flops == 19.5e12
+    assert get_hardware(a100) is a100
+
+
+def test_unknown_hardware_lists_the_known_names() -> None:
+    with pytest.raises(ConfigError) as exc:
+        get_hardware("h300")
+    for name in (*NAMES, "measured"):
+        assert name in str(exc.value)
+
+
+def test_spec_validation_and_round_trip() -> None:
+    with pytest.raises(ConfigError, match="mem_bandwidth"):
+        HardwareSpec(name="x", peak_flops={"fp32": 1.0}, mem_bandwidth=-1, mem_capacity=1, source="s")
+    with pytest.raises(ConfigError, match="fp32"):
+        HardwareSpec(name="x", peak_flops={"bf16": 1.0}, mem_bandwidth=1, mem_capacity=1, source="s")
+    with pytest.raises(ConfigError, match="fp7"):
+        HardwareSpec(name="x", peak_flops={"fp32": 1.0, "fp7": 2.0}, mem_bandwidth=1, mem_capacity=1, source="s")
+    spec = get_hardware("h200")
+    assert HardwareSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_table_loader_errors_name_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "hw.yaml"
+    bad.write_text("x1:\n  peak_tflops: {fp32: 1}\n  mem_bandwidth_tbs: 1\n")
+    with pytest.raises(ConfigError, match=r"hw.yaml: x1: missing key"):
+        load_table(bad)
+    bad.write_text("x1: [1, 2\n")
+    with pytest.raises(ConfigError, match="hw.yaml"):
+        load_table(bad)
+    bad.write_text("x1:\n  peak_tflops: {fp32: fast}\n  mem_bandwidth_tbs: 1\n  mem_capacity_gb: 1\n  source: s\n")
+    with pytest.raises(ConfigError, match="x1"):
+        load_table(bad)
+
+
+def test_measured_cpu_spec_is_sane_with_a_tiny_measurement() -> None:
+    spec = measure_cpu(**TINY)
+    for value in (*spec.peak_flops.values(), spec.mem_bandwidth, spec.mem_capacity, spec.details["copy_bandwidth"]):
+        assert math.isfinite(value) and value > 0
+    assert spec.name == "measured" and "fp32" in spec.peak_flops
+    assert spec.details["bandwidth_bytes"] == 1 << 20
+    assert spec.balance_point("fp32") > 0
+
+
+def test_measured_spec_caches_in_memory_and_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hardware, "_MEASURED", {})
+    calls = []
+
+    def tiny_measure() -> HardwareSpec:
+        calls.append(1)
+        return measure_cpu(**TINY)
+
+    monkeypatch.setattr(hardware, "measure_cpu", tiny_measure)
+    first = measured_spec("cpu", cache_dir=tmp_path)
+    assert measured_spec("cpu", cache_dir=tmp_path) is first  # the session cache
+    assert get_hardware("measured") is first
+    files = list(tmp_path.glob("hardware-cpu-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["name"] == "measured"
+    monkeypatch.setattr(hardware, "_MEASURED", {})
+    assert measured_spec("cpu", cache_dir=tmp_path) == first  # read back from the file, not measured
+    assert len(calls) == 1
+    measured_spec("cpu", cache_dir=tmp_path, refresh=True)
+    assert len(calls) == 2
+    with pytest.raises(ConfigError, match="device"):
+        measured_spec("tpu")
+
+
+def test_hardware_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert main(["hardware"]) == 0
+    out = capsys.readouterr().out
+    assert "h100-sxm" in out and "295.4" in out
+    assert main(["hardware", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == set(NAMES)
+    tiny = measure_cpu(**TINY)
+    monkeypatch.setattr(hardware, "measured_spec", lambda device, refresh=False: tiny)
+    assert main(["hardware", "--measure", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured"]["details"]["matmul_n"] == 64

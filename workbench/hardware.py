@@ -1,0 +1,462 @@
+"""Hardware specs for the roofline model: a table of accelerators and the measured ceilings of this machine.
+
+A ``HardwareSpec`` is what the roofline model needs of a machine: dense peak FLOP/s per dtype, memory
+bandwidth and capacity, and where each figure came from. Two sources:
+
+- the table in ``data/hardware/accelerators.yaml`` (vendor datasheets, dense peaks, one ``source`` per row),
+  looked up by the names the command line accepts (``a100-40gb``, ``h100-sxm``, ``h200``, ...);
+- ``measured``: this machine, measured. On a CPU: torch matmul peak in fp32 (and bf16 when it runs), memory
+  read bandwidth (a sum over a tensor far larger than the caches) and copy bandwidth; on CUDA: bf16/fp32
+  matmul and device copy bandwidth with synchronisation. Each figure is the median of timed repetitions
+  after a warm-up. The result is cached in memory for the session and, optionally, in a JSON file under
+  ``~/.cache/llm-workbench`` keyed by the CPU model or device name, the torch version and the thread count.
+
+This module imports torch only inside the measuring functions, so the table and the roofline model load
+without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.config import DATA_DIR, canonical_dtype
+from workbench.errors import ConfigError
+
+HARDWARE_FILE = DATA_DIR / "hardware" / "accelerators.yaml"
+MEASURED = "measured"
+CACHE_DIR = Path(os.environ.get("LLM_WORKBENCH_CACHE", Path.home() / ".cache" / "llm-workbench"))
+GIB = 1 << 30
+
+# when a spec has no figure for a dtype, the first of these that it has is used instead
+PEAK_FALLBACKS: dict[str, tuple[str, ...]] = {
+    "fp32": ("fp32",),
+    "tf32": ("tf32", "fp32"),
+    "bf16": ("bf16", "fp16", "fp32"),
+    "fp16": ("fp16", "bf16", "fp32"),
+    "fp8": ("fp8", "bf16", "fp16", "fp32"),
+    "int8": ("int8", "fp8", "bf16", "fp16", "fp32"),
+}
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """The ceilings of one machine, in SI units (FLOP/s, bytes/s, bytes).
+
+    ``peak_flops`` maps a dtype ('fp32', 'tf32', 'bf16', 'fp16', 'fp8', 'int8') to the dense matmul peak;
+    'fp32' doubles as the vector (non-matmul) peak used for norms, softmax and elementwise ops.
+    ``mem_bandwidth`` is the bandwidth the roofline's memory ceiling uses (datasheet peak, or the measured
+    read bandwidth). ``details`` carries extra measured figures (copy bandwidth, sizes, device).
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    mem_bandwidth: float
+    mem_capacity: float
+    source: str
+    display_name: str = ""
+    notes: str = ""
+    details: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops:
+            raise ConfigError(f"hardware {self.name!r}: peak_flops is empty")
+        if "fp32" not in self.peak_flops:
+            raise ConfigError(f"hardware {self.name!r}: peak_flops needs an 'fp32' entry (the vector peak)")
+        for dtype, value in self.peak_flops.items():
+            if dtype not in PEAK_FALLBACKS:
+                raise ConfigError(
+                    f"hardware {self.name!r}: unknown dtype {dtype!r} in peak_flops; "
+                    f"expected one of {sorted(PEAK_FALLBACKS)}"
+                )
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"hardware {self.name!r}: peak_flops[{dtype!r}] must be > 0, got {value!r}")
+        for fname in ("mem_bandwidth", "mem_capacity"):
+            value = getattr(self, fname)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"hardware {self.name!r}: {fname} must be a positive number, got {value!r}")
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense matmul peak FLOP/s for ``dtype``, falling back (fp16 <-> bf16, then fp32) when absent."""
+        key = "tf32" if str(dtype).lower() == "tf32" else canonical_dtype(dtype)
+        for candidate in PEAK_FALLBACKS[key]:
+            if candidate in self.peak_flops:
+                return float(self.peak_flops[candidate])
+        return float(self.peak_flops["fp32"])
+
+    @property
+    def vector_flops(self) -> float:
+        """Peak FLOP/s of non-matmul work (norms, softmax, elementwise): the fp32 figure."""
+        return float(self.peak_flops["fp32"])
+
+    def balance_point(self, dtype: str = "bf16") -> float:
+        """Arithmetic intensity (FLOP/byte) where the compute and memory ceilings meet: peak / bandwidth."""
+        return self.peak(dtype) / self.mem_bandwidth
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready description, in SI units plus the usual TFLOP/s, TB/s and GiB for reading."""
+        return {
+            "name": self.name,
+            "display_name": self.display_name or self.name,
+            "peak_flops": {k: float(v) for k, v in self.peak_flops.items()},
+            "peak_tflops": {k: round(v / 1e12, 4) for k, v in self.peak_flops.items()},
+            "mem_bandwidth": float(self.mem_bandwidth),
+            "mem_bandwidth_tbs": round(self.mem_bandwidth / 1e12, 5),
+            "mem_capacity": float(self.mem_capacity),
+            "mem_capacity_gib": round(self.mem_capacity / GIB, 2),
+            "balance_point_bf16": round(self.balance_point("bf16"), 2),
+            "source": self.source,
+            "notes": self.notes,
+            "details": dict(self.details),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareSpec:
+        """Inverse of ``to_dict`` (extra keys ignored)."""
+        try:
+            return cls(
+                name=data["name"],
+                peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
+                mem_bandwidth=float(data["mem_bandwidth"]),
+                mem_capacity=float(data["mem_capacity"]),
+                source=data["source"],
+                display_name=data.get("display_name", ""),
+                notes=data.get("notes", ""),
+                details=dict(data.get("details", {})),
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"hardware spec dict is missing or has a malformed field: {exc}") from None
+
+
+# ---- the table -------------------------------------------------------------------------------------------
+_TABLE: dict[str, HardwareSpec] | None = None
+
+
+def load_table(path: str | Path = HARDWARE_FILE) -> dict[str, HardwareSpec]:
+    """Read the accelerator table (YAML) into specs keyed by command-line name."""
+    import yaml
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"hardware table not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of hardware names to specs")
+    table = {}
+    for name, row in raw.items():
+        where = f"{path}: {name}"
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected a mapping")
+        missing = [k for k in ("peak_tflops", "mem_bandwidth_tbs", "mem_capacity_gb", "source") if k not in row]
+        if missing:
+            raise ConfigError(f"{where}: missing key(s) {missing}")
+        if not isinstance(row["peak_tflops"], dict):
+            raise ConfigError(f"{where}: peak_tflops must be a mapping of dtype to TFLOP/s")
+        try:
+            spec = HardwareSpec(
+                name=str(name),
+                peak_flops={str(k): float(v) * 1e12 for k, v in row["peak_tflops"].items()},
+                mem_bandwidth=float(row["mem_bandwidth_tbs"]) * 1e12,
+                mem_capacity=float(row["mem_capacity_gb"]) * GIB,
+                source=str(row["source"]),
+                display_name=str(row.get("display_name", name)),
+                notes=str(row.get("notes", "")),
+            )
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise ConfigError(f"{path}: {exc}") from None
+            raise ConfigError(f"{where}: non-numeric figure ({exc})") from None
+        table[spec.name] = spec
+    return table
+
+
+def hardware_names() -> list[str]:
+    """Names accepted by ``get_hardware``: the table's, then 'measured'."""
+    return [*_table(), MEASURED]
+
+
+def _table() -> dict[str, HardwareSpec]:
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = load_table()
+    return _TABLE
+
+
+def get_hardware(name: str | HardwareSpec, device: str = "cpu") -> HardwareSpec:
+    """A spec by name (case-insensitive; '_' and '-' equivalent), 'measured' for this machine, or a spec as is.
+
+    'measured' and 'measured-cpu' measure the CPU; 'measured-cuda' measures the current CUDA device; plain
+    'measured' uses ``device``.
+    """
+    if isinstance(name, HardwareSpec):
+        return name
+    key = str(name).strip().lower().replace("_", "-")
+    if key == MEASURED:
+        return measured_spec(device)
+    if key.startswith(MEASURED + "-"):
+        return measured_spec(key.removeprefix(MEASURED + "-"))
+    table = _table()
+    if key not in table:
+        raise ConfigError(f"unknown hardware {name!r}; known: {', '.join(hardware_names())}")
+    return table[key]
+
+
+# ---- measured ceilings -------------------------------------------------------------------------------------
+_MEASURED: dict[str, HardwareSpec] = {}
+
+
+def _median_time(fn: Callable[[], Any], repeats: int, warmup: int, sync: Callable[[], None]) -> float:
+    """Median wall time of ``fn`` over ``repeats`` calls after ``warmup`` calls, synchronising around each."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_model_name() -> str:
+    """The CPU model string (from /proc/cpuinfo on Linux), or platform.processor() elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def _physical_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return float(GIB)
+
+
+def measure_cpu(
+    matmul_n: int = 1024,
+    bandwidth_bytes: int = 256 * 1024 * 1024,
+    repeats: int = 5,
+    warmup: int = 1,
+    dtypes: tuple[str, ...] = ("fp32", "bf16"),
+) -> HardwareSpec:
+    """Measure this CPU's matmul peak per dtype and its memory read and copy bandwidth with torch.
+
+    Matmul: (n, n) @ (n, n), 2 n^3 FLOPs. Read bandwidth: ``x.sum()`` over an fp32 tensor of
+    ``bandwidth_bytes`` bytes (one read). Copy bandwidth: ``y.copy_(x)``, counted as 2 x bytes (read + write).
+    The default 256 MiB is far beyond a core's share of the caches; on this class of VM the measured read
+    bandwidth no longer changes between 256 MiB and 1 GiB. A dtype whose matmul fails is left out.
+    """
+    import torch
+
+    sync = lambda: None  # CPU ops are synchronous
+    peak: dict[str, float] = {}
+    matmul_detail: dict[str, float] = {}
+    for dtype in dtypes:
+        tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[canonical_dtype(dtype)]
+        try:
+            gen = torch.Generator().manual_seed(0)
+            a = torch.randn(matmul_n, matmul_n, generator=gen).to(tdtype)  # (n, n)
+            b = torch.randn(matmul_n, matmul_n, generator=gen).to(tdtype)  # (n, n)
+            t = _median_time(lambda a=a, b=b: torch.mm(a, b), repeats, warmup, sync)
+        except RuntimeError:
+            continue
+        peak[canonical_dtype(dtype)] = 2.0 * matmul_n**3 / t
+        matmul_detail[canonical_dtype(dtype)] = t
+    if "fp32" not in peak:
+        raise ConfigError("could not measure an fp32 matmul on this CPU")
+    numel = max(1, bandwidth_bytes // 4)
+    x = torch.ones(numel, dtype=torch.float32)  # (numel,)
+    y = torch.empty_like(x)  # (numel,)
+    nbytes = numel * 4
+    t_read = _median_time(lambda x=x: x.sum(), repeats, warmup, sync)
+    t_copy = _median_time(lambda x=x, y=y: y.copy_(x), repeats, warmup, sync)
+    del x, y
+    read_bw = nbytes / t_read
+    copy_bw = 2 * nbytes / t_copy
+    cpu = cpu_model_name()
+    return HardwareSpec(
+        name=MEASURED,
+        peak_flops=peak,
+        mem_bandwidth=read_bw,
+        mem_capacity=_physical_memory_bytes(),
+        source=f"measured on this machine ({cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads)",
+        display_name=f"measured CPU: {cpu}",
+        notes="mem_bandwidth is the read bandwidth of a large-tensor sum; copy bandwidth in details",
+        details={
+            "device": "cpu",
+            "device_name": cpu,
+            "torch_version": torch.__version__,
+            "num_threads": torch.get_num_threads(),
+            "matmul_n": matmul_n,
+            "matmul_median_s": matmul_detail,
+            "bandwidth_bytes": nbytes,
+            "read_bandwidth": read_bw,
+            "copy_bandwidth": copy_bw,
+            "repeats": repeats,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+    )
+
+
+def measure_cuda(
+    matmul_n: int = 8192,
+    bandwidth_bytes: int = 1024 * 1024 * 1024,
+    repeats: int = 10,
+    warmup: int = 3,
+    device: str = "cuda",
+) -> HardwareSpec:
+    """Measure the CUDA device's bf16 (and fp32) matmul peak and its device-to-device copy bandwidth.
+
+    Timed with CUDA events around each call, after warm-up; medians. Copy counts read + write (2 x bytes).
+    The device's copy bandwidth is the memory ceiling (a copy is the simplest kernel that streams memory).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("measure_cuda: no CUDA device is available")
+    dev = torch.device(device)
+
+    def cuda_median(fn: Callable[[], Any]) -> float:
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize(dev)
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(dev)
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    peak: dict[str, float] = {}
+    matmul_detail: dict[str, float] = {}
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32, not tf32
+    try:
+        for dtype, tdtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            a = torch.randn(matmul_n, matmul_n, device=dev, dtype=tdtype)  # (n, n)
+            b = torch.randn(matmul_n, matmul_n, device=dev, dtype=tdtype)  # (n, n)
+            t = cuda_median(lambda a=a, b=b: torch.mm(a, b))
+            peak[dtype] = 2.0 * matmul_n**3 / t
+            matmul_detail[dtype] = t
+            del a, b
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    numel = max(1, bandwidth_bytes // 2)
+    x = torch.ones(numel, device=dev, dtype=torch.bfloat16)  # (numel,)
+    y = torch.empty_like(x)  # (numel,)
+    nbytes = numel * 2
+    t_copy = cuda_median(lambda x=x, y=y: y.copy_(x))
+    t_read = cuda_median(lambda x=x: x.sum())
+    del x, y
+    props = torch.cuda.get_device_properties(dev)
+    copy_bw = 2 * nbytes / t_copy
+    return HardwareSpec(
+        name=MEASURED,
+        peak_flops=peak,
+        mem_bandwidth=copy_bw,
+        mem_capacity=float(props.total_memory),
+        source=f"measured on this machine ({props.name}, torch {torch.__version__})",
+        display_name=f"measured CUDA: {props.name}",
+        notes="mem_bandwidth is the device copy bandwidth (read + write); read bandwidth of a sum in details",
+        details={
+            "device": "cuda",
+            "device_name": props.name,
+            "torch_version": torch.__version__,
+            "matmul_n": matmul_n,
+            "matmul_median_s": matmul_detail,
+            "bandwidth_bytes": nbytes,
+            "read_bandwidth": nbytes / t_read,
+            "copy_bandwidth": copy_bw,
+            "repeats": repeats,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+    )
+
+
+def _machine_key(device: str) -> str:
+    """Cache key: device kind, CPU model or GPU name, torch version, thread count."""
+    import torch
+
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+    else:
+        name = f"{cpu_model_name()}-{torch.get_num_threads()}t"
+    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{device}-{name}-torch{torch.__version__}").strip("-").lower()
+
+
+def measured_spec(
+    device: str = "cpu",
+    *,
+    refresh: bool = False,
+    cache_dir: str | Path | None = CACHE_DIR,
+    **measure_kwargs: Any,
+) -> HardwareSpec:
+    """This machine's measured ceilings as a ``HardwareSpec`` named 'measured' (``device``: cpu, cuda, auto).
+
+    Measured once per session and device (later calls return the same object); with ``cache_dir`` (the
+    default ``~/.cache/llm-workbench``, or ``$LLM_WORKBENCH_CACHE``) a JSON file per machine is read before
+    measuring and written after. ``refresh=True`` measures again. ``measure_kwargs`` go to ``measure_cpu``
+    or ``measure_cuda`` (sizes, repetitions); a call with them neither reads nor writes the file cache.
+    """
+    device = str(device).lower()
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"measured_spec: device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+    custom = bool(measure_kwargs)
+    if not refresh and not custom and device in _MEASURED:
+        return _MEASURED[device]
+    cache_file = Path(cache_dir) / f"hardware-{_machine_key(device)}.json" if cache_dir is not None else None
+    if cache_file is not None and not refresh and not custom and cache_file.exists():
+        try:
+            spec = HardwareSpec.from_dict(json.loads(cache_file.read_text()))
+            _MEASURED[device] = spec
+            return spec
+        except (json.JSONDecodeError, ConfigError, OSError):
+            pass  # a corrupt cache is measured over
+    spec = measure_cuda(**measure_kwargs) if device == "cuda" else measure_cpu(**measure_kwargs)
+    if not custom:
+        _MEASURED[device] = spec
+        if cache_file is not None:
+            try:
+                cache_file.parent.mkdir(parents=True, exist_ok=True)
+                cache_file.write_text(json.dumps(spec.to_dict(), indent=2))
+            except OSError:
+                pass  # the cache is optional
+    return spec
+
+
+__all__ = [
+    "HardwareSpec",
+    "HARDWARE_FILE",
+    "MEASURED",
+    "load_table",
+    "hardware_names",
+    "get_hardware",
+    "measure_cpu",
+    "measure_cuda",
+    "measured_spec",
+    "cpu_model_name",
+]

@@ -17,6 +17,8 @@ from workbench.errors import WorkbenchError
 COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("workbench.commands.checkpoint", "write a randomly initialised HF checkpoint of a preset"),
     "generate": ("workbench.commands.generate", "generate tokens for prompts of token ids"),
+    "roofline": ("workbench.commands.roofline", "per-operation roofline of prefill and decode on a hardware"),
+    "hardware": ("workbench.commands.hardware", "accelerator table and this machine's measured ceilings"),
 }
 
 

@@ -1,0 +1,187 @@
+"""Notebook parameters: read a notebook's ``parameters`` cell, parse ``--param`` values, validate names.
+
+Only names (and, where the default is a plain literal, JSON types) are checked, so that a typo such as
+``--param num_promts=8`` stops the run before anything executes, with the list of valid names.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import ConfigError
+
+PARAMETERS_TAG = "parameters"
+OUTPUT_DIR_PARAM = "output_dir"
+_NO_DEFAULT = object()
+
+
+@dataclass(frozen=True)
+class NotebookParameter:
+    """One assignment of a notebook's ``parameters`` cell."""
+
+    name: str
+    default: Any  # the literal value, or None when the default is not a literal (see ``has_literal_default``)
+    has_literal_default: bool
+    annotation: str | None = None
+
+
+def _cell_source(cell: Mapping[str, Any]) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else str(source)
+
+
+def read_notebook_json(path: str | Path) -> dict[str, Any]:
+    """Load an .ipynb file as plain JSON, with a ConfigError naming the file when it is not one."""
+    nb_path = Path(path)
+    try:
+        nb = json.loads(nb_path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"notebook {nb_path} does not exist") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"notebook {nb_path} is not readable JSON: {exc}") from exc
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise ConfigError(f"notebook {nb_path} has no 'cells' list; is it an .ipynb file?")
+    return nb
+
+
+def notebook_parameters(path: str | Path) -> dict[str, NotebookParameter] | None:
+    """The parameters declared in the cell tagged ``parameters`` of the notebook at ``path``.
+
+    Returns None when no cell carries the tag. Each top-level assignment (``x = 1`` or ``x: int = 1``) is a
+    parameter; a value that is not a Python literal (``device = torch.device("cpu")``) is kept as a name
+    without a checkable type.
+    """
+    nb_path = Path(path)
+    nb = read_notebook_json(nb_path)
+    for index, cell in enumerate(nb["cells"]):
+        tags = cell.get("metadata", {}).get("tags", [])
+        if cell.get("cell_type") != "code" or PARAMETERS_TAG not in tags:
+            continue
+        source = _cell_source(cell)
+        try:
+            tree = ast.parse(source)
+        except SyntaxError as exc:
+            raise ConfigError(
+                f"notebook {nb_path}: the parameters cell (cell {index}) is not valid Python: line {exc.lineno}: "
+                f"{exc.msg}"
+            ) from exc
+        found: dict[str, NotebookParameter] = {}
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                targets, value, annotation = node.targets, node.value, None
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value, annotation = [node.target], node.value, ast.unparse(node.annotation)
+            else:
+                continue
+            try:
+                default, literal = ast.literal_eval(value), True
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                default, literal = None, False
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    found[target.id] = NotebookParameter(target.id, default, literal, annotation)
+        return found
+    return None
+
+
+def parse_param(text: str) -> tuple[str, Any]:
+    """Parse one ``KEY=VALUE`` of ``--param``: VALUE as JSON, or as a plain string when it is not JSON."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--param {text!r}: expected KEY=VALUE (VALUE in JSON, e.g. n=8, dtype=bf16, xs=[1,2])")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+        raise ConfigError(f"--param {text!r}: {raw} is not a finite number")
+    return key, value
+
+
+def parse_params(items: Iterable[str] | None) -> dict[str, Any]:
+    """Parse every ``KEY=VALUE`` (later ones win). KEY may be ``experiment.name`` to target one experiment."""
+    result: dict[str, Any] = {}
+    for text in items or ():
+        key, value = parse_param(text)
+        result[key] = value
+    return result
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, (list, tuple)):
+        return "list"
+    if isinstance(value, dict):
+        return "dict"
+    return type(value).__name__
+
+
+def _type_ok(default_kind: str, value_kind: str) -> bool:
+    if default_kind in ("null", value_kind):
+        return True
+    return default_kind == "float" and value_kind == "int"
+
+
+def validate_params(params: Mapping[str, Any], declared: Mapping[str, NotebookParameter] | None, *, where: str) -> None:
+    """Raise ConfigError unless every name in ``params`` is declared (and JSON-type compatible with a literal
+    default). ``where`` names the experiment and notebook in the message."""
+    if not params:
+        return
+    if declared is None:
+        raise ConfigError(
+            f"{where}: the notebook has no cell tagged '{PARAMETERS_TAG}', so it takes no parameters; "
+            f"got {', '.join(sorted(params))}"
+        )
+    valid = sorted(declared)
+    for name, value in params.items():
+        if name not in declared:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{where}: unknown parameter {name!r}{hint}; the notebook's parameters cell declares: "
+                f"{', '.join(valid) or '(nothing)'}"
+            )
+        param = declared[name]
+        if param.has_literal_default:
+            default_kind, value_kind = _json_kind(param.default), _json_kind(value)
+            if not _type_ok(default_kind, value_kind):
+                raise ConfigError(
+                    f"{where}: parameter {name!r} = {value!r} is a {value_kind}, but its default "
+                    f"{param.default!r} is a {default_kind}"
+                )
+
+
+def split_overrides(
+    overrides: Mapping[str, Any], experiment_names: Sequence[str]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Split ``--param`` values into global ones and ``experiment.name`` scoped ones."""
+    global_params: dict[str, Any] = {}
+    scoped: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        prefix, dot, rest = key.partition(".")
+        if dot and prefix in experiment_names and rest:
+            scoped.setdefault(prefix, {})[rest] = value
+        elif dot:
+            raise ConfigError(
+                f"--param {key}: {prefix!r} is not a selected experiment; "
+                f"experiments: {', '.join(experiment_names) or '(none)'}"
+            )
+        else:
+            global_params[key] = value
+    return global_params, scoped

@@ -1,0 +1,450 @@
+"""Run the pipeline: plan (validate everything), then execute each notebook with papermill into a report.
+
+Order of work, so that a mistake costs nothing and an interruption misleads no one:
+
+1. ``plan_run`` resolves the profile, the selected experiments, their parameters (spec, then ``--param``) and
+   checks every name against the notebook's ``parameters`` cell, and resolves the kernel. A ConfigError here
+   means nothing ran and nothing was written.
+2. ``run_pipeline`` creates ``<out>/<run-id>/`` and writes ``manifest.json`` with ``complete: false`` and
+   ``environment.json``; then runs each experiment in its own folder, rewriting the manifest (atomically)
+   after each; a failed notebook is recorded and the next one runs. Only the last write sets
+   ``complete: true``. An interrupted run keeps ``complete: false`` (and ``interrupted: true``).
+3. After the run (finished or interrupted), the run's ``index.html`` and ``<out>/index.html`` are rebuilt.
+
+papermill and nbformat are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import ConfigError
+from workbench.pipeline.atomic import atomic_write_json, atomic_write_text
+from workbench.pipeline.environment import capture_environment, git_state
+from workbench.pipeline.export import (
+    NOINPUT_SUFFIX,
+    export_html,
+    extract_figures,
+    list_figures,
+    source_cell_index,
+)
+from workbench.pipeline.index import ENVIRONMENT, MANIFEST, write_reports_index, write_run_index
+from workbench.pipeline.params import (
+    OUTPUT_DIR_PARAM,
+    notebook_parameters,
+    split_overrides,
+    validate_params,
+)
+from workbench.pipeline.spec import DEFAULT_KERNEL, Experiment, PipelineSpec, choose_profile
+from workbench.record import METRICS_FILE, OUTPUT_DIR_ENV, to_json_value
+
+MANIFEST_SCHEMA = 1
+FALLBACK_KERNEL = "python3"
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@dataclass
+class PlannedExperiment:
+    """An experiment with everything decided: its parameters, and whether (and why not) it runs."""
+
+    experiment: Experiment
+    params: dict[str, Any]  # passed to papermill (spec + command line), without output_dir
+    effective_params: dict[str, Any]  # the notebook's literal defaults overlaid with ``params``
+    inject_output_dir: bool
+    skip_reason: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The experiment's name."""
+        return self.experiment.name
+
+
+@dataclass
+class RunPlan:
+    """What ``run_pipeline`` will do; built, and fully validated, before anything runs."""
+
+    spec: PipelineSpec
+    profile: str
+    kernel: str
+    experiments: list[PlannedExperiment]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    kernel_note: str | None = None
+
+
+@dataclass
+class RunResult:
+    """A finished run: where it is, its manifest, and the exit code (1 when any experiment failed)."""
+
+    run_dir: Path
+    manifest: dict[str, Any]
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the experiments that failed."""
+        return [e["name"] for e in self.manifest["experiments"] if e["status"] == "failed"]
+
+    @property
+    def exit_code(self) -> int:
+        """0 when nothing failed, else 1."""
+        return 1 if self.failed else 0
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_run_id(now: datetime | None = None, short_commit: str | None = None) -> str:
+    """A sortable run id: UTC time to the second, then the short git commit (``nogit`` outside a repo)."""
+    stamp = (now or _utcnow()).astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{short_commit or 'nogit'}"
+
+
+def installed_kernels() -> set[str]:
+    """Names of the Jupyter kernels this Python environment can start."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return set(KernelSpecManager().find_kernel_specs())
+
+
+def resolve_kernel(requested: str, available: set[str] | None = None) -> tuple[str, str | None]:
+    """The kernel to run with, and a note when it is a fallback.
+
+    The default ``workbench`` kernel falls back to ``python3`` when it is not installed (``make venv``
+    installs it); any other name must be installed.
+    """
+    kernels = installed_kernels() if available is None else available
+    if requested in kernels:
+        return requested, None
+    if requested == DEFAULT_KERNEL and FALLBACK_KERNEL in kernels:
+        return FALLBACK_KERNEL, (
+            f"kernel {DEFAULT_KERNEL!r} is not installed (make venv installs it); used {FALLBACK_KERNEL!r}"
+        )
+    raise ConfigError(
+        f"Jupyter kernel {requested!r} is not installed; installed kernels: {', '.join(sorted(kernels)) or '(none)'}"
+    )
+
+
+def probe_requirement(name: str) -> str | None:
+    """None when this machine meets the requirement ``name``, else the reason it does not."""
+    if name == "cuda":
+        from workbench.pipeline.spec import cuda_available
+
+        return None if cuda_available() else "requires cuda: torch sees no CUDA device on this machine"
+    if name == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return f"requires triton: it is not importable ({exc})"
+        return None
+    raise ConfigError(f"unknown requirement {name!r}")
+
+
+def plan_run(
+    spec: PipelineSpec,
+    *,
+    profile: str | None = None,
+    only: Sequence[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    kernel: str | None = None,
+    probe: Callable[[str], str | None] = probe_requirement,
+) -> RunPlan:
+    """Decide and validate everything about a run without running anything.
+
+    ``overrides`` are ``--param`` values: a plain ``KEY`` applies to every selected experiment whose notebook
+    declares it (and must be declared by at least one), ``experiment.KEY`` to that experiment only.
+    """
+    chosen_profile = choose_profile(profile)
+    selected = spec.select(only)
+    if not selected:
+        raise ConfigError(f"{spec.path} lists no experiments; nothing to run")
+    overrides = dict(overrides or {})
+    global_params, scoped = split_overrides(overrides, [e.name for e in selected])
+
+    declared_by: dict[str, dict] = {}
+    for exp in selected:
+        declared = notebook_parameters(exp.notebook)
+        declared_by[exp.name] = declared or {}
+        where = f"experiment {exp.name!r} ({exp.notebook.name})"
+        for prof in exp.params:  # every profile of the spec, so a typo shows up whichever profile runs
+            validate_params(exp.params[prof], declared, where=f"{where}, params.{prof} in {spec.path.name}")
+        validate_params(scoped.get(exp.name, {}), declared, where=f"{where}, --param")
+    for key in global_params:
+        if not any(key in declared for declared in declared_by.values()):
+            valid = sorted({n for declared in declared_by.values() for n in declared})
+            raise ConfigError(
+                f"--param {key}: no selected experiment declares a parameter {key!r}; "
+                f"declared parameters: {', '.join(valid) or '(none)'}"
+            )
+
+    planned = []
+    for exp in selected:
+        declared = declared_by[exp.name]
+        params = exp.params_for(chosen_profile)
+        params.update({k: v for k, v in global_params.items() if k in declared})
+        params.update(scoped.get(exp.name, {}))
+        validate_params(params, declared, where=f"experiment {exp.name!r} ({exp.notebook.name})")
+        effective = {p.name: p.default for p in declared.values() if p.has_literal_default}
+        effective.update(params)
+        effective.pop(OUTPUT_DIR_PARAM, None)
+        reasons = [r for r in (probe(req) for req in exp.requires) if r]
+        planned.append(
+            PlannedExperiment(
+                experiment=exp,
+                params=params,
+                effective_params=effective,
+                inject_output_dir=OUTPUT_DIR_PARAM in declared and OUTPUT_DIR_PARAM not in params,
+                skip_reason="; ".join(reasons) or None,
+            )
+        )
+    kernel_name, note = resolve_kernel(kernel or spec.kernel)
+    return RunPlan(spec, chosen_profile, kernel_name, planned, overrides, note)
+
+
+@contextmanager
+def _env_var(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _strip_ansi(lines: Sequence[str] | str) -> str:
+    text = "\n".join(lines) if not isinstance(lines, str) else lines
+    return _ANSI_RE.sub("", text)
+
+
+def _rel(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def execute_experiment(
+    planned: PlannedExperiment, run_dir: Path, *, kernel: str, timeout_s: float | None = None
+) -> dict[str, Any]:
+    """Run one notebook into ``run_dir/<name>/`` and return its manifest entry.
+
+    The entry has ``status`` "ok" or "failed" (with ``error``: cell, name, message, traceback); exports and
+    figures are produced for a failed notebook too, since its outputs up to the failure are what one debugs.
+    """
+    import nbformat
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    exp = planned.experiment
+    exp_dir = run_dir / exp.name
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    stem = exp.notebook.stem
+    final_nb = exp_dir / f"{stem}.ipynb"
+    partial_nb = exp_dir / f"{stem}.partial.ipynb"
+    params = dict(planned.params)
+    if planned.inject_output_dir:
+        params[OUTPUT_DIR_PARAM] = str(exp_dir)
+    entry: dict[str, Any] = {
+        "name": exp.name,
+        "status": "ok",
+        "duration_s": None,
+        "notebook": None,
+        "html": None,
+        "html_noinput": None,
+        "metrics": {},
+        "metrics_file": None,
+        "figures": [],
+        "params": planned.params,
+        "requires": list(exp.requires),
+        "description": exp.description,
+        "source_notebook": str(exp.notebook),
+    }
+    warnings: list[str] = []
+    start = time.perf_counter()
+    engine_kwargs = {"execution_timeout": timeout_s} if timeout_s else {}
+    try:
+        with _env_var(OUTPUT_DIR_ENV, str(exp_dir)):
+            papermill.execute_notebook(
+                str(exp.notebook),
+                str(partial_nb),
+                parameters=params,
+                kernel_name=kernel,
+                cwd=str(exp_dir),
+                progress_bar=False,
+                log_output=False,
+                **engine_kwargs,
+            )
+    except PapermillExecutionError as exc:
+        entry["status"] = "failed"
+        entry["error"] = {
+            "cell_index": None,  # in the source notebook; set below from papermill's index
+            "papermill_cell_index": exc.cell_index,
+            "execution_count": exc.exec_count,
+            "ename": exc.ename,
+            "evalue": _strip_ansi(exc.evalue),
+            "traceback": _strip_ansi(exc.traceback),
+            "source": exc.source,
+        }
+    except Exception as exc:  # kernel died, timeout, unreadable notebook: recorded, and the run goes on
+        entry["status"] = "failed"
+        entry["error"] = {
+            "cell_index": None,
+            "execution_count": None,
+            "ename": type(exc).__name__,
+            "evalue": _strip_ansi(str(exc)),
+            "traceback": _strip_ansi(traceback.format_exc()),
+            "source": None,
+        }
+
+    if partial_nb.exists():
+        nb = nbformat.read(partial_nb, as_version=4)
+        nb.metadata.setdefault("papermill", {})["output_path"] = str(final_nb)
+        if entry.get("error") and entry["error"].get("papermill_cell_index") is not None:
+            entry["error"]["cell_index"] = source_cell_index(nb, entry["error"].pop("papermill_cell_index"))
+        atomic_write_text(final_nb, nbformat.writes(nb))
+        partial_nb.unlink()
+        entry["notebook"] = _rel(final_nb, run_dir)
+        try:
+            extract_figures(nb, exp_dir)
+            html = export_html(nb, exp_dir / f"{stem}.html", title=exp.name)
+            noinput = export_html(nb, exp_dir / f"{stem}{NOINPUT_SUFFIX}", hide_input=True, title=exp.name)
+            entry["html"], entry["html_noinput"] = _rel(html, run_dir), _rel(noinput, run_dir)
+        except Exception as exc:  # an export failure is reported, the executed notebook still stands
+            warnings.append(f"export failed: {type(exc).__name__}: {exc}")
+    if entry.get("error"):
+        entry["error"].pop("papermill_cell_index", None)
+    entry["figures"] = [_rel(p, run_dir) for p in list_figures(exp_dir)]
+
+    metrics_path = exp_dir / METRICS_FILE
+    if metrics_path.exists():
+        import json
+
+        try:
+            metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+            if not isinstance(metrics, dict):
+                raise ValueError("not a JSON object")
+            entry["metrics"] = to_json_value(metrics, "metrics")
+            entry["metrics_file"] = _rel(metrics_path, run_dir)
+        except (ValueError, TypeError) as exc:
+            warnings.append(f"{METRICS_FILE} unreadable: {exc}")
+    entry["duration_s"] = round(time.perf_counter() - start, 3)
+    if warnings:
+        entry["warnings"] = warnings
+    return entry
+
+
+def _skipped_entry(planned: PlannedExperiment) -> dict[str, Any]:
+    exp = planned.experiment
+    return {
+        "name": exp.name,
+        "status": "skipped",
+        "skip_reason": planned.skip_reason,
+        "duration_s": 0.0,
+        "notebook": None,
+        "html": None,
+        "html_noinput": None,
+        "metrics": {},
+        "metrics_file": None,
+        "figures": [],
+        "params": planned.params,
+        "requires": list(exp.requires),
+        "description": exp.description,
+        "source_notebook": str(exp.notebook),
+    }
+
+
+def _make_run_dir(out_dir: Path, run_id: str) -> tuple[Path, str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    candidate, n = run_id, 1
+    while True:
+        try:
+            (out_dir / candidate).mkdir()
+            return out_dir / candidate, candidate
+        except FileExistsError:
+            n += 1
+            candidate = f"{run_id}-{n}"
+
+
+def run_pipeline(
+    plan: RunPlan,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    measure_ceilings: bool = True,
+) -> RunResult:
+    """Execute a validated ``plan`` into ``<out_dir>/<run-id>/`` and rebuild the indexes.
+
+    Returns the result whatever the experiments did; only an interruption (Ctrl-C) propagates, after the
+    manifest has been left marked incomplete and interrupted.
+    """
+    from tqdm.auto import tqdm
+
+    out_path = Path(out_dir).resolve()
+    started = _utcnow()
+    run_dir, run_id = _make_run_dir(out_path, new_run_id(started, git_state().get("short_commit")))
+    t0 = time.perf_counter()
+    manifest: dict[str, Any] = {
+        "schema": MANIFEST_SCHEMA,
+        "run_id": run_id,
+        "complete": False,
+        "interrupted": False,
+        "started_at": started.isoformat(timespec="seconds"),
+        "finished_at": None,
+        "duration_s": None,
+        "profile": plan.profile,
+        "kernel": plan.kernel,
+        "kernel_note": plan.kernel_note,
+        "spec": str(plan.spec.path),
+        "overrides": plan.overrides,
+        "experiments": [],
+        "pending": [p.name for p in plan.experiments],
+    }
+    atomic_write_json(run_dir / MANIFEST, manifest)
+    environment = capture_environment(
+        profile=plan.profile,
+        parameters={p.name: p.effective_params for p in plan.experiments},
+        kernel=plan.kernel,
+        run_id=run_id,
+        measure=measure_ceilings,
+    )
+    atomic_write_json(run_dir / ENVIRONMENT, environment)
+
+    bar = tqdm(plan.experiments, desc="report", unit="notebook", disable=not progress, file=sys.stderr)
+    try:
+        for planned in bar:
+            bar.set_postfix_str(planned.name)
+            if planned.skip_reason:
+                entry = _skipped_entry(planned)
+            else:
+                entry = execute_experiment(planned, run_dir, kernel=plan.kernel, timeout_s=plan.spec.timeout_s)
+            manifest["experiments"].append(entry)
+            manifest["pending"].remove(planned.name)
+            atomic_write_json(run_dir / MANIFEST, manifest)
+            write_run_index(run_dir, manifest)
+    except BaseException:
+        manifest["interrupted"] = True
+        atomic_write_json(run_dir / MANIFEST, manifest)
+        write_run_index(run_dir, manifest)
+        write_reports_index(out_path)
+        raise
+    finally:
+        bar.close()
+
+    statuses = [e["status"] for e in manifest["experiments"]]
+    manifest["counts"] = {s: statuses.count(s) for s in ("ok", "failed", "skipped")}
+    manifest["finished_at"] = _utcnow().isoformat(timespec="seconds")
+    manifest["duration_s"] = round(time.perf_counter() - t0, 3)
+    manifest["complete"] = True
+    write_run_index(run_dir, manifest)
+    atomic_write_json(run_dir / MANIFEST, manifest)  # last: from here on the run reads as complete
+    write_reports_index(out_path)
+    return RunResult(run_dir, manifest)

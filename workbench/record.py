@@ -1,0 +1,221 @@
+"""Record a notebook's key results: a JSON sidecar the pipeline collects, plus a displayed output.
+
+In a notebook::
+
+    from workbench import record
+    record.set_output_dir(output_dir)          # from the parameters cell; the pipeline injects it
+    record.record("decode_step_s", 0.0123)     # one value
+    record.record({"mbu": 0.61, "mfu": 0.38})  # several at once
+    record.figure(fig, "roofline")             # figures/roofline.png, shown inline once
+    record.save()                              # the key-results table; writes metrics.json
+
+Values must be JSON: numbers, strings, booleans, None, lists and string-keyed dicts of them. numpy and torch
+scalars and arrays are converted with ``.item()`` / ``.tolist()``; NaN and infinities become None (JSON has
+no such numbers). Every ``record`` rewrites the sidecar atomically, so a notebook that fails half-way still
+leaves what it had recorded. Without an output folder (``set_output_dir`` not called and the
+``WORKBENCH_OUTPUT_DIR`` environment variable unset, as when a notebook is opened by hand) nothing is written
+to disk; the values are still displayed.
+
+This module imports nothing from the notebook stack at import time (IPython and matplotlib are only used
+when present), and nothing from ``workbench.pipeline``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.json"
+FIGURES_DIR = "figures"
+OUTPUT_DIR_ENV = "WORKBENCH_OUTPUT_DIR"
+# metadata key on the displayed copy of a saved figure, so the pipeline does not extract it a second time
+FIGURE_METADATA_KEY = "workbench_figure"
+
+_MISSING = object()
+_metrics: dict[str, Any] = {}
+_output_dir: Path | None = None
+_FIGURE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def set_output_dir(path: str | os.PathLike[str] | None) -> Path | None:
+    """Use ``path`` for the sidecar and figures (None: fall back to ``$WORKBENCH_OUTPUT_DIR``, else no files).
+
+    Returns the folder now in use.
+    """
+    global _output_dir
+    _output_dir = None if path is None or str(path) == "" else Path(path)
+    return output_dir()
+
+
+def output_dir() -> Path | None:
+    """The folder the sidecar and figures go to, or None when results are only displayed."""
+    if _output_dir is not None:
+        return _output_dir
+    env = os.environ.get(OUTPUT_DIR_ENV)
+    return Path(env) if env else None
+
+
+def reset() -> None:
+    """Forget every recorded value and the output folder (a fresh notebook run)."""
+    global _output_dir
+    _metrics.clear()
+    _output_dir = None
+
+
+def recorded() -> dict[str, Any]:
+    """A copy of the values recorded so far, in recording order."""
+    return dict(_metrics)
+
+
+def to_json_value(value: Any, name: str = "value") -> Any:
+    """``value`` as plain JSON data; TypeError naming ``name`` when it has no JSON form."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"record: {name}: key {key!r} is not a string; JSON objects need string keys")
+            out[key] = to_json_value(item, f"{name}.{key}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(item, f"{name}[{i}]") for i, item in enumerate(value)]
+    # numpy / torch scalars and arrays, without importing either
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return to_json_value(value.item(), name)
+    if hasattr(value, "tolist"):
+        return to_json_value(value.tolist(), name)
+    raise TypeError(f"record: {name}: {type(value).__name__} {value!r} is not JSON (numbers, strings, lists, dicts)")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_sidecar() -> Path | None:
+    folder = output_dir()
+    if folder is None:
+        return None
+    path = folder / METRICS_FILE
+    _write_atomic(path, (json.dumps(_metrics, indent=2, allow_nan=False) + "\n").encode("utf-8"))
+    return path
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _display_table(values: Mapping[str, Any], title: str | None = None) -> None:
+    lines = [f"{title}:"] if title else []
+    width = max((len(k) for k in values), default=0)
+    lines += [f"  {key:<{width}} = {_format(val)}" for key, val in values.items()]
+    plain = "\n".join(lines) if title else "\n".join(line.strip() for line in lines)
+    rows = "".join(
+        f"<tr><td><code>{html.escape(k)}</code></td><td>{html.escape(_format(v))}</td></tr>" for k, v in values.items()
+    )
+    caption = f"<caption style='text-align:left'><b>{html.escape(title)}</b></caption>" if title else ""
+    rich = f"<table class='workbench-record'>{caption}{rows}</table>"
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        print(plain)
+        return
+    if get_ipython() is None:
+        print(plain)
+        return
+    display({"text/plain": plain, "text/html": rich}, raw=True)
+
+
+def record(name_or_dict: str | Mapping[str, Any], value: Any = _MISSING, *, show: bool = True) -> dict[str, Any]:
+    """Record one key result (``record("ttft_s", 0.2)``) or several (``record({"a": 1, "b": 2})``).
+
+    A name recorded again is overwritten. The values are displayed (unless ``show=False``) and the sidecar
+    ``metrics.json`` is rewritten when an output folder is set. Returns the values just recorded.
+    """
+    if isinstance(name_or_dict, Mapping):
+        if value is not _MISSING:
+            raise TypeError("record: pass either a dict of results or a name and a value, not both")
+        items = dict(name_or_dict)
+    elif isinstance(name_or_dict, str):
+        if value is _MISSING:
+            raise TypeError(f"record({name_or_dict!r}): missing the value")
+        items = {name_or_dict: value}
+    else:
+        raise TypeError(f"record: expected a name (str) or a dict, got {type(name_or_dict).__name__}")
+    converted = {}
+    for key, item in items.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"record: result names must be non-empty strings, got {key!r}")
+        converted[key] = to_json_value(item, key)
+    _metrics.update(converted)
+    _write_sidecar()
+    if show:
+        _display_table(converted)
+    return converted
+
+
+def figure(fig: Any, name: str, *, dpi: int = 150, close: bool = True) -> Path | None:
+    """Save the matplotlib figure ``fig`` as ``<output_dir>/figures/<name>.png`` and display that image once.
+
+    The figure is closed afterwards (``close=True``) so that the inline backend does not show it a second
+    time. Returns the PNG's path, or None when no output folder is set (then the figure is only shown).
+    """
+    if not isinstance(name, str) or not _FIGURE_NAME_RE.match(name):
+        raise ValueError(f"record.figure: name {name!r} must be letters, digits, '_', '-' or '.'")
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+    png = buffer.getvalue()
+    folder = output_dir()
+    path = None
+    if folder is not None:
+        path = folder / FIGURES_DIR / f"{name}.png"
+        _write_atomic(path, png)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Image, display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display(Image(data=png, format="png"), metadata={FIGURE_METADATA_KEY: name})
+        if close:
+            try:
+                import matplotlib.pyplot as plt
+
+                plt.close(fig)
+            except ImportError:
+                pass
+    return path
+
+
+def save(title: str = "Key results") -> Path | None:
+    """Display every recorded value as one table and write the sidecar; returns its path (None: no folder)."""
+    path = _write_sidecar()
+    _display_table(_metrics, title)
+    return path

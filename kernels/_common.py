@@ -1,0 +1,63 @@
+"""What the kernel files share: where kernels run, autotune config lists, and input checks.
+
+The choice between one config and a small list is made once, at import, because ``@triton.autotune`` with
+more than one config needs a GPU to time them: under the interpreter (``TRITON_INTERPRET=1``) or without CUDA
+every kernel gets a single config. ``KERNELS_AUTOTUNE=0`` also forces the single config on a GPU (the GPU
+check's test phase uses it to compile each shape once instead of once per config).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+def _env_flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+
+
+INTERPRET: bool = _env_flag("TRITON_INTERPRET", "0")
+AUTOTUNE: bool = not INTERPRET and torch.cuda.is_available() and _env_flag("KERNELS_AUTOTUNE", "1")
+
+
+class KernelInputError(ValueError):
+    """A kernel wrapper got tensors of the wrong shape, dtype, layout or device."""
+
+
+def pick_configs(gpu_configs: list[triton.Config], single: triton.Config) -> list[triton.Config]:
+    """The autotune list: ``gpu_configs`` on a GPU with autotuning on, else only ``single``."""
+    return gpu_configs if AUTOTUNE else [single]
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum) (tile extents must be powers of two)."""
+    return max(triton.next_power_of_2(max(int(n), 1)), minimum)
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """All tensors on one device, and a device Triton can run on (CUDA, or anything under the interpreter)."""
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise KernelInputError(f"all tensors must be on one device, got {device} and {t.device}")
+    if device.type != "cuda" and not INTERPRET:
+        raise KernelInputError(
+            f"Triton kernels need CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing kernels"
+        )
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise KernelInputError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise KernelInputError(f"{name} must have dtype in {allowed}, got {t.dtype}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)

@@ -48,16 +48,29 @@ def test_generate_sampling_is_seeded(capsys):
     [
         (["--prompt-ids", "1,x"], "comma-separated integers"),
         (["--prompt-ids", ","], "empty"),
-        (["--prompt-ids", "1,999"], "outside the vocabulary"),
-        (["--prompt-ids", ",".join(["1"] * 300)], "longer than"),
         (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
         (["--prompt-ids", "1", "--dtype", "fp7"], "fp7"),
+        (["--prompt-ids", "1", "--cache", "contiguous", "--prefix-caching"], "enable_prefix_caching"),
     ],
 )
 def test_generate_errors_are_clear(args, message, capsys):
     assert main(["generate", "--model", "tiny-mha", "--max-new-tokens", "2", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("workbench generate: error:")
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [("1,999", "outside the vocabulary"), (",".join(["1"] * 300), "longer than max_model_len")],
+)
+def test_a_bad_request_is_rejected_and_the_others_are_served(bad, message, capsys):
+    rc = main(["generate", "--model", "tiny-mha", "--max-new-tokens", "3", "--ignore-eos", "--json",
+               "--prompt-ids", "5,6", "--prompt-ids", bad, "--prompt-ids", "7"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 1 and message in out.err
+    reqs = json.loads(out.out)["requests"]
+    assert [r["finish_reason"] for r in reqs] == ["length", "rejected", "length"]
+    assert len(reqs[0]["tokens"]) == 3 and len(reqs[2]["tokens"]) == 3 and message in reqs[1]["reject_reason"]
 
 
 def test_unknown_preset_lists_known_ones(capsys):

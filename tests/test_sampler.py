@@ -47,7 +47,9 @@ def test_seeded_requests_are_reproducible_whatever_the_batch():
     logits = torch.randn(4, 100)
     p = SamplingParams(temperature=1.0, seed=7)
     alone = [Sampler()(logits[2:3], [p], [0])[0] for _ in range(1)]
-    batched = Sampler()(logits, [SamplingParams(), SamplingParams(temperature=0.5, seed=1), p, SamplingParams()], [9, 8, 0, 6])
+    batched = Sampler()(
+        logits, [SamplingParams(), SamplingParams(temperature=0.5, seed=1), p, SamplingParams()], [9, 8, 0, 6]
+    )
     assert batched[2] == alone[0]
 
 

@@ -1,11 +1,15 @@
-"""``workbench generate``: generate tokens for prompts given as token ids.
+"""``workbench generate``: generate tokens for prompts given as token ids, through the serving engine.
 
     workbench generate --model DIR_OR_PRESET --prompt-ids 1,2,3 [--prompt-ids ...] --max-new-tokens N
         [--temperature T --top-k K --top-p P --seed S] [--ignore-eos] [--dtype] [--device] [--json]
+        [--policy P] [--cache paged|contiguous] [--block-size B] [--num-blocks N] [--max-num-seqs S]
+        [--token-budget T] [--chunk-size C] [--prefix-caching] [--attention-backend torch|triton]
 
 Greedy unless a temperature is given. With ``--json``: one object with a list ``requests``, each holding
-``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies).
-A preset name gives random weights (seeded by ``--model-seed``); a directory loads a real HF checkpoint.
+``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies), plus
+``finish_reason`` and, for a rejected request, ``reject_reason``. A rejected request does not stop the others; the
+exit code is then 1. A preset name gives random weights (seeded by ``--model-seed``); a directory loads a real HF
+checkpoint.
 """
 
 from __future__ import annotations
@@ -33,8 +37,44 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-seed", type=int, default=0, help="seed of random weights when --model is a preset")
 
 
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    from workbench.engine.scheduler import POLICIES
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy (default continuous)")
+    g.add_argument("--cache", default="paged", choices=("paged", "contiguous"), help="KV-cache layout")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (paged; default: derived)")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="most sequences in one step")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default min(model, 4096))")
+    g.add_argument("--token-budget", type=int, default=None, help="new tokens per step (max_num_batched_tokens)")
+    g.add_argument("--chunk-size", type=int, default=None, help="largest prefill chunk (policy chunked)")
+    g.add_argument("--prefix-caching", action="store_true", help="reuse cached KV blocks of shared prefixes")
+    g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
+
+
+def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineConfig)
+    from workbench.engine.config import EngineConfig
+
+    return EngineConfig(
+        policy=args.policy,
+        cache=args.cache,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        token_budget=args.token_budget,
+        chunk_size=args.chunk_size,
+        enable_prefix_caching=args.prefix_caching,
+        attention_backend=args.attention_backend,
+        dtype=args.dtype,
+        device=args.device,
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
+    add_engine_arguments(p)
     p.add_argument("--prompt-ids", action="append", required=True, help="comma-separated token ids; repeatable")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -46,10 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workbench.device import resolve_device
+    import sys
+
+    from workbench.engine.engine import Engine
     from workbench.engine.sequence import SamplingParams
-    from workbench.model.checkpoint import load_model
-    from workbench.model.generate import generate_static
 
     prompts = [parse_prompt_ids(t) for t in args.prompt_ids]
     params = [
@@ -63,12 +103,17 @@ def run(args: argparse.Namespace) -> int:
         )
         for i in range(len(prompts))
     ]
-    model = load_model(args.model, dtype=args.dtype, device=resolve_device(args.device), seed=args.model_seed)
-    results = generate_static(model, prompts, params)
+    engine = Engine.from_model(args.model, engine_config_from_args(args), seed=args.model_seed)
+    results = engine.generate(prompts, params).requests
     if args.json:
         print(json.dumps({"model": str(args.model), "requests": [r.to_dict() for r in results]}))
     else:
         for i, r in enumerate(results):
+            if r.finish_reason == "rejected":
+                continue
             itl = sum(r.itl_s) / len(r.itl_s) * 1e3 if r.itl_s else float("nan")
             print(f"[{i}] {r.tokens}  ttft={r.ttft_s * 1e3:.1f} ms  mean itl={itl:.1f} ms  ({r.finish_reason})")
-    return 0
+    rejected = [(i, r.reject_reason) for i, r in enumerate(results) if r.finish_reason == "rejected"]
+    for i, reason in rejected:
+        print(f"workbench generate: request {i} rejected: {reason}", file=sys.stderr)
+    return 1 if rejected else 0

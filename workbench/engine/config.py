@@ -1,0 +1,111 @@
+"""EngineConfig: how the engine lays out its KV cache and schedules, validated with errors that name the field.
+
+Two cache layouts over the same pool type (``workbench.kv.cache.KVCache``):
+- ``paged``: ``num_blocks`` blocks of ``block_size`` tokens shared by all requests (vLLM's PagedAttention);
+  ``num_blocks`` is given, or derived from ``kv_cache_bytes``, or by default enough for ``max_num_seqs`` sequences of
+  ``max_model_len`` tokens (capped at ``DEFAULT_KV_BUDGET_BYTES``).
+- ``contiguous``: a static per-slot cache as in frameworks without paging: ``max_num_seqs`` slots, each reserving
+  ``max_model_len`` tokens (one block of that size per sequence). No prefix caching.
+
+Scheduler knobs (policy, max_num_seqs, token_budget, chunk_size, prefix caching) are passed to
+``workbench.engine.scheduler.SchedulerConfig``, which documents each policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.config import ModelConfig, canonical_dtype, ceil_div
+from workbench.engine.scheduler import POLICIES, SchedulerConfig
+from workbench.errors import ConfigError
+
+CACHE_LAYOUTS = ("paged", "contiguous")
+ATTENTION_BACKENDS = ("torch", "triton")
+DEFAULT_KV_BUDGET_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineConfig:
+    policy: str = "continuous"
+    cache: str = "paged"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 32
+    max_model_len: int | None = None  # default: min(model's max positions, 4096)
+    token_budget: int | None = None  # default: the scheduler's
+    chunk_size: int | None = None  # default: the scheduler's
+    enable_prefix_caching: bool = False
+    attention_backend: str = "torch"
+    dtype: str = "fp32"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.cache not in CACHE_LAYOUTS:
+            raise ConfigError(f"cache must be one of {CACHE_LAYOUTS}, got {self.cache!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        for name in ("block_size", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"{name} must be a positive integer or unset, got {value!r}")
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ConfigError("give num_blocks or kv_cache_bytes, not both")
+        if self.cache == "contiguous" and self.enable_prefix_caching:
+            raise ConfigError("enable_prefix_caching needs cache='paged' (a contiguous slot cannot share blocks)")
+        if self.cache == "contiguous" and (self.num_blocks is not None or self.kv_cache_bytes is not None):
+            raise ConfigError("cache='contiguous' reserves max_num_seqs x max_model_len; num_blocks does not apply")
+        self.dtype = canonical_dtype(self.dtype)
+
+    def resolved_max_model_len(self, model: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return min(model.max_position_embeddings, 4096)
+        if self.max_model_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"({model.max_position_embeddings})"
+            )
+        return self.max_model_len
+
+    def cache_shape(self, model: ModelConfig) -> tuple[int, int]:
+        """(num_blocks, block_size) of the pool for this model."""
+        max_len = self.resolved_max_model_len(model)
+        if self.cache == "contiguous":
+            return self.max_num_seqs, max_len
+        bytes_per_block = self.block_size * model.kv_bytes_per_token(self.dtype)
+        if self.num_blocks is not None:
+            return self.num_blocks, self.block_size
+        if self.kv_cache_bytes is not None:
+            n = self.kv_cache_bytes // bytes_per_block
+            if n < 1:
+                raise ConfigError(
+                    f"kv_cache_bytes {self.kv_cache_bytes} holds no block of {bytes_per_block} bytes "
+                    f"({self.block_size} tokens x {model.kv_bytes_per_token(self.dtype)} B/token)"
+                )
+            return int(n), self.block_size
+        wanted = ceil_div(self.max_num_seqs * max_len, self.block_size)
+        return max(1, min(wanted, DEFAULT_KV_BUDGET_BYTES // bytes_per_block)), self.block_size
+
+    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
+        kwargs = {}
+        if self.token_budget is not None:
+            kwargs["token_budget"] = self.token_budget
+        if self.chunk_size is not None:
+            kwargs["chunk_size"] = self.chunk_size
+        return SchedulerConfig(
+            policy=self.policy,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.resolved_max_model_len(model),
+            enable_prefix_caching=self.enable_prefix_caching,
+            **kwargs,
+        )
+
+    def kv_pool_bytes(self, model: ModelConfig) -> int:
+        num_blocks, block_size = self.cache_shape(model)
+        return num_blocks * block_size * model.kv_bytes_per_token(self.dtype)

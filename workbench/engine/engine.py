@@ -1,0 +1,245 @@
+"""The serving engine: requests in, a scheduler step, the model runner, tokens out; timed on the wall clock.
+
+    Request -> Scheduler.schedule() -> StepPlan -> ModelRunner.execute() -> Scheduler.update() -> metrics
+
+``add_request`` queues a request (an invalid one is rejected with its reason, the others keep running); ``step``
+runs one scheduler step; ``generate`` serves a list of prompts offline (all arrive at once); ``replay`` serves a
+workload online, admitting each request when its arrival time comes on the wall clock. Every timestamp is seconds
+since the engine's clock was started (``reset_clock``), and each step's measured duration is what advances it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from workbench.config import ModelConfig
+from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.engine.config import EngineConfig
+from workbench.engine.metrics import StepLog, summarize
+from workbench.engine.runner import ModelRunner
+from workbench.engine.scheduler import Scheduler
+from workbench.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from workbench.errors import RequestError
+from workbench.kv.block_manager import BlockManager
+from workbench.kv.cache import KVCache
+from workbench.model.transformer import Transformer
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome; times in seconds on the engine clock."""
+
+    request_id: int
+    prompt_ids: list[int]
+    tokens: list[int]
+    finish_reason: str | None
+    reject_reason: str | None
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float | None
+    token_times_s: list[float]
+    num_preemptions: int
+    num_cached_tokens: int
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "prompt_ids": self.prompt_ids,
+            "tokens": self.tokens,
+            "finish_reason": self.finish_reason,
+            "reject_reason": self.reject_reason,
+            "ttft_s": self.ttft_s,
+            "itl_s": self.itl_s,
+            "num_preemptions": self.num_preemptions,
+            "num_cached_tokens": self.num_cached_tokens,
+        }
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> RequestResult:
+        return cls(
+            request_id=seq.seq_id,
+            prompt_ids=list(seq.prompt_token_ids),
+            tokens=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            reject_reason=seq.reject_reason,
+            arrival_s=seq.arrival_time,
+            first_token_s=seq.first_token_time,
+            finish_s=seq.finish_time,
+            token_times_s=list(seq.token_times),
+            num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+
+@dataclass
+class RunResult:
+    """What ``generate``/``replay`` return: per-request results, the step log and the run's duration."""
+
+    requests: list[RequestResult]
+    sequences: list[Sequence]
+    step_log: StepLog
+    duration_s: float
+    num_preemptions: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self, **slos: float | None) -> dict[str, Any]:
+        """The contract JSON of ``workbench replay`` (``workbench.engine.metrics.summarize``)."""
+        return summarize(self.sequences, duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
+
+
+class Engine:
+    """A model, a KV pool, a block manager and a scheduler policy, stepped on the wall clock."""
+
+    def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        mcfg: ModelConfig = model.config
+        num_blocks, block_size = self.config.cache_shape(mcfg)
+        self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device)
+        self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler_config(mcfg), self.block_manager)
+        if self.config.attention_backend == "triton":
+            from workbench.model.triton_backend import TritonAttentionBackend
+
+            model.attn_backend = TritonAttentionBackend()
+        self.runner = ModelRunner(model, self.cache)
+        self.step_log = StepLog()
+        self.sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self._early_finished: list[Sequence] = []
+        self.reset_clock()
+
+    @classmethod
+    def from_model(cls, name_or_path: str, config: EngineConfig | None = None, seed: int = 0) -> Engine:
+        """Load a checkpoint directory, or a preset with random weights, on the config's device and dtype."""
+        from workbench.model.checkpoint import load_model
+
+        config = config or EngineConfig()
+        device = resolve_device(config.device)
+        model = load_model(name_or_path, dtype=torch_dtype(config.dtype), device=device, seed=seed)
+        return cls(model, config)
+
+    # ---- clock -------------------------------------------------------------------------------------------
+    def reset_clock(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams | dict[str, Any] | None = None,
+        arrival_time: float | None = None,
+        request_id: int | None = None,
+    ) -> int:
+        """Queue a request and return its id. An invalid request is finished at once as 'rejected' with the reason."""
+        rid = next(self._ids) if request_id is None else request_id
+        arrival = self.now() if arrival_time is None else arrival_time
+        reason = None
+        try:
+            if isinstance(sampling, dict):
+                sampling = SamplingParams(**sampling)
+            self._check_tokens(prompt_ids)
+        except (RequestError, TypeError) as exc:
+            reason = str(exc)
+            sampling = None
+        seq = Sequence(rid, list(prompt_ids), sampling, arrival, eos_token_ids=self.model.config.eos_token_ids)
+        self.sequences[rid] = seq
+        if reason is not None:
+            seq.status, seq.finish_reason, seq.reject_reason, seq.finish_time = (
+                SequenceStatus.FINISHED, "rejected", reason, arrival,
+            )  # fmt: skip
+            self._early_finished.append(seq)
+        else:
+            self.scheduler.add(seq)
+        return rid
+
+    def _check_tokens(self, prompt_ids: list[int]) -> None:
+        if len(prompt_ids) == 0:
+            raise RequestError("empty prompt: at least one token id is needed")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._early_finished)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Schedule, execute and update once; returns the sequences that finished (or were rejected)."""
+        finished, self._early_finished = self._early_finished, []
+        start = self.now()
+        plan = self.scheduler.schedule(now=start)
+        sampled = self.runner.execute(plan)
+        synchronize(self.model.device)
+        end = self.now()
+        finished += self.scheduler.update(plan, sampled, end)
+        if not plan.is_empty:
+            self.step_log.record(
+                start, end, plan.num_prefill_tokens, plan.num_decode_tokens, plan.num_seqs,
+                self.block_manager.num_used_blocks, len(plan.preempted),
+            )  # fmt: skip
+        for seq in finished:
+            self.runner.release(seq.seq_id)
+        return finished
+
+    # ---- serving a batch or a workload ---------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None
+    ) -> RunResult:
+        """Offline: every prompt arrives now; step until all are done. Results in prompt order."""
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        start = self.now()
+        ids = [self.add_request(p, sp, arrival_time=start) for p, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            self.step()
+        return self._result(ids, self.now() - start)
+
+    def replay(self, requests: Iterable[Any], sampling: SamplingParams | None = None) -> RunResult:
+        """Online: each request joins when its ``arrival_time_s`` comes on the wall clock (the engine idles until then).
+
+        Each request needs ``arrival_time_s``, ``prompt_token_ids`` and ``output_len`` (``workbench.workloads``);
+        it is served with ``sampling`` (greedy by default) and exactly ``output_len`` tokens (EOS ignored).
+        """
+        pending = sorted(requests, key=lambda r: r.arrival_time_s)
+        base = sampling or SamplingParams()
+        self.reset_clock()
+        ids, i = [], 0
+        while i < len(pending) or self.has_unfinished():
+            now = self.now()
+            while i < len(pending) and pending[i].arrival_time_s <= now:
+                r = pending[i]
+                sp = {**asdict(base), "max_tokens": r.output_len, "ignore_eos": True}
+                ids.append(self.add_request(list(r.prompt_token_ids), sp, arrival_time=r.arrival_time_s))
+                i += 1
+            if self.has_unfinished():
+                self.step()
+            elif i < len(pending):
+                time.sleep(max(0.0, pending[i].arrival_time_s - self.now()))
+        return self._result(ids, self.now())
+
+    def _result(self, ids: list[int], duration_s: float) -> RunResult:
+        seqs = [self.sequences[i] for i in ids]
+        return RunResult(
+            requests=[RequestResult.from_sequence(s) for s in seqs],
+            sequences=seqs,
+            step_log=self.step_log,
+            duration_s=duration_s,
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+        )

@@ -1,0 +1,54 @@
+"""ModelRunner: the only place that turns a ``StepPlan`` into tensors, runs the model and samples.
+
+For each scheduled chunk (a prefill chunk of n tokens or one decode token) it lays the chunk's tokens into one flat
+batch, computes positions and cache slots from the sequence's block table, runs ``Transformer.forward`` once for the
+whole mixed step, and samples a token for every chunk that ends at its sequence's last token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.engine.sampler import Sampler
+from workbench.engine.scheduler import StepPlan
+from workbench.kv.cache import KVCache
+from workbench.model.attention import AttentionMetadata, build_metadata
+from workbench.model.transformer import Transformer
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.sampler = Sampler()
+
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Flat input ids (num_tokens,) and the step's attention metadata."""
+        ids: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        for chunk in plan.chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
+            ids.extend(seq.token_slice(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_table)
+        meta = build_metadata(query_lens, seq_lens, tables, self.cache.block_size, self.model.device)
+        return torch.tensor(ids, dtype=torch.long, device=self.model.device), meta
+
+    def execute(self, plan: StepPlan) -> dict[int, int]:
+        """Run one step; returns the sampled token of every chunk that samples, by sequence id."""
+        if plan.is_empty:
+            return {}
+        input_ids, meta = self.prepare(plan)
+        hidden = self.model.forward(input_ids, meta, self.cache)  # (num_tokens, hidden)
+        rows = [i for i, c in enumerate(plan.chunks) if c.samples]
+        if not rows:
+            return {}
+        last = meta.last_token_indices[rows] if len(rows) < len(plan.chunks) else meta.last_token_indices
+        logits = self.model.compute_logits(hidden[last])  # (num_sampling, vocab), fp32
+        seqs = [plan.chunks[i].seq for i in rows]
+        tokens = self.sampler(logits, [s.sampling for s in seqs], [s.seq_id for s in seqs])
+        return {s.seq_id: t for s, t in zip(seqs, tokens)}
+
+    def release(self, seq_id: int) -> None:
+        self.sampler.release(seq_id)

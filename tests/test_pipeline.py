@@ -408,6 +408,13 @@ def test_measured_ceilings_fallback_and_success(monkeypatch: pytest.MonkeyPatch)
     fake.measured_spec = broken
     assert measured_ceilings() == {"available": False, "reason": "measured_spec() failed: RuntimeError: no timer"}
 
+    def by_device(device: str = "cpu") -> Spec:
+        assert device == "auto"  # the device the notebooks run on, not the CPU by default
+        return Spec()
+
+    fake.measured_spec = by_device
+    assert measured_ceilings()["peak_tflops"] == 1.5
+
 
 def test_capture_environment_records_seeds_and_parameters() -> None:
     env = capture_environment(

@@ -7,6 +7,7 @@ than stopping the report, because the environment file must exist for every run,
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import platform
 import subprocess
@@ -16,6 +17,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from workbench.record import to_json_value
 
 # distributions whose versions every report records
 PACKAGES: tuple[str, ...] = (
@@ -146,7 +149,10 @@ def measured_ceilings() -> dict[str, Any]:
     if not hasattr(hardware, "measured_spec"):
         return {"available": False, "reason": "workbench.hardware has no measured_spec()"}
     try:
-        spec = hardware.measured_spec()
+        measure = hardware.measured_spec
+        # measure the device the notebooks run on: CUDA when there is one
+        takes_device = "device" in inspect.signature(measure).parameters
+        spec = measure(device="auto") if takes_device else measure()
         values = spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
     except Exception as exc:  # a failed measurement must not stop the report; it is recorded
         return {"available": False, "reason": f"measured_spec() failed: {type(exc).__name__}: {exc}"}
@@ -176,7 +182,7 @@ def capture_environment(
     ``parameters`` maps each experiment to the values it runs with (notebook defaults merged with the
     spec's and the command line's), so that the seeds and every knob of the run are on record.
     """
-    return {
+    environment = {
         "run_id": run_id,
         "captured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "profile": profile,
@@ -205,3 +211,4 @@ def capture_environment(
             k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", "OMP_NUM_THREADS") if k in os.environ
         },
     }
+    return to_json_value(environment, "environment")  # plain JSON: NaN and infinities become null

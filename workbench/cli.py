@@ -17,6 +17,7 @@ from workbench.errors import WorkbenchError
 COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("workbench.commands.checkpoint", "write a randomly initialised HF checkpoint of a preset"),
     "generate": ("workbench.commands.generate", "generate tokens for prompts of token ids"),
+    "replay": ("workbench.commands.replay", "serve a workload trace on the real engine in real time"),
     "trace-stats": ("workbench.commands.trace_stats", "size, rate, lengths and prefix sharing of a trace"),
     "roofline": ("workbench.commands.roofline", "per-operation roofline of prefill and decode on a hardware"),
     "hardware": ("workbench.commands.hardware", "accelerator table and this machine's measured ceilings"),

@@ -211,12 +211,16 @@ class Engine:
             self.step()
         return self._result(ids, self.now() - start)
 
-    def replay(self, requests: Iterable[Any], sampling: SamplingParams | None = None) -> RunResult:
+    def replay(self, requests: Iterable[Any], sampling: SamplingParams | None = None, seed: int = 0) -> RunResult:
         """Online: each request joins when its ``arrival_time_s`` comes on the wall clock (the engine idles until then).
 
-        Each request needs ``arrival_time_s``, ``prompt_token_ids`` and ``output_len`` (``workbench.workloads``);
-        it is served with ``sampling`` (greedy by default) and exactly ``output_len`` tokens (EOS ignored).
+        Each request needs ``arrival_time_s``, ``output_len`` and ``prompt_token_ids`` or a ``prompt_len``
+        (``workbench.workloads.Request``: ids are then drawn deterministically, equal Mooncake hash ids giving equal
+        blocks); it is served with ``sampling`` (greedy by default) and exactly ``output_len`` tokens (EOS ignored).
         """
+        from workbench.workloads import prompt_token_ids
+
+        vocab = self.model.config.vocab_size
         pending = sorted(requests, key=lambda r: r.arrival_time_s)
         base = sampling or SamplingParams()
         self.reset_clock()
@@ -226,7 +230,8 @@ class Engine:
             while i < len(pending) and pending[i].arrival_time_s <= now:
                 r = pending[i]
                 sp = {**asdict(base), "max_tokens": r.output_len, "ignore_eos": True}
-                ids.append(self.add_request(list(r.prompt_token_ids), sp, arrival_time=r.arrival_time_s))
+                prompt = r.prompt_token_ids if r.prompt_token_ids is not None else prompt_token_ids(r, vocab, seed)
+                ids.append(self.add_request(list(prompt), sp, arrival_time=r.arrival_time_s))
                 i += 1
             if self.has_unfinished():
                 self.step()

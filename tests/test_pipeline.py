@@ -93,9 +93,13 @@ def test_manifest_contract(report_run: dict) -> None:
 
 def test_ok_experiment_outputs(report_run: dict) -> None:
     run_dir, entry = report_run["run_dir"], report_run["by_name"]["tiny"]
+    metrics = dict(entry["metrics"])
+    assert json.loads((run_dir / entry["metrics_file"]).read_text()) == metrics
+    # the notebook ran in its own report folder, and was told where it came from
+    assert Path(metrics.pop("cwd")).resolve() == (run_dir / "tiny").resolve()
+    assert Path(metrics.pop("notebook_dir")).resolve() == (DATA / "notebooks").resolve()
     # smoke params n=4 from the spec, label from --param: sum of i*i for i < 4 is 0 + 1 + 4 + 9 = 14
-    assert entry["metrics"] == {"sum_of_squares": 14, "n": 4, "label": "cli", "seed": 0}
-    assert json.loads((run_dir / entry["metrics_file"]).read_text()) == entry["metrics"]
+    assert metrics == {"sum_of_squares": 14, "n": 4, "label": "cli", "seed": 0}
     assert entry["params"] == {"n": 4, "label": "cli"}
 
     executed = json.loads((run_dir / entry["notebook"]).read_text())
@@ -189,6 +193,12 @@ def test_scoped_parameter_typo_names_the_notebook_and_suggests(tmp_path: Path) -
         runner.plan_run(spec, profile="smoke", overrides={"tiny.lable": "x"}, probe=lambda r: None)
     with pytest.raises(ConfigError, match=r"'tinny' is not a selected experiment"):
         runner.plan_run(spec, profile="smoke", overrides={"tinny.n": 3}, probe=lambda r: None)
+
+
+def test_output_dir_belongs_to_the_pipeline() -> None:
+    spec = load_spec(TEST_SPEC)
+    with pytest.raises(ConfigError, match=r"'output_dir' is set by the pipeline"):
+        runner.plan_run(spec, profile="smoke", overrides={"output_dir": "/tmp/x"}, probe=lambda r: None)
 
 
 def test_parameter_type_must_match_a_literal_default() -> None:

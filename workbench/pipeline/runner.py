@@ -50,6 +50,8 @@ from workbench.record import METRICS_FILE, OUTPUT_DIR_ENV, to_json_value
 
 MANIFEST_SCHEMA = 1
 FALLBACK_KERNEL = "python3"
+# a notebook runs in its report folder; this names the folder it came from, for files it keeps beside itself
+NOTEBOOK_DIR_ENV = "WORKBENCH_NOTEBOOK_DIR"
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -193,6 +195,11 @@ def plan_run(
         params.update({k: v for k, v in global_params.items() if k in declared})
         params.update(scoped.get(exp.name, {}))
         validate_params(params, declared, where=f"experiment {exp.name!r} ({exp.notebook.name})")
+        if OUTPUT_DIR_PARAM in params:
+            raise ConfigError(
+                f"experiment {exp.name!r}: {OUTPUT_DIR_PARAM!r} is set by the pipeline (the experiment's report "
+                "folder); use --out to choose where reports go"
+            )
         effective = {p.name: p.default for p in declared.values() if p.has_literal_default}
         effective.update(params)
         effective.pop(OUTPUT_DIR_PARAM, None)
@@ -202,7 +209,7 @@ def plan_run(
                 experiment=exp,
                 params=params,
                 effective_params=effective,
-                inject_output_dir=OUTPUT_DIR_PARAM in declared and OUTPUT_DIR_PARAM not in params,
+                inject_output_dir=OUTPUT_DIR_PARAM in declared,
                 skip_reason="; ".join(reasons) or None,
             )
         )
@@ -272,7 +279,7 @@ def execute_experiment(
     start = time.perf_counter()
     engine_kwargs = {"execution_timeout": timeout_s} if timeout_s else {}
     try:
-        with _env_var(OUTPUT_DIR_ENV, str(exp_dir)):
+        with _env_var(OUTPUT_DIR_ENV, str(exp_dir)), _env_var(NOTEBOOK_DIR_ENV, str(exp.notebook.parent)):
             papermill.execute_notebook(
                 str(exp.notebook),
                 str(partial_nb),

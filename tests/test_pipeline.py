@@ -181,7 +181,7 @@ def test_bad_parameter_name_fails_before_anything_runs(tmp_path: Path, capsys: p
     code = cli.main(["report", "--spec", str(TEST_SPEC), "--profile", "smoke", "--out", str(out), "--param", "nn=3"])
     err = capsys.readouterr().err
     assert code == 2
-    assert "'nn'" in err and "declared parameters" in err and "label" in err
+    assert "'nn'" in err and "did you mean 'n'" in err and "declared parameters" in err and "label" in err
     assert not out.exists()
 
 

@@ -16,6 +16,7 @@ papermill and nbformat are imported inside the functions that need them.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -183,8 +184,10 @@ def plan_run(
     for key in global_params:
         if not any(key in declared for declared in declared_by.values()):
             valid = sorted({n for declared in declared_by.values() for n in declared})
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
-                f"--param {key}: no selected experiment declares a parameter {key!r}; "
+                f"--param {key}: no selected experiment declares a parameter {key!r}{hint}; "
                 f"declared parameters: {', '.join(valid) or '(none)'}"
             )
 

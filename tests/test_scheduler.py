@@ -9,6 +9,9 @@ function directly from the token list.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from workbench.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, StepPlan
@@ -347,3 +350,13 @@ def test_config_errors_name_the_field() -> None:
         SamplingParams(max_tokens=0)
     with pytest.raises(RequestError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_core_modules_do_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "import workbench.engine.scheduler, workbench.engine.metrics, workbench.kv.block_manager\n"
+        "import workbench.kv.ledger, workbench.workloads, workbench.commands.trace_stats\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -301,23 +301,27 @@ class Scheduler:
         policy change) gets its whole remainder; returns the budget left.
         """
         bm = self.block_manager
+        bs = bm.block_size
+        running = self.running
+        chunks = plan.chunks
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             start = seq.num_computed_tokens
-            remaining = seq.num_tokens - start
+            remaining = len(seq.prompt_token_ids) + len(seq.output_token_ids) - start
             if remaining > 1 and decodes_only:
                 i += 1
                 continue
             if remaining > budget:
                 break
-            while not bm.append_slots(seq, start + remaining):
+            end = start + remaining
+            while end > len(seq.block_table) * bs and not bm.append_slots(seq, end):
                 victim = self._preempt_last(plan)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # preempted itself: it was the newest, so nothing after it remains
-            plan.chunks.append(ScheduledChunk(seq, remaining, start, remaining > 1, True))
+            chunks.append(ScheduledChunk(seq, remaining, start, remaining > 1, True))
             budget -= remaining
             i += 1
         return budget
@@ -363,18 +367,21 @@ class Scheduler:
         """
         finished, self._rejected = self._rejected, []
         bm = self.block_manager
+        caching = bm.enable_prefix_caching
         max_model_len = self.config.max_model_len
+        running_status = SequenceStatus.RUNNING
         self.num_steps += 1
         for chunk in plan.chunks:
             seq = chunk.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue  # aborted between schedule() and update()
             seq.num_computed_tokens += chunk.num_new_tokens
             if chunk.is_prefill:
                 self.num_prefill_tokens += chunk.num_new_tokens
             else:
                 self.num_decode_tokens += chunk.num_new_tokens
-            bm.mark_computed(seq)
+            if caching:
+                bm.mark_computed(seq)
             if not chunk.samples:
                 continue
             try:
@@ -385,9 +392,10 @@ class Scheduler:
             seq.token_times.append(now)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            num_output = len(seq.output_token_ids)
             if token in seq.eos_token_ids:
                 seq.finish_reason = "stop"
-            elif seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= max_model_len:
+            elif num_output >= seq.sampling.max_tokens or len(seq.prompt_token_ids) + num_output >= max_model_len:
                 seq.finish_reason = "length"
             else:
                 continue

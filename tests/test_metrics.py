@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from workbench.engine.metrics import STAT_KEYS, StepLog, requests_to_dataframe, stats, summarize
+from workbench.engine.metrics import STAT_KEYS, MetricsRecorder, StepLog, requests_to_dataframe, stats, summarize
+from workbench.engine.scheduler import ScheduledChunk, StepPlan
 from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence
 
 # A: arrives 0.0, tokens at 1.0, 1.5, 2.5  -> TTFT 1.0, E2E 2.5, TPOT (2.5-1.0)/2 = 0.75, ITL 0.5, 1.0
@@ -100,3 +101,14 @@ def test_step_log_exports() -> None:
     assert df["duration_s"].tolist() == pytest.approx([0.25, 0.05])
     records = json.loads(log.to_json())
     assert records[1]["num_preempted"] == 1 and records[1]["num_blocks_used"] == 11
+
+
+def test_recorder_logs_plans() -> None:
+    rec = MetricsRecorder()
+    a, b = Sequence(0, [1] * 6), Sequence(1, [2] * 3)
+    b.output_token_ids = [5]
+    plan = StepPlan([ScheduledChunk(a, 4, 0, True, False), ScheduledChunk(b, 1, 3, False, True)], preempted=[])
+    row = rec.record_step(plan, 1.0, 1.5, num_blocks_used=3)
+    assert (row.num_prefill_tokens, row.num_decode_tokens, row.num_seqs, row.duration_s) == (4, 1, 2, 0.5)
+    rec.record_finished(TIMELINE)
+    assert rec.summary(duration_s=4.0)["metrics"]["request_throughput"] == pytest.approx(0.75)

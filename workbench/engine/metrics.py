@@ -175,6 +175,8 @@ class StepRecord:
     num_seqs: int
     num_blocks_used: int
     num_preempted: int = 0
+    num_padding_tokens: int = 0  # static policy: what a padded batch would add
+    num_idle_slots: int = 0  # static policy: finished members still holding a batch slot
 
     @property
     def duration_s(self) -> float:
@@ -196,6 +198,8 @@ class StepLog:
         num_seqs: int,
         num_blocks_used: int,
         num_preempted: int = 0,
+        num_padding_tokens: int = 0,
+        num_idle_slots: int = 0,
     ) -> StepRecord:
         rec = StepRecord(
             len(self.steps),
@@ -206,6 +210,8 @@ class StepLog:
             num_seqs,
             num_blocks_used,
             num_preempted,
+            num_padding_tokens,
+            num_idle_slots,
         )
         self.steps.append(rec)
         return rec
@@ -220,9 +226,43 @@ class StepLog:
         return json.dumps(self.to_records())
 
     def to_dataframe(self) -> pd.DataFrame:
-        """Columns: step, start_s, end_s, num_prefill_tokens, num_decode_tokens, num_seqs, num_blocks_used,
-        num_preempted, duration_s (pandas imported lazily)."""
+        """Columns: the ``StepRecord`` fields and ``duration_s`` (pandas imported lazily)."""
         import pandas as pd
 
         columns = [f.name for f in StepRecord.__dataclass_fields__.values()] + ["duration_s"]
         return pd.DataFrame(self.to_records(), columns=columns)
+
+
+class MetricsRecorder:
+    """Collects a run's per-step log and finished requests; ``summary`` gives the contract JSON object."""
+
+    def __init__(self) -> None:
+        self.step_log = StepLog()
+        self.finished: list[Sequence | RequestRecord] = []
+
+    def record_step(self, plan: Any, start_s: float, end_s: float, num_blocks_used: int) -> StepRecord:
+        """Log one executed ``StepPlan`` (duck-typed: its token counts, sequences and preemptions)."""
+        return self.step_log.record(
+            start_s,
+            end_s,
+            plan.num_prefill_tokens,
+            plan.num_decode_tokens,
+            plan.num_seqs,
+            num_blocks_used,
+            len(plan.preempted),
+            getattr(plan, "num_padding_tokens", 0),
+            getattr(plan, "num_idle_slots", 0),
+        )
+
+    def record_finished(self, requests: list[Sequence] | list[RequestRecord]) -> None:
+        self.finished.extend(requests)
+
+    def summary(
+        self,
+        duration_s: float | None = None,
+        num_preemptions: int | None = None,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
+        slo_e2el_s: float | None = None,
+    ) -> dict[str, Any]:
+        return summarize(self.finished, duration_s, num_preemptions, slo_ttft_s, slo_tpot_s, slo_e2el_s)

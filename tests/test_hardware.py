@@ -106,7 +106,7 @@ def test_measured_spec_caches_in_memory_and_on_disk(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(hardware, "measure_cpu", tiny_measure)
     first = measured_spec("cpu", cache_dir=tmp_path)
     assert measured_spec("cpu", cache_dir=tmp_path) is first  # the session cache
-    assert get_hardware("measured") is first
+    assert get_hardware("measured-cpu") is first
     files = list(tmp_path.glob("hardware-cpu-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["name"] == "measured"
     monkeypatch.setattr(hardware, "_MEASURED", {})

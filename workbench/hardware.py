@@ -194,11 +194,11 @@ def _table() -> dict[str, HardwareSpec]:
     return _TABLE
 
 
-def get_hardware(name: str | HardwareSpec, device: str = "cpu") -> HardwareSpec:
+def get_hardware(name: str | HardwareSpec, device: str = "auto") -> HardwareSpec:
     """A spec by name (case-insensitive; '_' and '-' equivalent), 'measured' for this machine, or a spec as is.
 
-    'measured' and 'measured-cpu' measure the CPU; 'measured-cuda' measures the current CUDA device; plain
-    'measured' uses ``device``.
+    'measured-cpu' measures the CPU, 'measured-cuda' the current CUDA device; plain 'measured' measures
+    ``device`` (default 'auto': CUDA when torch sees a GPU, else the CPU).
     """
     if isinstance(name, HardwareSpec):
         return name

@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from workbench.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, StepPlan
 from workbench.engine.sequence import SamplingParams, Sequence, SequenceStatus
@@ -360,3 +362,50 @@ def test_core_modules_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(POLICIES),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    spare_blocks=st.integers(0, 12),
+    lengths=st.lists(st.tuples(st.integers(1, 14), st.integers(1, 9), st.integers(0, 6)), min_size=1, max_size=7),
+    caching=st.booleans(),
+    chunk_size=st.integers(1, 9),
+    shared_prefix=st.integers(0, 10),
+)
+def test_random_workloads_finish_with_reference_tokens(
+    policy: str,
+    block_size: int,
+    spare_blocks: int,
+    lengths: list[tuple[int, int, int]],
+    caching: bool,
+    chunk_size: int,
+    shared_prefix: int,
+) -> None:
+    max_model_len = 32
+    prefix = [(11 * j + 4) % VOCAB for j in range(shared_prefix)]
+    prompts = [(prefix + make_prompts(1, [p], seed=i)[0])[:max_model_len] for i, (p, _, _) in enumerate(lengths)]
+    max_tokens = [m for _, m, _ in lengths]
+    arrivals = [float(a) for _, _, a in lengths]
+    # the smallest pool that holds the longest request alone, plus some spare blocks
+    longest = max(min(len(p) + m, max_model_len) - 1 for p, m in zip(prompts, max_tokens))
+    num_blocks = -(-max(longest, max(map(len, prompts))) // block_size) + spare_blocks
+    budget = max(chunk_size, 4) if policy == "chunked" else None
+    sched, finished, _ = run(
+        prompts,
+        max_tokens,
+        policy,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=3,
+        token_budget=budget,
+        chunk_size=chunk_size if policy == "chunked" else None,
+        max_model_len=max_model_len,
+        prefix_caching=caching,
+        arrivals=arrivals,
+    )
+    assert sorted(s.seq_id for s in finished) == list(range(len(prompts)))
+    for seq in finished:
+        assert seq.output_token_ids == reference_outputs(prompts[seq.seq_id], max_tokens[seq.seq_id], max_model_len)
+    assert sched.num_preemptions == sum(s.num_preemptions for s in finished)

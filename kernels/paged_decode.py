@@ -51,7 +51,7 @@ _DECODE_CONFIGS = pick_configs(
 )
 
 
-@triton.autotune(configs=_DECODE_CONFIGS, key=["HEAD_DIM_PAD", "GROUP_PAD", "PAGE_SIZE", "WRITE_FINAL"])
+@triton.autotune(configs=_DECODE_CONFIGS, key=["tune_bucket", "HEAD_DIM_PAD", "GROUP_PAD", "PAGE_SIZE", "WRITE_FINAL"])
 @triton.jit
 def _paged_decode_kernel(
     q_ptr,  # (num_seqs, num_heads, head_dim)
@@ -65,6 +65,7 @@ def _paged_decode_kernel(
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     split_len,  # tokens per split (a multiple of SPLIT_ALIGN)
     num_splits,
+    tune_bucket,  # unused by the body: split_len rounded to a power of two, so autotuning is per length range
     stride_q_s,
     stride_q_h,
     stride_kc_b,
@@ -271,6 +272,7 @@ def paged_decode_attention(
         scale * math.log2(math.e),
         split_len,
         num_splits,
+        min(max(next_pow2(split_len), 64), 8192),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

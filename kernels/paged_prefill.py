@@ -110,7 +110,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_PREFILL_CONFIGS, key=["HEAD_DIM_PAD", "PAGE_SIZE", "GROUP"])
+@triton.autotune(configs=_PREFILL_CONFIGS, key=["tune_bucket", "HEAD_DIM_PAD", "PAGE_SIZE", "GROUP"])
 @triton.jit
 def _paged_prefill_kernel(
     q_ptr,  # (num_tokens, num_heads, head_dim)
@@ -121,6 +121,7 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,  # (num_seqs + 1,) int32/int64
     out_ptr,  # (num_tokens, num_heads, head_dim)
     qk_scale,  # softmax scale * log2(e)
+    tune_bucket,  # unused by the body: max_query_len rounded to a power of two, so autotuning is per size range
     stride_q_t,
     stride_q_h,
     stride_kc_b,
@@ -249,6 +250,7 @@ def paged_prefill_attention(
         cu_seqlens_q,
         out,
         scale * math.log2(math.e),
+        min(max(next_pow2(max_query_len), 16), 8192),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -181,10 +181,14 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._early_finished)
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def step(self) -> list[Sequence]:
-        """Schedule, execute and update once; returns the sequences that finished (or were rejected)."""
+    def step(self, start: float | None = None) -> list[Sequence]:
+        """Schedule, execute and update once; returns the sequences that finished (or were rejected).
+
+        ``start``: the step's start time when the caller already read the clock (``replay`` passes the time at
+        which it admitted arrivals, so that a simulator replaying the step log admits exactly the same ones).
+        """
         finished, self._early_finished = self._early_finished, []
-        start = self.now()
+        start = self.now() if start is None else start
         plan = self.scheduler.schedule(now=start)
         sampled = self.runner.execute(plan)
         synchronize(self.model.device)
@@ -234,7 +238,7 @@ class Engine:
                 ids.append(self.add_request(list(prompt), sp, arrival_time=r.arrival_time_s))
                 i += 1
             if self.has_unfinished():
-                self.step()
+                self.step(now)
             elif i < len(pending):
                 time.sleep(max(0.0, pending[i].arrival_time_s - self.now()))
         return self._result(ids, self.now())

@@ -427,3 +427,97 @@ class Scheduler:
             s = min(room, left)
             steps = s if steps is None else min(steps, s)
         return max(steps or 0, 0)
+
+    # ---- bulk decode (the simulator's fast path) -------------------------------------------------------------
+    def decode_steps_until_change(self) -> int:
+        """How many next steps are the same pure-decode step over the same running sequences, the last included.
+
+        Like ``decode_steps_without_change`` but a block boundary is no change while the free pool holds every
+        block the run needs (taking a free block is bookkeeping, not a scheduling decision): zero unless no
+        request waits (the static policy ignores waiting requests while its batch runs) and every running
+        sequence decodes; otherwise the steps up to and including the first that finishes a sequence by
+        ``max_tokens`` or the context limit (EOS ignored), capped where the pool would run out of blocks.
+        """
+        if (self.waiting and self.policy != "static") or not self.running or self._rejected:
+            return 0
+        max_model_len = self.config.max_model_len
+        steps = None
+        for seq in self.running:
+            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            if seq.num_computed_tokens != num_tokens - 1:
+                return 0
+            left = min(seq.sampling.max_tokens - len(seq.output_token_ids), max_model_len - num_tokens)
+            steps = left if steps is None or left < steps else steps
+        steps = max(steps or 0, 0)
+        free = self.block_manager.num_free_blocks
+        while steps > 0 and self._blocks_needed(steps) > free:
+            steps = self._max_steps_within(free, steps)
+        return steps
+
+    def _blocks_needed(self, num_steps: int) -> int:
+        """New blocks the running decodes take over ``num_steps`` steps (step j writes position computed + j - 1)."""
+        bs = self.block_manager.block_size
+        return sum(max(0, -(-(s.num_computed_tokens + num_steps) // bs) - len(s.block_table)) for s in self.running)
+
+    def _max_steps_within(self, free: int, upper: int) -> int:
+        lo, hi = 0, upper - 1  # the largest k < upper with _blocks_needed(k) <= free (monotone in k)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._blocks_needed(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def advance_decode_steps(self, end_times: list[float], token: int = 0) -> None:
+        """Apply ``len(end_times)`` pure-decode steps to every running sequence at once, each sampling ``token``.
+
+        Equivalent to that many ``schedule()`` + ``update(plan, {id: token}, end_times[j])`` rounds when fewer
+        steps are asked than ``decode_steps_until_change()`` (so no step finishes a sequence, preempts or
+        admits; the step that finishes one is left to ``schedule``/``update``). The simulator's fast path:
+        O(running) work for the whole run instead of per step.
+        """
+        k = len(end_times)
+        if k == 0:
+            return
+        window = self.decode_steps_until_change()
+        if k >= window:
+            raise ValueError(f"advance_decode_steps: {k} steps asked but only {window - 1} can be advanced in bulk")
+        bm = self.block_manager
+        tokens = [token] * k
+        for seq in self.running:
+            end = seq.num_computed_tokens + k
+            if not bm.append_slots(seq, end):
+                raise RuntimeError("advance_decode_steps: the pool ran out of blocks inside a checked window")
+            seq.num_computed_tokens = end
+            seq.output_token_ids.extend(tokens)
+            seq.token_times.extend(end_times)
+            if bm.enable_prefix_caching:
+                bm.mark_computed(seq)
+        self.num_steps += k
+        self.num_decode_tokens += k * len(self.running)
+
+    def admit_prefilled(self, seq: Sequence) -> bool:
+        """Admit a request whose KV for all but its last token was computed elsewhere (prefill/decode
+        disaggregation: the decode side receives the prompt's KV and the first token).
+
+        Like an admission by ``schedule``: blocks for all its tokens (prefix-cache hits reused), keeping the
+        watermark while something runs, within ``max_num_seqs``; then ``num_computed_tokens = num_tokens - 1``,
+        so its next step is a decode. False, with nothing changed, when it does not fit now; RequestError when
+        it never can.
+        """
+        if seq.seq_id in self._by_id:
+            raise ValueError(f"sequence id {seq.seq_id} is already in the scheduler")
+        self.check_request(seq)
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        bm = self.block_manager
+        if not bm.allocate(seq, self._watermark_blocks if self.running else 0):
+            return False
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_arrival_key)
+        self._by_id[seq.seq_id] = seq
+        if bm.enable_prefix_caching:
+            bm.mark_computed(seq)
+        return True

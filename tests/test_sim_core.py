@@ -1,0 +1,196 @@
+"""Simulator core: cost models, the bulk-decode fast path against step-by-step, event ordering by hand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workbench.config import ModelConfig
+from workbench.engine.scheduler import Scheduler, SchedulerConfig
+from workbench.engine.sequence import SamplingParams, Sequence
+from workbench.errors import ConfigError
+from workbench.kv.block_manager import BlockManager
+from workbench.roofline import get_model
+from workbench.sim.cluster import SimConfig, simulate
+from workbench.sim.costmodel import (
+    FEATURES,
+    ProfiledCostModel,
+    RooflineCostModel,
+    StepStats,
+    decode_stats,
+    fit_profile,
+)
+from workbench.workloads import Request, synthetic_workload
+
+LLAMA = ModelConfig.resolve("Llama-3.1-8B")
+
+
+def const_cost(step_s: float, **coefficients: float) -> ProfiledCostModel:
+    return ProfiledCostModel({"const": step_s, **coefficients})
+
+
+# ---- cost models ---------------------------------------------------------------------------------------------
+def test_roofline_decode_fast_path_equals_step_time() -> None:
+    cost = RooflineCostModel(LLAMA, "h100-sxm", prefill_efficiency=0.5, decode_efficiency=0.7)
+    rm = get_model(LLAMA, "h100-sxm")
+    for n in (1, 3, 32, 256):
+        for ctx in (n, 10 * n, 1000 * n, 4096 * n, 100_000 * n):
+            expected = rm.time_from_stats(n, n, ctx, ctx) / 0.7
+            assert cost.decode_time(n, ctx) == pytest.approx(expected, rel=1e-12)
+            assert cost.step_time(decode_stats(n, ctx)) == pytest.approx(expected, rel=1e-12)
+            starts, ends = cost.decode_run(2.0, n, ctx, 3, float("inf"))
+            assert starts[0] == 2.0 and ends[0] == pytest.approx(2.0 + expected, rel=1e-12)
+            second = rm.time_from_stats(n, n, ctx + n, ctx + n) / 0.7
+            assert ends[1] - starts[1] == pytest.approx(second, rel=1e-9)
+
+
+def test_roofline_efficiency_per_phase() -> None:
+    rm = get_model(LLAMA, "h100-sxm")
+    cost = RooflineCostModel(LLAMA, "h100-sxm", prefill_efficiency=0.5, decode_efficiency=0.25)
+    prefill = StepStats(prefill_tokens=100, prefill_seqs=1, prefill_pairs=5050, prefill_context=100)
+    assert cost.step_time(prefill) == pytest.approx(rm.time_from_stats(100, 1, 5050, 100) / 0.5)
+    mixed = StepStats(100, 1, 5050, 100, 4, 400)
+    tp, td = rm.time_from_stats(100, 1, 5050, 100), rm.time_from_stats(4, 4, 400, 400)
+    t = rm.time_from_stats(104, 5, 5450, 500)
+    assert cost.step_time(mixed) == pytest.approx(t * (tp / 0.5 + td / 0.25) / (tp + td))
+    with pytest.raises(ConfigError, match="decode_efficiency"):
+        RooflineCostModel(LLAMA, "h100-sxm", decode_efficiency=0)
+    with pytest.raises(ConfigError, match="unknown hardware"):
+        RooflineCostModel(LLAMA, "h900-imaginary")
+
+
+def test_profiled_linear_save_load_and_fit(tmp_path) -> None:
+    model = ProfiledCostModel({"const": 0.002, "prefill_tokens": 1e-4, "decode_seqs": 5e-4, "decode_context": 1e-6})
+    # 2 ms + 100 tokens * 0.1 ms + 3 decodes * 0.5 ms + 3000 context * 1 us = 2 + 10 + 1.5 + 3 = 16.5 ms
+    assert model.step_time(StepStats(100, 1, 5050, 100, 3, 3000)) == pytest.approx(0.0165)
+    path = model.save(tmp_path / "p.json")
+    again = ProfiledCostModel.load(path)
+    assert again.coefficients == {f: model.coefficients.get(f, 0.0) for f in FEATURES}
+    # a fit recovers coefficients that generated noiseless data
+    rng = random.Random(0)
+    stats = [StepStats(p, 1 if p else 0, p * p // 2, p, d, d * rng.randrange(1, 500))
+             for p, d in ((rng.choice([0, 0, 16, 64, 200]), rng.randrange(0, 9)) for _ in range(200))
+             if p or d]  # fmt: skip
+    fitted = fit_profile(stats, [model.step_time(s) for s in stats], gaps_s=[1e-4, 2e-4, 3e-4])
+    for f in FEATURES:
+        assert fitted.coefficients[f] == pytest.approx(model.coefficients.get(f, 0.0), abs=1e-9)
+    assert fitted.host_gap_s == pytest.approx(2e-4)
+    with pytest.raises(ConfigError, match="not found"):
+        ProfiledCostModel.load(tmp_path / "missing.json")
+    with pytest.raises(ConfigError, match="unknown feature"):
+        ProfiledCostModel({"flux": 1.0})
+
+
+# ---- the scheduler's bulk decode equals step-by-step -----------------------------------------------------------
+def _running_scheduler(seed: int, policy: str, caching: bool) -> Scheduler:
+    rng = random.Random(seed)
+    bm = BlockManager(
+        num_blocks=rng.choice([40, 400]), block_size=rng.choice([1, 4, 16]), enable_prefix_caching=caching
+    )
+    sched = Scheduler(SchedulerConfig(policy=policy, max_model_len=256, enable_prefix_caching=caching), bm)
+    for i in range(rng.randrange(1, 6)):
+        sched.add(Sequence(i, [rng.randrange(50) for _ in range(rng.randrange(1, 40))],
+                           SamplingParams(max_tokens=rng.randrange(2, 60), ignore_eos=True)))  # fmt: skip
+    for _ in range(3):  # prefill everything
+        plan = sched.schedule(now=0.0)
+        sched.update(plan, {c.seq.seq_id: 7 for c in plan.chunks if c.samples}, 0.0)
+    return sched
+
+
+def _state(sched: Scheduler) -> list[tuple]:
+    return [(s.seq_id, s.num_computed_tokens, list(s.output_token_ids), list(s.token_times), len(s.block_table),
+             s.status) for s in sched.running] + [(sched.num_steps, sched.num_decode_tokens,
+                                                   sched.block_manager.num_free_blocks)]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_advance_decode_steps_equals_schedule_update(seed: int) -> None:
+    policy = ("continuous", "chunked", "decode-first", "static")[seed % 4]
+    bulk, ref = _running_scheduler(seed, policy, seed % 3 == 0), _running_scheduler(seed, policy, seed % 3 == 0)
+    window = bulk.decode_steps_until_change()
+    assert window == ref.decode_steps_until_change()
+    if window < 2:
+        return
+    times = [1.0 + j for j in range(window - 1)]
+    bulk.advance_decode_steps(times, token=7)
+    for t in times:
+        plan = ref.schedule(now=t)
+        assert plan.is_pure_decode and not plan.preempted
+        assert not ref.update(plan, {c.seq.seq_id: 7 for c in plan.chunks}, t)  # nothing finishes inside
+    assert _state(bulk) == _state(ref)
+    # the last step of the window finishes a sequence (or meets the pool's end): both agree afterwards
+    plan_b, plan_r = bulk.schedule(now=99.0), ref.schedule(now=99.0)
+    assert [(c.seq.seq_id, c.num_new_tokens) for c in plan_b.chunks] == [(c.seq.seq_id, c.num_new_tokens)
+                                                                        for c in plan_r.chunks]  # fmt: skip
+    with pytest.raises(ValueError, match="bulk"):
+        bulk.advance_decode_steps([1.0] * 10_000)
+
+
+def test_decode_steps_until_change_counts_blocks() -> None:
+    # block size 4, 8 blocks; prompts of 5 and 9 tokens take 2 + 3 blocks at admission, 3 stay free
+    bm = BlockManager(num_blocks=8, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_model_len=64), bm)
+    sched.add(Sequence(0, [1, 2, 3, 4, 5], SamplingParams(max_tokens=10, ignore_eos=True)))
+    sched.add(Sequence(1, list(range(9)), SamplingParams(max_tokens=20, ignore_eos=True)))
+    plan = sched.schedule()
+    sched.update(plan, {0: 9, 1: 9}, 0.0)
+    assert bm.num_free_blocks == 3
+    # computed 5 and 9: both reach a block boundary after 3 more decodes (positions 5-7 and 9-11)
+    assert sched.decode_steps_without_change() == 3
+    # k steps need ceil((5+k)/4) - 2 + ceil((9+k)/4) - 3 new blocks: 2 for k = 4..7, 4 for k = 8 > 3 free
+    assert sched.decode_steps_until_change() == 7
+    assert sched._blocks_needed(7) == 2 and sched._blocks_needed(8) == 4
+
+
+# ---- simulator loop ---------------------------------------------------------------------------------------------
+def test_event_order_arrival_at_step_end_is_admitted_by_the_next_step() -> None:
+    cost = const_cost(1.0)
+    cfg = SimConfig(num_blocks=100, max_model_len=64)
+    # A at 0 (2 tokens), B exactly when A's prefill ends: continuous prefills B before A's decode (a stall)
+    res = simulate([Request(0, 0.0, 4, 2), Request(1, 1.0, 4, 1)], LLAMA, cost, cfg)
+    a, b = res.records
+    assert a.token_times == [1.0, 3.0] and b.token_times == [2.0]
+    # B a hair later: A's decode starts at 1.0 without it, B waits for that step's end
+    res = simulate([Request(0, 0.0, 4, 2), Request(1, 1.0 + 1e-9, 4, 1)], LLAMA, cost, cfg)
+    a, b = res.records
+    assert a.token_times == [1.0, 2.0] and b.token_times == [3.0]
+    assert res.duration_s == 3.0 and res.replicas[0]["busy_s"] == 3.0
+
+
+def test_idle_replica_waits_for_the_next_arrival_and_host_gap_counts() -> None:
+    cost = ProfiledCostModel({"const": 0.5}, host_gap_s=0.25)
+    res = simulate([Request(0, 0.0, 4, 1), Request(1, 10.0, 4, 2)], LLAMA, cost, SimConfig(num_blocks=100))
+    a, b = res.records
+    assert a.first_token_time == 0.75  # gap 0.25 then a 0.5 s step
+    assert b.token_times == [10.75, 11.5]  # idle until 10, then gap + step, gap + step
+    assert res.summary()["metrics"]["ttft_s"]["median"] == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("policy", ["continuous", "chunked", "decode-first", "static"])
+def test_bulk_fast_path_equals_step_by_step(policy: str) -> None:
+    requests = synthetic_workload(60, rate=20.0, prompt_lens="uniform:8:300", output_lens="uniform:1:80", seed=3)
+    cfg = SimConfig(policy=policy, num_blocks=300, max_model_len=512, max_num_seqs=8,
+                    token_budget=256 if policy == "chunked" else None)  # fmt: skip
+    for cost in (RooflineCostModel(LLAMA, "a100-80gb"), const_cost(0.01, prefill_tokens=1e-4, decode_context=1e-7)):
+        fast = simulate(requests, LLAMA, cost, cfg)
+        slow = simulate(requests, LLAMA, cost, cfg, fast=False)
+        assert fast.num_steps == slow.num_steps
+        assert sum(r["num_bulk_steps"] for r in fast.replicas) > 0
+        assert slow.replicas[0]["num_bulk_steps"] == 0
+        for f, s in zip(fast.records, slow.records):
+            assert f.num_output_tokens == s.num_output_tokens and f.num_preemptions == s.num_preemptions
+            assert f.token_times == pytest.approx(s.token_times, rel=1e-9)
+
+
+def test_kv_pool_from_hardware_memory() -> None:
+    # Llama-3.1-8B bf16 on an 80 GB H100 at 0.9: KV bytes per block of 16 tokens = 16 * 131072
+    cfg = SimConfig()
+    from workbench.hardware import get_hardware
+
+    hw = get_hardware("h100-sxm")
+    expected = int((hw.mem_capacity * 0.9 - LLAMA.weight_bytes("bf16")) // (16 * 131072))
+    assert LLAMA.kv_bytes_per_token("bf16") == 2 * 8 * 128 * 32 * 2
+    assert cfg.resolved_num_blocks(LLAMA, "h100-sxm") == expected
+    with pytest.raises(ConfigError, match="no KV block"):
+        SimConfig(gpu_memory_utilization=0.1).resolved_num_blocks(ModelConfig.resolve("Llama-3.1-70B"), "h100-sxm")

@@ -1,0 +1,475 @@
+"""The discrete-event serving simulator: replicas running the engine's own Scheduler, a router, and optional
+prefill/decode disaggregation with a KV link.
+
+One replica is the engine with its device replaced by a ``CostModel``: the same ``Scheduler`` and
+``BlockManager`` objects, driven by the same loop as ``Engine.replay`` on a virtual clock. At the top of each
+iteration, every request that has arrived (``arrival <= step start``) is in the scheduler; the step is planned by
+``Scheduler.schedule(now=start)``, lasts what the cost model says, and ``Scheduler.update`` stamps its tokens
+with the step's end time. When nothing is left to do the replica idles until its next request arrives.
+
+Fast path: when the scheduler says the next steps are the same pure-decode step over the same sequences
+(``Scheduler.decode_steps_until_change``: no request waits, no finish, enough free blocks), all but the last of
+them that start before the next event are applied at once by ``Scheduler.advance_decode_steps`` with the
+times of ``CostModel.decode_run``; the last goes through ``schedule``/``update`` as usual.
+
+Cluster: ``num_replicas`` replicas behind a router (``round-robin``; ``least-outstanding``: fewest routed and
+unfinished requests; ``shortest-queue``: fewest requests waiting for admission; ties go to the lowest index).
+Disaggregation (``disaggregate=(P, D)``): P prefill replicas run each request's prompt and first token (TTFT
+ends there); its KV (``num_prompt_tokens * kv_bytes_per_token``) then crosses a link in
+``bytes / (link_gbps * 1e9 / 8) + link_latency_s`` (each transfer on its own, no contention, as in
+DistServe's model of a dedicated high-bandwidth link: Zhong et al., OSDI'24), and the request joins the
+decode replica chosen by the router when the transfer completes; that replica admits it (blocks for its
+tokens, FCFS, keeping the watermark) at the top of its next step, and its next token is a decode.
+
+Events are processed in time order: at equal times, step completions come before arrivals and KV transfers,
+and both before a step that starts at that time (so such a step admits them, as the engine does).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from workbench.config import ModelConfig
+from workbench.engine.metrics import StepLog, summarize
+from workbench.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, StepPlan
+from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence
+from workbench.errors import ConfigError
+from workbench.kv.block_manager import BlockManager
+from workbench.sim.costmodel import CostModel, plan_stats
+from workbench.workloads import Request, prompt_token_ids
+
+ROUTERS = ("round-robin", "least-outstanding", "shortest-queue")
+SIM_TOKEN = 0  # the token every simulated step samples (EOS is ignored, as in the engine's replay)
+
+
+@dataclass
+class SimConfig:
+    """One replica's engine settings (as ``EngineConfig``) and the cluster around it; validated.
+
+    ``num_blocks``: KV blocks per replica; None derives it from the hardware's memory:
+    ``(mem_capacity * gpu_memory_utilization - weight bytes) / (block_size * kv bytes per token)``
+    (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given.
+    ``max_model_len`` None: ``min(model's max positions, 4096)``, as the engine.
+    """
+
+    policy: str = "continuous"
+    max_num_seqs: int = 256
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    token_budget: int | None = None
+    chunk_size: int | None = None
+    enable_prefix_caching: bool = False
+    dtype: str = "bf16"
+    num_replicas: int = 1
+    router: str = "round-robin"
+    disaggregate: tuple[int, int] | None = None
+    link_gbps: float = 100.0
+    link_latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
+        for name in ("max_num_seqs", "block_size", "num_replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or unset, got {value!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.disaggregate is not None:
+            try:
+                p, d = (int(x) for x in self.disaggregate)
+            except (TypeError, ValueError):
+                raise ConfigError(f"disaggregate must be (prefill replicas, decode replicas), got "
+                                  f"{self.disaggregate!r}") from None  # fmt: skip
+            if p < 1 or d < 1:
+                raise ConfigError(f"disaggregate needs at least one prefill and one decode replica, got {p}:{d}")
+            self.disaggregate = (p, d)
+        for name in ("link_gbps",):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.link_latency_s, (int, float)) or not (
+            self.link_latency_s >= 0 and math.isfinite(self.link_latency_s)
+        ):
+            raise ConfigError(f"link_latency_s must be a number >= 0, got {self.link_latency_s!r}")
+
+    @property
+    def total_replicas(self) -> int:
+        return sum(self.disaggregate) if self.disaggregate else self.num_replicas
+
+    def resolved_max_model_len(self, model: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return min(model.max_position_embeddings, 4096)
+        return self.max_model_len
+
+    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
+        kwargs: dict[str, Any] = {}
+        if self.token_budget is not None:
+            kwargs["token_budget"] = self.token_budget
+        if self.chunk_size is not None:
+            kwargs["chunk_size"] = self.chunk_size
+        return SchedulerConfig(
+            policy=self.policy,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.resolved_max_model_len(model),
+            enable_prefix_caching=self.enable_prefix_caching,
+            **kwargs,
+        )
+
+    def resolved_num_blocks(self, model: ModelConfig, hardware: Any = None) -> int:
+        """KV blocks per replica (see the class docstring)."""
+        bytes_per_block = self.block_size * model.kv_bytes_per_token(self.dtype)
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.kv_cache_bytes is not None:
+            budget = self.kv_cache_bytes
+        else:
+            if hardware is None:
+                raise ConfigError("num_blocks or kv_cache_bytes is needed when no hardware spec is given")
+            from workbench.hardware import get_hardware
+
+            hw = get_hardware(hardware)
+            budget = hw.mem_capacity * self.gpu_memory_utilization - model.weight_bytes(self.dtype)
+        blocks = int(budget // bytes_per_block)
+        if blocks < 1:
+            raise ConfigError(
+                f"no KV block of {bytes_per_block} bytes fits: the weights of {model.name} "
+                f"({model.weight_bytes(self.dtype) / 2**30:.1f} GiB in {self.dtype}) leave {budget / 2**30:.2f} GiB"
+            )
+        return blocks
+
+
+class Replica:
+    """One simulated engine: a Scheduler over a BlockManager, a cost model and a virtual clock."""
+
+    def __init__(
+        self,
+        index: int,
+        scheduler_config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        cost_model: CostModel,
+        record_steps: bool = False,
+        on_finish: Callable[[Replica, Sequence, float], None] | None = None,
+        role: str = "mixed",
+        fast: bool = True,
+    ) -> None:
+        self.index = index
+        self.role = role
+        self.fast = fast  # advance runs of identical decode steps in bulk (False: the step-by-step reference)
+        self.block_manager = BlockManager(num_blocks, block_size, scheduler_config.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.cost = cost_model
+        self.clock = 0.0  # when the replica became free (end of its last step, or an arrival while idle)
+        self.inflight: tuple[StepPlan, float, float] | None = None  # (plan, start, end)
+        self.ready: deque[Sequence] = deque()  # disaggregated decode: KV arrived, not yet admitted
+        self.on_finish = on_finish
+        self.step_log: StepLog | None = StepLog() if record_steps else None
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.num_bulk_steps = 0
+        self.outstanding = 0  # routed and not finished
+
+    # ---- state the router reads ------------------------------------------------------------------------
+    @property
+    def queue_length(self) -> int:
+        return len(self.scheduler.waiting) + len(self.ready)
+
+    def _idle(self) -> bool:
+        return self.inflight is None and not self.ready and not self.scheduler.has_unfinished()
+
+    # ---- requests in ---------------------------------------------------------------------------------------
+    def add(self, seq: Sequence, now: float) -> None:
+        """A new request at ``now`` (queued for admission by the scheduler)."""
+        if self._idle():
+            self.clock = max(self.clock, now)
+        self.outstanding += 1
+        self.scheduler.add(seq)
+
+    def add_prefilled(self, seq: Sequence, now: float) -> None:
+        """A request whose prompt KV arrived at ``now`` (disaggregated decode): admitted at the next step."""
+        if self._idle():
+            self.clock = max(self.clock, now)
+        self.outstanding += 1
+        self.ready.append(seq)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def advance(self, until: float) -> None:
+        """Run every step that starts before ``until`` and complete every step that ends by ``until``."""
+        sched = self.scheduler
+        cost = self.cost
+        while True:
+            if self.inflight is not None:
+                plan, start, end = self.inflight
+                if end > until:
+                    return
+                self.inflight = None
+                self._complete(plan, start, end)
+                continue
+            if not (self.ready or sched.has_unfinished()):
+                return
+            start = cost.start_time(self.clock)
+            if start >= until:
+                return
+            ready = self.ready
+            while ready and sched.admit_prefilled(ready[0]):
+                ready.popleft()
+            if not ready and self.fast:
+                window = sched.decode_steps_until_change()
+                if window > 1:
+                    running = sched.running
+                    n = len(running)
+                    context = sum(s.num_computed_tokens for s in running) + n
+                    starts, ends = cost.decode_run(self.clock, n, context, window - 1, until)
+                    if ends:
+                        sched.advance_decode_steps(ends, SIM_TOKEN)
+                        self._log_bulk(starts, ends, n)
+                        self.clock = ends[-1]
+                        continue
+            plan = sched.schedule(now=start)
+            if plan.is_empty:
+                finished = sched.update(plan, {}, start)
+                if not finished and not sched.running:
+                    raise RuntimeError(f"replica {self.index}: nothing can be scheduled and nothing runs")
+                self.clock = start
+                self._finish(finished, start)
+                continue
+            end = cost.end_time(start, plan_stats(plan))
+            self.inflight = (plan, start, end)
+
+    def _complete(self, plan: StepPlan, start: float, end: float) -> None:
+        sampled = {c.seq.seq_id: SIM_TOKEN for c in plan.chunks if c.samples}
+        finished = self.scheduler.update(plan, sampled, end)
+        self.clock = end
+        self.busy_s += end - start
+        self.num_steps += 1
+        if self.step_log is not None:
+            self.step_log.record(
+                start, end, plan.num_prefill_tokens, plan.num_decode_tokens, plan.num_seqs,
+                self.block_manager.num_used_blocks, len(plan.preempted),
+            )  # fmt: skip
+        self._finish(finished, end)
+
+    def _log_bulk(self, starts: list[float], ends: list[float], n: int) -> None:
+        self.busy_s += sum(ends) - sum(starts)
+        self.num_steps += len(ends)
+        self.num_bulk_steps += len(ends)
+        if self.step_log is not None:
+            used = self.block_manager.num_used_blocks  # after the run (a run may take a block mid-way)
+            for s, e in zip(starts, ends):
+                self.step_log.record(s, e, 0, n, n, used, 0)
+
+    def _finish(self, finished: list[Sequence], now: float) -> None:
+        for seq in finished:
+            self.outstanding -= 1
+            if self.on_finish is not None:
+                self.on_finish(self, seq, now)
+
+
+# ---- routing ---------------------------------------------------------------------------------------------
+class Router:
+    """Picks a replica for each request: ``round-robin``, ``least-outstanding`` or ``shortest-queue``."""
+
+    def __init__(self, policy: str, replicas: list[Replica]) -> None:
+        if policy not in ROUTERS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {policy!r}")
+        self.policy = policy
+        self.replicas = replicas
+        self._next = 0
+
+    def pick(self) -> Replica:
+        reps = self.replicas
+        if len(reps) == 1:
+            return reps[0]
+        if self.policy == "round-robin":
+            r = reps[self._next % len(reps)]
+            self._next += 1
+            return r
+        if self.policy == "least-outstanding":
+            return min(reps, key=lambda r: (r.outstanding, r.index))
+        return min(reps, key=lambda r: (r.queue_length, r.index))
+
+
+# ---- results ---------------------------------------------------------------------------------------------
+@dataclass
+class SimResult:
+    """What ``simulate`` returns: per-request records, the run's duration, per-replica figures, wall time."""
+
+    records: list[RequestRecord]
+    duration_s: float
+    replicas: list[dict[str, Any]]
+    step_logs: list[StepLog | None]
+    num_steps: int
+    wall_s: float
+    config: SimConfig
+    cost_model: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(r.num_preemptions for r in self.records)
+
+    def summary(self, **slos: float | None) -> dict[str, Any]:
+        """The contract JSON of ``workbench replay`` plus ``wall_s``, ``requests_per_wall_s``, ``num_steps``,
+        ``us_per_step`` and per-replica utilisation."""
+        out = summarize(self.records, duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
+        out["wall_s"] = self.wall_s
+        out["requests_per_wall_s"] = len(self.records) / self.wall_s if self.wall_s > 0 else 0.0
+        out["num_steps"] = self.num_steps
+        out["us_per_step"] = 1e6 * self.wall_s / self.num_steps if self.num_steps else 0.0
+        out["replicas"] = self.replicas
+        return out
+
+
+# ---- the simulation --------------------------------------------------------------------------------------
+def simulate(
+    requests: list[Request],
+    model: ModelConfig | str,
+    cost_model: CostModel | SequenceABC[CostModel],
+    config: SimConfig | None = None,
+    hardware: Any = None,
+    seed: int = 0,
+    record_steps: bool = False,
+    sampling: SamplingParams | None = None,
+    fast: bool = True,
+) -> SimResult:
+    """Serve ``requests`` (``workbench.workloads.Request``) on simulated replicas; see the module docstring.
+
+    ``cost_model``: one model shared by every replica, or one per replica (prefill replicas first when
+    disaggregated; a ``TraceCostModel`` is stateful, so give each replica its own). ``hardware`` sizes the KV
+    pool when ``config.num_blocks`` and ``kv_cache_bytes`` are unset. Each request generates exactly its
+    ``output_len`` tokens (at least one) with EOS ignored, as ``Engine.replay``; prompt token ids are made
+    (deterministically from ``seed``) only when prefix caching needs them. ``fast=False`` steps every decode
+    through ``schedule``/``update`` (the reference the bulk fast path is tested against).
+    """
+    wall0 = time.perf_counter()
+    config = config or SimConfig()
+    cfg = model if isinstance(model, ModelConfig) else ModelConfig.resolve(model)
+    sched_cfg = config.scheduler_config(cfg)
+    num_blocks = config.resolved_num_blocks(cfg, hardware)
+    total = config.total_replicas
+    costs = [cost_model] * total if isinstance(cost_model, CostModel) else list(cost_model)
+    if len(costs) != total:
+        raise ConfigError(f"{len(costs)} cost models given for {total} replicas")
+    records: dict[int, RequestRecord] = {}
+    transfers: list[tuple[float, int, Sequence]] = []
+    kv_bytes_per_token = cfg.kv_bytes_per_token(config.dtype)
+    link_bytes_per_s = config.link_gbps * 1e9 / 8
+    output_len: dict[int, int] = {}
+
+    def done(replica: Replica, seq: Sequence, now: float) -> None:
+        records[seq.seq_id] = RequestRecord.from_sequence(seq)
+
+    def prefilled(replica: Replica, seq: Sequence, now: float) -> None:
+        want = output_len[seq.seq_id]
+        if seq.finish_reason != "length" or want <= 1 or seq.num_output_tokens != 1:
+            records[seq.seq_id] = RequestRecord.from_sequence(seq)
+            return
+        nxt = Sequence(seq.seq_id, seq.prompt_token_ids, _sampling(sampling, want), seq.arrival_time)
+        nxt.output_token_ids = list(seq.output_token_ids)
+        nxt.token_times = list(seq.token_times)
+        nxt.first_token_time = seq.first_token_time
+        nxt.first_scheduled_time = seq.first_scheduled_time
+        nxt.num_preemptions = seq.num_preemptions
+        arrive = now + seq.num_prompt_tokens * kv_bytes_per_token / link_bytes_per_s + config.link_latency_s
+        heapq.heappush(transfers, (arrive, seq.seq_id, nxt))
+
+    def replica(index: int, on_finish: Callable[[Replica, Sequence, float], None], role: str) -> Replica:
+        return Replica(index, sched_cfg, num_blocks, config.block_size, costs[index], record_steps, on_finish, role,
+                       fast)  # fmt: skip
+
+    if config.disaggregate:
+        p, d = config.disaggregate
+        front = [replica(i, prefilled, "prefill") for i in range(p)]
+        back = [replica(p + i, done, "decode") for i in range(d)]
+    else:
+        front = [replica(i, done, "mixed") for i in range(total)]
+        back = []
+    router = Router(config.router, front)
+    back_router = Router(config.router, back) if back else None
+    vocab = cfg.vocab_size
+    caching = config.enable_prefix_caching
+    pending = sorted(requests, key=lambda r: r.arrival_time_s)
+    for r in pending:
+        if not (r.arrival_time_s >= 0 and math.isfinite(r.arrival_time_s)):
+            raise ConfigError(f"request {r.request_id}: arrival time must be a number >= 0, got {r.arrival_time_s!r}")
+    seen: set[int] = set()
+    i, n = 0, len(pending)
+    inf = math.inf
+    while True:
+        t_arr = pending[i].arrival_time_s if i < n else inf
+        for rep in front:
+            rep.advance(t_arr)
+        t_xfer = transfers[0][0] if transfers else inf
+        t = t_arr if t_arr < t_xfer else t_xfer
+        for rep in back:
+            rep.advance(t)
+        if t == inf:
+            break
+        if t_xfer <= t_arr:
+            _, _, seq = heapq.heappop(transfers)
+            back_router.pick().add_prefilled(seq, t_xfer)  # type: ignore[union-attr]
+            continue
+        r = pending[i]
+        i += 1
+        if r.request_id in seen:
+            raise ConfigError(f"request id {r.request_id} appears twice in the workload")
+        seen.add(r.request_id)
+        want = max(int(r.output_len), 1)
+        output_len[r.request_id] = want
+        ids = prompt_token_ids(r, vocab, seed) if (caching or r.prompt_token_ids is not None) else [0] * r.prompt_len
+        first = _sampling(sampling, 1 if back else want)
+        router.pick().add(Sequence(r.request_id, ids, first, r.arrival_time_s), t_arr)
+    reps = front + back
+    duration = max([rep.clock for rep in reps] + [pending[-1].arrival_time_s if pending else 0.0])
+    ordered = [records[r.request_id] for r in pending if r.request_id in records]
+    missing = len(pending) - len(ordered)
+    if missing:
+        raise RuntimeError(f"simulation ended with {missing} request(s) unfinished")
+    replicas = [
+        {
+            "index": rep.index,
+            "role": rep.role,
+            "num_steps": rep.num_steps,
+            "num_bulk_steps": rep.num_bulk_steps,
+            "busy_s": rep.busy_s,
+            "utilization": rep.busy_s / duration if duration > 0 else 0.0,
+            "num_preemptions": rep.scheduler.num_preemptions,
+            "num_blocks": rep.block_manager.num_blocks,
+        }
+        for rep in reps
+    ]
+    return SimResult(
+        records=ordered,
+        duration_s=duration,
+        replicas=replicas,
+        step_logs=[rep.step_log for rep in reps],
+        num_steps=sum(rep.num_steps for rep in reps),
+        wall_s=time.perf_counter() - wall0,
+        config=config,
+        cost_model=costs[0].describe() if costs else {},
+    )
+
+
+def _sampling(base: SamplingParams | None, max_tokens: int) -> SamplingParams:
+    if base is None:
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(**{**asdict(base), "max_tokens": max_tokens, "ignore_eos": True})
+
+
+__all__ = ["ROUTERS", "SimConfig", "Replica", "Router", "SimResult", "simulate"]

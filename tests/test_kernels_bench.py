@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from kernels import bench
+from kernels._common import INTERPRET
 from kernels.bench import causal_pairs, decode_bytes, main, prefill_flops, sdpa_dense_decode, torch_paged_decode
 from kernels.reference import paged_decode_attention_reference
 from kernels.testing import random_paged_batch
 
 REPO = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 
 def test_cost_formulas_by_hand():
@@ -42,15 +44,15 @@ def test_torch_peers_match_reference():
 
 
 def test_rows_run_end_to_end_on_cpu(monkeypatch):
-    """The row functions on CPU through the interpreter, with timing replaced by one call (1 ms each)."""
+    """The row functions end to end (on CPU through the interpreter), with timing replaced by one call (1 ms)."""
     monkeypatch.setattr(bench, "bench_ms", lambda fn, rep_ms: (fn(), 1.0)[1])
-    row = bench.bench_decode_row(3, 40, (8, 2), torch.float32, 16, 1.0, 10, "cpu", head_dim=24)
+    row = bench.bench_decode_row(3, 40, (8, 2), torch.float32, 16, 1.0, 10, DEVICE, head_dim=24)
     assert row["max_abs_err_vs_torch"] < 1e-4
     assert row["triton_gbps"] == decode_bytes(3, 40, 8, 2, 24, 4) / 1e-3 / 1e9
     assert "split_sweep" not in row  # only the target row sweeps the split count
-    row = bench.bench_prefill_row(2, 20, 13, torch.float32, 16, 10, "cpu", head_dim=24, heads=(4, 2))
+    row = bench.bench_prefill_row(2, 20, 13, torch.float32, 16, 10, DEVICE, head_dim=24, heads=(4, 2))
     assert row["flops"] == prefill_flops(2, 20, 13, 4, 24)
-    if row["flash_tflops"] is not None:  # torch's CPU build has a flash backend too: then it must agree
+    if row["flash_tflops"] is not None:  # flash ran (torch's CPU build has one for fp32): then it must agree
         assert row["max_abs_err_vs_flash"] < 1e-4
 
 

@@ -167,16 +167,16 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         n_kv, d = k_cache.shape[2], k_cache.shape[3]
-        gqa = q.shape[1] != n_kv
+        group = q.shape[1] // n_kv  # query heads per KV head (1: MHA)
         if meta.batch_gather is not None:
             ids, mask = meta.batch_gather
             b = meta.num_seqs
             kk = k_cache[ids].view(b, -1, n_kv, d).transpose(1, 2)  # (B, kv_heads, nb*bs, d)
             vv = v_cache[ids].view(b, -1, n_kv, d).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )  # (B, heads, 1, d)
-            return out.squeeze(2)
+            # GQA without copies: the `group` query heads of KV head j (heads j*group ...) act as its query rows
+            qg = q.view(b, n_kv, group, d)  # (B, kv_heads, group, d)
+            out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=scale)  # (B, kv_heads, group, d)
+            return out.reshape(b, n_kv * group, d)
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
@@ -186,18 +186,29 @@ class TorchAttentionBackend:
             else:
                 ks = k_cache[ids].view(-1, n_kv, d)[:s_len]
                 vs = v_cache[ids].view(-1, n_kv, d)[:s_len]
-            qs = q[start : start + q_len].transpose(0, 1)  # (heads, q_len, d)
+            kt, vt = ks.transpose(0, 1), vs.transpose(0, 1)  # (kv_heads, s_len, d)
+            if q_len == 1:
+                # a decode sees its whole context: the group's query heads are the rows of one unmasked product
+                # 4-D inputs select SDPA's fused CPU kernel (3-D ones take the slower math path)
+                qg = q[start].view(1, n_kv, group, d)  # (1, kv_heads, group, d)
+                o = F.scaled_dot_product_attention(qg, kt[None], vt[None], scale=scale)  # (1, kv_heads, group, d)
+                if meta.num_seqs == 1:  # batch-1 decode: the output is the answer, no copy into `out`
+                    return o.view(1, n_kv * group, d)
+                out[start] = o.view(n_kv * group, d)
+                start += 1
+                continue
+            if group > 1:  # expanded K/V keep SDPA on its fused kernel (enable_gqa falls back to the math path)
+                kt, vt = kt.repeat_interleave(group, dim=0), vt.repeat_interleave(group, dim=0)
             mask = meta.seq_masks[i]
             o = F.scaled_dot_product_attention(
-                qs,
-                ks.transpose(0, 1),  # (kv_heads, s_len, d)
-                vs.transpose(0, 1),
+                q[start : start + q_len].transpose(0, 1)[None],  # (1, heads, q_len, d)
+                kt[None],  # (1, heads, s_len, d)
+                vt[None],
                 attn_mask=mask,
-                is_causal=mask is None and q_len > 1,
+                is_causal=mask is None,
                 scale=scale,
-                enable_gqa=gqa,
             )
-            out[start : start + q_len] = o.transpose(0, 1)
+            out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out
 

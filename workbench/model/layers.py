@@ -24,10 +24,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # torch.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in one kernel, bit for bit the
+        # three-op formula; the weight multiplies after the cast back, as in the published models
+        normed = torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -75,6 +75,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, for ``apply_rotary_rolled``. sin: (T, 1, d) -> (T, 1, d)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` in fewer kernels, bit for bit: rotate_half(x) * sin == roll(x, d/2) * signed_sin(sin).
+
+    x: (T, heads, d) (any strides); cos, sin_signed: (T, 1, d). Negation is exact, so the products and the
+    sum are the same floating-point operations as the reference.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)) (Shazeer, 2020), with gate and up fused into one matrix product."""
 
@@ -85,5 +100,5 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)

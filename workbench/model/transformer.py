@@ -13,6 +13,7 @@ Both are thin wrappers over ``forward``, which takes a flat ragged batch of new 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import ModelConfig
@@ -24,7 +25,7 @@ from workbench.model.attention import (
     TorchAttentionBackend,
     build_metadata,
 )
-from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary_rolled, signed_sin
 
 
 class Attention(nn.Module):
@@ -40,19 +41,19 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # (T, hidden)
         cos: torch.Tensor,  # (T, 1, head_dim)
-        sin: torch.Tensor,
+        sin_signed: torch.Tensor,  # (T, 1, head_dim): layers.signed_sin(sin)
         k_cache: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim)
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)  # (T, heads, d)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # (T, kv_heads, d)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, heads, d)
-        return self.o_proj(o.reshape(t, self.q_size))
+        t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q_size + 2 kv_size)
+        # rotary on Q and K together: their columns are adjacent, so one set of kernels serves both
+        qk = apply_rotary_rolled(qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, d), cos, sin_signed)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)  # (T, kv_heads, d)
+        o = backend.forward(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)  # (T, heads, d)
+        return F.linear(o.reshape(t, self.q_size), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -63,9 +64,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend) -> torch.Tensor:  # noqa: ANN001
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin_signed, k_cache, v_cache, meta, backend) -> torch.Tensor:  # noqa: ANN001
+        # submodules' forward is called directly: nn.Module.__call__ costs more than a decode's small ops
+        x = x + self.self_attn.forward(
+            self.input_layernorm.forward(x), cos, sin_signed, k_cache, v_cache, meta, backend
+        )
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class Transformer(nn.Module):
@@ -128,9 +132,11 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         """Hidden states after the final norm for every new token. input_ids: (T,) -> (T, hidden)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary(meta.positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], meta, self.attn_backend)
+        cos, sin = self.rotary(meta.positions, x.dtype)  # once per step, shared by every layer
+        sin_signed = signed_sin(sin)
+        k_layers, v_layers = cache.k.unbind(0), cache.v.unbind(0)  # one view per layer, made once per step
+        for layer, k_cache, v_cache in zip(self.layers, k_layers, v_layers):
+            x = layer.forward(x, cos, sin_signed, k_cache, v_cache, meta, self.attn_backend)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace-stats": ("workbench.commands.trace_stats", "size, rate, lengths and prefix sharing of a trace"),
     "roofline": ("workbench.commands.roofline", "per-operation roofline of prefill and decode on a hardware"),
     "hardware": ("workbench.commands.hardware", "accelerator table and this machine's measured ceilings"),
+    "bench": ("workbench.commands.bench", "benchmark decode, prefill, an offline set and HF transformers"),
     "report": ("workbench.commands.report", "run the experiment notebooks into a report (reports/<run-id>/)"),
 }
 

@@ -7,8 +7,11 @@ whole mixed step, and samples a token for every chunk that ends at its sequence'
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from workbench.device import synchronize
 from workbench.engine.sampler import Sampler
 from workbench.engine.scheduler import StepPlan
 from workbench.kv.cache import KVCache
@@ -21,6 +24,10 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.sampler = Sampler()
+        # when set, each execute() records the model's share of it (forward + LM head, synchronised) in
+        # last_model_s: what is left of a step's time is engine overhead (scheduling, tensors, sampling)
+        self.time_model = False
+        self.last_model_s = 0.0
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata]:
         """Flat input ids (num_tokens,) and the step's attention metadata."""
@@ -40,12 +47,21 @@ class ModelRunner:
         if plan.is_empty:
             return {}
         input_ids, meta = self.prepare(plan)
+        if self.time_model:
+            synchronize(self.model.device)
+            t0 = time.perf_counter()
         hidden = self.model.forward(input_ids, meta, self.cache)  # (num_tokens, hidden)
         rows = [i for i, c in enumerate(plan.chunks) if c.samples]
         if not rows:
+            if self.time_model:
+                synchronize(self.model.device)
+                self.last_model_s = time.perf_counter() - t0
             return {}
         last = meta.last_token_indices[rows] if len(rows) < len(plan.chunks) else meta.last_token_indices
         logits = self.model.compute_logits(hidden[last])  # (num_sampling, vocab), fp32
+        if self.time_model:
+            synchronize(self.model.device)
+            self.last_model_s = time.perf_counter() - t0
         seqs = [plan.chunks[i].seq for i in rows]
         tokens = self.sampler(logits, [s.sampling for s in seqs], [s.seq_id for s in seqs])
         return {s.seq_id: t for s, t in zip(seqs, tokens)}

@@ -1,0 +1,153 @@
+"""The benchmark logic on tiny models: accounting by hand, result keys, HF agreement. Never a timing assertion."""
+
+import json
+
+import pytest
+import torch
+
+from workbench import bench
+from workbench.cli import main
+from workbench.config import ModelConfig
+from workbench.hardware import HardwareSpec
+from workbench.model import load_checkpoint
+
+# tiny-gqa: hidden 64, 4 heads of 16 (q 64), 2 KV heads (kv 32), intermediate 160, 2 layers, vocab 256, untied
+H, Q, KV, INTER, L, V, NH = 64, 64, 32, 160, 2, 256, 4
+FAKE_HW = HardwareSpec(name="fake", peak_flops={"fp32": 1e9}, mem_bandwidth=1e9, mem_capacity=1e9, source="test",
+                       details={"read_bandwidth": 2e9})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return bench.load_bench_model("tiny-gqa", device="cpu")
+
+
+def test_linear_shapes_are_the_models_matrices():
+    shapes = bench.linear_shapes(ModelConfig.resolve("tiny-gqa"))
+    per_layer = [(H, Q + 2 * KV), (Q, H), (H, 2 * INTER), (INTER, H)]
+    assert shapes == per_layer * L + [(H, V)]
+
+
+def test_linear_sweep_weight_bytes_by_hand():
+    sweep = bench.LinearSweep(ModelConfig.resolve("tiny-gqa"), torch.float32, torch.device("cpu"))
+    by_hand = 4 * (L * (H * (Q + 2 * KV) + Q * H + H * 2 * INTER + INTER * H) + H * V)
+    assert sweep.weight_bytes == by_hand
+    assert sweep.run(3) > 0
+
+
+def test_decode_bytes_by_hand():
+    cfg = ModelConfig.resolve("tiny-gqa")
+    contexts = [10, 7, 1]
+    b = len(contexts)
+    got = bench.decode_step_bytes(cfg, "fp32", contexts)
+    # every weight once: per layer two norms, q/k/v, o, gate/up/down; the embedding rows of the B new tokens;
+    # the final norm and the untied LM head; fp32 = 4 bytes
+    weights = 4 * (L * (2 * H + H * (Q + 2 * KV) + Q * H + 3 * H * INTER) + b * H + H + H * V)
+    # per layer: write B new K and V rows, read each sequence's K and V over its whole context
+    kv = 4 * L * (2 * KV * b + 2 * KV * sum(contexts))
+    assert got["weight_bytes"] == weights
+    assert got["kv_bytes"] == kv
+    assert got["bytes"] == weights + kv
+    # bf16 halves every byte
+    half = bench.decode_step_bytes(cfg, "bf16", contexts)
+    assert half["bytes"] == (weights + kv) // 2
+
+
+def test_prefill_flops_by_hand():
+    cfg = ModelConfig.resolve("tiny-gqa")
+    n = 12
+    pairs = n * (n + 1) // 2  # causal: token i sees i + 1 keys
+    per_layer = (
+        4 * H * n  # attention norm
+        + 2 * H * (Q + 2 * KV) * n  # q, k, v projections
+        + 3 * (Q + KV) * n  # rotary on q and k
+        + 2 * Q * pairs + 5 * NH * pairs + 2 * Q * pairs  # scores, softmax, P V
+        + 2 * Q * H * n  # o projection
+        + H * n  # residual
+        + 4 * H * n  # mlp norm
+        + 2 * 2 * H * INTER * n  # gate and up
+        + 6 * INTER * n  # SiLU(gate) * up
+        + 2 * INTER * H * n  # down
+        + H * n  # residual
+    )  # fmt: skip
+    by_hand = L * per_layer + 4 * H + 2 * H * V  # final norm and LM head on the last position only
+    assert bench.prefill_flops(cfg, "fp32", n) == by_hand
+
+
+def test_decode_rows_have_the_contract_keys(tiny):
+    rows = bench.bench_decode(tiny, batches=(1, 3), prompt_len=5, steps=2, warmup=1, hw=FAKE_HW)
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        for key in ("tokens_per_s", "mbu", "gemv_ratio", "overhead_share", "step_s", "achieved_bytes_per_s"):
+            assert key in r and r[key] == r[key]  # present and not NaN
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] / r["step_s"])
+        assert r["mbu"] == pytest.approx(r["achieved_bytes_per_s"] / 2e9)  # over the read bandwidth
+        assert r["gemv_ratio"] == pytest.approx(r["achieved_bytes_per_s"] / r["gemv_bytes_per_s"])
+        assert 0 <= r["overhead_share"] < 1
+    # batch 1: the prompt (5) plus the prefill's token; decode steps attend to 6 (warm-up), then 7 and 8 keys
+    assert rows[0]["mean_context"] == pytest.approx(7.5)
+
+
+def test_prefill_rows(tiny):
+    rows = bench.bench_prefill(tiny, prompt_lens=(8, 20), repeats=2, warmup=1, hw=FAKE_HW)
+    assert [r["prompt_len"] for r in rows] == [8, 20]
+    for r in rows:
+        assert r["flops"] == bench.prefill_flops(tiny.config, "fp32", r["prompt_len"])
+        assert r["mfu"] == pytest.approx(r["flops"] / r["time_s"] / 1e9)
+
+
+def test_offline_requests_are_seeded_and_fit_the_context():
+    a = bench.offline_requests(256, num_requests=20, context=40, seed=3)
+    assert a == bench.offline_requests(256, num_requests=20, context=40, seed=3)
+    assert a != bench.offline_requests(256, num_requests=20, context=40, seed=4)
+    assert len(a) == 20
+    assert all(len(p) >= 1 and n >= 1 and len(p) + n <= 40 for p, n in a)
+    assert max(len(p) + n for p, n in a) >= 39  # the longest draw is scaled onto the context (rounding: -1)
+    assert all(0 <= t < 256 for p, _ in a for t in p)
+
+
+def test_offline_counts_every_requested_token(tiny):
+    out = bench.bench_offline(tiny, num_requests=6, context=32, max_num_seqs=4, repeats=1, seed=1)
+    requests = bench.offline_requests(256, 6, 32, seed=1)
+    assert out["output_tokens"] == sum(n for _, n in requests)
+    assert out["total_tokens"] == sum(n + len(p) for p, n in requests)
+    assert out["output_tokens_per_s"] == pytest.approx(out["output_tokens"] / out["time_s"])
+
+
+def test_engine_and_transformers_agree_token_for_token(tiny_checkpoint):
+    path = tiny_checkpoint("tiny-gqa")
+    model = load_checkpoint(path)
+    hf = bench.load_hf_model(path, "fp32", torch.device("cpu"))
+    dec = bench.compare_decode(model, hf, prompt_len=9, new_tokens=12, repeats=1)
+    assert dec["identical_tokens"] is True
+    assert dec["ratio"] == pytest.approx(dec["ours_tokens_per_s"] / dec["hf_tokens_per_s"])
+    off = bench.compare_offline(model, hf, num_requests=10, context=48, max_num_seqs=4)
+    assert off["identical_tokens"] is True, off["mismatched_requests"]
+    assert off["ratio"] == pytest.approx(off["ours_tokens_per_s"] / off["hf_tokens_per_s"])
+
+
+def test_hf_generate_ignores_eos_and_left_pads(tiny_checkpoint):
+    path = tiny_checkpoint("tiny-gqa")
+    hf = bench.load_hf_model(path, "fp32", torch.device("cpu"))
+    prompts = [[5, 6, 7, 8, 9], [10, 11]]
+    batched = bench.hf_generate(hf, prompts, 6)
+    assert [len(t) for t in batched] == [6, 6]  # never stopped early
+    alone = [bench.hf_generate(hf, [p], 6)[0] for p in prompts]
+    assert batched == alone  # padding does not change a row's tokens
+
+
+def test_cli_decode_json(capsys):
+    assert main(["bench", "decode", "--model", "tiny-gqa", "--batch", "1", "2", "--prompt-len", "4", "--steps", "1",
+                 "--warmup", "0", "--threads", "1", "--device", "cpu", "--json"]) == 0  # fmt: skip
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_threads"] == 1 and out["bench"] == "decode"
+    assert [r["batch"] for r in out["results"]] == [1, 2]
+    assert {"tokens_per_s", "mbu", "gemv_ratio"} <= set(out["results"][0])
+
+
+def test_cli_prefill_table(capsys):
+    assert main(["bench", "prefill", "--model", "tiny-gqa", "--prompt-len", "16", "--repeats", "1", "--threads",
+                 "1", "--device", "cpu"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "mfu" in text and "1 threads" in text

@@ -1,0 +1,504 @@
+"""Benchmarks of the engine: decode bandwidth, prefill FLOP/s, an offline request set, and HF transformers.
+
+Every figure is a median of timed repetitions after warm-up, and every ratio is taken between measurements
+interleaved in the same run (this machine is shared, so absolute times drift; ratios drift much less).
+
+- ``bench_decode``: per batch size, decode steps of the engine. Bytes per step are the roofline's weight bytes
+  plus KV-cache bytes (``workbench.roofline``: every weight read once, each sequence's K and V read once and
+  the new K/V written); ``mbu`` divides the achieved bytes/s by the machine's measured read bandwidth
+  (``workbench.hardware.measured_spec``). ``gemv_ratio`` divides it by the bandwidth that plain ``nn.Linear``
+  layers of the model's own weight shapes (qkv, o, gate_up, down per layer, and the LM head) reach on the same
+  batch, timed between the engine's steps. ``overhead_share`` is the part of a step spent outside the model's
+  forward and LM head (scheduling, batch preparation, sampling), from ``ModelRunner.time_model``.
+- ``bench_prefill``: per prompt length, one engine step that prefills a fresh prompt and samples its first
+  token; FLOPs from the roofline (causal attention pairs, LM head on the last position), ``mfu`` over the
+  measured matmul peak of the dtype.
+- ``bench_offline``: a fixed, seeded set of requests whose lengths are drawn from the Azure conversation trace
+  and scaled so that the longest fits ``context`` tokens, served by the engine at once.
+- ``bench_hf``: the same checkpoint, dtype and greedy prompts through ``transformers``' ``generate`` and through
+  the engine: batch-1 decode tokens/s (``(N - 1) / (t(N tokens) - t(1 token))`` for both) and the offline set
+  (transformers in static batches of ``max_num_seqs`` with left padding, as its ``generate`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from workbench.config import ModelConfig, canonical_dtype
+from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.engine.config import EngineConfig
+from workbench.engine.engine import Engine
+from workbench.engine.sequence import SamplingParams
+from workbench.errors import ConfigError
+from workbench.hardware import HardwareSpec, measured_spec
+from workbench.model.transformer import Transformer
+from workbench.roofline import RooflineModel
+
+DEFAULT_MODEL = "bench-300m"
+OFFLINE_TRACE = "azure-conv"
+
+
+# ---- settings and helpers ------------------------------------------------------------------------------------
+def set_threads(num_threads: int | None = None) -> int:
+    """Set torch's intra-op threads (default: every CPU core this process may use) and return the number."""
+    if num_threads is None:
+        num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if num_threads < 1:
+        raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
+    torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ConfigError("no measurements to take a median of")
+    return float(statistics.median(values))
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``length`` token ids drawn uniformly from [3, vocab) (clear of the usual special ids)."""
+    rng = random.Random(seed)
+    low = 3 if vocab_size > 3 else 0
+    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def read_bandwidth(hw: HardwareSpec) -> float:
+    """The measured memory read bandwidth (bytes/s) of a measured spec; the spec's bandwidth otherwise."""
+    return float(hw.details.get("read_bandwidth", hw.mem_bandwidth))
+
+
+def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """(in_features, out_features) of every weight matrix a decode step multiplies by, in model order.
+
+    Per layer the fused qkv, o, fused gate_up and down projections; then the LM head (tied or not, it is read).
+    """
+    h = cfg.hidden_size
+    per_layer = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h), (h, 2 * cfg.intermediate_size),
+                 (cfg.intermediate_size, h)]  # fmt: skip
+    return per_layer * cfg.num_layers + [(h, cfg.vocab_size)]
+
+
+def decode_step_bytes(cfg: ModelConfig, dtype: str, context_lens: Sequence[int]) -> dict[str, float]:
+    """Bytes a decode step moves per the roofline: weights read once, K/V read (and the new K/V written).
+
+    ``context_lens``: each sequence's length after the step (it attends to that many keys).
+    """
+    cost = RooflineModel(cfg, _ACCOUNTING_HW, dtype=canonical_dtype(dtype)).decode(list(context_lens), detailed=False)
+    return {"weight_bytes": cost.weight_bytes, "kv_bytes": cost.kv_bytes, "bytes": cost.weight_bytes + cost.kv_bytes}
+
+
+def prefill_flops(cfg: ModelConfig, dtype: str, prompt_len: int) -> float:
+    """FLOPs of prefilling one fresh prompt per the roofline (causal pairs only, LM head on the last token)."""
+    return RooflineModel(cfg, _ACCOUNTING_HW, dtype=canonical_dtype(dtype)).prefill([prompt_len], detailed=False).flops
+
+
+# FLOPs and bytes do not depend on the hardware; a fixed spec keeps the accounting free of any measurement
+_ACCOUNTING_HW = HardwareSpec(name="accounting", peak_flops={"fp32": 1.0}, mem_bandwidth=1.0, mem_capacity=1.0,
+                              source="placeholder for FLOP and byte counts")  # fmt: skip
+
+
+class LinearSweep:
+    """Plain ``nn.Linear`` layers of the model's weight shapes: the bandwidth torch itself reaches on them."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.layers: list[nn.Linear] = []
+        for fan_in, fan_out in linear_shapes(cfg):
+            layer = nn.Linear(fan_in, fan_out, bias=False, device="meta")
+            layer.weight = nn.Parameter(
+                (torch.randn(fan_out, fan_in, generator=gen) * 0.02).to(dtype=dtype, device=device),
+                requires_grad=False,
+            )
+            self.layers.append(layer)
+        self.weight_bytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in self.layers)
+        self.dtype, self.device = dtype, device
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def run(self, batch: int) -> float:
+        """Multiply a (batch, in) activation through every layer once; returns the synchronised wall time."""
+        xs = self._inputs
+        for layer in self.layers:
+            key = (batch, layer.in_features)
+            if key not in xs:
+                xs[key] = torch.randn(batch, layer.in_features).to(dtype=self.dtype, device=self.device)
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        for layer in self.layers:
+            layer(xs[(batch, layer.in_features)])
+        synchronize(self.device)
+        return time.perf_counter() - t0
+
+
+def load_bench_model(name_or_path: str, dtype: str = "fp32", device: str = "auto", seed: int = 0) -> Transformer:
+    """A checkpoint directory, or a preset with random weights (seeded), on the device in the dtype."""
+    from workbench.model.checkpoint import load_model
+
+    return load_model(name_or_path, dtype=torch_dtype(dtype), device=resolve_device(device), seed=seed)
+
+
+def _engine(model: Transformer, max_num_seqs: int, max_model_len: int, **kwargs: Any) -> Engine:
+    config = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_model_len=min(max_model_len, model.config.max_position_embeddings),
+        dtype=canonical_dtype(str(model.dtype).replace("torch.", "")),
+        device=str(model.device),
+        **kwargs,
+    )
+    return Engine(model, config)
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+# ---- decode ----------------------------------------------------------------------------------------------------
+def bench_decode(
+    model: Transformer,
+    batches: Sequence[int] = (1, 8, 32),
+    prompt_len: int = 128,
+    steps: int = 8,
+    warmup: int = 2,
+    hw: HardwareSpec | None = None,
+    sweep: LinearSweep | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Per batch size: median decode step time, tokens/s, bytes/s, MBU, gemv_ratio and engine overhead share.
+
+    ``batch`` requests of ``prompt_len`` random tokens are prefilled, then ``warmup + steps`` decode steps run;
+    the last ``steps`` are timed, each followed by a ``LinearSweep`` of the same batch (the gemv reference).
+    """
+    if steps < 1 or warmup < 0 or prompt_len < 1:
+        raise ConfigError(f"need steps >= 1, warmup >= 0, prompt_len >= 1; got {steps}, {warmup}, {prompt_len}")
+    cfg = model.config
+    dtype = canonical_dtype(str(model.dtype).replace("torch.", ""))
+    hw = hw or measured_spec(model.device.type)
+    sweep = sweep or LinearSweep(cfg, model.dtype, model.device, seed=seed)
+    rows = []
+    for batch in batches:
+        engine = _engine(model, batch, prompt_len + warmup + steps + 2)
+        for prompt in random_prompts(batch, prompt_len, cfg.vocab_size, seed):
+            engine.add_request(prompt, _greedy(warmup + steps + 1))
+        while True:  # prefill (one or more steps) until the next step is a pure decode of every sequence
+            engine.step()
+            if all(s.num_output_tokens >= 1 for s in engine.sequences.values()):
+                break
+        engine.runner.time_model = True
+        step_s, model_s, sweep_s, bytes_per_s, contexts = [], [], [], [], []
+        for i in range(warmup + steps):
+            context = [s.num_tokens for s in engine.sequences.values()]  # each decode attends to this many keys
+            synchronize(model.device)
+            t0 = time.perf_counter()
+            engine.step()
+            t = time.perf_counter() - t0
+            s = sweep.run(batch)
+            if i < warmup:
+                continue
+            step_s.append(t)
+            model_s.append(engine.runner.last_model_s)
+            sweep_s.append(s)
+            bytes_per_s.append(decode_step_bytes(cfg, dtype, context)["bytes"] / t)
+            contexts.append(sum(context) / len(context))
+        t_step = median(step_s)
+        achieved = median(bytes_per_s)
+        gemv = sweep.weight_bytes / median(sweep_s)
+        mid = decode_step_bytes(cfg, dtype, [round(median(contexts))] * batch)
+        rows.append({
+            "batch": batch,
+            "prompt_len": prompt_len,
+            "mean_context": median(contexts),
+            "step_s": t_step,
+            "tokens_per_s": batch / t_step,
+            "bytes_per_step": mid["bytes"],
+            "kv_bytes_per_step": mid["kv_bytes"],
+            "achieved_bytes_per_s": achieved,
+            "mbu": achieved / read_bandwidth(hw),
+            "gemv_bytes_per_s": gemv,
+            "gemv_ratio": achieved / gemv,
+            "model_s": median(model_s),
+            "overhead_share": median([(a - b) / a for a, b in zip(step_s, model_s)]),
+            "steps": steps,
+        })  # fmt: skip
+        del engine
+    return rows
+
+
+# ---- prefill -----------------------------------------------------------------------------------------------------
+def bench_prefill(
+    model: Transformer,
+    prompt_lens: Sequence[int] = (128, 512, 1024),
+    repeats: int = 3,
+    warmup: int = 1,
+    hw: HardwareSpec | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Per prompt length: median time of the engine step that prefills one fresh prompt, FLOP/s and MFU."""
+    cfg = model.config
+    dtype = canonical_dtype(str(model.dtype).replace("torch.", ""))
+    hw = hw or measured_spec(model.device.type)
+    rows = []
+    for n in prompt_lens:
+        engine = _engine(model, 1, n + 1, token_budget=max(n + 1, 2048))
+        engine.runner.time_model = True
+        prompts = random_prompts(warmup + repeats, n, cfg.vocab_size, seed)
+        times, model_times = [], []
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, _greedy(1))
+            synchronize(model.device)
+            t0 = time.perf_counter()
+            engine.step()
+            t = time.perf_counter() - t0
+            if i >= warmup:
+                times.append(t)
+                model_times.append(engine.runner.last_model_s)
+        flops = prefill_flops(cfg, dtype, n)
+        t = median(times)
+        rows.append({
+            "prompt_len": n,
+            "time_s": t,
+            "flops": flops,
+            "achieved_flops_per_s": flops / t,
+            "mfu": flops / t / hw.peak(dtype),
+            "model_mfu": flops / median(model_times) / hw.peak(dtype),
+            "tokens_per_s": n / t,
+        })  # fmt: skip
+        del engine
+    return rows
+
+
+# ---- the offline request set -----------------------------------------------------------------------------------
+def offline_requests(
+    vocab_size: int, num_requests: int = 64, context: int = 256, seed: int = 0, trace: str = OFFLINE_TRACE
+) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) of ``num_requests`` rows drawn (seeded) from a trace, lengths scaled so that
+    the longest prompt + output of the draw is ``context`` tokens (each at least 1 prompt and 1 output token)."""
+    from workbench.workloads import TRACE_FILES, load_trace_file
+
+    if num_requests < 1 or context < 2:
+        raise ConfigError(f"need num_requests >= 1 and context >= 2, got {num_requests}, {context}")
+    rows = load_trace_file(TRACE_FILES[trace])
+    rng = random.Random(seed)
+    drawn = [rows[rng.randrange(len(rows))] for _ in range(num_requests)]
+    scale = context / max(r.prompt_len + r.output_len for r in drawn)
+    out = []
+    for r in drawn:
+        prompt_len = max(1, min(context - 1, round(r.prompt_len * scale)))
+        output_len = max(1, min(context - prompt_len, round(r.output_len * scale)))
+        out.append((random_prompts(1, prompt_len, vocab_size, rng.randrange(1 << 30))[0], output_len))
+    return out
+
+
+def run_engine_offline(
+    model: Transformer, requests: list[tuple[list[int], int]], max_num_seqs: int = 32
+) -> tuple[float, list[list[int]]]:
+    """Serve the requests through a fresh engine at once; (wall seconds, generated tokens per request)."""
+    max_len = max(len(p) + n for p, n in requests)
+    engine = _engine(model, max_num_seqs, max_len)
+    synchronize(model.device)
+    t0 = time.perf_counter()
+    result = engine.generate([p for p, _ in requests], [_greedy(n) for _, n in requests])
+    synchronize(model.device)
+    return time.perf_counter() - t0, [r.tokens for r in result.requests]
+
+
+def bench_offline(
+    model: Transformer,
+    num_requests: int = 64,
+    context: int = 256,
+    max_num_seqs: int = 32,
+    repeats: int = 2,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up)."""
+    requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
+    run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs)  # warm-up
+    times = [run_engine_offline(model, requests, max_num_seqs)[0] for _ in range(repeats)]
+    out_tokens = sum(n for _, n in requests)
+    all_tokens = out_tokens + sum(len(p) for p, _ in requests)
+    t = median(times)
+    return {
+        "num_requests": len(requests),
+        "context": context,
+        "max_num_seqs": max_num_seqs,
+        "output_tokens": out_tokens,
+        "total_tokens": all_tokens,
+        "time_s": t,
+        "output_tokens_per_s": out_tokens / t,
+        "total_tokens_per_s": all_tokens / t,
+        "repeats": repeats,
+    }
+
+
+# ---- against transformers ------------------------------------------------------------------------------------
+def load_hf_model(path: str | Path, dtype: str, device: torch.device) -> Any:
+    """The checkpoint through ``transformers.AutoModelForCausalLM`` (eager, eval mode)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype))
+    # EOS must not stop it (the engine runs with ignore_eos): without an EOS id generate() never stops early,
+    # and, unlike min_new_tokens, nothing masks the EOS logit, so greedy picks stay comparable
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    return model.to(device).eval()
+
+
+def hf_generate(hf_model: Any, prompts: list[list[int]], max_new_tokens: int, pad_id: int = 0) -> list[list[int]]:
+    """Greedy ``generate`` of a static batch, prompts left-padded (``load_hf_model`` turns EOS off). New tokens."""
+    device = next(hf_model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    with torch.inference_mode():
+        out = hf_model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    return out[:, width:].tolist()
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    synchronize(device)
+    t0 = time.perf_counter()
+    value = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, value
+
+
+def compare_decode(
+    model: Transformer, hf_model: Any, prompt_len: int = 32, new_tokens: int = 32, repeats: int = 3, seed: int = 0
+) -> dict[str, Any]:
+    """Batch-1 greedy decode tokens/s of the engine and of HF ``generate``, interleaved, same prompt.
+
+    Decode rate for both: ``(N - 1) / (t(N new tokens) - t(1 new token))``, so prefill cancels out.
+    """
+    if new_tokens < 2:
+        raise ConfigError(f"new_tokens must be >= 2 to time decode steps, got {new_tokens}")
+    prompt = random_prompts(1, prompt_len, model.config.vocab_size, seed)[0]
+    device = model.device
+
+    def ours(n: int) -> list[int]:
+        engine = _engine(model, 1, prompt_len + n + 1)
+        return engine.generate([prompt], _greedy(n)).requests[0].tokens
+
+    def theirs(n: int) -> list[int]:
+        return hf_generate(hf_model, [prompt], n)[0]
+
+    ours(2), theirs(2)  # warm-up
+    rates: dict[str, list[float]] = {"ours": [], "hf": []}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(repeats):
+        for name, fn in (("ours", ours), ("hf", theirs)):
+            t1, _ = _timed(lambda fn=fn: fn(1), device)
+            tn, toks = _timed(lambda fn=fn: fn(new_tokens), device)
+            rates[name].append((new_tokens - 1) / max(tn - t1, 1e-9))
+            tokens[name] = toks
+    ours_rate, hf_rate = median(rates["ours"]), median(rates["hf"])
+    return {
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "ours_tokens_per_s": ours_rate,
+        "hf_tokens_per_s": hf_rate,
+        "ratio": ours_rate / hf_rate,
+        "identical_tokens": tokens["ours"] == tokens["hf"],
+        "repeats": repeats,
+    }
+
+
+def compare_offline(
+    model: Transformer,
+    hf_model: Any,
+    num_requests: int = 64,
+    context: int = 256,
+    max_num_seqs: int = 32,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The offline set through the engine and through HF ``generate`` in static batches of ``max_num_seqs``.
+
+    HF generates each batch up to its longest output (static batching); only each request's own output tokens
+    count as output for both. Tokens are compared request by request.
+    """
+    requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
+    device = model.device
+    run_engine_offline(model, requests[:2], max_num_seqs)  # warm-up
+    hf_generate(hf_model, [requests[0][0]], 2)
+
+    def hf_all() -> list[list[int]]:
+        outs: list[list[int]] = []
+        for i in range(0, len(requests), max_num_seqs):
+            batch = requests[i : i + max_num_seqs]
+            gen = hf_generate(hf_model, [p for p, _ in batch], max(n for _, n in batch))
+            outs += [g[:n] for g, (_, n) in zip(gen, batch)]
+        return outs
+
+    t_ours, ours_tokens = run_engine_offline(model, requests, max_num_seqs)
+    t_hf, hf_tokens = _timed(hf_all, device)
+    out_tokens = sum(n for _, n in requests)
+    mismatched = [i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b]
+    return {
+        "num_requests": len(requests),
+        "context": context,
+        "max_num_seqs": max_num_seqs,
+        "output_tokens": out_tokens,
+        "ours_time_s": t_ours,
+        "hf_time_s": t_hf,
+        "ours_tokens_per_s": out_tokens / t_ours,
+        "hf_tokens_per_s": out_tokens / t_hf,
+        "ratio": t_hf / t_ours,
+        "identical_tokens": not mismatched,
+        "mismatched_requests": mismatched,
+    }
+
+
+def hf_checkpoint(name_or_path: str, dtype: str, seed: int, workdir: str | Path | None = None) -> Path:
+    """A checkpoint directory for both models: the path itself, or a random HF checkpoint of a preset."""
+    from workbench.model.checkpoint import save_random_checkpoint
+
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    out = Path(workdir or tempfile.mkdtemp(prefix="workbench-bench-")) / "checkpoint"
+    return save_random_checkpoint(name_or_path, out, seed=seed, dtype=dtype)
+
+
+def bench_hf(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: str = "fp32",
+    device: str = "auto",
+    prompt_len: int = 32,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    num_requests: int = 64,
+    context: int = 256,
+    max_num_seqs: int = 32,
+    seed: int = 0,
+    offline: bool = True,
+    workdir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Batch-1 decode and (optionally) the offline set, ours against transformers on one checkpoint."""
+    dev = resolve_device(device)
+    with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
+        ckpt = hf_checkpoint(name_or_path, dtype, seed, workdir or tmp)
+        from workbench.model.checkpoint import load_checkpoint
+
+        model = load_checkpoint(ckpt, dtype=dtype, device=dev)
+        hf_model = load_hf_model(ckpt, dtype, dev)
+    out: dict[str, Any] = {"decode": compare_decode(model, hf_model, prompt_len, new_tokens, repeats, seed)}
+    if offline:
+        out["offline"] = compare_offline(model, hf_model, num_requests, context, max_num_seqs, seed)
+    return out

@@ -1,0 +1,128 @@
+"""``workbench bench``: the engine's speed against this machine's ceilings and against HF transformers.
+
+    workbench bench decode  [--model PRESET_OR_PATH] [--dtype fp32] [--batch 1 8 32] [--prompt-len 128] [--json]
+    workbench bench prefill [--model ...] [--prompt-len 128 512 1024] [--json]
+    workbench bench offline [--model ...] [--num-requests 64] [--context 256] [--max-num-seqs 32] [--json]
+    workbench bench hf      [--model ...] [--prompt-len 32] [--new-tokens 32] [--no-offline] [--json]
+
+``--model`` defaults to the CPU benchmark preset ``bench-300m`` (random weights, ~300M parameters); a directory
+loads a real checkpoint. ``--threads`` sets torch's intra-op threads (default: every usable core) and is
+reported. With ``--json`` one object is printed: ``results`` holds one row per batch size (decode: ``tokens_per_s``,
+``mbu``, ``gemv_ratio``, ``overhead_share``) or prompt length (prefill: ``mfu``); ``offline`` its tokens/s;
+``hf`` holds ``decode`` and ``offline``, each with ``ours_tokens_per_s``, ``hf_tokens_per_s``, ``ratio`` and
+``identical_tokens``. See ``workbench.bench`` for what is measured and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+KINDS = ("decode", "prefill", "offline", "hf")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kind", choices=KINDS, help="what to measure")
+    p.add_argument("--model", default="bench-300m", help="preset name, config.json or checkpoint directory")
+    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all usable cores)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    p.add_argument("--prompt-len", type=int, nargs="+", default=None,
+                   help="prompt lengths (prefill: 128 512 1024; decode: 128; hf: 32)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps or runs")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (prefill, offline, hf)")
+    p.add_argument("--new-tokens", type=int, default=32, help="hf: tokens generated for batch-1 decode")
+    p.add_argument("--num-requests", type=int, default=64, help="offline set size")
+    p.add_argument("--context", type=int, default=256, help="offline set: longest prompt + output, in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="offline: engine batch and HF static batch size")
+    p.add_argument("--no-offline", action="store_true", help="hf: batch-1 decode only")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the offline draw")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _machine(hw: Any, threads: int, device: Any) -> dict[str, Any]:
+    from workbench.bench import read_bandwidth
+
+    return {
+        "device": str(device),
+        "device_name": hw.details.get("device_name", hw.display_name),
+        "num_threads": threads,
+        "read_bandwidth": read_bandwidth(hw),
+        "peak_flops": dict(hw.peak_flops),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from workbench import bench
+    from workbench.device import resolve_device
+    from workbench.hardware import measured_spec
+
+    threads = bench.set_threads(args.threads)
+    device = resolve_device(args.device)
+    out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
+    if args.kind == "hf":
+        out |= bench.bench_hf(
+            args.model, args.dtype, str(device), prompt_len=(args.prompt_len or [32])[0],
+            new_tokens=args.new_tokens, repeats=args.repeats, num_requests=args.num_requests, context=args.context,
+            max_num_seqs=args.max_num_seqs, seed=args.seed, offline=not args.no_offline,
+        )  # fmt: skip
+    else:
+        hw = measured_spec(device.type)
+        out["machine"] = _machine(hw, threads, device)
+        model = bench.load_bench_model(args.model, args.dtype, str(device), seed=args.seed)
+        if args.kind == "decode":
+            out["results"] = bench.bench_decode(
+                model, args.batch, (args.prompt_len or [128])[0], args.steps, args.warmup, hw, seed=args.seed
+            )
+        elif args.kind == "prefill":
+            out["results"] = bench.bench_prefill(
+                model, args.prompt_len or [128, 512, 1024], args.repeats, args.warmup, hw, seed=args.seed
+            )
+        else:
+            out["offline"] = bench.bench_offline(
+                model, args.num_requests, args.context, args.max_num_seqs, args.repeats, seed=args.seed
+            )
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(format_table(out))
+    return 0
+
+
+def format_table(out: dict[str, Any]) -> str:
+    """A plain-text table of a bench result (the JSON's figures, rounded, in readable units)."""
+    head = f"workbench bench {out['bench']}: {out['model']} {out['dtype']}, {out['num_threads']} threads"
+    lines = [head]
+    if out["bench"] == "decode":
+        lines.append(
+            f"{'batch':>5} {'step ms':>9} {'tok/s':>9} {'GB/s':>7} {'mbu':>6} {'gemv_ratio':>10} {'overhead':>8}"
+        )
+        for r in out["results"]:
+            lines.append(
+                f"{r['batch']:>5} {r['step_s'] * 1e3:>9.2f} {r['tokens_per_s']:>9.1f} "
+                f"{r['achieved_bytes_per_s'] / 1e9:>7.2f} {r['mbu']:>6.2f} {r['gemv_ratio']:>10.3f} "
+                f"{r['overhead_share']:>8.1%}"
+            )
+    elif out["bench"] == "prefill":
+        lines.append(f"{'prompt':>6} {'ms':>9} {'GFLOP/s':>9} {'mfu':>6}")
+        for r in out["results"]:
+            gflops = r["achieved_flops_per_s"] / 1e9
+            lines.append(f"{r['prompt_len']:>6} {r['time_s'] * 1e3:>9.1f} {gflops:>9.1f} {r['mfu']:>6.2f}")
+    elif out["bench"] == "offline":
+        o = out["offline"]
+        lines.append(
+            f"{o['num_requests']} requests, {o['output_tokens']} output tokens in {o['time_s']:.2f} s: "
+            f"{o['output_tokens_per_s']:.1f} output tok/s, {o['total_tokens_per_s']:.1f} total tok/s"
+        )
+    else:
+        for key in ("decode", "offline"):
+            if key in out:
+                r = out[key]
+                lines.append(
+                    f"{key:>8}: ours {r['ours_tokens_per_s']:.1f} tok/s, transformers {r['hf_tokens_per_s']:.1f} "
+                    f"tok/s, ratio {r['ratio']:.2f}, identical tokens: {r['identical_tokens']}"
+                )
+    return "\n".join(lines)

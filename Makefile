@@ -38,8 +38,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# nbval re-runs every notebook under notebooks/ with its default parameters (lax: only cells marked
+# NBVAL_CHECK_OUTPUT are compared); tests/test_notebooks_nbval.py fails a notebook saved without outputs.
 test: lint
-	MPLBACKEND=agg $(PY) -m pytest $(PYTEST_ARGS)
+	MPLBACKEND=agg $(PY) -m pytest --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
+		$(PYTEST_ARGS) tests notebooks
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/

@@ -1,0 +1,131 @@
+"""Serving experiments on the real engine: policies on the same workload, and a long prompt among running decodes.
+
+Every function builds fresh engines over one loaded model (weights are shared; each engine has its own KV pool), so
+the policies being compared see identical requests and identical weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from workbench.engine.config import EngineConfig
+from workbench.engine.engine import Engine, RunResult
+from workbench.engine.metrics import requests_to_dataframe
+from workbench.engine.sequence import SamplingParams
+from workbench.model.transformer import Transformer
+from workbench.workloads import Request
+
+SUMMARY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2el_s")
+
+
+def summary_row(label: str, result: RunResult, **slos: float | None) -> dict[str, Any]:
+    """One flat row of the contract summary: medians and p99s in ms, throughputs, goodput, SLO attainment."""
+    s = result.summary(**slos)
+    m = s["metrics"]
+    row: dict[str, Any] = {"label": label}
+    for key in SUMMARY_KEYS:
+        name = key.removesuffix("_s")
+        row[f"{name}_median_ms"] = m[key]["median"] * 1e3
+        row[f"{name}_p99_ms"] = m[key]["p99"] * 1e3
+    row.update(
+        request_throughput=m["request_throughput"],
+        output_throughput=m["output_throughput"],
+        goodput=m["goodput"],
+        slo_attainment=m["slo_attainment"],
+        num_finished=s["num_finished"],
+        num_preemptions=s["num_preemptions"],
+        num_steps=len(result.step_log),
+        duration_s=s["duration_s"],
+    )
+    return row
+
+
+def compare_policies(
+    model: Transformer,
+    configs: Mapping[str, EngineConfig],
+    requests: Sequence[Request],
+    slos: Mapping[str, float | None] | None = None,
+) -> tuple[pd.DataFrame, dict[str, RunResult]]:
+    """Replay the same workload in real time under each configuration; one summary row per label."""
+    rows, results = [], {}
+    for label, cfg in configs.items():
+        result = Engine(model, cfg).replay(list(requests))
+        results[label] = result
+        rows.append(summary_row(label, result, **(slos or {})))
+    return pd.DataFrame(rows), results
+
+
+def long_prompt_among_decodes(
+    model: Transformer,
+    config: EngineConfig,
+    num_decodes: int = 4,
+    decode_prompt_len: int = 16,
+    decode_output_len: int = 48,
+    long_prompt_len: int = 512,
+    inject_after_steps: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Start ``num_decodes`` short requests, let them decode, then a ``long_prompt_len`` prompt arrives.
+
+    Returns the step log (DataFrame), the per-request table, the TTFT of the long prompt, and the inter-token
+    latencies of the running decodes while it was being prefilled (the stall that chunking removes).
+    """
+    import torch
+
+    engine = Engine(model, config)
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    decode_params = SamplingParams(max_tokens=decode_output_len, ignore_eos=True)
+    short_ids = [
+        engine.add_request(torch.randint(0, vocab, (decode_prompt_len,), generator=g).tolist(), decode_params)
+        for _ in range(num_decodes)
+    ]
+    for _ in range(inject_after_steps):
+        engine.step()
+    long_id = engine.add_request(
+        torch.randint(0, vocab, (long_prompt_len,), generator=g).tolist(), SamplingParams(max_tokens=4, ignore_eos=True)
+    )
+    while engine.has_unfinished():
+        engine.step()
+    long_seq = engine.sequences[long_id]
+    shorts = [engine.sequences[i] for i in short_ids]
+    # gaps between decode tokens that straddle the long prompt's arrival .. first token
+    window = (long_seq.arrival_time, long_seq.first_token_time)
+    stall_itls = [
+        b - a for s in shorts for a, b in zip(s.token_times, s.token_times[1:]) if b > window[0] and a < window[1]
+    ]
+    all_itls = [b - a for s in shorts for a, b in zip(s.token_times, s.token_times[1:])]
+    steps = engine.step_log.to_dataframe()
+    return {
+        "steps": steps,
+        "requests": requests_to_dataframe([*shorts, long_seq]),
+        "long_ttft_s": long_seq.first_token_time - long_seq.arrival_time,
+        "stall_itl_max_s": max(stall_itls) if stall_itls else 0.0,
+        "itl_p99_s": float(pd.Series(all_itls).quantile(0.99)) if all_itls else 0.0,
+        "itl_median_s": float(pd.Series(all_itls).median()) if all_itls else 0.0,
+        "max_step_s": float(steps.duration_s.max()),
+    }
+
+
+def scale_lengths(requests: Sequence[Request], factor: float, max_len: int) -> list[Request]:
+    """Prompt and output lengths multiplied by ``factor`` (at least 1 token each), then clipped to ``max_len``.
+
+    Lets a CPU serve a real trace's *shape* (arrivals unchanged, lengths in proportion) at a size it can afford;
+    plain clipping instead would cut the outputs of long prompts to a single token.
+    """
+    from dataclasses import replace
+
+    from workbench.errors import TraceError
+    from workbench.workloads import truncate_to_context
+
+    if not factor > 0:
+        raise TraceError(f"length scale factor must be > 0, got {factor}")
+    scaled = [
+        replace(r, prompt_len=max(1, round(r.prompt_len * factor)), output_len=max(1, round(r.output_len * factor)),
+                prompt_token_ids=None, hash_ids=None)
+        for r in requests
+    ]  # fmt: skip
+    return truncate_to_context(scaled, max_len)

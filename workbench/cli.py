@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("workbench.commands.generate", "generate tokens for prompts of token ids"),
     "replay": ("workbench.commands.replay", "serve a workload trace on the real engine in real time"),
     "trace-stats": ("workbench.commands.trace_stats", "size, rate, lengths and prefix sharing of a trace"),
+    "simulate": ("workbench.commands.simulate", "simulate serving a trace on replicas with the engine's scheduler"),
+    "fit-profile": ("workbench.commands.fit_profile", "measure the engine's step times here and fit a cost profile"),
     "roofline": ("workbench.commands.roofline", "per-operation roofline of prefill and decode on a hardware"),
     "hardware": ("workbench.commands.hardware", "accelerator table and this machine's measured ceilings"),
     "bench": ("workbench.commands.bench", "benchmark decode, prefill, an offline set and HF transformers"),

@@ -319,6 +319,7 @@ class SimResult:
     wall_s: float
     config: SimConfig
     cost_model: dict[str, Any] = field(default_factory=dict)
+    rejected: list[dict[str, Any]] = field(default_factory=list)  # request_id and reason of each rejected request
 
     @property
     def num_preemptions(self) -> int:
@@ -372,13 +373,17 @@ def simulate(
     link_bytes_per_s = config.link_gbps * 1e9 / 8
     output_len: dict[int, int] = {}
 
+    rejected: list[dict[str, Any]] = []
+
     def done(replica: Replica, seq: Sequence, now: float) -> None:
         records[seq.seq_id] = RequestRecord.from_sequence(seq)
+        if seq.finish_reason == "rejected":
+            rejected.append({"request_id": seq.seq_id, "reason": seq.reject_reason})
 
     def prefilled(replica: Replica, seq: Sequence, now: float) -> None:
         want = output_len[seq.seq_id]
         if seq.finish_reason != "length" or want <= 1 or seq.num_output_tokens != 1:
-            records[seq.seq_id] = RequestRecord.from_sequence(seq)
+            done(replica, seq, now)
             return
         nxt = Sequence(seq.seq_id, seq.prompt_token_ids, _sampling(sampling, want), seq.arrival_time)
         nxt.output_token_ids = list(seq.output_token_ids)
@@ -463,6 +468,7 @@ def simulate(
         wall_s=time.perf_counter() - wall0,
         config=config,
         cost_model=costs[0].describe() if costs else {},
+        rejected=rejected,
     )
 
 

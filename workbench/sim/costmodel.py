@@ -20,7 +20,7 @@ Models:
 - ``ProfiledCostModel``: linear in ``FEATURES`` (a constant, prefill tokens, prefill sequences, prefill
   attention pairs, decode sequences, decode context tokens read) plus a constant host gap, fitted by least
   squares to step times the real engine measured on this machine (``workbench fit-profile``), saved to and
-  loaded from JSON.
+  loaded from JSON; optionally with the measured residuals drawn back in as seeded noise.
 - ``TraceCostModel``: replays the start and end times of a measured ``StepLog`` step by step (and checks that
   each simulated step computes what the measured one did), so the simulator reproduces an engine run exactly.
 """
@@ -255,11 +255,16 @@ class ProfiledCostModel(CostModel):
     """``step_time = sum(coefficients[f] * feature f)`` over ``FEATURES``, plus ``host_gap_s`` between steps.
 
     ``meta`` records where the profile came from (machine, model, engine settings, fit quality).
+    ``residual_quantiles_s``: quantiles of (measured - fitted) step time over the measured steps. With
+    ``noise_seed`` set, each step adds a residual drawn from them (seeded, so a run is reproducible): the host's
+    interruptions on a shared machine come back into the simulated tail. Without it the model is deterministic.
     """
 
     coefficients: dict[str, float]
     host_gap_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    residual_quantiles_s: list[float] = field(default_factory=list)
+    noise_seed: int | None = None
     name = "profiled"
 
     def __post_init__(self) -> None:
@@ -271,13 +276,33 @@ class ProfiledCostModel(CostModel):
                 raise ConfigError(f"profile: coefficient {key!r} must be a finite number, got {value!r}")
         _check_gap(self.host_gap_s)
         self._coef = tuple(float(self.coefficients.get(f, 0.0)) for f in FEATURES)
+        self.residual_quantiles_s = sorted(float(x) for x in self.residual_quantiles_s)
+        self._rng = None
+        if self.noise_seed is not None:
+            if len(self.residual_quantiles_s) < 2:
+                raise ConfigError("profile: noise_seed needs residual_quantiles_s (at least two quantiles)")
+            import random
+
+            self._rng = random.Random(self.noise_seed)
+
+    def with_noise(self, seed: int | None) -> ProfiledCostModel:
+        """A copy that draws residual noise with ``seed`` (None: deterministic)."""
+        return ProfiledCostModel(dict(self.coefficients), self.host_gap_s, dict(self.meta),
+                                 list(self.residual_quantiles_s), seed)  # fmt: skip
+
+    def _residual(self) -> float:
+        """A draw from the residual distribution (linear between the stored quantiles)."""
+        q = self.residual_quantiles_s
+        u = self._rng.random() * (len(q) - 1)  # type: ignore[union-attr]
+        i = int(u)
+        return q[i] + (q[i + 1] - q[i]) * (u - i) if i + 1 < len(q) else q[-1]
 
     def step_time(self, stats: StepStats) -> float:
         c = self._coef
-        return max(
-            0.0,
-            c[0] + c[1] * stats[0] + c[2] * stats[1] + c[3] * stats[2] + c[4] * stats[4] + c[5] * stats[5],
-        )
+        t = c[0] + c[1] * stats[0] + c[2] * stats[1] + c[3] * stats[2] + c[4] * stats[4] + c[5] * stats[5]
+        if self._rng is not None:
+            t = max(t + self._residual(), 0.1 * t)
+        return max(0.0, t)
 
     def decode_run(
         self, now: float, num_seqs: int, context: int, max_steps: int, before: float
@@ -292,6 +317,8 @@ class ProfiledCostModel(CostModel):
             if s >= before:
                 break
             d = base + per_ctx * context
+            if self._rng is not None:
+                d = max(d + self._residual(), 0.1 * d)
             t = s + (d if d > 0.0 else 0.0)
             starts.append(s)
             ends.append(t)
@@ -304,6 +331,7 @@ class ProfiledCostModel(CostModel):
             "format": PROFILE_FORMAT,
             "coefficients": {f: float(self.coefficients.get(f, 0.0)) for f in FEATURES},
             "host_gap_s": self.host_gap_s,
+            "residual_quantiles_s": self.residual_quantiles_s,
             "meta": self.meta,
         }
 
@@ -326,42 +354,56 @@ class ProfiledCostModel(CostModel):
             raise ConfigError(f"{path}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ConfigError(f'{path}: not a workbench profile (expected "format": "{PROFILE_FORMAT}")')
-        return cls(dict(data["coefficients"]), float(data.get("host_gap_s", 0.0)), dict(data.get("meta", {})))
+        return cls(dict(data["coefficients"]), float(data.get("host_gap_s", 0.0)), dict(data.get("meta", {})),
+                   list(data.get("residual_quantiles_s", [])))  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **self.to_dict()}
 
 
 def fit_profile(
-    stats: list[StepStats], durations_s: list[float], gaps_s: list[float] | None = None, meta: dict | None = None
+    stats: list[StepStats],
+    durations_s: list[float],
+    gaps_s: list[float] | None = None,
+    meta: dict | None = None,
+    outlier_ratio: float = 2.0,
 ) -> ProfiledCostModel:
     """Least-squares fit of ``FEATURES`` to measured step durations (relative error weighted, so short decode
     steps count as much as long prefills); coefficients that come out negative are dropped and the rest refitted
-    (a step never gets cheaper with more work). ``host_gap_s`` is the median of ``gaps_s``."""
+    (a step never gets cheaper with more work). Steps measured at more than ``outlier_ratio`` times the first
+    fit's prediction (the process descheduled by others on a shared machine) are left out of a second fit.
+    ``host_gap_s`` is the median of ``gaps_s``."""
     import numpy as np
 
     if len(stats) != len(durations_s) or not stats:
         raise ConfigError(f"fit_profile needs as many step stats as durations, and some: {len(stats)} vs "
                           f"{len(durations_s)}")  # fmt: skip
-    x = np.asarray([s.features() for s in stats], dtype=np.float64)
-    y = np.asarray(durations_s, dtype=np.float64)
-    w = 1.0 / np.maximum(y, 1e-9)
-    active = [j for j in range(len(FEATURES)) if np.any(x[:, j] != 0)]
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        negative = [a for a, c in zip(active, coef) if c < 0 and FEATURES[a] != "const"]
-        if not negative:
-            break
-        active = [a for a in active if a not in negative]
+    x_all = np.asarray([s.features() for s in stats], dtype=np.float64)
+    y_all = np.asarray(durations_s, dtype=np.float64)
+
+    def solve(x: np.ndarray, y: np.ndarray) -> tuple[list[int], np.ndarray]:
+        w = 1.0 / np.maximum(y, 1e-9)
+        active = [j for j in range(len(FEATURES)) if np.any(x[:, j] != 0)]
+        while True:
+            coef, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            negative = [a for a, c in zip(active, coef) if c < 0 and FEATURES[a] != "const"]
+            if not negative:
+                return active, coef
+            active = [a for a in active if a not in negative]
+
+    active, coef = solve(x_all, y_all)
+    keep = y_all <= outlier_ratio * np.maximum(x_all[:, active] @ coef, 1e-12)
+    if keep.sum() >= len(FEATURES) and not keep.all():
+        active, coef = solve(x_all[keep], y_all[keep])
     coefficients = {f: 0.0 for f in FEATURES}
     for a, c in zip(active, coef):
         coefficients[FEATURES[a]] = float(c)
-    pred = x[:, active] @ coef
-    rel = np.abs(pred - y) / y
-    info = {"num_steps": len(stats), "median_rel_error": float(np.median(rel)), "p90_rel_error": float(
-        np.percentile(rel, 90))}  # fmt: skip
+    rel = np.abs(x_all[:, active] @ coef - y_all) / y_all
+    info = {"num_steps": len(stats), "num_outliers": int((~keep).sum()), "median_rel_error": float(np.median(rel)),
+            "p90_rel_error": float(np.percentile(rel, 90))}  # fmt: skip
     gap = float(np.median(gaps_s)) if gaps_s else 0.0
-    return ProfiledCostModel(coefficients, max(gap, 0.0), {**(meta or {}), "fit": info})
+    residuals = np.quantile(y_all - x_all[:, active] @ coef, np.linspace(0.0, 1.0, 101)).tolist()
+    return ProfiledCostModel(coefficients, max(gap, 0.0), {**(meta or {}), "fit": info}, residuals)
 
 
 # ---- trace -----------------------------------------------------------------------------------------------
@@ -413,12 +455,14 @@ def make_cost_model(
     profile: str | Path | None = None,
     prefill_efficiency: float = 1.0,
     decode_efficiency: float = 1.0,
+    noise_seed: int | None = None,
 ) -> CostModel:
-    """A cost model by name: ``roofline`` (model on hardware) or ``profiled`` (a profile file)."""
+    """A cost model by name: ``roofline`` (model on hardware) or ``profiled`` (a profile file; ``noise_seed``
+    draws its measured residuals into each step)."""
     if name == "roofline":
         return RooflineCostModel(model, hardware, dtype, prefill_efficiency, decode_efficiency)
     if name == "profiled":
         if profile is None:
             raise ConfigError("cost model 'profiled' needs a profile file (--profile PATH)")
-        return ProfiledCostModel.load(profile)
+        return ProfiledCostModel.load(profile).with_noise(noise_seed)
     raise ConfigError(f"unknown cost model {name!r}; expected one of {', '.join(COST_MODELS)}")

@@ -1,0 +1,142 @@
+"""``workbench simulate``: serve a workload on simulated replicas that run the engine's own scheduler.
+
+    workbench simulate --model NAME --hardware NAME --trace azure-conv|azure-code|mooncake-conversation|poisson:RATE
+        [--replicas N] [--router round-robin|least-outstanding|shortest-queue] [--policy P]
+        [--disaggregate P:D --link-gbps X [--link-latency-ms MS]] [--cost-model roofline|profiled [--profile FILE]]
+        [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--step-log FILE] [--json]
+
+Each step's duration comes from a cost model: ``roofline`` (the roofline prediction for the model on the hardware,
+with optional ``--prefill-efficiency``/``--decode-efficiency``) or ``profiled`` (a profile measured on this machine
+by ``workbench fit-profile``). Requests are clipped to ``max_model_len`` and generate exactly their trace output
+length, as in ``workbench replay``. With ``--json``: the keys of ``workbench replay --json`` (``num_requests``,
+``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``, ``engine``, ``model``, ``trace``)
+plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``, ``us_per_step``, ``replicas``
+(per-replica steps and utilisation), ``hardware`` and ``cost_model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from workbench.errors import ConfigError
+
+
+def parse_disaggregate(text: str | None) -> tuple[int, int] | None:
+    """``P:D`` (prefill replicas : decode replicas) or None."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        p, d = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise ConfigError(f"--disaggregate must be P:D (prefill replicas : decode replicas), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise ConfigError(f"--disaggregate needs at least one prefill and one decode replica, got {text!r}")
+    return p, d
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from workbench.engine.scheduler import POLICIES
+    from workbench.sim.cluster import ROUTERS
+    from workbench.sim.costmodel import COST_MODELS
+
+    p.add_argument("--model", required=True, help="preset name or config.json (only its shape matters)")
+    p.add_argument("--hardware", default="h100-sxm", help="accelerator name (see `workbench hardware`)")
+    p.add_argument("--dtype", default="bf16", help="weights, activations and KV dtype (default bf16)")
+    p.add_argument("--trace", required=True, help="azure-code | azure-conv | mooncake-conversation | "
+                   "mooncake-synthetic | poisson:RATE | gamma:RATE:CV | a .csv/.jsonl file")  # fmt: skip
+    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate (compress time)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times")
+    p.add_argument("--num-requests", type=int, default=1000, help="synthetic traces: number of requests")
+    p.add_argument("--prompt-lens", default="uniform:64:1024", help="synthetic traces: prompt length distribution")
+    p.add_argument("--output-lens", default="uniform:16:256", help="synthetic traces: output length distribution")
+    p.add_argument("--trace-seed", type=int, default=0, help="seed of synthetic arrivals, lengths and prompt ids")
+    g = p.add_argument_group("replica (as the engine's options)")
+    g.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy (default continuous)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of memory for weights + KV")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default min(model, 4096))")
+    g.add_argument("--token-budget", type=int, default=None, help="new tokens per step (max_num_batched_tokens)")
+    g.add_argument("--chunk-size", type=int, default=None, help="largest prefill chunk (policy chunked)")
+    g.add_argument("--prefix-caching", action="store_true", help="reuse cached KV blocks of shared prefixes")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--replicas", type=int, default=1, help="number of replicas (without --disaggregate)")
+    c.add_argument("--router", default="round-robin", choices=ROUTERS, help="how requests pick a replica")
+    c.add_argument("--disaggregate", default=None, metavar="P:D", help="P prefill and D decode replicas")
+    c.add_argument("--link-gbps", type=float, default=100.0, help="KV transfer link bandwidth, Gb/s")
+    c.add_argument("--link-latency-ms", type=float, default=0.0, help="KV transfer latency, ms")
+    m = p.add_argument_group("cost model")
+    m.add_argument("--cost-model", default="roofline", choices=COST_MODELS)
+    m.add_argument("--profile", default=None, help="profile JSON of the profiled cost model")
+    m.add_argument("--profile-noise-seed", type=int, default=None, help="profiled: draw measured residuals")
+    m.add_argument("--prefill-efficiency", type=float, default=1.0, help="roofline: achieved share in prefill")
+    m.add_argument("--decode-efficiency", type=float, default=1.0, help="roofline: achieved share in decode")
+    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds (goodput)")
+    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds (goodput)")
+    p.add_argument("--slo-e2el", type=float, default=None, help="end-to-end latency SLO in seconds (goodput)")
+    p.add_argument("--step-log", default=None, help="write every replica's per-step log to this JSON file")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    from workbench.config import ModelConfig
+    from workbench.hardware import get_hardware
+    from workbench.sim.cluster import SimConfig, simulate
+    from workbench.sim.costmodel import make_cost_model
+    from workbench.workloads import load_workload
+
+    cfg = ModelConfig.resolve(args.model)
+    hw = get_hardware(args.hardware)
+    config = SimConfig(
+        policy=args.policy, max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        token_budget=args.token_budget, chunk_size=args.chunk_size, enable_prefix_caching=args.prefix_caching,
+        dtype=args.dtype, num_replicas=args.replicas, router=args.router,
+        disaggregate=parse_disaggregate(args.disaggregate), link_gbps=args.link_gbps,
+        link_latency_s=args.link_latency_ms / 1e3,
+    )  # fmt: skip
+    cost = make_cost_model(args.cost_model, cfg, hw, args.dtype, args.profile, args.prefill_efficiency,
+                           args.decode_efficiency, args.profile_noise_seed)  # fmt: skip
+    requests = load_workload(
+        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
+        max_len=config.resolved_max_model_len(cfg), num_requests=args.num_requests, prompt_lens=args.prompt_lens,
+        output_lens=args.output_lens, seed=args.trace_seed,
+    )  # fmt: skip
+    result = simulate(requests, cfg, cost, config, hardware=hw, seed=args.trace_seed,
+                      record_steps=args.step_log is not None)  # fmt: skip
+    summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
+    summary["rejected"] = result.rejected
+    engine = asdict(config)
+    engine["num_blocks"] = result.replicas[0]["num_blocks"] if result.replicas else config.num_blocks
+    summary["engine"] = engine
+    summary["model"] = str(args.model)
+    summary["trace"] = args.trace
+    summary["hardware"] = hw.name
+    summary["cost_model"] = result.cost_model
+    if args.step_log:
+        with open(args.step_log, "w") as fh:
+            json.dump([log.to_records() if log is not None else [] for log in result.step_logs], fh)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    m = summary["metrics"]
+    print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
+          f"{summary['duration_s']:.2f} s simulated in {summary['wall_s']:.2f} s "
+          f"({summary['requests_per_wall_s']:.0f} req/s, {summary['us_per_step']:.1f} us/step)")  # fmt: skip
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+        s = m[key]
+        print(f"  {key:7s} mean {s['mean'] * 1e3:9.2f} ms  median {s['median'] * 1e3:9.2f} ms  "
+              f"p99 {s['p99'] * 1e3:9.2f} ms")  # fmt: skip
+    print(f"  throughput {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} tok/s; "
+          f"goodput {m['goodput']:.2f} req/s ({m['slo_attainment']:.0f}% within SLOs)")  # fmt: skip
+    for rep in summary["replicas"]:
+        print(f"  replica {rep['index']} ({rep['role']}): {rep['num_steps']} steps, "
+              f"utilisation {100 * rep['utilization']:.0f}%")  # fmt: skip
+    return 0

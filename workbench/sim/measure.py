@@ -1,0 +1,136 @@
+"""Measure the real engine's step times on this machine and fit the ``profiled`` cost model to them.
+
+``measure_engine_steps`` replays workloads on an ``Engine`` and pairs every logged step with the ``StepStats``
+of the plan it executed (captured by wrapping the engine's ``Scheduler.schedule``; the scheduler itself is not
+changed), plus the host gap after each step that was followed at once by another (not by an idle wait for an
+arrival). ``fit_engine_profile`` fits ``ProfiledCostModel`` to them. Torch is imported only through the engine.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from workbench.engine.scheduler import StepPlan
+from workbench.sim.costmodel import ProfiledCostModel, StepStats, fit_profile, plan_stats
+from workbench.workloads import Request, synthetic_workload
+
+
+@dataclass
+class StepSamples:
+    """Measured steps: what each computed, how long it took, and the busy host gaps between steps."""
+
+    stats: list[StepStats] = field(default_factory=list)
+    durations_s: list[float] = field(default_factory=list)
+    gaps_s: list[float] = field(default_factory=list)
+
+    def extend(self, other: StepSamples) -> None:
+        self.stats += other.stats
+        self.durations_s += other.durations_s
+        self.gaps_s += other.gaps_s
+
+
+def instrument(engine: Any) -> tuple[list[StepStats], list[bool]]:
+    """Wrap ``engine.scheduler``'s schedule/update on the instance: returns the lists that receive each non-empty
+    plan's stats and, per non-empty step, whether work remained right after it (the next step follows at once)."""
+    sched = engine.scheduler
+    schedule, update = sched.schedule, sched.update
+    stats: list[StepStats] = []
+    busy_after: list[bool] = []
+
+    def schedule_and_record(now: float | None = None) -> StepPlan:
+        plan = schedule(now=now)
+        if not plan.is_empty:
+            stats.append(plan_stats(plan))
+        return plan
+
+    def update_and_record(plan: StepPlan, sampled: dict[int, int], now: float) -> list:
+        finished = update(plan, sampled, now)
+        if not plan.is_empty:
+            busy_after.append(sched.has_unfinished())
+        return finished
+
+    sched.schedule = schedule_and_record
+    sched.update = update_and_record
+    return stats, busy_after
+
+
+def measure_engine_steps(engine_factory: Any, workloads: list[list[Request]], seed: int = 0) -> StepSamples:
+    """Replay each workload on a fresh engine from ``engine_factory()`` and collect its steps."""
+    samples = StepSamples()
+    for requests in workloads:
+        engine = engine_factory()
+        stats, busy_after = instrument(engine)
+        engine.replay(requests, seed=seed)
+        steps = engine.step_log.steps
+        if len(steps) != len(stats):
+            raise RuntimeError(f"measured {len(steps)} logged steps but captured {len(stats)} plans")
+        samples.stats += stats
+        samples.durations_s += [s.end_s - s.start_s for s in steps]
+        samples.gaps_s += [b.start_s - a.end_s for a, b, busy in zip(steps, steps[1:], busy_after) if busy]
+    return samples
+
+
+def training_workloads(max_model_len: int, num_requests: int = 24, seed: int = 1000) -> list[list[Request]]:
+    """Synthetic workloads that cover the step mixes: a light and a heavy Poisson load, short and long prompts."""
+    top = max(16, max_model_len // 2)
+    return [
+        synthetic_workload(num_requests, rate=4.0, prompt_lens=f"uniform:8:{top}", output_lens="uniform:2:24",
+                           seed=seed),
+        synthetic_workload(num_requests, rate=30.0, prompt_lens=f"uniform:8:{top // 2}", output_lens="uniform:8:40",
+                           seed=seed + 1),
+    ]  # fmt: skip
+
+
+def fit_engine_profile(
+    model: str,
+    policies: tuple[str, ...] = ("continuous", "chunked"),
+    num_requests: int = 24,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    token_budget: int | None = None,
+    seed: int = 1000,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    threads: int | None = 1,
+) -> ProfiledCostModel:
+    """Measure ``model`` (a preset, random weights) on the engine under each policy and fit a profile.
+
+    ``threads``: torch CPU threads while measuring (1 by default: a small model gains nothing from more, and on a
+    shared machine extra threads wait on each other); the simulated engine should run with the same. Each policy
+    is measured after one warm-up replay of the first workload.
+    """
+    import torch
+
+    from workbench.device import resolve_device, torch_dtype
+    from workbench.engine.config import EngineConfig
+    from workbench.engine.engine import Engine
+    from workbench.hardware import cpu_model_name
+    from workbench.model.checkpoint import load_model
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dev = resolve_device(device)
+    net = load_model(model, dtype=torch_dtype(dtype), device=dev, seed=0)
+    samples = StepSamples()
+    configs = []
+    for policy in policies:
+        budget = token_budget or (max_model_len // 2 if policy == "chunked" else None)
+        cfg = EngineConfig(policy=policy, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
+                           device=device, token_budget=budget)  # fmt: skip
+        configs.append(asdict(cfg))
+        workloads = training_workloads(max_model_len, num_requests, seed)
+        Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
+        samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(net, cfg), workloads, seed))
+    meta = {
+        "model": model,
+        "machine": cpu_model_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "outlier_ratio": 2.0,
+        "engine_configs": configs,
+        "num_gaps": len(samples.gaps_s),
+    }
+    return fit_profile(samples.stats, samples.durations_s, samples.gaps_s, meta)

@@ -194,3 +194,33 @@ def test_kv_pool_from_hardware_memory() -> None:
     assert cfg.resolved_num_blocks(LLAMA, "h100-sxm") == expected
     with pytest.raises(ConfigError, match="no KV block"):
         SimConfig(gpu_memory_utilization=0.1).resolved_num_blocks(ModelConfig.resolve("Llama-3.1-70B"), "h100-sxm")
+
+
+def test_profiled_noise_is_seeded_and_drawn_from_the_residuals() -> None:
+    base = ProfiledCostModel({"const": 0.01}, residual_quantiles_s=[-0.001, 0.0, 0.004])
+    assert base.step_time(StepStats(decode_seqs=1)) == 0.01  # no seed: deterministic
+    a, b = base.with_noise(5), base.with_noise(5)
+    draws = [a.step_time(StepStats(decode_seqs=1)) for _ in range(200)]
+    assert draws == [b.step_time(StepStats(decode_seqs=1)) for _ in range(200)]
+    assert min(draws) >= 0.009 - 1e-12 and max(draws) <= 0.014 + 1e-12  # const + a residual in [-1 ms, 4 ms]
+    assert len(set(draws)) > 100
+    _, ends = base.with_noise(5).decode_run(0.0, 2, 10, 50, float("inf"))
+    steps = [e - s for s, e in zip([0.0, *ends], ends)]
+    assert all(0.009 - 1e-12 <= d <= 0.014 + 1e-12 for d in steps)
+    with pytest.raises(ConfigError, match="residual"):
+        ProfiledCostModel({"const": 0.01}, noise_seed=1)
+
+
+def test_bulk_decode_stamps_the_first_token_of_a_prefill_that_ended_one_short() -> None:
+    # chunk size 8 and a 9-token prompt: the first chunk computes 8 tokens, the 9th is computed as a "decode"
+    # that samples the first output token; a bulk run starting there must stamp first_token_time
+    cost = const_cost(1.0)
+    cfg = SimConfig(policy="chunked", num_blocks=100, token_budget=8, chunk_size=8, max_model_len=64)
+    for fast in (True, False):
+        res = simulate([Request(0, 0.0, 9, 5)], LLAMA, cost, cfg, fast=fast)
+        rec = res.records[0]
+        assert rec.token_times == [2.0, 3.0, 4.0, 5.0, 6.0]
+        assert rec.first_token_time == 2.0
+    assert res.replicas[0]["num_bulk_steps"] == 0
+    fast_run = simulate([Request(0, 0.0, 9, 5)], LLAMA, cost, cfg)
+    assert fast_run.replicas[0]["num_bulk_steps"] > 0

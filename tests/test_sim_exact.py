@@ -81,3 +81,19 @@ def test_trace_cost_model_detects_divergence(model) -> None:
     other = SimConfig(policy="decode-first", block_size=8, num_blocks=24, max_num_seqs=4, max_model_len=96)
     with pytest.raises(RuntimeError, match="prefill"):
         simulate(requests, model.config, TraceCostModel(engine.step_log), other)
+
+
+def test_measure_engine_steps_pairs_each_logged_step_with_its_plan(model) -> None:
+    from workbench.sim.costmodel import ProfiledCostModel, fit_profile
+    from workbench.sim.measure import measure_engine_steps
+
+    ecfg, _ = _configs("chunked")
+    requests = [Request(i, 0.01 * i, n, m) for i, (n, m) in enumerate(zip(PROMPT_LENS, OUTPUT_LENS))]
+    samples = measure_engine_steps(lambda: Engine(model, ecfg), [requests])
+    assert len(samples.stats) == len(samples.durations_s) > 0
+    # each request computes its prompt and all its outputs but the last (more after a preemption)
+    computed = sum(s.prefill_tokens + s.decode_seqs for s in samples.stats)
+    assert computed >= sum(PROMPT_LENS) + sum(OUTPUT_LENS) - len(OUTPUT_LENS)
+    assert all(d > 0 for d in samples.durations_s) and all(g >= 0 for g in samples.gaps_s)
+    profile = fit_profile(samples.stats, samples.durations_s, samples.gaps_s)
+    assert isinstance(profile, ProfiledCostModel) and profile.coefficients["const"] != 0.0

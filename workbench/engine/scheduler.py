@@ -490,6 +490,8 @@ class Scheduler:
             if not bm.append_slots(seq, end):
                 raise RuntimeError("advance_decode_steps: the pool ran out of blocks inside a checked window")
             seq.num_computed_tokens = end
+            if seq.first_token_time is None:  # a chunked prefill that stopped one token short samples here
+                seq.first_token_time = end_times[0]
             seq.output_token_ids.extend(tokens)
             seq.token_times.extend(end_times)
             if bm.enable_prefix_caching:

@@ -10,7 +10,9 @@ loads a real checkpoint. ``--threads`` sets torch's intra-op threads (default: e
 reported. With ``--json`` one object is printed: ``results`` holds one row per batch size (decode: ``tokens_per_s``,
 ``mbu``, ``gemv_ratio``, ``overhead_share``) or prompt length (prefill: ``mfu``); ``offline`` its tokens/s;
 ``hf`` holds ``decode`` and ``offline``, each with ``ours_tokens_per_s``, ``hf_tokens_per_s``, ``ratio`` and
-``identical_tokens``. See ``workbench.bench`` for what is measured and how.
+``identical_tokens``. The machine's ceilings (``workbench.hardware.measured_spec``) are measured again at the start
+of each run, so that MBU and MFU divide by figures taken under the same load (``--cached-ceilings`` reuses the
+cached ones). See ``workbench.bench`` for what is measured and how.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="offline: engine batch and HF static batch size")
     p.add_argument("--no-offline", action="store_true", help="hf: batch-1 decode only")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the offline draw")
+    p.add_argument("--cached-ceilings", action="store_true",
+                   help="reuse this machine's cached ceilings instead of measuring them again in this run")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -70,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, seed=args.seed, offline=not args.no_offline,
         )  # fmt: skip
     else:
-        hw = measured_spec(device.type)
+        # ceilings measured in the same run as the benchmark (a shared machine drifts), unless asked otherwise
+        hw = measured_spec(device.type, refresh=not args.cached_ceilings)
         out["machine"] = _machine(hw, threads, device)
         model = bench.load_bench_model(args.model, args.dtype, str(device), seed=args.seed)
         if args.kind == "decode":

@@ -190,6 +190,10 @@ class Engine:
         finished, self._early_finished = self._early_finished, []
         start = self.now() if start is None else start
         plan = self.scheduler.schedule(now=start)
+        if self.runner.decode_graphs is None and self.model.device.type == "cuda":
+            # pure-decode steps through CUDA graphs (static shapes up to this engine's batch and length)
+            max_len = self.config.resolved_max_model_len(self.model.config)
+            self.runner.setup_decode_graphs(self.config.max_num_seqs, max_len)
         sampled = self.runner.execute(plan)
         synchronize(self.model.device)
         end = self.now()

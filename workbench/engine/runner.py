@@ -12,6 +12,7 @@ import time
 import torch
 
 from workbench.device import synchronize
+from workbench.engine.decode_graphs import DecodeGraphs
 from workbench.engine.sampler import Sampler
 from workbench.engine.scheduler import StepPlan
 from workbench.kv.cache import KVCache
@@ -28,6 +29,15 @@ class ModelRunner:
         # last_model_s: what is left of a step's time is engine overhead (scheduling, tensors, sampling)
         self.time_model = False
         self.last_model_s = 0.0
+        self.decode_graphs: DecodeGraphs | None = None  # static-shape decode (CUDA graphs on a GPU)
+
+    def setup_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool | None = None) -> None:
+        """Serve pure-decode steps of up to ``max_batch`` sequences through ``DecodeGraphs``.
+
+        ``capture`` (default: on CUDA) records CUDA graphs; ``False`` runs the same static-shape path eagerly.
+        """
+        capture = self.model.device.type == "cuda" if capture is None else capture
+        self.decode_graphs = DecodeGraphs(self.model, self.cache, max_batch, max_model_len, capture)
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata]:
         """Flat input ids (num_tokens,) and the step's attention metadata."""
@@ -46,6 +56,13 @@ class ModelRunner:
         """Run one step; returns the sampled token of every chunk that samples, by sequence id."""
         if plan.is_empty:
             return {}
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and graphs.supports(len(plan.chunks))
+            and all(c.num_new_tokens == 1 and c.samples for c in plan.chunks)
+        ):
+            return self._execute_static_decode(plan, graphs)
         input_ids, meta = self.prepare(plan)
         if self.time_model:
             synchronize(self.model.device)
@@ -65,6 +82,25 @@ class ModelRunner:
         seqs = [plan.chunks[i].seq for i in rows]
         tokens = self.sampler(logits, [s.sampling for s in seqs], [s.seq_id for s in seqs])
         return {s.seq_id: t for s, t in zip(seqs, tokens)}
+
+    def _execute_static_decode(self, plan: StepPlan, graphs: DecodeGraphs) -> dict[int, int]:
+        """A pure-decode step (every chunk one token, every chunk samples) through the static-shape path."""
+        tokens, seq_lens, tables = [], [], []
+        for chunk in plan.chunks:
+            seq, start = chunk.seq, chunk.start
+            tokens.append(seq.token_at(start))
+            seq_lens.append(start + 1)
+            tables.append(seq.block_table)
+        if self.time_model:
+            synchronize(self.model.device)
+            t0 = time.perf_counter()
+        logits = graphs.run(tokens, seq_lens, tables)  # (num_seqs, vocab) fp32
+        if self.time_model:
+            synchronize(self.model.device)
+            self.last_model_s = time.perf_counter() - t0
+        seqs = [c.seq for c in plan.chunks]
+        sampled = self.sampler(logits, [s.sampling for s in seqs], [s.seq_id for s in seqs])
+        return {s.seq_id: t for s, t in zip(seqs, sampled)}
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)

@@ -26,9 +26,9 @@ def model(tiny_checkpoint):
 
 
 def _configs(policy: str) -> tuple[EngineConfig, SimConfig]:
-    # a pool of 24 blocks of 8 tokens: tight enough to preempt, max 4 sequences, budget 32 for chunked
+    # a pool of 12 blocks of 8 tokens (the longest request needs 11): requests get preempted, max 4 sequences, budget 32 for chunked
     chunked = policy == "chunked"
-    common = dict(policy=policy, block_size=8, num_blocks=24, max_num_seqs=4, max_model_len=96,
+    common = dict(policy=policy, block_size=8, num_blocks=12, max_num_seqs=4, max_model_len=96,
                   token_budget=32 if chunked else None, chunk_size=12 if chunked else None)  # fmt: skip
     return EngineConfig(**common), SimConfig(**common, dtype="fp32")
 
@@ -78,7 +78,7 @@ def test_trace_cost_model_detects_divergence(model) -> None:
     engine = Engine(model, ecfg)
     requests = [Request(i, 0.0, n, m) for i, (n, m) in enumerate(zip(PROMPT_LENS, OUTPUT_LENS))]
     engine.replay(requests)
-    other = SimConfig(policy="decode-first", block_size=8, num_blocks=24, max_num_seqs=4, max_model_len=96)
+    other = SimConfig(policy="decode-first", block_size=8, num_blocks=12, max_num_seqs=4, max_model_len=96)
     with pytest.raises(RuntimeError, match="prefill"):
         simulate(requests, model.config, TraceCostModel(engine.step_log), other)
 

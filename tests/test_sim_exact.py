@@ -26,7 +26,8 @@ def model(tiny_checkpoint):
 
 
 def _configs(policy: str) -> tuple[EngineConfig, SimConfig]:
-    # a pool of 12 blocks of 8 tokens (the longest request needs 11): requests get preempted, max 4 sequences, budget 32 for chunked
+    # a pool of 12 blocks of 8 tokens (the longest request needs 11), so requests get preempted; at most 4
+    # sequences a step; chunked: a budget of 32 tokens in chunks of 12
     chunked = policy == "chunked"
     common = dict(policy=policy, block_size=8, num_blocks=12, max_num_seqs=4, max_model_len=96,
                   token_budget=32 if chunked else None, chunk_size=12 if chunked else None)  # fmt: skip

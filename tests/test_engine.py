@@ -157,3 +157,17 @@ def test_engine_config_errors_name_the_field():
         EngineConfig(policy="fastest")
     with pytest.raises(ConfigError, match="max_model_len"):
         EngineConfig(max_model_len=10_000).cache_shape(ModelConfig.from_name("tiny-mha"))
+
+
+def test_engine_ledger_and_memory_budget(setup):
+    model, _ = setup
+    cfg = model.config  # tiny-gqa: 2 layers x 2 kv heads x 16 dims x (K, V) x 4 bytes = 512 B/token in fp32
+    engine = Engine(model, EngineConfig(max_model_len=96, block_size=8, kv_cache_bytes=100_000))
+    assert cfg.kv_bytes_per_token("fp32") == 512
+    assert engine.block_manager.num_blocks == 100_000 // (8 * 512) == 24
+    engine.generate(PROMPTS[:2], GREEDY)
+    snap = engine.ledger.snapshot(list(engine.sequences.values()))
+    assert snap["pool_bytes"] == 24 * 8 * 512 and snap["blocks_used"] == 0
+    # the two requests held 5 + 9 and 33 + 9 K/V positions (the last sampled token is never cached)
+    assert snap["waste"]["used_tokens"] == (5 + MAX_TOKENS - 1) + (33 + MAX_TOKENS - 1)
+    assert snap["waste"]["contiguous_tokens"] == 2 * 96

@@ -6,17 +6,17 @@ import pytest
 
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
-from workbench.kvcalc import attention_variants, kv_bytes_per_token, max_concurrent_sequences, paged_vs_contiguous
+from workbench.kvcalc import attention_variants, max_concurrent_sequences, paged_vs_contiguous
 
 GIB = 2**30
 
 
 def test_kv_bytes_per_token_of_llama_2_7b_and_llama_3_1_8b_by_hand() -> None:
     # K and V x 32 layers x 32 KV heads x head_dim 128 x 2 bytes (fp16) = 512 KiB
-    assert kv_bytes_per_token(ModelConfig.from_name("Llama-2-7B"), "fp16") == 2 * 32 * 32 * 128 * 2 == 524_288
+    assert ModelConfig.from_name("Llama-2-7B").kv_bytes_per_token("fp16") == 2 * 32 * 32 * 128 * 2 == 524_288
     # GQA with 8 KV heads: a quarter of that, 128 KiB
-    assert kv_bytes_per_token(ModelConfig.from_name("Llama-3.1-8B"), "fp16") == 2 * 32 * 8 * 128 * 2 == 131_072
-    assert kv_bytes_per_token(ModelConfig.from_name("Llama-3.1-8B"), "fp8") == 65_536
+    assert ModelConfig.from_name("Llama-3.1-8B").kv_bytes_per_token("fp16") == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert ModelConfig.from_name("Llama-3.1-8B").kv_bytes_per_token("fp8") == 65_536
 
 
 def test_attention_variants() -> None:

@@ -1,6 +1,6 @@
 """KV-cache calculator: bytes per token, how many sequences fit, paged versus contiguous memory.
 
-- ``kv_bytes_per_token``: K and V of every layer for one token, ``2 * layers * kv_heads * head_dim * bytes``.
+- bytes per token: ``ModelConfig.kv_bytes_per_token`` (K and V, all layers: 2 * layers * kv_heads * head_dim * B).
 - ``attention_variants``: the same for the model's MHA, GQA and MQA counterparts (same query heads and head
   size, different numbers of KV heads), to show what grouping saves.
 - ``max_concurrent_sequences``: the largest number of sequences of a given length whose KV cache fits in a
@@ -17,13 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.config import ModelConfig, ceil_div, dtype_bytes
+from workbench.config import ModelConfig, ceil_div
 from workbench.errors import ConfigError
-
-
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
-    """Bytes of K and V cached per token over all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes(kv_dtype)
 
 
 def _default_gqa_kv_heads(num_heads: int) -> int | None:
@@ -48,12 +43,12 @@ def attention_variants(
         raise ConfigError(
             f"gqa_kv_heads must divide num_heads ({nh}) and lie strictly between 1 and it, got {gqa_kv_heads}"
         )
-    mha = kv_bytes_per_token(cfg.with_overrides(num_kv_heads=nh), kv_dtype)
+    mha = cfg.with_overrides(num_kv_heads=nh).kv_bytes_per_token(kv_dtype)
     rows = []
     for kind, kv_heads in (("MHA", nh), ("GQA", gqa_kv_heads), ("MQA", 1)):
         if kv_heads is None:
             continue
-        bpt = kv_bytes_per_token(cfg.with_overrides(num_kv_heads=kv_heads), kv_dtype)
+        bpt = cfg.with_overrides(num_kv_heads=kv_heads).kv_bytes_per_token(kv_dtype)
         rows.append(
             {
                 "kind": kind,
@@ -107,7 +102,7 @@ def max_concurrent_sequences(
     weights = cfg.weight_bytes(dtype)
     budget = memory_bytes - weights - reserve_bytes
     tokens = seq_len if block_size is None else ceil_div(seq_len, block_size) * block_size
-    per_seq = tokens * kv_bytes_per_token(cfg, kv_dtype or dtype)
+    per_seq = tokens * cfg.kv_bytes_per_token(kv_dtype or dtype)
     return CapacityResult(
         max_seqs=max(0, int(budget // per_seq)),
         memory_bytes=float(memory_bytes),
@@ -191,14 +186,13 @@ def paged_vs_contiguous(
         used_tokens=sum(lengths),
         contiguous_tokens=len(lengths) * max_len,
         paged_tokens=sum(ceil_div(n, block_size) * block_size for n in lengths),
-        bytes_per_token=kv_bytes_per_token(cfg, kv_dtype),
+        bytes_per_token=cfg.kv_bytes_per_token(kv_dtype),
         block_size=block_size,
         max_len=max_len,
     )
 
 
 __all__ = [
-    "kv_bytes_per_token",
     "attention_variants",
     "max_concurrent_sequences",
     "CapacityResult",

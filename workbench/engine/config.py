@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from workbench.config import ModelConfig, canonical_dtype, ceil_div
 from workbench.engine.scheduler import POLICIES, SchedulerConfig
 from workbench.errors import ConfigError
+from workbench.kv.ledger import num_blocks_for_budget
 
 CACHE_LAYOUTS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -82,13 +83,7 @@ class EngineConfig:
         if self.num_blocks is not None:
             return self.num_blocks, self.block_size
         if self.kv_cache_bytes is not None:
-            n = self.kv_cache_bytes // bytes_per_block
-            if n < 1:
-                raise ConfigError(
-                    f"kv_cache_bytes {self.kv_cache_bytes} holds no block of {bytes_per_block} bytes "
-                    f"({self.block_size} tokens x {model.kv_bytes_per_token(self.dtype)} B/token)"
-                )
-            return int(n), self.block_size
+            return num_blocks_for_budget(model, self.kv_cache_bytes, self.block_size, self.dtype), self.block_size
         wanted = ceil_div(self.max_num_seqs * max_len, self.block_size)
         return max(1, min(wanted, DEFAULT_KV_BUDGET_BYTES // bytes_per_block)), self.block_size
 

@@ -26,6 +26,7 @@ from workbench.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from workbench.errors import RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
+from workbench.kv.ledger import MemoryLedger
 from workbench.model.transformer import Transformer
 
 
@@ -111,6 +112,10 @@ class Engine:
         self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config(mcfg), self.block_manager)
+        self.ledger = MemoryLedger(
+            mcfg, self.block_manager, weight_dtype=self.config.dtype, kv_dtype=self.config.dtype,
+            max_model_len=self.scheduler.config.max_model_len,
+        )  # fmt: skip
         if self.config.attention_backend == "triton":
             from workbench.model.triton_backend import TritonAttentionBackend
 

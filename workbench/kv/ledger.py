@@ -15,13 +15,14 @@ Plain Python; the tensors themselves live in ``workbench/kv/cache.py``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from workbench.config import ModelConfig, ceil_div, dtype_bytes
+from workbench.config import ModelConfig
 from workbench.engine.sequence import Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
+from workbench.kvcalc import PagingComparison, paged_vs_contiguous
 
 
 def num_blocks_for_budget(model: ModelConfig, budget_bytes: int, block_size: int, kv_dtype: str = "bf16") -> int:
@@ -37,61 +38,6 @@ def num_blocks_for_budget(model: ModelConfig, budget_bytes: int, block_size: int
             f"KV memory budget of {budget_bytes} bytes holds no block of {block_size} tokens ({block_bytes} bytes)"
         )
     return int(num_blocks)
-
-
-@dataclass(frozen=True)
-class CacheWaste:
-    """Reserved and wasted KV positions of the same requests under a contiguous and a paged cache."""
-
-    num_requests: int
-    num_tokens: int  # positions actually holding K/V, summed over requests
-    contiguous_reserved: int  # max_model_len per request
-    paged_reserved: int  # whole blocks per request
-    kv_bytes_per_token: int
-
-    @property
-    def contiguous_waste(self) -> int:
-        return self.contiguous_reserved - self.num_tokens
-
-    @property
-    def paged_waste(self) -> int:
-        return self.paged_reserved - self.num_tokens
-
-    @property
-    def contiguous_waste_fraction(self) -> float:
-        return self.contiguous_waste / self.contiguous_reserved if self.contiguous_reserved else 0.0
-
-    @property
-    def paged_waste_fraction(self) -> float:
-        return self.paged_waste / self.paged_reserved if self.paged_reserved else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        b = self.kv_bytes_per_token
-        return dict(
-            asdict(self),
-            contiguous_waste=self.contiguous_waste,
-            paged_waste=self.paged_waste,
-            contiguous_waste_bytes=self.contiguous_waste * b,
-            paged_waste_bytes=self.paged_waste * b,
-            contiguous_waste_fraction=self.contiguous_waste_fraction,
-            paged_waste_fraction=self.paged_waste_fraction,
-        )
-
-
-def cache_waste(
-    token_counts: list[int], max_model_len: int, block_size: int, kv_bytes_per_token: int = 1
-) -> CacheWaste:
-    """Compare caches for requests holding ``token_counts`` K/V positions each (each <= max_model_len)."""
-    for n in token_counts:
-        if n > max_model_len:
-            raise ConfigError(f"a request holds {n} tokens, more than max_model_len ({max_model_len})")
-    return CacheWaste(
-        num_requests=len(token_counts),
-        num_tokens=sum(token_counts),
-        contiguous_reserved=max_model_len * len(token_counts),
-        paged_reserved=sum(ceil_div(n, block_size) * block_size for n in token_counts),
-        kv_bytes_per_token=kv_bytes_per_token,
-    )
 
 
 def kv_tokens_held(seq: Sequence) -> int:
@@ -127,12 +73,12 @@ class MemoryLedger:
     def pool_bytes(self) -> int:
         return self.block_manager.num_blocks * self.block_bytes
 
-    def waste(self, sequences: list[Sequence]) -> CacheWaste:
-        """Contiguous-versus-paged waste for these sequences (needs ``max_model_len``)."""
+    def waste(self, sequences: list[Sequence]) -> PagingComparison:
+        """Contiguous-versus-paged memory for the K/V these sequences hold (needs ``max_model_len``)."""
         if self.max_model_len is None:
             raise ConfigError("MemoryLedger.max_model_len is needed to compare with a contiguous cache")
         counts = [kv_tokens_held(s) for s in sequences if s.finish_reason != "rejected"]
-        return cache_waste(counts, self.max_model_len, self.block_manager.block_size, self.kv_bytes_per_token)
+        return paged_vs_contiguous(self.model, counts, self.block_manager.block_size, self.max_model_len, self.kv_dtype)
 
     def snapshot(self, sequences: list[Sequence] | None = None) -> dict[str, Any]:
         """A flat dict of the ledger now; with ``sequences``, also the contiguous-versus-paged waste."""
@@ -157,10 +103,5 @@ class MemoryLedger:
             "prefix_hit_tokens": bm.num_hit_tokens,
         }
         if sequences is not None:
-            out["waste"] = self.waste(sequences).as_dict()
+            out["waste"] = self.waste(sequences).to_dict()
         return out
-
-
-def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16") -> int:
-    """``2 * num_layers * num_kv_heads * head_dim * bytes(kv_dtype)`` (K and V, all layers)."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes(kv_dtype)

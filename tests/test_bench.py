@@ -171,3 +171,12 @@ def test_static_shape_decode_path_gives_hfs_tokens(tiny_checkpoint, block_size):
     assert got == expected
     graphs = engine.runner.decode_graphs
     assert sum(st.steps for st in graphs._static.values()) > 0  # the static path did serve decode steps
+
+
+def test_lengths_beyond_the_models_positions_are_refused(tiny):
+    from workbench.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="prompt lengths"):
+        bench.bench_prefill(tiny, prompt_lens=(512,), hw=FAKE_HW)
+    with pytest.raises(ConfigError, match="positions"):
+        bench.bench_decode(tiny, batches=(1,), prompt_len=250, hw=FAKE_HW)

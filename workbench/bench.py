@@ -172,6 +172,7 @@ def bench_decode(
     hw: HardwareSpec | None = None,
     sweep: LinearSweep | None = None,
     seed: int = 0,
+    attention_backend: str = "torch",
 ) -> list[dict[str, Any]]:
     """Per batch size: median decode step time, tokens/s, bytes/s, MBU, gemv_ratio and engine overhead share.
 
@@ -181,12 +182,17 @@ def bench_decode(
     if steps < 1 or warmup < 0 or prompt_len < 1:
         raise ConfigError(f"need steps >= 1, warmup >= 0, prompt_len >= 1; got {steps}, {warmup}, {prompt_len}")
     cfg = model.config
+    if prompt_len + warmup + steps + 2 > cfg.max_position_embeddings:
+        raise ConfigError(
+            f"prompt_len {prompt_len} + {warmup + steps} steps do not fit {cfg.name}'s "
+            f"{cfg.max_position_embeddings} positions"
+        )
     dtype = canonical_dtype(str(model.dtype).replace("torch.", ""))
     hw = hw or measured_spec(model.device.type)
     sweep = sweep or LinearSweep(cfg, model.dtype, model.device, seed=seed)
     rows = []
     for batch in batches:
-        engine = _engine(model, batch, prompt_len + warmup + steps + 2)
+        engine = _engine(model, batch, prompt_len + warmup + steps + 2, attention_backend=attention_backend)
         for prompt in random_prompts(batch, prompt_len, cfg.vocab_size, seed):
             engine.add_request(prompt, _greedy(warmup + steps + 1))
         while True:  # prefill (one or more steps) until the next step is a pure decode of every sequence
@@ -210,6 +216,7 @@ def bench_decode(
             bytes_per_s.append(decode_step_bytes(cfg, dtype, context)["bytes"] / t)
             contexts.append(sum(context) / len(context))
         t_step = median(step_s)
+        graphs = engine.runner.decode_graphs
         achieved = median(bytes_per_s)
         gemv = sweep.weight_bytes / median(sweep_s)
         mid = decode_step_bytes(cfg, dtype, [round(median(contexts))] * batch)
@@ -228,6 +235,8 @@ def bench_decode(
             "model_s": median(model_s),
             "overhead_share": median([(a - b) / a for a, b in zip(step_s, model_s)]),
             "steps": steps,
+            "attention_backend": attention_backend,
+            "cuda_graphs": graphs is not None and graphs.capture and graphs.supports(batch),
         })  # fmt: skip
         del engine
     return rows
@@ -246,6 +255,11 @@ def bench_prefill(
     cfg = model.config
     dtype = canonical_dtype(str(model.dtype).replace("torch.", ""))
     hw = hw or measured_spec(model.device.type)
+    too_long = [n for n in prompt_lens if not 1 <= n < cfg.max_position_embeddings]
+    if too_long:
+        raise ConfigError(
+            f"prompt lengths {too_long} do not fit {cfg.name}: need 1 <= prompt_len < {cfg.max_position_embeddings}"
+        )
     rows = []
     for n in prompt_lens:
         engine = _engine(model, 1, n + 1, token_budget=max(n + 1, 2048))
@@ -299,11 +313,11 @@ def offline_requests(
 
 
 def run_engine_offline(
-    model: Transformer, requests: list[tuple[list[int], int]], max_num_seqs: int = 32
+    model: Transformer, requests: list[tuple[list[int], int]], max_num_seqs: int = 32, engine: Engine | None = None
 ) -> tuple[float, list[list[int]]]:
-    """Serve the requests through a fresh engine at once; (wall seconds, generated tokens per request)."""
-    max_len = max(len(p) + n for p, n in requests)
-    engine = _engine(model, max_num_seqs, max_len)
+    """Serve the requests at once through ``engine`` (default: a fresh one); (wall seconds, tokens per request)."""
+    if engine is None:
+        engine = _engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
     synchronize(model.device)
     t0 = time.perf_counter()
     result = engine.generate([p for p, _ in requests], [_greedy(n) for _, n in requests])
@@ -321,8 +335,9 @@ def bench_offline(
 ) -> dict[str, Any]:
     """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up)."""
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
-    run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs)  # warm-up
-    times = [run_engine_offline(model, requests, max_num_seqs)[0] for _ in range(repeats)]
+    engine = _engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
+    run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up
+    times = [run_engine_offline(model, requests, max_num_seqs, engine)[0] for _ in range(repeats)]
     out_tokens = sum(n for _, n in requests)
     all_tokens = out_tokens + sum(len(p) for p, _ in requests)
     t = median(times)
@@ -392,8 +407,9 @@ def compare_decode(
     prompt = random_prompts(1, prompt_len, model.config.vocab_size, seed)[0]
     device = model.device
 
+    engine = _engine(model, 1, prompt_len + new_tokens + 1)  # one engine: its cache (and CUDA graphs) persist
+
     def ours(n: int) -> list[int]:
-        engine = _engine(model, 1, prompt_len + n + 1)
         return engine.generate([prompt], _greedy(n)).requests[0].tokens
 
     def theirs(n: int) -> list[int]:
@@ -435,7 +451,8 @@ def compare_offline(
     """
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
     device = model.device
-    run_engine_offline(model, requests[:2], max_num_seqs)  # warm-up
+    engine = _engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
+    run_engine_offline(model, requests[:2], max_num_seqs, engine)  # warm-up
     hf_generate(hf_model, [requests[0][0]], 2)
 
     def hf_all() -> list[list[int]]:
@@ -446,7 +463,7 @@ def compare_offline(
             outs += [g[:n] for g, (_, n) in zip(gen, batch)]
         return outs
 
-    t_ours, ours_tokens = run_engine_offline(model, requests, max_num_seqs)
+    t_ours, ours_tokens = run_engine_offline(model, requests, max_num_seqs, engine)
     t_hf, hf_tokens = _timed(hf_all, device)
     out_tokens = sum(n for _, n in requests)
     mismatched = [i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b]

@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=256, help="offline set: longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=32, help="offline: engine batch and HF static batch size")
     p.add_argument("--no-offline", action="store_true", help="hf: batch-1 decode only")
+    p.add_argument("--attention-backend", default="torch", choices=("torch", "triton"), help="decode: backend")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the offline draw")
     p.add_argument("--cached-ceilings", action="store_true",
                    help="reuse this machine's cached ceilings instead of measuring them again in this run")  # fmt: skip
@@ -80,7 +81,14 @@ def run(args: argparse.Namespace) -> int:
         model = bench.load_bench_model(args.model, args.dtype, str(device), seed=args.seed)
         if args.kind == "decode":
             out["results"] = bench.bench_decode(
-                model, args.batch, (args.prompt_len or [128])[0], args.steps, args.warmup, hw, seed=args.seed
+                model,
+                args.batch,
+                (args.prompt_len or [128])[0],
+                args.steps,
+                args.warmup,
+                hw,
+                seed=args.seed,
+                attention_backend=args.attention_backend,
             )
         elif args.kind == "prefill":
             out["results"] = bench.bench_prefill(

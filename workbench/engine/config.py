@@ -8,7 +8,8 @@ Two cache layouts over the same pool type (``workbench.kv.cache.KVCache``):
   ``max_model_len`` tokens (one block of that size per sequence). No prefix caching.
 
 Scheduler knobs (policy, max_num_seqs, token_budget, chunk_size, prefix caching) are passed to
-``workbench.engine.scheduler.SchedulerConfig``, which documents each policy.
+``workbench.engine.scheduler.SchedulerConfig``, which documents each policy. They live, with the KV-pool sizes, in
+``ServingConfig``, which the simulator's ``SimConfig`` extends too.
 """
 
 from __future__ import annotations
@@ -25,10 +26,26 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DEFAULT_KV_BUDGET_BYTES = 2 * 1024**3
 
 
+def _check_positive_int(config: object, names: tuple[str, ...], optional: bool = False) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if optional and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            unset = " or unset" if optional else ""
+            raise ConfigError(f"{name} must be a positive integer{unset}, got {value!r}")
+
+
 @dataclass
-class EngineConfig:
+class ServingConfig:
+    """The scheduler and KV-pool settings shared by the engine (``EngineConfig``) and the simulator (``SimConfig``).
+
+    ``max_model_len`` None: ``min(model's max positions, 4096)``. ``token_budget`` and ``chunk_size`` None: the
+    scheduler's defaults. ``num_blocks`` or ``kv_cache_bytes`` (at most one is used) size the KV pool; each
+    subclass says what None means.
+    """
+
     policy: str = "continuous"
-    cache: str = "paged"
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -37,34 +54,17 @@ class EngineConfig:
     token_budget: int | None = None  # default: the scheduler's
     chunk_size: int | None = None  # default: the scheduler's
     enable_prefix_caching: bool = False
-    attention_backend: str = "torch"
     dtype: str = "fp32"
-    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
-        if self.cache not in CACHE_LAYOUTS:
-            raise ConfigError(f"cache must be one of {CACHE_LAYOUTS}, got {self.cache!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("block_size", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"{name} must be a positive integer or unset, got {value!r}")
-        if self.num_blocks is not None and self.kv_cache_bytes is not None:
-            raise ConfigError("give num_blocks or kv_cache_bytes, not both")
-        if self.cache == "contiguous" and self.enable_prefix_caching:
-            raise ConfigError("enable_prefix_caching needs cache='paged' (a contiguous slot cannot share blocks)")
-        if self.cache == "contiguous" and (self.num_blocks is not None or self.kv_cache_bytes is not None):
-            raise ConfigError("cache='contiguous' reserves max_num_seqs x max_model_len; num_blocks does not apply")
+        _check_positive_int(self, ("block_size", "max_num_seqs"))
+        _check_positive_int(self, ("num_blocks", "kv_cache_bytes", "max_model_len"), optional=True)
         self.dtype = canonical_dtype(self.dtype)
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
+        """``max_model_len``, or its default for this model; raises if the model has fewer positions."""
         if self.max_model_len is None:
             return min(model.max_position_embeddings, 4096)
         if self.max_model_len > model.max_position_embeddings:
@@ -73,6 +73,42 @@ class EngineConfig:
                 f"({model.max_position_embeddings})"
             )
         return self.max_model_len
+
+    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
+        kwargs: dict[str, int] = {}
+        if self.token_budget is not None:
+            kwargs["token_budget"] = self.token_budget
+        if self.chunk_size is not None:
+            kwargs["chunk_size"] = self.chunk_size
+        return SchedulerConfig(
+            policy=self.policy,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.resolved_max_model_len(model),
+            enable_prefix_caching=self.enable_prefix_caching,
+            **kwargs,
+        )
+
+
+@dataclass
+class EngineConfig(ServingConfig):
+    """The engine's settings: the shared ``ServingConfig`` plus cache layout, attention backend and device."""
+
+    cache: str = "paged"
+    attention_backend: str = "torch"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cache not in CACHE_LAYOUTS:
+            raise ConfigError(f"cache must be one of {CACHE_LAYOUTS}, got {self.cache!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise ConfigError("give num_blocks or kv_cache_bytes, not both")
+        if self.cache == "contiguous" and self.enable_prefix_caching:
+            raise ConfigError("enable_prefix_caching needs cache='paged' (a contiguous slot cannot share blocks)")
+        if self.cache == "contiguous" and (self.num_blocks is not None or self.kv_cache_bytes is not None):
+            raise ConfigError("cache='contiguous' reserves max_num_seqs x max_model_len; num_blocks does not apply")
 
     def cache_shape(self, model: ModelConfig) -> tuple[int, int]:
         """(num_blocks, block_size) of the pool for this model."""
@@ -86,20 +122,6 @@ class EngineConfig:
             return num_blocks_for_budget(model, self.kv_cache_bytes, self.block_size, self.dtype), self.block_size
         wanted = ceil_div(self.max_num_seqs * max_len, self.block_size)
         return max(1, min(wanted, DEFAULT_KV_BUDGET_BYTES // bytes_per_block)), self.block_size
-
-    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
-        kwargs = {}
-        if self.token_budget is not None:
-            kwargs["token_budget"] = self.token_budget
-        if self.chunk_size is not None:
-            kwargs["chunk_size"] = self.chunk_size
-        return SchedulerConfig(
-            policy=self.policy,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.resolved_max_model_len(model),
-            enable_prefix_caching=self.enable_prefix_caching,
-            **kwargs,
-        )
 
     def kv_pool_bytes(self, model: ModelConfig) -> int:
         num_blocks, block_size = self.cache_shape(model)

@@ -37,11 +37,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workbench.config import ModelConfig
+from workbench.engine.config import ServingConfig
 from workbench.engine.metrics import StepLog, summarize
-from workbench.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, StepPlan
+from workbench.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
+from workbench.kv.ledger import num_blocks_for_budget
 from workbench.sim.costmodel import CostModel, plan_stats
 from workbench.workloads import Request, prompt_token_ids
 
@@ -50,8 +52,8 @@ SIM_TOKEN = 0  # the token every simulated step samples (EOS is ignored, as in t
 
 
 @dataclass
-class SimConfig:
-    """One replica's engine settings (as ``EngineConfig``) and the cluster around it; validated.
+class SimConfig(ServingConfig):
+    """One replica's engine settings (the shared ``ServingConfig`` of ``EngineConfig``) and the cluster around it.
 
     ``num_blocks``: KV blocks per replica; None derives it from the hardware's memory:
     ``(mem_capacity * gpu_memory_utilization - weight bytes) / (block_size * kv bytes per token)``
@@ -59,17 +61,9 @@ class SimConfig:
     ``max_model_len`` None: ``min(model's max positions, 4096)``, as the engine.
     """
 
-    policy: str = "continuous"
     max_num_seqs: int = 256
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    token_budget: int | None = None
-    chunk_size: int | None = None
-    enable_prefix_caching: bool = False
     dtype: str = "bf16"
+    gpu_memory_utilization: float = 0.9
     num_replicas: int = 1
     router: str = "round-robin"
     disaggregate: tuple[int, int] | None = None
@@ -77,18 +71,11 @@ class SimConfig:
     link_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        super().__post_init__()
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
-        for name in ("max_num_seqs", "block_size", "num_replicas"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_blocks", "kv_cache_bytes", "max_model_len"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"{name} must be a positive integer or unset, got {value!r}")
+        if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
+            raise ConfigError(f"num_replicas must be a positive integer, got {self.num_replicas!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.disaggregate is not None:
@@ -113,46 +100,25 @@ class SimConfig:
     def total_replicas(self) -> int:
         return sum(self.disaggregate) if self.disaggregate else self.num_replicas
 
-    def resolved_max_model_len(self, model: ModelConfig) -> int:
-        if self.max_model_len is None:
-            return min(model.max_position_embeddings, 4096)
-        return self.max_model_len
-
-    def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
-        kwargs: dict[str, Any] = {}
-        if self.token_budget is not None:
-            kwargs["token_budget"] = self.token_budget
-        if self.chunk_size is not None:
-            kwargs["chunk_size"] = self.chunk_size
-        return SchedulerConfig(
-            policy=self.policy,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.resolved_max_model_len(model),
-            enable_prefix_caching=self.enable_prefix_caching,
-            **kwargs,
-        )
-
     def resolved_num_blocks(self, model: ModelConfig, hardware: Any = None) -> int:
         """KV blocks per replica (see the class docstring)."""
-        bytes_per_block = self.block_size * model.kv_bytes_per_token(self.dtype)
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_bytes is not None:
-            budget = self.kv_cache_bytes
-        else:
-            if hardware is None:
-                raise ConfigError("num_blocks or kv_cache_bytes is needed when no hardware spec is given")
-            from workbench.hardware import get_hardware
+            return num_blocks_for_budget(model, self.kv_cache_bytes, self.block_size, self.dtype)
+        if hardware is None:
+            raise ConfigError("num_blocks or kv_cache_bytes is needed when no hardware spec is given")
+        from workbench.hardware import get_hardware
 
-            hw = get_hardware(hardware)
-            budget = hw.mem_capacity * self.gpu_memory_utilization - model.weight_bytes(self.dtype)
-        blocks = int(budget // bytes_per_block)
-        if blocks < 1:
+        hw = get_hardware(hardware)
+        budget = hw.mem_capacity * self.gpu_memory_utilization - model.weight_bytes(self.dtype)
+        try:
+            return num_blocks_for_budget(model, int(budget), self.block_size, self.dtype)
+        except ConfigError:
             raise ConfigError(
-                f"no KV block of {bytes_per_block} bytes fits: the weights of {model.name} "
+                f"no KV block of {self.block_size} tokens fits: the weights of {model.name} "
                 f"({model.weight_bytes(self.dtype) / 2**30:.1f} GiB in {self.dtype}) leave {budget / 2**30:.2f} GiB"
-            )
-        return blocks
+            ) from None
 
 
 class Replica:

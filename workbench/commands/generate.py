@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from workbench.commands.common import add_scheduler_arguments, serving_config_kwargs
 from workbench.errors import RequestError
 
 
@@ -38,18 +39,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    from workbench.engine.scheduler import POLICIES
-
     g = p.add_argument_group("engine")
-    g.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy (default continuous)")
+    add_scheduler_arguments(g, max_num_seqs_default=32)
     g.add_argument("--cache", default="paged", choices=("paged", "contiguous"), help="KV-cache layout")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (paged; default: derived)")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="most sequences in one step")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default min(model, 4096))")
-    g.add_argument("--token-budget", type=int, default=None, help="new tokens per step (max_num_batched_tokens)")
-    g.add_argument("--chunk-size", type=int, default=None, help="largest prefill chunk (policy chunked)")
-    g.add_argument("--prefix-caching", action="store_true", help="reuse cached KV blocks of shared prefixes")
     g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
 
 
@@ -57,15 +49,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineC
     from workbench.engine.config import EngineConfig
 
     return EngineConfig(
-        policy=args.policy,
+        **serving_config_kwargs(args),
         cache=args.cache,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        token_budget=args.token_budget,
-        chunk_size=args.chunk_size,
-        enable_prefix_caching=args.prefix_caching,
         attention_backend=args.attention_backend,
         dtype=args.dtype,
         device=args.device,

@@ -18,24 +18,16 @@ import argparse
 import json
 from dataclasses import asdict
 
+from workbench.commands.common import add_slo_arguments, add_trace_arguments, print_serving_metrics
 from workbench.commands.generate import add_engine_arguments, add_model_arguments, engine_config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_engine_arguments(p)
-    p.add_argument("--trace", required=True, help="azure-code | azure-conv | mooncake-conversation | "
-                   "mooncake-synthetic | poisson:RATE | gamma:RATE:CV | a .csv/.jsonl file")  # fmt: skip
-    p.add_argument("--limit", type=int, default=None, help="first N requests")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate (compress time)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times")
-    p.add_argument("--num-requests", type=int, default=100, help="synthetic traces: number of requests")
-    p.add_argument("--prompt-lens", default="uniform:16:256", help="synthetic traces: prompt length distribution")
-    p.add_argument("--output-lens", default="uniform:8:64", help="synthetic traces: output length distribution")
-    p.add_argument("--trace-seed", type=int, default=0, help="seed of synthetic arrivals, lengths and prompt ids")
-    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds (goodput)")
-    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds (goodput)")
-    p.add_argument("--slo-e2el", type=float, default=None, help="end-to-end latency SLO in seconds (goodput)")
+    add_trace_arguments(p, num_requests_default=100, prompt_lens_default="uniform:16:256",
+                        output_lens_default="uniform:8:64")  # fmt: skip
+    add_slo_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -64,13 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    m = summary["metrics"]
     print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
           f"{summary['duration_s']:.2f} s")  # fmt: skip
-    for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
-        s = m[key]
-        print(f"  {key:7s} mean {s['mean'] * 1e3:9.2f} ms  median {s['median'] * 1e3:9.2f} ms  "
-              f"p99 {s['p99'] * 1e3:9.2f} ms")  # fmt: skip
-    print(f"  throughput {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} tok/s; "
-          f"goodput {m['goodput']:.2f} req/s ({m['slo_attainment']:.0f}% within SLOs)")  # fmt: skip
+    print_serving_metrics(summary["metrics"])
     return 0

@@ -20,6 +20,13 @@ import argparse
 import json
 from dataclasses import asdict
 
+from workbench.commands.common import (
+    add_scheduler_arguments,
+    add_slo_arguments,
+    add_trace_arguments,
+    print_serving_metrics,
+    serving_config_kwargs,
+)
 from workbench.errors import ConfigError
 
 
@@ -40,32 +47,17 @@ def parse_disaggregate(text: str | None) -> tuple[int, int] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from workbench.engine.scheduler import POLICIES
     from workbench.sim.cluster import ROUTERS
     from workbench.sim.costmodel import COST_MODELS
 
     p.add_argument("--model", required=True, help="preset name or config.json (only its shape matters)")
     p.add_argument("--hardware", default="h100-sxm", help="accelerator name (see `workbench hardware`)")
     p.add_argument("--dtype", default="bf16", help="weights, activations and KV dtype (default bf16)")
-    p.add_argument("--trace", required=True, help="azure-code | azure-conv | mooncake-conversation | "
-                   "mooncake-synthetic | poisson:RATE | gamma:RATE:CV | a .csv/.jsonl file")  # fmt: skip
-    p.add_argument("--limit", type=int, default=None, help="first N requests")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate (compress time)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times")
-    p.add_argument("--num-requests", type=int, default=1000, help="synthetic traces: number of requests")
-    p.add_argument("--prompt-lens", default="uniform:64:1024", help="synthetic traces: prompt length distribution")
-    p.add_argument("--output-lens", default="uniform:16:256", help="synthetic traces: output length distribution")
-    p.add_argument("--trace-seed", type=int, default=0, help="seed of synthetic arrivals, lengths and prompt ids")
+    add_trace_arguments(p, num_requests_default=1000, prompt_lens_default="uniform:64:1024",
+                        output_lens_default="uniform:16:256")  # fmt: skip
     g = p.add_argument_group("replica (as the engine's options)")
-    g.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy (default continuous)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
+    add_scheduler_arguments(g, max_num_seqs_default=256)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of memory for weights + KV")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default min(model, 4096))")
-    g.add_argument("--token-budget", type=int, default=None, help="new tokens per step (max_num_batched_tokens)")
-    g.add_argument("--chunk-size", type=int, default=None, help="largest prefill chunk (policy chunked)")
-    g.add_argument("--prefix-caching", action="store_true", help="reuse cached KV blocks of shared prefixes")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1, help="number of replicas (without --disaggregate)")
     c.add_argument("--router", default="round-robin", choices=ROUTERS, help="how requests pick a replica")
@@ -78,9 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--profile-noise-seed", type=int, default=None, help="profiled: draw measured residuals")
     m.add_argument("--prefill-efficiency", type=float, default=1.0, help="roofline: achieved share in prefill")
     m.add_argument("--decode-efficiency", type=float, default=1.0, help="roofline: achieved share in decode")
-    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds (goodput)")
-    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds (goodput)")
-    p.add_argument("--slo-e2el", type=float, default=None, help="end-to-end latency SLO in seconds (goodput)")
+    add_slo_arguments(p)
     p.add_argument("--step-log", default=None, help="write every replica's per-step log to this JSON file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -95,10 +85,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = ModelConfig.resolve(args.model)
     hw = get_hardware(args.hardware)
     config = SimConfig(
-        policy=args.policy, max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-        token_budget=args.token_budget, chunk_size=args.chunk_size, enable_prefix_caching=args.prefix_caching,
-        dtype=args.dtype, num_replicas=args.replicas, router=args.router,
+        **serving_config_kwargs(args), gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
+        num_replicas=args.replicas, router=args.router,
         disaggregate=parse_disaggregate(args.disaggregate), link_gbps=args.link_gbps,
         link_latency_s=args.link_latency_ms / 1e3,
     )  # fmt: skip
@@ -126,16 +114,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    m = summary["metrics"]
     print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
           f"{summary['duration_s']:.2f} s simulated in {summary['wall_s']:.2f} s "
           f"({summary['requests_per_wall_s']:.0f} req/s, {summary['us_per_step']:.1f} us/step)")  # fmt: skip
-    for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
-        s = m[key]
-        print(f"  {key:7s} mean {s['mean'] * 1e3:9.2f} ms  median {s['median'] * 1e3:9.2f} ms  "
-              f"p99 {s['p99'] * 1e3:9.2f} ms")  # fmt: skip
-    print(f"  throughput {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} tok/s; "
-          f"goodput {m['goodput']:.2f} req/s ({m['slo_attainment']:.0f}% within SLOs)")  # fmt: skip
+    print_serving_metrics(summary["metrics"])
     for rep in summary["replicas"]:
         print(f"  replica {rep['index']} ({rep['role']}): {rep['num_steps']} steps, "
               f"utilisation {100 * rep['utilization']:.0f}%")  # fmt: skip

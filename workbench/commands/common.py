@@ -1,0 +1,80 @@
+"""Command-line options shared by ``workbench generate``, ``replay`` and ``simulate``, each group written once.
+
+- ``add_scheduler_arguments``: the scheduler and KV-pool options of ``ServingConfig`` (``EngineConfig`` and
+  ``SimConfig``); ``serving_config_kwargs`` turns them back into that config's keywords.
+- ``add_trace_arguments``: which trace to serve and how to scale or synthesise it (``load_workload``).
+- ``add_slo_arguments``: the SLOs that decide goodput.
+- ``print_serving_metrics``: the latency and throughput lines of a serving summary's ``metrics``.
+
+Plain argparse: a command imports this module at its top, so it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def add_scheduler_arguments(p: ArgumentContainer, max_num_seqs_default: int) -> None:
+    """--policy, --block-size, --num-blocks, --max-num-seqs, --max-model-len, --token-budget, --chunk-size,
+    --prefix-caching (on a parser or an argument group)."""
+    from workbench.engine.scheduler import POLICIES
+
+    p.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy (default continuous)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (paged; default: derived)")
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs_default, help="most sequences in one step")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default min(model, 4096))")
+    p.add_argument("--token-budget", type=int, default=None, help="new tokens per step (max_num_batched_tokens)")
+    p.add_argument("--chunk-size", type=int, default=None, help="largest prefill chunk (policy chunked)")
+    p.add_argument("--prefix-caching", action="store_true", help="reuse cached KV blocks of shared prefixes")
+
+
+def serving_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``ServingConfig`` keywords given by ``add_scheduler_arguments``'s options."""
+    return {
+        "policy": args.policy,
+        "block_size": args.block_size,
+        "num_blocks": args.num_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_model_len": args.max_model_len,
+        "token_budget": args.token_budget,
+        "chunk_size": args.chunk_size,
+        "enable_prefix_caching": args.prefix_caching,
+    }
+
+
+def add_trace_arguments(
+    p: ArgumentContainer, num_requests_default: int, prompt_lens_default: str, output_lens_default: str
+) -> None:
+    """--trace, --limit, --rate-scale, --time-scale and the synthetic-trace options, with the command's defaults."""
+    p.add_argument("--trace", required=True, help="azure-code | azure-conv | mooncake-conversation | "
+                   "mooncake-synthetic | poisson:RATE | gamma:RATE:CV | a .csv/.jsonl file")  # fmt: skip
+    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate (compress time)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times")
+    p.add_argument(
+        "--num-requests", type=int, default=num_requests_default, help="synthetic traces: number of requests"
+    )
+    p.add_argument("--prompt-lens", default=prompt_lens_default, help="synthetic traces: prompt length distribution")
+    p.add_argument("--output-lens", default=output_lens_default, help="synthetic traces: output length distribution")
+    p.add_argument("--trace-seed", type=int, default=0, help="seed of synthetic arrivals, lengths and prompt ids")
+
+
+def add_slo_arguments(p: ArgumentContainer) -> None:
+    """--slo-ttft, --slo-tpot, --slo-e2el: the SLOs of goodput, in seconds."""
+    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds (goodput)")
+    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds (goodput)")
+    p.add_argument("--slo-e2el", type=float, default=None, help="end-to-end latency SLO in seconds (goodput)")
+
+
+def print_serving_metrics(m: dict[str, Any]) -> None:
+    """Latency statistics (ms), throughput and goodput of a summary's ``metrics``, as replay and simulate print them."""
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+        s = m[key]
+        print(f"  {key:7s} mean {s['mean'] * 1e3:9.2f} ms  median {s['median'] * 1e3:9.2f} ms  "
+              f"p99 {s['p99'] * 1e3:9.2f} ms")  # fmt: skip
+    print(f"  throughput {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} tok/s; "
+          f"goodput {m['goodput']:.2f} req/s ({m['slo_attainment']:.0f}% within SLOs)")  # fmt: skip

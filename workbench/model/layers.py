@@ -26,8 +26,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in one kernel, bit for bit the
         # three-op formula; the weight multiplies after the cast back, as in the published models
-        normed = torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)
+        normed = torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        if normed.dtype == self.weight.dtype and normed.data_ptr() != x.data_ptr():
+            return normed.mul_(self.weight)  # in place on our own fresh tensor: no second (T, hidden) allocation
+        return self.weight * normed
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -87,7 +89,8 @@ def apply_rotary_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Te
     x: (T, heads, d) (any strides); cos, sin_signed: (T, 1, d). Negation is exact, so the products and the
     sum are the same floating-point operations as the reference.
     """
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+    # the same two products and one sum, written into tensors this function allocated (fewer allocations)
+    return (x * cos).add_(torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(sin_signed))
 
 
 class SwiGLU(nn.Module):
@@ -101,4 +104,4 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return F.linear(F.silu(gate).mul_(up), self.down_proj.weight)

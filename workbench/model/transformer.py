@@ -69,7 +69,7 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.forward(
             self.input_layernorm.forward(x), cos, sin_signed, k_cache, v_cache, meta, backend
         )
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x)))  # x: this layer's own tensor
 
 
 class Transformer(nn.Module):

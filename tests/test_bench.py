@@ -180,3 +180,23 @@ def test_lengths_beyond_the_models_positions_are_refused(tiny):
         bench.bench_prefill(tiny, prompt_lens=(512,), hw=FAKE_HW)
     with pytest.raises(ConfigError, match="positions"):
         bench.bench_decode(tiny, batches=(1,), prompt_len=250, hw=FAKE_HW)
+
+
+def test_fast_layer_paths_are_bit_identical_to_their_references():
+    """The decode hot path's rotary (roll + signed sine) and fused RMSNorm against the plain formulas."""
+    from workbench.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_rolled, signed_sin
+
+    cfg = ModelConfig.resolve("tiny-gqa")
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(7, 6, 16, generator=gen) * 3).to(dtype)  # (T, heads, d)
+        cos, sin = RotaryEmbedding(cfg)(torch.tensor([0, 1, 5, 9, 100, 3, 255]), dtype)
+        assert torch.equal(apply_rotary_rolled(x, cos, signed_sin(sin)), apply_rotary(x, cos, sin))
+        norm = RMSNorm(64, 1e-5).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(64, generator=gen))
+        h = (torch.randn(5, 64, generator=gen) * 2).to(dtype)
+        h32 = h.float()
+        reference = norm.weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        with torch.inference_mode():
+            assert torch.equal(norm(h), reference)

@@ -115,12 +115,18 @@ class DecodeGraphs:
         if st.graph is not None:
             st.graph.replay()
             return st.logits
-        logits = self._forward(st)  # eager on the static buffers: the answer of this step (and the warm-up)
         st.steps += 1
-        if self.capture:
-            torch.cuda.synchronize(dev)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                st.logits = self._forward(st)  # recorded, not executed
-            st.graph = graph
+        if not self.capture:
+            return self._forward(st)  # eager on the static buffers
+        # warm up on a side stream (as torch.cuda.graphs recommends), which is also this step's answer, then record
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            logits = self._forward(st)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            st.logits = self._forward(st)  # recorded, not executed
+        st.graph = graph
         return logits

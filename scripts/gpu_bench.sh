@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of issue 7: decode MBU with CUDA graphs and the engine against HF transformers, on
-# TinyLlama-1.1B-shaped random weights in bf16. Needs only torch, triton and transformers; about 5 minutes.
+# TinyLlama-1.1B-shaped random weights in bf16. Needs only torch, triton and transformers; at most 7.5 min.
 #
 #   scripts/gpu_bench.sh OUT_DIR
 #
@@ -32,14 +32,14 @@ step() {  # step NAME TIMEOUT_S ARGS...: one workbench command, JSON to NAME.jso
 }
 
 # one random HF checkpoint, shared by our engine and transformers (written through transformers)
-timeout 90 "$PY" -c "from workbench.model import save_random_checkpoint; save_random_checkpoint('$MODEL', '$CKPT', \
+timeout 60 "$PY" -c "from workbench.model import save_random_checkpoint; save_random_checkpoint('$MODEL', '$CKPT', \
 seed=0, dtype='bf16')" > "$OUT/checkpoint.log" 2>&1 || echo "checkpoint failed; see $OUT/checkpoint.log"
 
 step decode_torch 90 bench decode --model "$CKPT" --dtype bf16 --device "$DEVICE" --batch 1 8 32 --prompt-len 512 \
     --steps 20 --warmup 3
-step decode_triton 120 bench decode --model "$CKPT" --dtype bf16 --device "$DEVICE" --batch 1 8 32 --prompt-len 512 \
+step decode_triton 90 bench decode --model "$CKPT" --dtype bf16 --device "$DEVICE" --batch 1 8 32 --prompt-len 512 \
     --steps 20 --warmup 3 --attention-backend triton
-step prefill 60 bench prefill --model "$CKPT" --dtype bf16 --device "$DEVICE" --prompt-len 512 1024 2048 --repeats 5
+step prefill 45 bench prefill --model "$CKPT" --dtype bf16 --device "$DEVICE" --prompt-len 512 1024 2048 --repeats 5
 step hf 150 bench hf --model "$CKPT" --dtype bf16 --device "$DEVICE" --prompt-len 128 --new-tokens 128 --repeats 3 \
     --num-requests 64 --context 1024 --max-num-seqs 32
 

@@ -111,14 +111,13 @@ class LinearSweep:
     """Plain ``nn.Linear`` layers of the model's weight shapes: the bandwidth torch itself reaches on them."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)
         self.layers: list[nn.Linear] = []
         for fan_in, fan_out in linear_shapes(cfg):
             layer = nn.Linear(fan_in, fan_out, bias=False, device="meta")
-            layer.weight = nn.Parameter(
-                (torch.randn(fan_out, fan_in, generator=gen) * 0.02).to(dtype=dtype, device=device),
-                requires_grad=False,
-            )
+            # drawn on the device itself: a GPU model's worth of weights is not generated on the host
+            weight = torch.empty(fan_out, fan_in, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
             self.layers.append(layer)
         self.weight_bytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in self.layers)
         self.dtype, self.device = dtype, device
@@ -199,6 +198,9 @@ def bench_decode(
             engine.step()
             if all(s.num_output_tokens >= 1 for s in engine.sequences.values()):
                 break
+            rejected = [s.reject_reason for s in engine.sequences.values() if s.reject_reason]
+            if rejected or not engine.has_unfinished():
+                raise ConfigError(f"decode benchmark requests were not served: {rejected[:1] or 'finished early'}")
         engine.runner.time_model = True
         step_s, model_s, sweep_s, bytes_per_s, contexts = [], [], [], [], []
         for i in range(warmup + steps):

@@ -256,6 +256,12 @@ def test_empty_spec_has_nothing_to_run(tmp_path: Path) -> None:
 def test_repository_spec_parses() -> None:
     spec = load_spec(Path(__file__).parents[1] / "notebooks" / "pipeline.yaml")
     assert spec.kernel == "workbench"
+    # every profile's parameters are names the notebooks declare, with types matching their defaults
+    for profile in ("smoke", "cpu", "gpu"):
+        plan = runner.plan_run(spec, profile=profile, probe=lambda r: None)
+        assert [p.name for p in plan.experiments] == [
+            "prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill",
+        ]  # fmt: skip
 
 
 # ---------------------------------------------------------------- profile, parameters, kernel

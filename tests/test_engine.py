@@ -139,7 +139,7 @@ def test_replay_honours_arrivals_and_reports_contract_metrics(setup):
     res = Engine(model, EngineConfig(max_model_len=96)).replay(reqs)
     for r, e, req in zip(res.requests, expected, reqs):
         assert r.tokens == e[:4]
-        assert r.arrival_s == req.arrival_time_s and r.first_token_s >= req.arrival_time_s
+        assert r.arrival_time == req.arrival_time_s and r.first_token_time >= req.arrival_time_s
     summary = res.summary(slo_ttft_s=10.0)
     assert summary["num_requests"] == summary["num_finished"] == len(PROMPTS)
     for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):

@@ -22,7 +22,7 @@ from workbench.engine.config import EngineConfig
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import Scheduler
-from workbench.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence, SequenceStatus
 from workbench.errors import RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
@@ -31,28 +31,21 @@ from workbench.model.transformer import Transformer
 
 
 @dataclass
-class RequestResult:
-    """One request's outcome; times in seconds on the engine clock."""
+class RequestResult(RequestRecord):
+    """One request's outcome: its timeline (``RequestRecord``, seconds on the engine clock) and its tokens."""
 
-    request_id: int
-    prompt_ids: list[int]
-    tokens: list[int]
-    finish_reason: str | None
-    reject_reason: str | None
-    arrival_s: float
-    first_token_s: float | None
-    finish_s: float | None
-    token_times_s: list[float]
-    num_preemptions: int
-    num_cached_tokens: int
+    prompt_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    reject_reason: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def itl_s(self) -> list[float]:
-        t = self.token_times_s
+        t = self.token_times
         return [b - a for a, b in zip(t, t[1:])]
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,16 +64,10 @@ class RequestResult:
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestResult:
         return cls(
-            request_id=seq.seq_id,
+            **vars(RequestRecord.from_sequence(seq)),
             prompt_ids=list(seq.prompt_token_ids),
             tokens=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
             reject_reason=seq.reject_reason,
-            arrival_s=seq.arrival_time,
-            first_token_s=seq.first_token_time,
-            finish_s=seq.finish_time,
-            token_times_s=list(seq.token_times),
-            num_preemptions=seq.num_preemptions,
             num_cached_tokens=seq.num_cached_tokens,
         )
 

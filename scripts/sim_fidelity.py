@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/sim_fidelity.py [--model tiny-gqa] [--profile FILE] [--num-requests 40] [--rate 10]
 
-Fits the profiled cost model on training workloads (``workbench.sim.measure.training_workloads``, seed 1000) unless
+Fits the profiled cost model on training workloads (``workbench.sim.measure.training_workloads``, seed 1000: a light
+and a heavy Poisson load and a burst, under the continuous and chunked policies; ``fit_engine_profile``) unless
 ``--profile`` is given, then for each policy replays a held-out Poisson workload (another seed, other lengths) on the
 real engine and simulates the same workload with the same scheduler settings, with the deterministic profile
 (``profiled``) and with its measured residuals drawn back in as seeded noise (``profiled_noise``). Prints one JSON

@@ -82,6 +82,99 @@ def test_profiled_linear_save_load_and_fit(tmp_path) -> None:
         ProfiledCostModel({"flux": 1.0})
 
 
+def test_profiled_token_curve_by_hand() -> None:
+    # knots (1, 4, 16) at 10, 40, 100 ms; 1 ms per prefill sequence, 10 us per decode context token
+    model = ProfiledCostModel(
+        {"prefill_seqs": 1e-3, "decode_context": 1e-5}, token_curve=([1, 4, 16], [0.01, 0.04, 0.1])
+    )
+    assert model.curve_time(1) == pytest.approx(0.01)
+    assert model.curve_time(2) == pytest.approx(0.02)  # a third of the way from 10 to 40 ms
+    assert model.curve_time(10) == pytest.approx(0.07)  # halfway from 40 to 100 ms
+    assert model.curve_time(32) == pytest.approx(0.2)  # past the last knot: proportional, 100 ms * 32 / 16
+    # 8 prefill + 2 decode tokens = 10 on the curve (70 ms) + 1 prefill sequence (1 ms) + 100 context (1 ms)
+    assert model.step_time(StepStats(8, 1, 36, 8, 2, 100, 60)) == pytest.approx(0.072)
+    # the bulk decode path: 4 sequences reading 40, then 44 keys: 40 ms + 0.4 ms, then 40 ms + 0.44 ms
+    starts, ends = model.decode_run(1.0, 4, 40, 2, float("inf"))
+    assert starts == [1.0, pytest.approx(1.0404)] and ends == [pytest.approx(1.0404), pytest.approx(1.08084)]
+    with pytest.raises(ConfigError, match="token_curve"):
+        ProfiledCostModel({}, token_curve=([4, 1], [0.01, 0.02]))
+
+
+def test_looped_decodes_follow_the_engines_padded_gather_rule() -> None:
+    rule = (4, 2048)  # at least 4 decodes and (sequences x longest context) <= 2048 key slots: one padded gather
+    assert StepStats(decode_seqs=4, decode_context=400, decode_max_context=512).looped_decodes(rule) == 0
+    assert StepStats(decode_seqs=4, decode_context=400, decode_max_context=513).looped_decodes(rule) == 4
+    assert StepStats(decode_seqs=3, decode_context=30, decode_max_context=10).looped_decodes(rule) == 3
+    assert StepStats(8, 1, 36, 8, 4, 40, 10).looped_decodes(rule) == 4  # a mixed step attends one at a time
+    assert StepStats(decode_seqs=3, decode_context=30, decode_max_context=10).looped_decodes(None) == 0
+    model = ProfiledCostModel({"decode_seqs": 1e-3, "decode_looped_seqs": 2e-3}, batched_decode=rule)
+    assert model.step_time(StepStats(decode_seqs=4, decode_context=400, decode_max_context=100)) == pytest.approx(4e-3)
+    assert model.step_time(StepStats(decode_seqs=4, decode_context=4000, decode_max_context=1000)) == pytest.approx(
+        12e-3
+    )
+    assert model.decode_run(0.0, 4, 400, 5, float("inf")) == ([], [])  # no bulk path: it needs the longest context
+
+
+def test_profiled_idle_wait_by_hand() -> None:
+    # steps of 0.5 s, 0.25 s between busy steps; after an idle wait the step starts 0.05 s after the arrival and
+    # takes 0.1 s more
+    model = ProfiledCostModel({"const": 0.5}, host_gap_s=0.25, idle_step_s=0.1, wake_s=0.05)
+    start = model.start_time(0.0)
+    assert start == pytest.approx(0.05)
+    end = model.end_time(start, StepStats(decode_seqs=1))
+    assert end == pytest.approx(0.65)
+    assert model.start_time(end) == pytest.approx(0.9)  # busy: the host gap
+    assert model.end_time(0.9, StepStats(decode_seqs=1)) == pytest.approx(1.4)
+    assert model.start_time(3.0) == pytest.approx(3.05)  # the clock moved to an arrival: idle again
+    # a request at t = 0 with 3 output tokens: prefill 0.05 -> 0.65, decodes 0.9 -> 1.4 and 1.65 -> 2.15
+    sim = simulate(
+        [Request(0, 0.0, 4, 3)], "tiny-gqa", model.with_noise(None), SimConfig(max_model_len=64, num_blocks=64)
+    )
+    (rec,) = sim.records
+    assert rec.first_token_time == pytest.approx(0.65) and rec.finish_time == pytest.approx(2.15)
+
+
+def test_profile_round_trip_and_v1_files(tmp_path) -> None:
+    import json
+
+    model = ProfiledCostModel({"prefill_seqs": 1e-3}, host_gap_s=1e-4, batched_decode=(4, 2048),
+                              token_curve=([1, 8], [0.01, 0.03]), idle_step_s=2e-3, wake_s=3e-4)  # fmt: skip
+    again = ProfiledCostModel.load(model.save(tmp_path / "v2.json"))
+    assert (again.batched_decode, again.token_curve, again.idle_step_s, again.wake_s) == (
+        (4, 2048), ([1, 8], [0.01, 0.03]), 2e-3, 3e-4)  # fmt: skip
+    v1 = {"format": "workbench-profile-v1", "coefficients": {f: 0.0 for f in FEATURES[:6]} | {"const": 0.02}}
+    (tmp_path / "v1.json").write_text(json.dumps(v1))
+    old = ProfiledCostModel.load(tmp_path / "v1.json")
+    assert old.step_time(StepStats(decode_seqs=3)) == pytest.approx(0.02) and old.token_curve is None
+
+
+def test_nnls_by_hand_and_curve_fit_recovers_its_generator() -> None:
+    import numpy as np
+
+    from workbench.sim.costmodel import _nnls_active_set, token_knots
+
+    # min (x1 - 1)^2 + (x2 + 1)^2 + (x1 + x2)^2 with x >= 0: x2 = 0, then x1 = 1/2
+    x = _nnls_active_set(np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), np.array([1.0, -1.0, 0.0]))
+    assert x.tolist() == pytest.approx([0.5, 0.0])
+    rule = (4, 2048)
+    truth = ProfiledCostModel({"prefill_pairs": 1e-7, "decode_context": 2e-6, "decode_looped_seqs": 1e-3},
+                              batched_decode=rule, token_curve=([1, 2, 4, 8, 16, 32, 64],
+                              [0.010, 0.011, 0.015, 0.016, 0.012, 0.02, 0.04]))  # fmt: skip
+    rng = random.Random(0)
+    stats = []
+    for _ in range(400):
+        p, d = rng.choice([0, 0, 0, 5, 20, 50]), rng.randrange(0, 17)
+        ctx = [rng.randrange(1, 200) for _ in range(d)]
+        if p or d:
+            stats.append(StepStats(p, 1 if p else 0, p * (p + 1) // 2, p, d, sum(ctx), max(ctx, default=0)))
+    knots = token_knots([s.prefill_tokens + s.decode_seqs for s in stats], ratio=2.0, min_steps=1)
+    assert knots[:16] == list(range(1, 17))
+    fitted = fit_profile(stats, [truth.step_time(s) for s in stats], batched_decode=rule, knots=knots)
+    for s in stats:
+        assert fitted.step_time(s) == pytest.approx(truth.step_time(s), rel=1e-6)
+    assert fitted.coefficients["decode_looped_seqs"] == pytest.approx(1e-3, rel=1e-6)
+
+
 # ---- the scheduler's bulk decode equals step-by-step -----------------------------------------------------------
 def _running_scheduler(seed: int, policy: str, caching: bool) -> Scheduler:
     rng = random.Random(seed)

@@ -3,11 +3,12 @@
     workbench fit-profile --model PRESET [--out data/profiles/NAME.json] [--policies continuous,chunked]
         [--num-requests N] [--max-num-seqs S] [--max-model-len L] [--json]
 
-Replays synthetic workloads (a light and a heavy Poisson load) on the engine under each policy, pairs every step
-with what it computed (prefill tokens, prefill sequences, prefill attention pairs, decode sequences, decode context
-tokens read) and fits step time to them by least squares, with the median busy host gap between steps. The profile
-(coefficients, host gap, machine, fit quality) is written as JSON for ``workbench simulate --cost-model profiled
---profile FILE``.
+Replays synthetic workloads (a light and a heavy Poisson load and a burst) on the engine under each policy, pairs
+every step with what it computed (its tokens, prefill sequences, prefill attention pairs, decode context tokens read,
+decodes attended one at a time) and fits step time to them by non-negative least squares: a token curve (the dense
+layers' time, piecewise linear in the step's tokens) plus linear attention and per-sequence terms, the extra time of
+a step after an idle wait, the wake-up delay and the median busy host gap between steps. The profile is written as
+JSON for ``workbench simulate --cost-model profiled --profile FILE``.
 """
 
 from __future__ import annotations
@@ -61,8 +62,13 @@ def run(args: argparse.Namespace) -> int:
     fit = profile.meta["fit"]
     print(f"profile written to {path}")
     for name, value in profile.coefficients.items():
-        print(f"  {name:15s} {value:.6g} s")
-    print(f"  host gap        {profile.host_gap_s * 1e3:.3f} ms")
+        print(f"  {name:18s} {value:.6g} s")
+    if profile.token_curve is not None:
+        knots, secs = profile.token_curve
+        print("  token curve        " + ", ".join(f"{k}: {v * 1e3:.3g}" for k, v in zip(knots, secs)) + " (tokens: ms)")
+    print(f"  host gap           {profile.host_gap_s * 1e3:.3f} ms")
+    print(f"  after an idle wait {profile.idle_step_s * 1e3:.3f} ms more, started "
+          f"{(profile.wake_s or 0.0) * 1e3:.3f} ms after the arrival")  # fmt: skip
     print(f"  fit over {fit['num_steps']} steps: median relative error {100 * fit['median_rel_error']:.1f}%, "
           f"p90 {100 * fit['p90_rel_error']:.1f}%")  # fmt: skip
     return 0

@@ -8,12 +8,13 @@ arrival). ``fit_engine_profile`` fits ``ProfiledCostModel`` to them. Torch is im
 
 from __future__ import annotations
 
+import bisect
 import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workbench.engine.scheduler import StepPlan
-from workbench.sim.costmodel import ProfiledCostModel, StepStats, fit_profile, plan_stats
+from workbench.sim.costmodel import ProfiledCostModel, StepStats, fit_profile, plan_stats, token_knots
 from workbench.workloads import Request, synthetic_workload
 
 
@@ -24,11 +25,15 @@ class StepSamples:
     stats: list[StepStats] = field(default_factory=list)
     durations_s: list[float] = field(default_factory=list)
     gaps_s: list[float] = field(default_factory=list)
+    after_idle: list[bool] = field(default_factory=list)  # per step: the engine idled (waited for an arrival) before it
+    wakes_s: list[float] = field(default_factory=list)  # per idle wait: from the arrival that ended it to the step
 
     def extend(self, other: StepSamples) -> None:
         self.stats += other.stats
         self.durations_s += other.durations_s
         self.gaps_s += other.gaps_s
+        self.after_idle += other.after_idle
+        self.wakes_s += other.wakes_s
 
 
 def instrument(engine: Any) -> tuple[list[StepStats], list[bool]]:
@@ -69,17 +74,31 @@ def measure_engine_steps(engine_factory: Any, workloads: list[list[Request]], se
         samples.stats += stats
         samples.durations_s += [s.end_s - s.start_s for s in steps]
         samples.gaps_s += [b.start_s - a.end_s for a, b, busy in zip(steps, steps[1:], busy_after) if busy]
+        # a step follows an idle wait when no work was left after the previous one and the engine slept until an
+        # arrival (one that came during the previous step is admitted at once, as in the simulator)
+        arrivals = sorted(r.arrival_time_s for r in requests)
+        for i, step in enumerate(steps):
+            j = bisect.bisect_right(arrivals, step.start_s)
+            idle = j > 0 and (i == 0 or (not busy_after[i - 1] and arrivals[j - 1] > steps[i - 1].end_s))
+            samples.after_idle.append(idle)
+            if idle:
+                samples.wakes_s.append(max(0.0, step.start_s - arrivals[j - 1]))
     return samples
 
 
 def training_workloads(max_model_len: int, num_requests: int = 24, seed: int = 1000) -> list[list[Request]]:
-    """Synthetic workloads that cover the step mixes: a light and a heavy Poisson load, short and long prompts."""
+    """Synthetic workloads that cover the step mixes: a light and a heavy Poisson load, short and long prompts, and
+    a burst (all requests at once) whose batch fills to ``max_num_seqs`` and drains one finish at a time through
+    every batch size with long contexts, whatever the model's speed (a Poisson rate is light for one model and
+    saturating for another)."""
     top = max(16, max_model_len // 2)
     return [
         synthetic_workload(num_requests, rate=4.0, prompt_lens=f"uniform:8:{top}", output_lens="uniform:2:24",
                            seed=seed),
         synthetic_workload(num_requests, rate=30.0, prompt_lens=f"uniform:8:{top // 2}", output_lens="uniform:8:40",
                            seed=seed + 1),
+        synthetic_workload(num_requests, rate=1000.0, prompt_lens=f"uniform:4:{max(16, 3 * max_model_len // 4)}",
+                           output_lens=f"uniform:2:{max(8, max_model_len // 4)}", seed=seed + 2),
     ]  # fmt: skip
 
 
@@ -133,4 +152,15 @@ def fit_engine_profile(
         "engine_configs": configs,
         "num_gaps": len(samples.gaps_s),
     }
-    return fit_profile(samples.stats, samples.durations_s, samples.gaps_s, meta)
+    knots = token_knots([s.prefill_tokens + s.decode_seqs for s in samples.stats])
+    return fit_profile(samples.stats, samples.durations_s, samples.gaps_s, meta, knots=knots,
+                       batched_decode=engine_batched_decode(dev), after_idle=samples.after_idle,
+                       wakes_s=samples.wakes_s)  # fmt: skip
+
+
+def engine_batched_decode(device: Any) -> tuple[int, int] | None:
+    """The engine's rule for attending a decode-only step in one padded gather, (min_seqs, max_key_slots), on a
+    device whose engine attends with the torch backend one sequence at a time otherwise (CPU); None elsewhere."""
+    from workbench.model.attention import BATCHED_DECODE_MAX_KEY_SLOTS, BATCHED_DECODE_MIN_SEQS
+
+    return (BATCHED_DECODE_MIN_SEQS, BATCHED_DECODE_MAX_KEY_SLOTS) if str(device).startswith("cpu") else None

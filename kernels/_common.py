@@ -61,3 +61,37 @@ def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) ->
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_paged_attention_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_seqs: int,
+    q_name: str,
+) -> tuple[int, int, int]:
+    """Checks shared by the paged attention wrappers; returns (page_size, num_kv_heads, head_dim).
+
+    q: (``q_name``, num_heads, head_dim); caches: (num_blocks, block_size, num_kv_heads, head_dim) in q's dtype;
+    block_tables: (num_seqs, max_blocks) int32.
+    """
+    if q.dim() != 3:
+        raise KernelInputError(f"q must be ({q_name}, num_heads, head_dim), got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise KernelInputError(
+            f"caches must be (num_blocks, block_size, num_kv_heads, head_dim), got {k_cache.shape}, {v_cache.shape}"
+        )
+    _, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise KernelInputError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise KernelInputError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise KernelInputError(f"block_tables must be ({num_seqs}, max_blocks), got {tuple(block_tables.shape)}")
+    check_dtype("q", q, FLOAT_DTYPES)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelInputError(f"caches must have q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
+    check_dtype("block_tables", block_tables, (torch.int32,))
+    return page_size, num_kv_heads, head_dim

@@ -23,13 +23,13 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     INTERPRET,
     KernelInputError,
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_paged_attention_inputs,
     next_pow2,
     pick_configs,
 )
@@ -215,26 +215,13 @@ def paged_decode_attention(
     ``default_num_splits``; it is capped so that no split of the longest sequence is empty. ``max_seq_len``
     (the largest of ``seq_lens``) saves a device-to-host sync when the caller knows it.
     """
-    if q.dim() != 3:
-        raise KernelInputError(f"q must be (num_seqs, num_heads, head_dim), got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise KernelInputError(
-            f"caches must be (num_blocks, block_size, num_kv_heads, head_dim), got {k_cache.shape}, {v_cache.shape}"
-        )
-    num_seqs, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim:
-        raise KernelInputError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise KernelInputError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise KernelInputError(f"block_tables must be ({num_seqs}, max_blocks), got {tuple(block_tables.shape)}")
+    num_seqs = q.shape[0] if q.dim() == 3 else -1
+    page_size, num_kv_heads, head_dim = check_paged_attention_inputs(
+        q, k_cache, v_cache, block_tables, num_seqs, "num_seqs"
+    )
+    num_heads = q.shape[1]
     if seq_lens.shape != (num_seqs,):
         raise KernelInputError(f"seq_lens must be ({num_seqs},), got {tuple(seq_lens.shape)}")
-    check_dtype("q", q, FLOAT_DTYPES)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise KernelInputError(f"caches must have q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
-    check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("seq_lens", seq_lens, INDEX_DTYPES)
     check_device(q, k_cache, v_cache, block_tables, seq_lens)
     check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables)

@@ -21,13 +21,13 @@ import triton
 import triton.language as tl
 
 from kernels._common import (
-    FLOAT_DTYPES,
     INDEX_DTYPES,
     INTERPRET,
     KernelInputError,
     check_device,
     check_dtype,
     check_last_dim_contiguous,
+    check_paged_attention_inputs,
     next_pow2,
     pick_configs,
 )
@@ -205,32 +205,18 @@ def paged_prefill_attention(
 
     ``max_query_len`` (the longest chunk) sizes the grid; ``scale`` defaults to ``1/sqrt(head_dim)``.
     """
-    if q.dim() != 3:
-        raise KernelInputError(f"q must be (num_tokens, num_heads, head_dim), got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise KernelInputError(
-            f"caches must be (num_blocks, block_size, num_kv_heads, head_dim), got {k_cache.shape}, {v_cache.shape}"
-        )
-    num_tokens, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim:
-        raise KernelInputError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise KernelInputError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if num_seqs < 0 or cu_seqlens_q.shape != (num_seqs + 1,):
         raise KernelInputError(
             f"seq_lens must be (num_seqs,) and cu_seqlens_q (num_seqs + 1,), got {tuple(seq_lens.shape)}, "
             f"{tuple(cu_seqlens_q.shape)}"
         )
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise KernelInputError(f"block_tables must be ({num_seqs}, max_blocks), got {tuple(block_tables.shape)}")
+    page_size, num_kv_heads, head_dim = check_paged_attention_inputs(
+        q, k_cache, v_cache, block_tables, num_seqs, "num_tokens"
+    )
+    num_tokens, num_heads, _ = q.shape
     if max_query_len < 0:
         raise KernelInputError(f"max_query_len must be >= 0, got {max_query_len}")
-    check_dtype("q", q, FLOAT_DTYPES)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise KernelInputError(f"caches must have q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
-    check_dtype("block_tables", block_tables, (torch.int32,))
     check_dtype("seq_lens", seq_lens, INDEX_DTYPES)
     check_dtype("cu_seqlens_q", cu_seqlens_q, INDEX_DTYPES)
     check_device(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)

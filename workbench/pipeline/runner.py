@@ -263,21 +263,7 @@ def execute_experiment(
     params = dict(planned.params)
     if planned.inject_output_dir:
         params[OUTPUT_DIR_PARAM] = str(exp_dir)
-    entry: dict[str, Any] = {
-        "name": exp.name,
-        "status": "ok",
-        "duration_s": None,
-        "notebook": None,
-        "html": None,
-        "html_noinput": None,
-        "metrics": {},
-        "metrics_file": None,
-        "figures": [],
-        "params": planned.params,
-        "requires": list(exp.requires),
-        "description": exp.description,
-        "source_notebook": str(exp.notebook),
-    }
+    entry = _base_entry(planned, "ok")
     warnings: list[str] = []
     start = time.perf_counter()
     engine_kwargs = {"execution_timeout": timeout_s} if timeout_s else {}
@@ -352,13 +338,13 @@ def execute_experiment(
     return entry
 
 
-def _skipped_entry(planned: PlannedExperiment) -> dict[str, Any]:
+def _base_entry(planned: PlannedExperiment, status: str) -> dict[str, Any]:
+    """A manifest entry before anything ran: the experiment's identity, nothing produced yet."""
     exp = planned.experiment
     return {
         "name": exp.name,
-        "status": "skipped",
-        "skip_reason": planned.skip_reason,
-        "duration_s": 0.0,
+        "status": status,
+        "duration_s": None,
         "notebook": None,
         "html": None,
         "html_noinput": None,
@@ -370,6 +356,10 @@ def _skipped_entry(planned: PlannedExperiment) -> dict[str, Any]:
         "description": exp.description,
         "source_notebook": str(exp.notebook),
     }
+
+
+def _skipped_entry(planned: PlannedExperiment) -> dict[str, Any]:
+    return {**_base_entry(planned, "skipped"), "skip_reason": planned.skip_reason, "duration_s": 0.0}
 
 
 def _make_run_dir(out_dir: Path, run_id: str) -> tuple[Path, str]:

@@ -144,6 +144,7 @@ def test_cli_decode_json(capsys):
     assert out["num_threads"] == 1 and out["bench"] == "decode"
     assert [r["batch"] for r in out["results"]] == [1, 2]
     assert {"tokens_per_s", "mbu", "gemv_ratio"} <= set(out["results"][0])
+    assert all(r["compiled_decode"] for r in out["results"])  # the CPU default
 
 
 def test_cli_prefill_table(capsys):

@@ -172,11 +172,14 @@ def bench_decode(
     sweep: LinearSweep | None = None,
     seed: int = 0,
     attention_backend: str = "torch",
+    compile_decode: bool = False,
 ) -> list[dict[str, Any]]:
     """Per batch size: median decode step time, tokens/s, bytes/s, MBU, gemv_ratio and engine overhead share.
 
     ``batch`` requests of ``prompt_len`` random tokens are prefilled, then ``warmup + steps`` decode steps run;
     the last ``steps`` are timed, each followed by a ``LinearSweep`` of the same batch (the gemv reference).
+    ``compile_decode``: the engine's compiled decode step (``EngineConfig.compile_decode``); its compilation is
+    the first warm-up step, reported as ``first_step_s``.
     """
     if steps < 1 or warmup < 0 or prompt_len < 1:
         raise ConfigError(f"need steps >= 1, warmup >= 0, prompt_len >= 1; got {steps}, {warmup}, {prompt_len}")
@@ -189,9 +192,17 @@ def bench_decode(
     dtype = canonical_dtype(str(model.dtype).replace("torch.", ""))
     hw = hw or measured_spec(model.device.type)
     sweep = sweep or LinearSweep(cfg, model.dtype, model.device, seed=seed)
+    if compile_decode:
+        warmup = max(warmup, 1)  # the first decode step compiles
     rows = []
     for batch in batches:
-        engine = _engine(model, batch, prompt_len + warmup + steps + 2, attention_backend=attention_backend)
+        engine = _engine(
+            model,
+            batch,
+            prompt_len + warmup + steps + 2,
+            attention_backend=attention_backend,
+            compile_decode=compile_decode,
+        )
         for prompt in random_prompts(batch, prompt_len, cfg.vocab_size, seed):
             engine.add_request(prompt, _greedy(warmup + steps + 1))
         while True:  # prefill (one or more steps) until the next step is a pure decode of every sequence
@@ -203,6 +214,7 @@ def bench_decode(
                 raise ConfigError(f"decode benchmark requests were not served: {rejected[:1] or 'finished early'}")
         engine.runner.time_model = True
         step_s, model_s, sweep_s, bytes_per_s, contexts = [], [], [], [], []
+        first_step_s = 0.0
         for i in range(warmup + steps):
             context = [s.num_tokens for s in engine.sequences.values()]  # each decode attends to this many keys
             synchronize(model.device)
@@ -210,6 +222,8 @@ def bench_decode(
             engine.step()
             t = time.perf_counter() - t0
             s = sweep.run(batch)
+            if i == 0:
+                first_step_s = t
             if i < warmup:
                 continue
             step_s.append(t)
@@ -239,6 +253,8 @@ def bench_decode(
             "steps": steps,
             "attention_backend": attention_backend,
             "cuda_graphs": graphs is not None and graphs.capture and graphs.supports(batch),
+            "compiled_decode": compile_decode,
+            "first_step_s": first_step_s,
         })  # fmt: skip
         del engine
     return rows
@@ -398,18 +414,26 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
 
 
 def compare_decode(
-    model: Transformer, hf_model: Any, prompt_len: int = 32, new_tokens: int = 32, repeats: int = 3, seed: int = 0
+    model: Transformer,
+    hf_model: Any,
+    prompt_len: int = 32,
+    new_tokens: int = 32,
+    repeats: int = 3,
+    seed: int = 0,
+    compile_decode: bool = False,
 ) -> dict[str, Any]:
     """Batch-1 greedy decode tokens/s of the engine and of HF ``generate``, interleaved, same prompt.
 
-    Decode rate for both: ``(N - 1) / (t(N new tokens) - t(1 new token))``, so prefill cancels out.
+    Decode rate for both: ``(N - 1) / (t(N new tokens) - t(1 new token))``, so prefill cancels out. With
+    ``compile_decode`` the engine's decode step is compiled (during the warm-up run).
     """
     if new_tokens < 2:
         raise ConfigError(f"new_tokens must be >= 2 to time decode steps, got {new_tokens}")
     prompt = random_prompts(1, prompt_len, model.config.vocab_size, seed)[0]
     device = model.device
 
-    engine = _engine(model, 1, prompt_len + new_tokens + 1)  # one engine: its cache (and CUDA graphs) persist
+    # one engine: its cache (and CUDA graphs or compiled step) persist
+    engine = _engine(model, 1, prompt_len + new_tokens + 1, compile_decode=compile_decode)
 
     def ours(n: int) -> list[int]:
         return engine.generate([prompt], _greedy(n)).requests[0].tokens
@@ -435,6 +459,7 @@ def compare_decode(
         "ratio": ours_rate / hf_rate,
         "identical_tokens": tokens["ours"] == tokens["hf"],
         "repeats": repeats,
+        "compiled_decode": compile_decode,
     }
 
 
@@ -508,8 +533,13 @@ def bench_hf(
     seed: int = 0,
     offline: bool = True,
     workdir: str | Path | None = None,
+    compile_decode: bool = False,
 ) -> dict[str, Any]:
-    """Batch-1 decode and (optionally) the offline set, ours against transformers on one checkpoint."""
+    """Batch-1 decode and (optionally) the offline set, ours against transformers on one checkpoint.
+
+    ``compile_decode`` applies to the batch-1 comparison; the offline set runs eagerly (its decode batch size
+    changes as requests finish, and each size would compile anew).
+    """
     dev = resolve_device(device)
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
         ckpt = hf_checkpoint(name_or_path, dtype, seed, workdir or tmp)
@@ -517,7 +547,9 @@ def bench_hf(
 
         model = load_checkpoint(ckpt, dtype=dtype, device=dev)
         hf_model = load_hf_model(ckpt, dtype, dev)
-    out: dict[str, Any] = {"decode": compare_decode(model, hf_model, prompt_len, new_tokens, repeats, seed)}
+    out: dict[str, Any] = {
+        "decode": compare_decode(model, hf_model, prompt_len, new_tokens, repeats, seed, compile_decode)
+    }
     if offline:
         out["offline"] = compare_offline(model, hf_model, num_requests, context, max_num_seqs, seed)
     return out

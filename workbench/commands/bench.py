@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32, help="offline: engine batch and HF static batch size")
     p.add_argument("--no-offline", action="store_true", help="hf: batch-1 decode only")
     p.add_argument("--attention-backend", default="torch", choices=("torch", "triton"), help="decode: backend")
+    p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode, hf: the engine's torch.compile'd decode step (default: on for the CPU with the "
+                   "torch backend; it compiles at the first decode step of each batch size)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the offline draw")
     p.add_argument("--cached-ceilings", action="store_true",
                    help="reuse this machine's cached ceilings instead of measuring them again in this run")  # fmt: skip
@@ -67,12 +70,16 @@ def run(args: argparse.Namespace) -> int:
 
     threads = bench.set_threads(args.threads)
     device = resolve_device(args.device)
+    compile_decode = args.compile_decode
+    if compile_decode is None:  # CUDA replays CUDA graphs instead; the Triton backend is not compiled
+        compile_decode = device.type == "cpu" and args.attention_backend == "torch"
     out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
     if args.kind == "hf":
         out |= bench.bench_hf(
             args.model, args.dtype, str(device), prompt_len=(args.prompt_len or [32])[0],
             new_tokens=args.new_tokens, repeats=args.repeats, num_requests=args.num_requests, context=args.context,
             max_num_seqs=args.max_num_seqs, seed=args.seed, offline=not args.no_offline,
+            compile_decode=compile_decode,
         )  # fmt: skip
     else:
         # ceilings measured in the same run as the benchmark (a shared machine drifts), unless asked otherwise
@@ -89,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 hw,
                 seed=args.seed,
                 attention_backend=args.attention_backend,
+                compile_decode=compile_decode,
             )
         elif args.kind == "prefill":
             out["results"] = bench.bench_prefill(

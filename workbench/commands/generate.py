@@ -4,6 +4,7 @@
         [--temperature T --top-k K --top-p P --seed S] [--ignore-eos] [--dtype] [--device] [--json]
         [--policy P] [--cache paged|contiguous] [--block-size B] [--num-blocks N] [--max-num-seqs S]
         [--token-budget T] [--chunk-size C] [--prefix-caching] [--attention-backend torch|triton]
+        [--compile-decode]
 
 Greedy unless a temperature is given. With ``--json``: one object with a list ``requests``, each holding
 ``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies), plus
@@ -43,6 +44,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     add_scheduler_arguments(g, max_num_seqs_default=32)
     g.add_argument("--cache", default="paged", choices=("paged", "contiguous"), help="KV-cache layout")
     g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
+    g.add_argument("--compile-decode", action="store_true",
+                   help="CPU: pure-decode steps as one torch.compile'd graph per batch size (compiles at the first "
+                   "decode step of each size)")  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineConfig)
@@ -52,6 +56,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineC
         **serving_config_kwargs(args),
         cache=args.cache,
         attention_backend=args.attention_backend,
+        compile_decode=args.compile_decode,
         dtype=args.dtype,
         device=args.device,
     )

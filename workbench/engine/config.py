@@ -91,11 +91,16 @@ class ServingConfig:
 
 @dataclass
 class EngineConfig(ServingConfig):
-    """The engine's settings: the shared ``ServingConfig`` plus cache layout, attention backend and device."""
+    """The engine's settings: the shared ``ServingConfig`` plus cache layout, attention backend and device.
+
+    ``compile_decode`` (CPU): pure-decode steps run as one ``torch.compile``d graph per batch size
+    (``workbench.engine.compiled_decode``); each new batch size compiles at its first decode step.
+    """
 
     cache: str = "paged"
     attention_backend: str = "torch"
     device: str = "auto"
+    compile_decode: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -103,6 +108,10 @@ class EngineConfig(ServingConfig):
             raise ConfigError(f"cache must be one of {CACHE_LAYOUTS}, got {self.cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.compile_decode is not True and self.compile_decode is not False:
+            raise ConfigError(f"compile_decode must be true or false, got {self.compile_decode!r}")
+        if self.compile_decode and self.attention_backend != "torch":
+            raise ConfigError("compile_decode compiles the torch attention path; use attention_backend='torch'")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ConfigError("give num_blocks or kv_cache_bytes, not both")
         if self.cache == "contiguous" and self.enable_prefix_caching:

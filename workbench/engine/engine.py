@@ -18,6 +18,7 @@ from typing import Any
 
 from workbench.config import ModelConfig
 from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.engine.compiled_decode import CompiledDecode
 from workbench.engine.config import EngineConfig
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.runner import ModelRunner
@@ -108,6 +109,8 @@ class Engine:
 
             model.attn_backend = TritonAttentionBackend()
         self.runner = ModelRunner(model, self.cache)
+        if self.config.compile_decode:
+            self.runner.compiled_decode = CompiledDecode(model, self.cache, self.config.max_num_seqs)
         self.step_log = StepLog()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()

@@ -12,6 +12,7 @@ import time
 import torch
 
 from workbench.device import synchronize
+from workbench.engine.compiled_decode import CompiledDecode
 from workbench.engine.decode_graphs import DecodeGraphs
 from workbench.engine.sampler import Sampler
 from workbench.engine.scheduler import StepPlan
@@ -30,6 +31,7 @@ class ModelRunner:
         self.time_model = False
         self.last_model_s = 0.0
         self.decode_graphs: DecodeGraphs | None = None  # static-shape decode (CUDA graphs on a GPU)
+        self.compiled_decode: CompiledDecode | None = None  # torch.compile'd decode (EngineConfig.compile_decode)
 
     def setup_decode_graphs(self, max_batch: int, max_model_len: int, capture: bool | None = None) -> None:
         """Serve pure-decode steps of up to ``max_batch`` sequences through ``DecodeGraphs``.
@@ -56,13 +58,13 @@ class ModelRunner:
         """Run one step; returns the sampled token of every chunk that samples, by sequence id."""
         if plan.is_empty:
             return {}
-        graphs = self.decode_graphs
-        if (
-            graphs is not None
-            and graphs.supports(len(plan.chunks))
-            and all(c.num_new_tokens == 1 and c.samples for c in plan.chunks)
-        ):
-            return self._execute_static_decode(plan, graphs)
+        for static in (self.compiled_decode, self.decode_graphs):
+            if (
+                static is not None
+                and static.supports(len(plan.chunks))
+                and all(c.num_new_tokens == 1 and c.samples for c in plan.chunks)
+            ):
+                return self._execute_static_decode(plan, static)
         input_ids, meta = self.prepare(plan)
         if self.time_model:
             synchronize(self.model.device)
@@ -83,8 +85,9 @@ class ModelRunner:
         tokens = self.sampler(logits, [s.sampling for s in seqs], [s.seq_id for s in seqs])
         return {s.seq_id: t for s, t in zip(seqs, tokens)}
 
-    def _execute_static_decode(self, plan: StepPlan, graphs: DecodeGraphs) -> dict[int, int]:
-        """A pure-decode step (every chunk one token, every chunk samples) through the static-shape path."""
+    def _execute_static_decode(self, plan: StepPlan, graphs: DecodeGraphs | CompiledDecode) -> dict[int, int]:
+        """A pure-decode step (every chunk one token, every chunk samples) through CUDA graphs or the compiled
+        step: both take the tokens, sequence lengths and block tables, write the cache and return the logits."""
         tokens, seq_lens, tables = [], [], []
         for chunk in plan.chunks:
             seq, start = chunk.seq, chunk.start

@@ -222,6 +222,31 @@ class TorchAttentionBackend:
         return out
 
 
+def gathered_decode_attention(
+    q: torch.Tensor,  # (B, num_heads, head_dim): one new token per sequence, rotary applied
+    k: torch.Tensor,  # (B, num_kv_heads, head_dim): the new tokens' K, rotary applied
+    v: torch.Tensor,  # (B, num_kv_heads, head_dim)
+    k_slots: torch.Tensor,  # (num_slots, num_kv_heads, head_dim): one layer's pool, flat
+    v_slots: torch.Tensor,
+    key_slots: torch.Tensor,  # (B, C) int64: slot of each cached key position (any valid slot past the length)
+    key_mask: torch.Tensor,  # (B, 1, 1, C + 1) bool: which cached keys count; the last column (new key) True
+    scale: float,
+) -> torch.Tensor:  # (B, num_heads, head_dim)
+    """Decode attention over the cached keys plus the new one, without writing the cache.
+
+    Each sequence's cached K/V are gathered through ``key_slots`` (C columns, padded to the longest sequence and
+    masked), the new token's K/V appended as the last key. The shapes depend only on (B, C), which is what lets
+    ``Transformer.decode_gathered`` be compiled as one graph with C dynamic.
+    """
+    b, n_kv, d = k.shape
+    group = q.shape[1] // n_kv
+    kk = torch.cat((k_slots[key_slots], k[:, None]), dim=1).transpose(1, 2)  # (B, kv_heads, C + 1, d)
+    vv = torch.cat((v_slots[key_slots], v[:, None]), dim=1).transpose(1, 2)
+    qg = q.reshape(b, n_kv, group, d)  # GQA without copies: a KV head's query heads are its query rows
+    out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=key_mask, scale=scale)  # (B, kv_heads, group, d)
+    return out.reshape(b, n_kv * group, d)
+
+
 def reference_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -26,9 +26,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch.rms_norm without a weight is x * rsqrt(mean(x^2) + eps) in one kernel, bit for bit the
         # three-op formula; the weight multiplies after the cast back, as in the published models
-        normed = torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
-        if normed.dtype == self.weight.dtype and normed.data_ptr() != x.data_ptr():
-            return normed.mul_(self.weight)  # in place on our own fresh tensor: no second (T, hidden) allocation
+        normed = torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)  # always a fresh tensor
+        if normed.dtype == self.weight.dtype:
+            return normed.mul_(self.weight)  # in place on our own tensor: no second (T, hidden) allocation
         return self.weight * normed
 
 

@@ -24,6 +24,7 @@ from workbench.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
     build_metadata,
+    gathered_decode_attention,
 )
 from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary_rolled, signed_sin
 
@@ -47,13 +48,35 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin_signed)
+        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, heads, d)
+        return F.linear(o.reshape(x.shape[0], self.q_size), self.o_proj.weight)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q (T, heads, d) and K (T, kv_heads, d) with rotary applied, and V (T, kv_heads, d)."""
         t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q_size + 2 kv_size)
         # rotary on Q and K together: their columns are adjacent, so one set of kernels serves both
         qk = apply_rotary_rolled(qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, d), cos, sin_signed)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)  # (T, kv_heads, d)
-        o = backend.forward(qk[:, :nh], qk[:, nh:], v, k_cache, v_cache, meta, self.scale)  # (T, heads, d)
-        return F.linear(o.reshape(t, self.q_size), self.o_proj.weight)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
+        return qk[:, :nh], qk[:, nh:], v
+
+    def decode_gathered(
+        self,
+        x: torch.Tensor,  # (B, hidden): one new token per sequence
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        k_slots: torch.Tensor,  # (num_slots, kv_heads, head_dim): this layer's pool, flat
+        v_slots: torch.Tensor,
+        key_slots: torch.Tensor,  # (B, C) int64
+        key_mask: torch.Tensor,  # (B, 1, 1, C + 1) bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode attention that reads the cache and writes nothing: (output (B, hidden), new K, new V)."""
+        q, k, v = self.project(x, cos, sin_signed)
+        o = gathered_decode_attention(q, k, v, k_slots, v_slots, key_slots, key_mask, self.scale)
+        return F.linear(o.reshape(x.shape[0], self.q_size), self.o_proj.weight), k, v
 
 
 class DecoderLayer(nn.Module):
@@ -70,6 +93,14 @@ class DecoderLayer(nn.Module):
             self.input_layernorm.forward(x), cos, sin_signed, k_cache, v_cache, meta, backend
         )
         return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x)))  # x: this layer's own tensor
+
+    def decode_gathered(self, x, cos, sin_signed, k_slots, v_slots, key_slots, key_mask):  # noqa: ANN001, ANN201
+        """``forward`` for a pure decode through ``Attention.decode_gathered``: (x, new K, new V)."""
+        o, k, v = self.self_attn.decode_gathered(
+            self.input_layernorm.forward(x), cos, sin_signed, k_slots, v_slots, key_slots, key_mask
+        )
+        x = x + o
+        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x))), k, v
 
 
 class Transformer(nn.Module):
@@ -138,6 +169,36 @@ class Transformer(nn.Module):
         for layer, k_cache, v_cache in zip(self.layers, k_layers, v_layers):
             x = layer.forward(x, cos, sin_signed, k_cache, v_cache, meta, self.attn_backend)
         return self.norm(x)
+
+    def decode_gathered(
+        self,
+        input_ids: torch.Tensor,  # (B,) one new token per sequence
+        positions: torch.Tensor,  # (B,) int64: each token's position (its sequence's cached length)
+        key_slots: torch.Tensor,  # (B, C) int64: pool slot of each cached key position, padded past the length
+        key_mask: torch.Tensor,  # (B, 1, 1, C + 1) bool: cached keys to attend to, then the new token's (True)
+        k_pool: torch.Tensor,  # (layers, num_blocks, block_size, kv_heads, head_dim): KVCache.k
+        v_pool: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A pure-decode step as a function of its inputs: next-token logits (B, vocab) fp32 and every layer's
+        new K and V, (layers, B, kv_heads, head_dim) each, for the caller to write at the tokens' slots.
+
+        It reads the pool and writes nothing, so ``torch.compile`` takes it as one graph without copying the
+        pool (a write into a view of a graph input makes inductor copy the whole base). Each token attends to
+        its cached keys gathered through ``key_slots`` (masked by ``key_mask``) followed by its own new key:
+        the same scores and values as ``forward`` with a write first, the new key last instead of in place.
+        """
+        n_layers = self.config.num_layers
+        k_flat = k_pool.view(n_layers, -1, *k_pool.shape[3:])  # (layers, num_slots, kv_heads, d)
+        v_flat = v_pool.view(n_layers, -1, *v_pool.shape[3:])
+        x = self.embed_tokens(input_ids)  # (B, hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        sin_signed = signed_sin(sin)
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.decode_gathered(x, cos, sin_signed, k_flat[i], v_flat[i], key_slots, key_mask)
+            new_k.append(k)
+            new_v.append(v)
+        return self.compute_logits(self.norm.forward(x)), torch.stack(new_k), torch.stack(new_v)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,9 @@ def test_measured_cpu_spec_is_sane_with_a_tiny_measurement() -> None:
         assert math.isfinite(value) and value > 0
     assert spec.name == "measured" and "fp32" in spec.peak_flops
     assert spec.details["bandwidth_bytes"] == 1 << 20
+    # the read ceiling is the faster of the two read probes
+    probes = (spec.details["read_bandwidth_sum"], spec.details["read_bandwidth_gemv"])
+    assert spec.mem_bandwidth == spec.details["read_bandwidth"] == max(probes)
     assert spec.balance_point("fp32") > 0
 
 
@@ -114,6 +117,13 @@ def test_measured_spec_caches_in_memory_and_on_disk(tmp_path: Path, monkeypatch:
     assert len(calls) == 1
     measured_spec("cpu", cache_dir=tmp_path, refresh=True)
     assert len(calls) == 2
+    # a file written by older probes is measured over
+    stale = json.loads(files[0].read_text())
+    stale["details"]["probe_version"] = hardware.PROBE_VERSION - 1
+    files[0].write_text(json.dumps(stale))
+    monkeypatch.setattr(hardware, "_MEASURED", {})
+    measured_spec("cpu", cache_dir=tmp_path)
+    assert len(calls) == 3
     with pytest.raises(ConfigError, match="device"):
         measured_spec("tpu")
 

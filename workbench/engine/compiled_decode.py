@@ -23,6 +23,7 @@ import torch
 from workbench.config import ceil_div
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
+from workbench.model.attention import pad_block_tables, slot_of
 from workbench.model.transformer import Transformer
 
 KEY_PAD = 16  # cached-key columns are padded to a multiple of this (so C is never 1, which dynamo specialises)
@@ -55,23 +56,19 @@ class CompiledDecode:
         batch, bs, dev = len(tokens), self.cache.block_size, self.model.device
         cached = [n - 1 for n in seq_lens]  # keys already in the cache = the new token's position
         width = KEY_PAD * ceil_div(max(max(cached), 1), KEY_PAD)  # C, padded
-        n_blocks = ceil_div(width, bs)
-        table = torch.tensor(
-            [t[:n_blocks] + [0] * (n_blocks - min(len(t), n_blocks)) for t in tables], dtype=torch.int64
-        ).to(dev)  # (B, n_blocks)
-        pos = torch.tensor(cached, dtype=torch.int64).to(dev)  # (B,)
+        table = torch.tensor(pad_block_tables(tables, ceil_div(width, bs)), device=dev)  # (B, blocks) int64
+        pos = torch.tensor(cached, device=dev)  # (B,) int64
         j = torch.arange(width, device=dev)
         key_slots = table[:, j // bs] * bs + j % bs  # (B, C); past a sequence's length: some block's slot, masked
         key_mask = torch.ones(batch, 1, 1, width + 1, dtype=torch.bool, device=dev)
         torch.lt(j[None, :], pos[:, None], out=key_mask[:, 0, 0, :width])  # the last column (new key) stays True
-        new_slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, cached)], dtype=torch.int64)
         torch._dynamo.mark_dynamic(key_slots, 1)
         torch._dynamo.mark_dynamic(key_mask, 3)
-        ids = torch.tensor(tokens, dtype=torch.int64).to(dev)
+        ids = torch.tensor(tokens, device=dev)
         logits, k_new, v_new = self._fn(ids, pos, key_slots, key_mask, self.cache.k, self.cache.v)
         self.batch_sizes.add(batch)
+        new_slots = torch.tensor([slot_of(t, p, bs) for t, p in zip(tables, cached)], device=dev)
         n_layers, kv_heads, head_dim = self.cache.num_layers, self.cache.num_kv_heads, self.cache.head_dim
-        new_slots = new_slots.to(dev)
         self.cache.k.view(n_layers, -1, kv_heads, head_dim).index_copy_(1, new_slots, k_new)
         self.cache.v.view(n_layers, -1, kv_heads, head_dim).index_copy_(1, new_slots, v_new)
         return logits

@@ -22,7 +22,7 @@ import torch
 
 from workbench.config import ceil_div
 from workbench.kv.cache import KVCache
-from workbench.model.attention import AttentionMetadata
+from workbench.model.attention import AttentionMetadata, pad_block_tables, slot_of
 from workbench.model.transformer import Transformer
 
 MAX_GATHER_TOKENS = 1 << 16  # torch backend: most (sequence, key) slots a static step may gather per layer
@@ -100,8 +100,8 @@ class DecodeGraphs:
         batch, bs = len(tokens), self.block_size
         st = self._buffers(batch)
         positions = [n - 1 for n in seq_lens]
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-        padded = [t[: self.max_blocks] + [0] * (self.max_blocks - min(len(t), self.max_blocks)) for t in tables]
+        slots = [slot_of(t, p, bs) for t, p in zip(tables, positions)]
+        padded = pad_block_tables(tables, self.max_blocks)
         meta, dev = st.meta, self.model.device
         # one host-to-device copy per buffer, into the same storage the graph reads
         st.input_ids.copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)

@@ -58,13 +58,10 @@ class ModelRunner:
         """Run one step; returns the sampled token of every chunk that samples, by sequence id."""
         if plan.is_empty:
             return {}
-        for static in (self.compiled_decode, self.decode_graphs):
-            if (
-                static is not None
-                and static.supports(len(plan.chunks))
-                and all(c.num_new_tokens == 1 and c.samples for c in plan.chunks)
-            ):
-                return self._execute_static_decode(plan, static)
+        if all(c.num_new_tokens == 1 and c.samples for c in plan.chunks):  # a pure decode: a static path?
+            for static in (self.compiled_decode, self.decode_graphs):
+                if static is not None and static.supports(len(plan.chunks)):
+                    return self._execute_static_decode(plan, static)
         input_ids, meta = self.prepare(plan)
         if self.time_model:
             synchronize(self.model.device)

@@ -76,6 +76,16 @@ BATCHED_DECODE_MIN_SEQS = 4
 BATCHED_DECODE_MAX_KEY_SLOTS = 2048
 
 
+def slot_of(table: list[int], pos: int, block_size: int) -> int:
+    """The cache slot of position ``pos`` of a sequence whose block table is ``table``."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def pad_block_tables(tables: list[list[int]], width: int) -> list[list[int]]:
+    """Each block table cut or padded with block 0 to ``width`` entries: the rows of a rectangular tensor."""
+    return [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
+
+
 def build_metadata(
     query_lens: list[int],
     seq_lens: list[int],
@@ -89,12 +99,11 @@ def build_metadata(
     for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
         for p in range(s_len - q_len, s_len):
             positions.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
+            slots.append(slot_of(table, p, block_size))
     cu = [0]
     for q_len in query_lens:
         cu.append(cu[-1] + q_len)
     max_blocks = max(ceil_div(s, block_size) for s in seq_lens)
-    padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in block_tables]
     meta = AttentionMetadata(
         query_lens=list(query_lens),
         seq_lens=list(seq_lens),
@@ -104,7 +113,7 @@ def build_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(pad_block_tables(block_tables, max_blocks), dtype=torch.int32, device=device),
     )
     _prepare_torch_helpers(meta, device)
     return meta

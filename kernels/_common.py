@@ -95,3 +95,17 @@ def check_paged_attention_inputs(
         raise KernelInputError(f"caches must have q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
     check_dtype("block_tables", block_tables, (torch.int32,))
     return page_size, num_kv_heads, head_dim
+
+
+def paged_attention_strides(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The stride arguments of both paged attention kernels, in their order: q (token, head), K and V caches
+    (block, slot, head), the block-table row, out (token, head). Last dimensions are contiguous (checked)."""
+    return (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+    )  # fmt: skip

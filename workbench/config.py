@@ -10,12 +10,11 @@ preset name, a ``config.json`` path or a checkpoint directory.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, read_json_file
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 MODELS_DIR = DATA_DIR / "models"
@@ -294,12 +293,7 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path: str | Path, name: str | None = None) -> ModelConfig:
         path = Path(path)
-        try:
-            hf = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+        hf = read_json_file(path, "config file")
         if not isinstance(hf, dict):
             raise ConfigError(f"{path}: expected a JSON object")
         return cls.from_hf_config(hf, name=name or (path.stem if path.name != "config.json" else path.parent.name))

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 
 class WorkbenchError(Exception):
     """Base class of every error the workbench raises on purpose."""
@@ -24,3 +28,15 @@ class RequestError(WorkbenchError, ValueError):
 
 class TraceError(WorkbenchError, ValueError):
     """A workload trace file is malformed; the message names the file and the line."""
+
+
+def read_json_file(path: str | Path, what: str, hint: str = "") -> Any:
+    """``path`` parsed as JSON, or a ConfigError that names the file: ``{what} not found: {path}{hint}`` when it
+    is missing, ``{path}: not valid JSON (...)`` when it cannot be read or parsed."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{what} not found: {path}{hint}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None

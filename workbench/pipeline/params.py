@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, read_json_file
 
 PARAMETERS_TAG = "parameters"
 OUTPUT_DIR_PARAM = "output_dir"
@@ -39,12 +39,7 @@ def _cell_source(cell: Mapping[str, Any]) -> str:
 def read_notebook_json(path: str | Path) -> dict[str, Any]:
     """Load an .ipynb file as plain JSON, with a ConfigError naming the file when it is not one."""
     nb_path = Path(path)
-    try:
-        nb = json.loads(nb_path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ConfigError(f"notebook {nb_path} does not exist") from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"notebook {nb_path} is not readable JSON: {exc}") from exc
+    nb = read_json_file(nb_path, "notebook")
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
         raise ConfigError(f"notebook {nb_path} has no 'cells' list; is it an .ipynb file?")
     return nb

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from workbench.config import ModelConfig
-from workbench.errors import ConfigError
+from workbench.errors import ConfigError, read_json_file
 
 if TYPE_CHECKING:
     from workbench.engine.metrics import StepLog, StepRecord
@@ -449,12 +449,7 @@ class ProfiledCostModel(CostModel):
         """Read a profile written by ``save`` (v1 or v2; ConfigError naming the file when it is missing or
         malformed)."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"profile file not found: {path} (make one with `workbench fit-profile`)") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc.msg})") from None
+        data = read_json_file(path, "profile file", " (make one with `workbench fit-profile`)")
         if not isinstance(data, dict) or data.get("format") not in PROFILE_FORMATS:
             raise ConfigError(f'{path}: not a workbench profile (expected "format": "{PROFILE_FORMAT}")')
         bd = data.get("batched_decode")

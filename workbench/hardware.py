@@ -293,12 +293,13 @@ def measure_cpu(
     y = torch.empty_like(x)  # (numel,)
     nbytes = numel * 4
     t_sum = _median_time(lambda x=x: x.sum(), repeats, warmup, sync)
-    cols = GEMV_PROBE_COLS if numel % GEMV_PROBE_COLS == 0 else 1
-    rows, vec = x.view(-1, cols), torch.ones(cols, dtype=torch.float32)
+    cols = min(GEMV_PROBE_COLS, numel)
+    rows, vec = x[: numel - numel % cols].view(-1, cols), torch.ones(cols, dtype=torch.float32)
     t_gemv = _median_time(lambda rows=rows, vec=vec: torch.mv(rows, vec), repeats, warmup, sync)
+    gemv_bw = rows.numel() * 4 / t_gemv
     t_copy = _median_time(lambda x=x, y=y: y.copy_(x), repeats, warmup, sync)
     del x, y, rows
-    read_bw = nbytes / min(t_sum, t_gemv)
+    read_bw = max(nbytes / t_sum, gemv_bw)
     copy_bw = 2 * nbytes / t_copy
     cpu = cpu_model_name()
     return HardwareSpec(
@@ -319,7 +320,7 @@ def measure_cpu(
             "bandwidth_bytes": nbytes,
             "read_bandwidth": read_bw,
             "read_bandwidth_sum": nbytes / t_sum,
-            "read_bandwidth_gemv": nbytes / t_gemv,
+            "read_bandwidth_gemv": gemv_bw,
             "copy_bandwidth": copy_bw,
             "repeats": repeats,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),

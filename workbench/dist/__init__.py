@@ -1,0 +1,1 @@
+"""Several processes serving one engine: the worker group over torch.distributed (``group``)."""

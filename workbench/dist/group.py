@@ -1,0 +1,317 @@
+"""Worker processes over torch.distributed: launch, one process group, calls broadcast to every rank, shutdown.
+
+This is the process machinery that tensor parallelism (one model sharded over N ranks) and disaggregation (a
+prefill and a decode engine exchanging KV blocks) share. It is a thin layer on ``torch.distributed``: gloo on the
+CPU, NCCL on CUDA, the same code.
+
+The shape follows vLLM's multiprocessing executor. The **driver** is rank 0 and lives in the calling process (the
+engine, which runs the scheduler and samples); ranks 1..N-1 are **workers** spawned by ``WorkerGroup`` itself, or
+started by ``torchrun`` on other nodes (``WorkerGroup.from_env`` / ``run_worker``). Every rank builds its own worker
+object from one picklable factory ``factory(rank, world_size, *args)``. ``WorkerGroup.call(method, *args)`` sends
+``(method, args)`` to all ranks with one ``broadcast_object_list``; each rank runs ``worker.method(*args)`` (the
+collectives inside it, e.g. the all-reduce after a row-parallel matmul, meet across ranks) and the driver returns
+its own rank's result.
+
+Faults never hang the driver: every collective runs under the process group's timeout (``timeout_s``); a worker
+that raises reports its traceback on a side pipe and exits, which breaks the collective at once; a worker that dies
+is seen by its exit code. Either way ``call`` raises ``WorkerError`` naming the rank and the cause, and the group is
+shut down (workers terminated, then killed). A worker also exits by itself when its driver process disappears, so
+no orphan is left behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from workbench.errors import ConfigError, WorkbenchError
+
+BACKENDS = ("auto", "gloo", "nccl")
+_SHUTDOWN = "__shutdown__"
+
+
+class WorkerError(WorkbenchError, RuntimeError):
+    """A worker rank died, hung past the timeout or raised; the message names the rank and the cause, and
+    ``remote_traceback`` holds the worker's traceback when it reported one."""
+
+    remote_traceback: str = ""
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """How to start one group of ranks.
+
+    ``backend`` 'auto' is NCCL when CUDA is available and gloo otherwise. ``timeout_s`` bounds every collective
+    (and the start-up rendezvous): past it the driver raises instead of waiting for a hung rank.
+    ``init_method`` None: a TCP rendezvous on a free port of 127.0.0.1 (one node).
+    """
+
+    world_size: int
+    backend: str = "auto"
+    timeout_s: float = 60.0
+    init_method: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise ConfigError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s!r}")
+
+    def resolved_backend(self) -> str:
+        if self.backend == "auto":
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        if self.backend == "nccl" and not dist.is_nccl_available():
+            raise ConfigError("backend 'nccl' needs a CUDA build of torch with NCCL; use 'gloo' on the CPU")
+        return self.backend
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init(backend: str, init_method: str, rank: int, world_size: int, timeout_s: float) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A daemon thread of each spawned worker: the worker ends itself if its driver process is gone."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(3)
+
+
+def _serve(worker: Any, report: Connection | None) -> None:
+    """The worker loop: receive a call from rank 0, run it on this rank's worker, until shutdown."""
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        method, args, kwargs = message[0]
+        if method == _SHUTDOWN:
+            return
+        try:
+            getattr(worker, method)(*args, **kwargs)
+        except BaseException:
+            if report is not None:
+                report.send(_describe(f"rank {dist.get_rank()} raised in {method}()"))
+            raise
+
+
+def _describe(what: str) -> tuple[str, str]:
+    """(one line naming the rank, the call and the exception; the full traceback) of the exception in flight."""
+    exc = sys.exc_info()[1]
+    return f"{what}: {type(exc).__name__}: {exc}", traceback.format_exc()
+
+
+def _spawned_worker(
+    rank: int,
+    world_size: int,
+    backend: str,
+    init_method: str,
+    timeout_s: float,
+    parent_pid: int,
+    factory: Callable[..., Any],
+    factory_args: tuple[Any, ...],
+    report: Connection,
+) -> None:
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        _init(backend, init_method, rank, world_size, timeout_s)
+        worker = factory(rank, world_size, *factory_args)
+    except BaseException:
+        report.send(_describe(f"rank {rank} failed to start"))
+        raise
+    try:
+        _serve(worker, report)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_worker(factory: Callable[..., Any], *factory_args: Any, timeout_s: float = 60.0) -> None:
+    """Serve as a worker rank under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): join the group,
+    build this rank's worker and serve calls until the driver (rank 0) shuts the group down."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = DistConfig(world_size).resolved_backend()
+    _init(backend, "env://", rank, world_size, timeout_s)
+    try:
+        _serve(factory(rank, world_size, *factory_args), None)
+    finally:
+        dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a process that torchrun started (it sets these variables)."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+class WorkerGroup:
+    """Rank 0 (this process) and ``world_size - 1`` worker processes, one worker object per rank.
+
+    Use as a context manager, or call ``shutdown()``; a group whose worker failed is shut down by ``call`` before it
+    raises. Only one group can be alive in a process (torch.distributed has one default group per process).
+    """
+
+    def __init__(self, config: DistConfig, factory: Callable[..., Any], factory_args: tuple[Any, ...] = ()) -> None:
+        if dist.is_initialized():
+            raise ConfigError(
+                "a torch.distributed group is already running in this process; shut the other engine down first"
+            )
+        self.config = config
+        self.backend = config.resolved_backend()
+        self.world_size = config.world_size
+        self._processes: list[mp.Process] = []
+        self._reports: list[Connection] = []
+        self._closed = False
+        init_method = config.init_method or f"tcp://127.0.0.1:{free_port()}"
+        context = mp.get_context("spawn")
+        for rank in range(1, self.world_size):
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_spawned_worker,
+                args=(rank, self.world_size, self.backend, init_method, config.timeout_s, os.getpid())
+                + (factory, factory_args, send),
+                name=f"workbench-rank{rank}",
+                daemon=True,
+            )
+            process.start()
+            send.close()
+            self._processes.append(process)
+            self._reports.append(receive)
+        try:
+            _init(self.backend, init_method, 0, self.world_size, config.timeout_s)
+            self.worker = factory(0, self.world_size, *factory_args)
+        except Exception as exc:
+            self._fail(exc, "starting the group")
+
+    @classmethod
+    def from_env(cls, factory: Callable[..., Any], factory_args: tuple[Any, ...] = (), timeout_s: float = 60.0):
+        """The driver's side under torchrun: this process is rank 0, the other ranks run ``run_worker``."""
+        group = cls.__new__(cls)
+        group.config = DistConfig(int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s)
+        group.backend = group.config.resolved_backend()
+        group.world_size = group.config.world_size
+        group._processes, group._reports, group._closed = [], [], False
+        _init(group.backend, "env://", 0, group.world_size, timeout_s)
+        group.worker = factory(0, group.world_size, *factory_args)
+        return group
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``worker.method(*args, **kwargs)`` on every rank; return rank 0's result."""
+        if self._closed:
+            raise WorkerError("the worker group has been shut down")
+        self._check_alive()
+        try:
+            dist.broadcast_object_list([(method, args, kwargs)], src=0)
+            return getattr(self.worker, method)(*args, **kwargs)
+        except Exception as exc:
+            # the ranks may now disagree on where they are in the sequence of collectives: the group is unusable
+            # (inputs are validated on the driver before a call, so this is a fault, not a bad request)
+            self._fail(exc, f"{method}()")
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """Stop every worker (politely, then by force) and leave the process group. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if dist.is_initialized():
+            if self._worker_problem() is None:
+                try:
+                    dist.broadcast_object_list([(_SHUTDOWN, (), {})], src=0)
+                except Exception:  # a worker went away meanwhile: it is reaped below
+                    pass
+            dist.destroy_process_group()
+        deadline = time.monotonic() + grace_s
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(2.0)
+            if process.is_alive():
+                process.kill()
+                process.join(2.0)
+
+    def _check_alive(self) -> None:
+        if self._worker_problem() is not None:
+            self._fail(None, "the previous call")
+
+    def _worker_problem(self) -> tuple[str, str] | None:
+        """(what went wrong with a worker, its traceback), or None while every worker is alive and quiet."""
+        for rank, (process, report) in enumerate(zip(self._processes, self._reports), start=1):
+            if report.poll():
+                try:
+                    return report.recv()
+                except EOFError:
+                    pass
+            if not process.is_alive():
+                return f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}", ""
+        return None
+
+    def _fail(self, exc: BaseException | None, during: str) -> None:
+        # give a dying worker a moment to report why, so the message says the cause and not just the symptom
+        deadline = time.monotonic() + 2.0
+        problem = self._worker_problem()
+        while problem is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            problem = self._worker_problem()
+        if problem is None:
+            problem = (
+                f"rank 0: {type(exc).__name__}: {exc} (no worker reported an error; a hung rank is given up on "
+                f"after the collective timeout, {self.config.timeout_s:g} s)",
+                "",
+            )
+        self._kill_all()
+        error = WorkerError(f"worker group failed during {during}: {problem[0]}")
+        error.remote_traceback = problem[1]
+        raise error from exc
+
+    def _kill_all(self) -> None:
+        self._closed = True
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+            process.join(2.0)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # the group is broken already; nothing more to release
+                pass
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of the running group, in place (a no-op without a group or with one rank)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.dist.group import DistConfig, WorkerError, WorkerGroup, all_reduce
+from workbench.dist.group import DistConfig, WorkerError, WorkerGroup
 from workbench.errors import ConfigError
+from workbench.model.sharding import all_reduce
 from workbench.sim.comm import CollectiveProfile, bus_bandwidth, fit_latency_bandwidth, ring_all_reduce_s
 
 

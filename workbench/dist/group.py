@@ -309,9 +309,3 @@ class WorkerGroup:
             except Exception:  # the group is broken already; nothing more to release
                 pass
 
-
-def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over the ranks of the running group, in place (a no-op without a group or with one rank)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor

@@ -19,6 +19,7 @@ import torch
 from workbench.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from workbench.device import torch_dtype
 from workbench.errors import CheckpointError, ConfigError
+from workbench.model.sharding import TensorParallelShard, all_reduce, empty_shard_model, shard_from_full, shard_model
 from workbench.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
@@ -77,9 +78,16 @@ def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_checkpoint(
-    path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> Transformer:
-    """Load a local HF checkpoint directory. Errors name the missing file or tensor, or the wrong shape."""
+    """Load a local HF checkpoint directory. Errors name the missing file or tensor, or the wrong shape.
+
+    ``tensor_parallel`` ``(rank, size)``: load only that rank's shard (``workbench.model.sharding``): every
+    tensor is read as a slice of the file, so the rank never holds the whole model.
+    """
     ckpt = Path(path)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {ckpt}")
@@ -98,19 +106,23 @@ def load_checkpoint(
 
     from safetensors import safe_open
 
+    shard = None if tensor_parallel is None else TensorParallelShard(cfg, *tensor_parallel)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(set(files[n] for n in expected)):
         with safe_open(str(file), framework="pt") as f:
             for name in expected:
                 if files[name] == file:
-                    t = f.get_tensor(name)
-                    if tuple(t.shape) != expected[name]:
+                    t = f.get_slice(name)
+                    if tuple(t.get_shape()) != expected[name]:
                         raise CheckpointError(
-                            f"{ckpt}: tensor {name} has shape {tuple(t.shape)}, expected {expected[name]}"
+                            f"{ckpt}: tensor {name} has shape {tuple(t.get_shape())}, expected {expected[name]}"
                         )
-                    tensors[name] = t
+                    tensors[name] = t[:] if shard is None else shard.take(t, name)
 
-    model = Transformer.from_config(cfg, dtype=torch.float32, device="cpu", init_std=0.0)
+    if shard is None:
+        model = Transformer.from_config(cfg, dtype=torch.float32, device="cpu", init_std=0.0)
+    else:
+        model = empty_shard_model(shard)
     state: dict[str, torch.Tensor] = {
         "embed_tokens.weight": tensors["model.embed_tokens.weight"],
         "norm.weight": tensors["model.norm.weight"],
@@ -134,6 +146,8 @@ def load_checkpoint(
         params = dict(model.named_parameters())
         for name, value in state.items():
             params[name].copy_(value.float())
+    if shard is not None:
+        shard_model(model, shard, all_reduce)
     return model.to(device=device, dtype=torch_dtype(dtype)).eval()
 
 
@@ -179,10 +193,19 @@ def load_model(
     dtype: str | torch.dtype = "fp32",
     device: str | torch.device = "cpu",
     seed: int = 0,
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> Transformer:
-    """A checkpoint directory (real weights) or a preset name / config.json (random weights, seeded)."""
+    """A checkpoint directory (real weights) or a preset name / config.json (random weights, seeded).
+
+    ``tensor_parallel`` ``(rank, size)``: that rank's shard. A checkpoint is read slice by slice; a preset's
+    random weights are drawn whole (the same for every size, so shards of one seed add up to the same model)
+    and then cut.
+    """
     path = Path(name_or_path)
     if path.is_dir():
-        return load_checkpoint(path, dtype=dtype, device=device)
+        return load_checkpoint(path, dtype=dtype, device=device, tensor_parallel=tensor_parallel)
     cfg = ModelConfig.resolve(name_or_path)
-    return Transformer.from_config(cfg, dtype=torch_dtype(dtype), device=device, seed=seed)
+    if tensor_parallel is None:
+        return Transformer.from_config(cfg, dtype=torch_dtype(dtype), device=device, seed=seed)
+    full = Transformer.from_config(cfg, dtype=torch.float32, device="cpu", seed=seed)
+    return shard_from_full(full, TensorParallelShard(cfg, *tensor_parallel)).to(device, torch_dtype(dtype)).eval()

@@ -7,6 +7,7 @@ before the weight; rotary angles are computed in fp32 from integer positions and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,9 @@ class SwiGLU(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down_proj.weight)
+        out = F.linear(F.silu(gate).mul_(up), self.down_proj.weight)  # row-parallel under TP
+        return out if self.reduce is None else self.reduce(out)

@@ -12,6 +12,8 @@ Both are thin wrappers over ``forward``, which takes a flat ragged batch of new 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +39,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum over ranks
 
     def forward(
         self,
@@ -50,7 +53,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.project(x, cos, sin_signed)
         o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, heads, d)
-        return F.linear(o.reshape(x.shape[0], self.q_size), self.o_proj.weight)
+        out = F.linear(o.reshape(x.shape[0], self.q_size), self.o_proj.weight)  # row-parallel under TP
+        return out if self.reduce is None else self.reduce(out)
 
     def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor

@@ -101,6 +101,7 @@ class EngineConfig(ServingConfig):
     attention_backend: str = "torch"
     device: str = "auto"
     compile_decode: bool = False
+    tensor_parallel_size: int = 1  # ranks one model is sharded over (workbench.engine.tp_runner)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +111,14 @@ class EngineConfig(ServingConfig):
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.compile_decode is not True and self.compile_decode is not False:
             raise ConfigError(f"compile_decode must be true or false, got {self.compile_decode!r}")
+        _check_positive_int(self, ("tensor_parallel_size",))
+        if self.tensor_parallel_size > 1 and self.compile_decode:
+            raise ConfigError(
+                "compile_decode is not supported with tensor_parallel_size > 1 (decode runs eagerly there); "
+                "turn one of them off"
+            )
+        if self.tensor_parallel_size > 1 and self.cache != "paged":
+            raise ConfigError("tensor_parallel_size > 1 needs cache='paged'")
         if self.compile_decode and self.attention_backend != "torch":
             raise ConfigError("compile_decode compiles the torch attention path; use attention_backend='torch'")
         if self.num_blocks is not None and self.kv_cache_bytes is not None:

@@ -11,23 +11,29 @@ since the engine's clock was started (``reset_clock``), and each step's measured
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from workbench.config import ModelConfig
 from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.dist.group import WorkerGroup
 from workbench.engine.compiled_decode import CompiledDecode
 from workbench.engine.config import EngineConfig
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import Scheduler
 from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence, SequenceStatus
-from workbench.errors import RequestError
+from workbench.engine.tp_runner import TensorParallelRunner, start_workers
+from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
 from workbench.kv.ledger import MemoryLedger
+from workbench.model.sharding import check_tensor_parallel_size
 from workbench.model.transformer import Transformer
 
 
@@ -92,23 +98,35 @@ class RunResult:
 class Engine:
     """A model, a KV pool, a block manager and a scheduler policy, stepped on the wall clock."""
 
-    def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model: Transformer, config: EngineConfig | None = None, workers: WorkerGroup | None = None
+    ) -> None:
+        """``workers``: the ranks of a tensor-parallel engine (``Engine.from_model`` starts them); ``model`` is
+        then rank 0's shard, whose config sizes each rank's shard of the KV pool."""
         self.config = config or EngineConfig()
         self.model = model
+        self.workers = workers
         mcfg: ModelConfig = model.config
         num_blocks, block_size = self.config.cache_shape(mcfg)
-        self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device)
+        if workers is None:
+            self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config(mcfg), self.block_manager)
         self.ledger = MemoryLedger(
             mcfg, self.block_manager, weight_dtype=self.config.dtype, kv_dtype=self.config.dtype,
             max_model_len=self.scheduler.config.max_model_len,
         )  # fmt: skip
-        if self.config.attention_backend == "triton":
+        if workers is not None:
+            self.runner: ModelRunner = TensorParallelRunner(
+                workers, num_blocks, block_size, self.config.attention_backend
+            )
+            self.cache = self.runner.cache
+        elif self.config.attention_backend == "triton":
             from workbench.model.triton_backend import TritonAttentionBackend
 
             model.attn_backend = TritonAttentionBackend()
-        self.runner = ModelRunner(model, self.cache)
+        if workers is None:
+            self.runner = ModelRunner(model, self.cache)
         if self.config.compile_decode:
             self.runner.compiled_decode = CompiledDecode(model, self.cache, self.config.max_num_seqs)
         self.step_log = StepLog()
@@ -124,8 +142,28 @@ class Engine:
 
         config = config or EngineConfig()
         device = resolve_device(config.device)
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            check_tensor_parallel_size(ModelConfig.resolve(name_or_path), tp)
+            available = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
+            if tp > available:
+                kind = "CUDA devices" if device.type == "cuda" else "CPU cores"
+                raise ConfigError(f"tensor_parallel_size {tp} exceeds the {available} {kind} of this machine")
+            workers = start_workers(str(name_or_path), tp, config.dtype, config.device, seed, torch.get_num_threads())
+            return cls(workers.worker.model, config, workers=workers)
         model = load_model(name_or_path, dtype=torch_dtype(config.dtype), device=device, seed=seed)
         return cls(model, config)
+
+    def shutdown(self) -> None:
+        """Stop the worker ranks of a tensor-parallel engine (nothing to do for one process). Safe to repeat."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # ---- clock -------------------------------------------------------------------------------------------
     def reset_clock(self) -> None:
@@ -185,7 +223,7 @@ class Engine:
         finished, self._early_finished = self._early_finished, []
         start = self.now() if start is None else start
         plan = self.scheduler.schedule(now=start)
-        if self.runner.decode_graphs is None and self.model.device.type == "cuda":
+        if self.runner.decode_graphs is None and self.model.device.type == "cuda" and self.workers is None:
             # pure-decode steps through CUDA graphs (static shapes up to this engine's batch and length)
             max_len = self.config.resolved_max_model_len(self.model.config)
             self.runner.setup_decode_graphs(self.config.max_num_seqs, max_len)

@@ -1,0 +1,130 @@
+"""The engine with tensor_parallel_size=2 (two gloo ranks, fp32): transformers' greedy tokens for every tiny
+architecture, and for a paged pool, chunked prefill, prefix caching and a pool small enough to preempt.
+
+One pair of ranks serves the whole module: each test asks the workers to load its checkpoint and builds an engine
+on them (spawned ranks are slow to start on 2 cores). The fault tests come first and start groups of their own,
+since a process holds one torch.distributed group at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+import transformers
+
+from tests.conftest import TINY_PRESETS
+from workbench.dist.group import WorkerError
+from workbench.engine.config import EngineConfig
+from workbench.engine.engine import Engine
+from workbench.engine.sequence import SamplingParams
+from workbench.engine.tp_runner import start_workers
+from workbench.errors import ConfigError
+
+MAX_TOKENS = 8
+rng = random.Random(1)
+PROMPTS = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 33, 17, 64, 1, 40)]
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def hf_greedy(path, prompts):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        tokens = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(tokens[0, len(p) :].tolist())
+    return out
+
+
+def test_a_killed_worker_makes_the_engine_raise_and_leaves_no_process(tiny_checkpoint):
+    engine = Engine.from_model(str(tiny_checkpoint("tiny-gqa")), EngineConfig(device="cpu", tensor_parallel_size=2))
+    try:
+        assert len(engine.generate(PROMPTS[:2], GREEDY).requests) == 2
+        worker = engine.workers._processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1"):
+            engine.generate(PROMPTS[:2], GREEDY)
+        assert time.monotonic() - started < 30
+        assert not worker.is_alive()
+    finally:
+        engine.shutdown()
+
+
+def test_sizes_that_cannot_work_are_config_errors_before_any_process_starts(monkeypatch):
+    with pytest.raises(ConfigError, match="num_heads"):
+        Engine.from_model("tiny-gqa", EngineConfig(device="cpu", tensor_parallel_size=3))
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    with pytest.raises(ConfigError, match="exceeds the 1 CPU cores"):
+        Engine.from_model("tiny-gqa", EngineConfig(device="cpu", tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="compile_decode"):
+        EngineConfig(tensor_parallel_size=2, compile_decode=True)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    group = start_workers("tiny-gqa", 2, "fp32", "cpu", 0, num_threads=1)
+    yield group
+    group.shutdown()
+
+
+def tp_engine(workers, path, **config) -> Engine:
+    workers.call("load", str(path), "fp32", "cpu", 0)
+    return Engine(workers.worker.model, EngineConfig(device="cpu", tensor_parallel_size=2, **config), workers=workers)
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_tp2_engine_gives_transformers_greedy_tokens(preset, tiny_checkpoint, workers):
+    path = tiny_checkpoint(preset)
+    res = tp_engine(workers, path, max_model_len=96).generate(PROMPTS, GREEDY)
+    assert [r.tokens for r in res.requests] == hf_greedy(path, PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def gqa_expected(tiny_checkpoint):
+    return hf_greedy(tiny_checkpoint("tiny-gqa"), PROMPTS)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"policy": "chunked", "chunk_size": 7, "token_budget": 16, "block_size": 4},
+        {"policy": "continuous", "block_size": 4, "num_blocks": 18},  # preempts: 18 blocks of 4 for ~200 tokens
+        {"policy": "chunked", "token_budget": 16, "block_size": 4, "num_blocks": 18},
+    ],
+    ids=["chunked", "preempting", "chunked-preempting"],
+)
+def test_tp2_policies_and_small_pools_keep_the_tokens(config, tiny_checkpoint, workers, gqa_expected):
+    engine = tp_engine(workers, tiny_checkpoint("tiny-gqa"), max_model_len=96, **config)
+    res = engine.generate(PROMPTS, GREEDY)
+    assert [r.tokens for r in res.requests] == gqa_expected
+    if "num_blocks" in config:
+        assert res.num_preemptions > 0
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_tp2_prefix_caching_skips_the_shared_blocks(tiny_checkpoint, workers):
+    shared = PROMPTS[3][:48]  # three full 16-token blocks
+    prompts = [shared + [7, 8, 9], shared + [10, 11]]
+    engine = tp_engine(workers, tiny_checkpoint("tiny-gqa"), max_model_len=96, enable_prefix_caching=True)
+    first = engine.generate(prompts[:1], GREEDY)
+    second = engine.generate(prompts[1:], GREEDY)
+    assert second.requests[0].num_cached_tokens == 48
+    assert [r.tokens for r in first.requests + second.requests] == hf_greedy(tiny_checkpoint("tiny-gqa"), prompts)
+
+
+def test_each_rank_holds_half_the_kv_heads(tiny_checkpoint, workers):
+    engine = tp_engine(workers, tiny_checkpoint("tiny-gqa"), num_blocks=10, block_size=4)
+    # tiny-gqa has 2 KV heads of 16: each of the 2 ranks keeps one of them, in a pool of the same 10 blocks
+    assert tuple(engine.cache.k.shape) == (2, 10, 4, 1, 16)

@@ -1,0 +1,145 @@
+"""Tensor-parallel execution of the engine's steps: the driver schedules and samples, every rank runs its shard.
+
+    Engine (rank 0: scheduler, block manager, sampler)
+      -> TensorParallelRunner.execute(plan): the step's flat input ids and attention metadata, built once on the
+         driver (``ModelRunner.prepare``), go to every rank in one broadcast (``WorkerGroup.call``)
+      -> ShardWorker.run on each rank: its model shard (``workbench.model.sharding``) over its shard of the paged
+         KV pool (the same blocks, its own KV heads), two all-reduces per layer, its slice of the logits
+      -> rank 0 gathers the logits and samples.
+
+Every rank holds a pool of the same number of blocks, and the one block table the driver's block manager keeps
+addresses all of them; a rank's blocks hold only its KV heads, so a rank's pool is ``1 / tp`` of the whole (or a
+replicated KV head's share when ``tp`` exceeds ``num_kv_heads``).
+
+Pure-decode steps run through the same eager ``forward`` (the compiled and CUDA-graph decode paths are not used
+under tensor parallelism yet; ``EngineConfig`` says so). Each rank times its all-reduces when asked
+(``comm_stats``), which is how ``bench decode`` reports the share of a step spent communicating.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.dist.group import DistConfig, WorkerGroup
+from workbench.engine.runner import ModelRunner
+from workbench.engine.scheduler import StepPlan
+from workbench.kv.cache import KVCache
+from workbench.model.attention import TorchAttentionBackend, build_metadata
+from workbench.model.sharding import all_reduce, gather_logits
+
+
+class ShardWorker:
+    """One rank of a tensor-parallel engine: a model shard and its shard of the KV pool."""
+
+    def __init__(
+        self, rank: int, world_size: int, source: str, dtype: str, device: str, seed: int, num_threads: int | None
+    ) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.rank, self.world_size = rank, world_size
+        self.load(source, dtype, device, seed)
+
+    def load(self, source: str, dtype: str, device: str, seed: int) -> None:
+        """Load this rank's shard of ``source`` (a checkpoint directory or a preset); drops any earlier one."""
+        from workbench.model.checkpoint import load_model
+
+        self.device = resolve_device(device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        tp = (self.rank, self.world_size)
+        self.model = load_model(source, torch_dtype(dtype), self.device, seed, tensor_parallel=tp)
+        self.shard = self.model.tp_shard
+        self.cache: KVCache | None = None
+        self.backend: Any = TorchAttentionBackend()
+        self.comm_s, self.num_all_reduces, self._timing = 0.0, 0, False
+        for layer in self.model.layers:
+            layer.self_attn.reduce = layer.mlp.reduce = self._all_reduce
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self._timing:
+            return all_reduce(tensor)
+        synchronize(self.device)
+        start = time.perf_counter()
+        all_reduce(tensor)
+        synchronize(self.device)
+        self.comm_s += time.perf_counter() - start
+        self.num_all_reduces += 1
+        return tensor
+
+    def setup_cache(self, num_blocks: int, block_size: int, attention_backend: str) -> None:
+        """Allocate this rank's shard of a pool of ``num_blocks`` blocks."""
+        self.cache = KVCache(self.model.config, num_blocks, block_size, dtype=self.model.dtype, device=self.device)
+        if attention_backend == "triton":
+            from workbench.model.triton_backend import TritonAttentionBackend
+
+            self.backend = TritonAttentionBackend()
+        else:
+            self.backend = TorchAttentionBackend()
+
+    def run(self, step: dict[str, Any]) -> torch.Tensor | None:
+        """One step on this rank from the driver's plain lists (``step_inputs``); rank 0 returns the full logits
+        of the sampling rows (None when no token samples, and on the other ranks)."""
+        meta = build_metadata(step["query_lens"], step["seq_lens"], step["tables"], self.cache.block_size, self.device)
+        input_ids = torch.tensor(step["ids"], dtype=torch.long, device=self.device)
+        self.model.attn_backend = self.backend
+        hidden = self.model.forward(input_ids, meta, self.cache)
+        if not step["rows"]:
+            return None
+        return gather_logits(self.model.compute_logits(hidden[meta.last_token_indices[step["rows"]]]), self.shard)
+
+    def comm_stats(self, reset: bool = True, enable: bool = True) -> dict[str, float]:
+        """All-reduce seconds and count since the last call on this rank (the driver reports rank 0's)."""
+        out = {"all_reduce_s": self.comm_s, "num_all_reduces": self.num_all_reduces}
+        if reset:
+            self.comm_s, self.num_all_reduces = 0.0, 0
+        self._timing = enable
+        return out
+
+
+class TensorParallelRunner(ModelRunner):
+    """The driver's runner over a ``WorkerGroup`` of ``ShardWorker`` ranks (rank 0 is this process)."""
+
+    def __init__(self, group: WorkerGroup, num_blocks: int, block_size: int, attention_backend: str) -> None:
+        group.call("setup_cache", num_blocks, block_size, attention_backend)
+        worker: ShardWorker = group.worker
+        super().__init__(worker.model, worker.cache)
+        self.group = group
+
+    def execute(self, plan: StepPlan) -> dict[int, int]:
+        if plan.is_empty:
+            return {}
+        if self.time_model:
+            t0 = time.perf_counter()
+        rows = [i for i, c in enumerate(plan.chunks) if c.samples]
+        logits = self.group.call("run", step_inputs(plan) | {"rows": rows})
+        if self.time_model:
+            self.last_model_s = time.perf_counter() - t0
+        if not rows:
+            return {}
+        seqs = [plan.chunks[i].seq for i in rows]
+        tokens = self.sampler(logits, [s.sampling for s in seqs], [s.seq_id for s in seqs])
+        return {s.seq_id: t for s, t in zip(seqs, tokens)}
+
+
+def step_inputs(plan: StepPlan) -> dict[str, Any]:
+    """A step as plain lists, small to broadcast: flat token ids, new and total tokens and block table per chunk."""
+    ids: list[int] = []
+    query_lens, seq_lens, tables = [], [], []
+    for chunk in plan.chunks:
+        ids.extend(chunk.seq.token_slice(chunk.start, chunk.start + chunk.num_new_tokens))
+        query_lens.append(chunk.num_new_tokens)
+        seq_lens.append(chunk.start + chunk.num_new_tokens)
+        tables.append(list(chunk.seq.block_table))
+    return {"ids": ids, "query_lens": query_lens, "seq_lens": seq_lens, "tables": tables}
+
+
+def start_workers(
+    source: str, tensor_parallel_size: int, dtype: str, device: str, seed: int, num_threads: int | None = None
+) -> WorkerGroup:
+    """Spawn the ranks of a tensor-parallel engine and load every shard (rank 0 in this process)."""
+    config = DistConfig(tensor_parallel_size, timeout_s=120.0)
+    return WorkerGroup(config, ShardWorker, (str(source), dtype, device, seed, num_threads))

@@ -4,7 +4,7 @@
         [--temperature T --top-k K --top-p P --seed S] [--ignore-eos] [--dtype] [--device] [--json]
         [--policy P] [--cache paged|contiguous] [--block-size B] [--num-blocks N] [--max-num-seqs S]
         [--token-budget T] [--chunk-size C] [--prefix-caching] [--attention-backend torch|triton]
-        [--compile-decode]
+        [--compile-decode] [--tensor-parallel-size N]
 
 Greedy unless a temperature is given. With ``--json``: one object with a list ``requests``, each holding
 ``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies), plus
@@ -47,6 +47,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-decode", action="store_true",
                    help="CPU: pure-decode steps as one torch.compile'd graph per batch size (compiles at the first "
                    "decode step of each size)")  # fmt: skip
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N processes (torch.distributed: gloo on the CPU, NCCL on CUDA; "
+                   "default 1)")  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineConfig)
@@ -57,6 +60,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineC
         cache=args.cache,
         attention_backend=args.attention_backend,
         compile_decode=args.compile_decode,
+        tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
         device=args.device,
     )
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     engine = Engine.from_model(args.model, engine_config_from_args(args), seed=args.model_seed)
     results = engine.generate(prompts, params).requests
+    engine.shutdown()
     if args.json:
         print(json.dumps({"model": str(args.model), "requests": [r.to_dict() for r in results]}))
     else:

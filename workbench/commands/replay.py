@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.trace_seed,
     )  # fmt: skip
     result = engine.replay(requests, seed=args.trace_seed)
+    engine.shutdown()
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = [
         {"request_id": r.request_id, "reason": r.reject_reason}

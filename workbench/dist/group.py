@@ -129,28 +129,121 @@ def _describe(what: str) -> tuple[str, str]:
     return f"{what}: {type(exc).__name__}: {exc}", traceback.format_exc()
 
 
-def _spawned_worker(
+def _spawned_rank(
     rank: int,
     world_size: int,
     backend: str,
     init_method: str,
     timeout_s: float,
     parent_pid: int,
-    factory: Callable[..., Any],
-    factory_args: tuple[Any, ...],
+    entry: Callable[..., Any],
+    entry_args: tuple[Any, ...],
     report: Connection,
 ) -> None:
+    """A spawned process: watch the parent, join the group, run ``entry(rank, world_size, report, *entry_args)``;
+    an exception is reported on the pipe (one line and the traceback) before the process fails."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     try:
         _init(backend, init_method, rank, world_size, timeout_s)
-        worker = factory(rank, world_size, *factory_args)
     except BaseException:
-        report.send(_describe(f"rank {rank} failed to start"))
+        report.send(_describe(f"rank {rank} failed to join the group"))
         raise
     try:
-        _serve(worker, report)
+        entry(rank, world_size, report, *entry_args)
+    except BaseException:
+        if not report.closed:
+            report.send(_describe(f"rank {rank} failed"))
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _worker_entry(rank: int, world_size: int, report: Connection, factory: Callable[..., Any], args: tuple) -> None:
+    """A WorkerGroup rank: build the worker, then serve calls from rank 0 until shutdown."""
+    _serve(factory(rank, world_size, *args), report)
+
+
+class ProcessSet:
+    """Spawned processes, each one rank of a torch.distributed group, each with a pipe to report why it failed.
+
+    ``problem()`` polls them without blocking: the first report or unexpected exit, or None. ``stop()`` joins
+    them for a grace period and then terminates and kills what is left: no process outlives the set.
+    """
+
+    def __init__(
+        self,
+        ranks: list[int],
+        world_size: int,
+        backend: str,
+        init_method: str,
+        timeout_s: float,
+        entry: Callable[..., Any],
+        entry_args: Callable[[int], tuple[Any, ...]],
+        names: Callable[[int], str] = lambda rank: f"workbench-rank{rank}",
+    ) -> None:
+        context = mp.get_context("spawn")
+        self.ranks = list(ranks)
+        self.processes: list[mp.Process] = []
+        self.reports: list[Connection] = []
+        for rank in self.ranks:
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(
+                target=_spawned_rank,
+                args=(rank, world_size, backend, init_method, timeout_s, os.getpid(), entry, entry_args(rank), send),
+                name=names(rank),
+                daemon=True,
+            )
+            process.start()
+            send.close()
+            self.processes.append(process)
+            self.reports.append(receive)
+
+    @classmethod
+    def none(cls) -> ProcessSet:
+        """A set of no processes (the driver under torchrun, which spawns nothing)."""
+        empty = cls.__new__(cls)
+        empty.ranks, empty.processes, empty.reports = [], [], []
+        return empty
+
+    def problem(self, clean_exit_ok: bool = False) -> tuple[str, str] | None:
+        """(what went wrong with a process, its traceback), or None while all are alive (or exited with 0,
+        when ``clean_exit_ok``) and quiet."""
+        for rank, process, report in zip(self.ranks, self.processes, self.reports):
+            if report.poll():
+                try:
+                    return report.recv()
+                except EOFError:
+                    pass
+            if not process.is_alive() and not (clean_exit_ok and process.exitcode == 0):
+                return f"rank {rank} ({process.name}, pid {process.pid}) exited with code {process.exitcode}", ""
+        return None
+
+    def wait_for_problem(self, seconds: float) -> tuple[str, str] | None:
+        """``problem()``, waiting up to ``seconds`` for a dying process to say why."""
+        deadline = time.monotonic() + seconds
+        found = self.problem()
+        while found is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            found = self.problem()
+        return found
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(2.0)
+            if process.is_alive():
+                process.kill()
+                process.join(2.0)
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(2.0)
 
 
 def run_worker(factory: Callable[..., Any], *factory_args: Any, timeout_s: float = 60.0) -> None:
@@ -185,24 +278,13 @@ class WorkerGroup:
         self.config = config
         self.backend = config.resolved_backend()
         self.world_size = config.world_size
-        self._processes: list[mp.Process] = []
-        self._reports: list[Connection] = []
         self._closed = False
         init_method = config.init_method or f"tcp://127.0.0.1:{free_port()}"
-        context = mp.get_context("spawn")
-        for rank in range(1, self.world_size):
-            receive, send = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_spawned_worker,
-                args=(rank, self.world_size, self.backend, init_method, config.timeout_s, os.getpid())
-                + (factory, factory_args, send),
-                name=f"workbench-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            send.close()
-            self._processes.append(process)
-            self._reports.append(receive)
+        self._workers = ProcessSet(
+            list(range(1, self.world_size)), self.world_size, self.backend, init_method, config.timeout_s,
+            _worker_entry, lambda rank: (factory, factory_args),
+        )  # fmt: skip
+        self._processes = self._workers.processes
         try:
             _init(self.backend, init_method, 0, self.world_size, config.timeout_s)
             self.worker = factory(0, self.world_size, *factory_args)
@@ -216,7 +298,8 @@ class WorkerGroup:
         group.config = DistConfig(int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s)
         group.backend = group.config.resolved_backend()
         group.world_size = group.config.world_size
-        group._processes, group._reports, group._closed = [], [], False
+        group._workers, group._closed = ProcessSet.none(), False
+        group._processes = []
         _init(group.backend, "env://", 0, group.world_size, timeout_s)
         group.worker = factory(0, group.world_size, *factory_args)
         return group
@@ -252,40 +335,18 @@ class WorkerGroup:
                 except Exception:  # a worker went away meanwhile: it is reaped below
                     pass
             dist.destroy_process_group()
-        deadline = time.monotonic() + grace_s
-        for process in self._processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        for process in self._processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(2.0)
-            if process.is_alive():
-                process.kill()
-                process.join(2.0)
+        self._workers.stop(grace_s)
 
     def _check_alive(self) -> None:
         if self._worker_problem() is not None:
             self._fail(None, "the previous call")
 
     def _worker_problem(self) -> tuple[str, str] | None:
-        """(what went wrong with a worker, its traceback), or None while every worker is alive and quiet."""
-        for rank, (process, report) in enumerate(zip(self._processes, self._reports), start=1):
-            if report.poll():
-                try:
-                    return report.recv()
-                except EOFError:
-                    pass
-            if not process.is_alive():
-                return f"rank {rank} (pid {process.pid}) exited with code {process.exitcode}", ""
-        return None
+        return self._workers.problem()
 
     def _fail(self, exc: BaseException | None, during: str) -> None:
         # give a dying worker a moment to report why, so the message says the cause and not just the symptom
-        deadline = time.monotonic() + 2.0
-        problem = self._worker_problem()
-        while problem is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-            problem = self._worker_problem()
+        problem = self._workers.wait_for_problem(2.0)
         if problem is None:
             problem = (
                 f"rank 0: {type(exc).__name__}: {exc} (no worker reported an error; a hung rank is given up on "
@@ -299,13 +360,9 @@ class WorkerGroup:
 
     def _kill_all(self) -> None:
         self._closed = True
-        for process in self._processes:
-            if process.is_alive():
-                process.kill()
-            process.join(2.0)
+        self._workers.kill()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # the group is broken already; nothing more to release
                 pass
-

@@ -166,8 +166,10 @@ class Engine:
         self.shutdown()
 
     # ---- clock -------------------------------------------------------------------------------------------
-    def reset_clock(self) -> None:
-        self._t0 = time.perf_counter()
+    def reset_clock(self, t0: float | None = None) -> None:
+        """Start the engine's clock now, or at ``t0`` on ``time.perf_counter`` (a clock shared by the processes
+        of one machine: disaggregated engines stamp their times on one run clock)."""
+        self._t0 = time.perf_counter() if t0 is None else t0
 
     def now(self) -> float:
         return time.perf_counter() - self._t0

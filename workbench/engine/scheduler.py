@@ -166,6 +166,10 @@ class Scheduler:
         self._rejected: list[Sequence] = []  # reported by the next update()
         self._static_batch_size = 0
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        # disaggregation's prefill side: a finished sequence keeps its blocks (its KV is still to be sent)
+        # until release_held(); the pool then fills and admissions stop by themselves (backpressure)
+        self.hold_finished = False
+        self.held: dict[int, Sequence] = {}
         # cumulative counters
         self.num_steps = 0
         self.num_preemptions = 0
@@ -401,7 +405,10 @@ class Scheduler:
                 continue
             seq.status = SequenceStatus.FINISHED
             seq.finish_time = now
-            bm.free(seq)
+            if self.hold_finished:
+                self.held[seq.seq_id] = seq
+            else:
+                bm.free(seq)
             self.running.remove(seq)
             del self._by_id[seq.seq_id]
             finished.append(seq)
@@ -498,6 +505,10 @@ class Scheduler:
                 bm.mark_computed(seq)
         self.num_steps += k
         self.num_decode_tokens += k * len(self.running)
+
+    def release_held(self, seq_id: int) -> None:
+        """Free the blocks of a finished sequence kept by ``hold_finished`` (its KV has been sent)."""
+        self.block_manager.free(self.held.pop(seq_id))
 
     def admit_prefilled(self, seq: Sequence) -> bool:
         """Admit a request whose KV for all but its last token was computed elsewhere (prefill/decode

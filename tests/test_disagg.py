@@ -1,0 +1,117 @@
+"""Prefill/decode disaggregation on the real engine: two processes, the KV sent over gloo, colocated tokens.
+
+One cluster (a prefill and a decode engine process) serves most tests, run after run; the test that kills a
+process starts its own.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from workbench.config import ModelConfig
+from workbench.dist.disagg import (
+    DisaggCluster,
+    DisaggConfig,
+    DisaggregationError,
+    Faults,
+    parse_disaggregate,
+)
+from workbench.engine.config import EngineConfig
+from workbench.engine.engine import Engine
+from workbench.engine.sequence import SamplingParams
+from workbench.errors import ConfigError
+
+rng = random.Random(3)
+PROMPTS = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 33, 17, 64, 1, 40)]
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+PREFILL = EngineConfig(device="cpu", max_model_len=128)
+DECODE = EngineConfig(device="cpu", max_model_len=128, num_blocks=20)  # 320 tokens: a crowd must wait for room
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return str(tiny_checkpoint("tiny-gqa"))
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoint):
+    with DisaggCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=DECODE)) as c:
+        yield c
+
+
+def colocated(checkpoint, prompts, sampling=GREEDY):
+    return [r.tokens for r in Engine.from_model(checkpoint, PREFILL).generate(prompts, sampling).requests]
+
+
+def offline(prompts, sampling=GREEDY):
+    return [(p, sampling, 0.0) for p in prompts]
+
+
+def test_a_killed_decode_engine_ends_the_run_with_the_finished_requests(checkpoint):
+    cluster = DisaggCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=PREFILL))
+    try:
+        with pytest.raises(DisaggregationError, match=r"workbench-decode0.*exited.*1 request\(s\) had finished") as e:
+            cluster.run(offline(PROMPTS[:3]), online=False, faults=Faults(kill_decode_after=1))
+        assert len(e.value.partial) == 1 and e.value.partial[0].num_output_tokens == 8
+    finally:
+        cluster.close()
+    assert not any(p.is_alive() for p in cluster.processes.processes)
+
+
+def test_tokens_equal_colocated_and_each_transfer_is_the_prompts_kv_bytes(checkpoint, cluster):
+    result = cluster.run(offline(PROMPTS), online=False)
+    assert [r.tokens for r in result.requests] == colocated(checkpoint, PROMPTS)
+    per_token = ModelConfig.resolve(checkpoint).kv_bytes_per_token("fp32")
+    assert per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, fp32
+    for prompt, row in zip(PROMPTS, result.request_rows()):
+        assert row["kv_transfer_bytes"] == len(prompt) * per_token
+        assert 0 < row["kv_transfer_s"] <= row["ttft_s"]  # TTFT counts the transfer
+    kv = result.kv_transfer()
+    assert kv["bytes"] == sum(map(len, PROMPTS)) * per_token
+    assert kv["num_transfers"] == len(PROMPTS) and kv["num_retries"] == kv["num_recomputed"] == 0
+    assert result.pools["prefill0"]["num_steps"] >= 1 and result.pools["decode0"]["num_steps"] >= 7
+
+
+def test_a_full_decode_pool_makes_requests_wait_and_none_is_lost(checkpoint, cluster):
+    crowd = [[rng.randrange(3, 256) for _ in range(40)] for _ in range(12)]  # 12 x 48 tokens >> 320 slots
+    result = cluster.run(offline(crowd), online=False)
+    assert result.num_backpressure > 0
+    assert [r.tokens for r in result.requests] == colocated(checkpoint, crowd)
+
+
+def test_a_damaged_transfer_is_retried_then_recomputed(checkpoint, cluster):
+    result = cluster.run(offline(PROMPTS), online=False, faults=Faults(corrupt_once=(1,), corrupt_always=(3,)))
+    assert [r.tokens for r in result.requests] == colocated(checkpoint, PROMPTS)
+    assert result.transfers[1]["num_retries"] == 1 and result.transfers[1]["num_recomputed"] == 0
+    assert result.transfers[3]["num_recomputed"] == 1
+    assert result.transfers[3]["kv_transfer_bytes"] == 0  # nothing usable arrived: the prompt was recomputed
+    assert result.requests[3].num_prompt_tokens == len(PROMPTS[3])
+
+
+def test_online_arrivals_are_honoured(checkpoint, cluster):
+    arrivals = [0.0, 0.05, 0.1, 0.3]
+    result = cluster.run([(p, GREEDY, t) for p, t in zip(PROMPTS, arrivals)], online=True)
+    for r, t in zip(result.requests, arrivals):
+        assert r.arrival_time == t
+        assert r.first_token_time > t
+    assert [r.tokens for r in result.requests] == colocated(checkpoint, PROMPTS[:4])
+
+
+def test_a_one_token_request_never_leaves_the_prefill_engine(checkpoint, cluster):
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    result = cluster.run(offline(PROMPTS[:2], one), online=False)
+    assert [r.tokens for r in result.requests] == colocated(checkpoint, PROMPTS[:2], one)
+    assert result.transfers == {}
+
+
+@pytest.mark.parametrize("spec", ["1", "0:1", "a:b", "1:2:3"])
+def test_bad_disaggregate_specs_are_config_errors(spec):
+    with pytest.raises(ConfigError, match="P:D"):
+        parse_disaggregate(spec)
+
+
+def test_pools_must_agree_on_block_size_and_dtype():
+    with pytest.raises(ConfigError, match="block_size and dtype"):
+        DisaggConfig(prefill=EngineConfig(block_size=16), decode=EngineConfig(block_size=32))

@@ -6,6 +6,7 @@ process starts its own.
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -115,3 +116,29 @@ def test_bad_disaggregate_specs_are_config_errors(spec):
 def test_pools_must_agree_on_block_size_and_dtype():
     with pytest.raises(ConfigError, match="block_size and dtype"):
         DisaggConfig(prefill=EngineConfig(block_size=16), decode=EngineConfig(block_size=32))
+
+
+def test_cli_generate_and_replay_disaggregated(checkpoint, capsys):
+    from workbench.cli import main
+
+    base = ["generate", "--model", checkpoint, "--device", "cpu", "--max-new-tokens", "5", "--ignore-eos", "--json"]
+    prompts = ["--prompt-ids", "1,2,3,4", "--prompt-ids", "9,8,7"]
+    assert main([*base, *prompts]) == 0
+    together = json.loads(capsys.readouterr().out)
+    assert main([*base, *prompts, "--disaggregate", "1:1"]) == 0
+    apart = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in apart["requests"]] == [r["tokens"] for r in together["requests"]]
+    assert set(apart["requests"][0]) == set(together["requests"][0])  # the same JSON as colocated
+
+    trace = ["--trace", "poisson:20", "--num-requests", "6", "--prompt-lens", "uniform:8:32"]
+    assert main(["replay", "--model", checkpoint, "--device", "cpu", *trace, "--output-lens", "fixed:4",
+                 "--disaggregate", "1:1", "--json"]) == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_finished"] == 6
+    assert set(summary["kv_transfer"]) >= {"bytes", "seconds", "num_transfers", "num_retries", "num_recomputed"}
+    per_token = ModelConfig.resolve(checkpoint).kv_bytes_per_token("fp32")
+    for row in summary["requests"]:
+        assert set(row) >= {"request_id", "prompt_len", "output_len", "kv_transfer_bytes", "kv_transfer_s"}
+        assert row["kv_transfer_bytes"] == row["prompt_len"] * per_token and row["output_len"] == 4
+    assert summary["kv_transfer"]["bytes"] == sum(row["kv_transfer_bytes"] for row in summary["requests"])
+    assert set(summary["pools"]) == {"prefill0", "decode0"}

@@ -4,7 +4,7 @@
         [--temperature T --top-k K --top-p P --seed S] [--ignore-eos] [--dtype] [--device] [--json]
         [--policy P] [--cache paged|contiguous] [--block-size B] [--num-blocks N] [--max-num-seqs S]
         [--token-budget T] [--chunk-size C] [--prefix-caching] [--attention-backend torch|triton]
-        [--compile-decode] [--tensor-parallel-size N]
+        [--compile-decode] [--tensor-parallel-size N] [--disaggregate P:D [--threads-per-engine N]]
 
 Greedy unless a temperature is given. With ``--json``: one object with a list ``requests``, each holding
 ``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies), plus
@@ -47,6 +47,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-decode", action="store_true",
                    help="CPU: pure-decode steps as one torch.compile'd graph per batch size (compiles at the first "
                    "decode step of each size)")  # fmt: skip
+    g.add_argument("--disaggregate", default=None, metavar="P:D",
+                   help="serve through P prefill and D decode engine processes, the KV sent between them "
+                   "(workbench.dist.disagg; default: one colocated engine)")  # fmt: skip
+    g.add_argument("--threads-per-engine", type=int, default=1,
+                   help="with --disaggregate: torch threads of each engine process (default 1)")  # fmt: skip
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N processes (torch.distributed: gloo on the CPU, NCCL on CUDA; "
                    "default 1)")  # fmt: skip
@@ -97,9 +102,16 @@ def run(args: argparse.Namespace) -> int:
         )
         for i in range(len(prompts))
     ]
-    engine = Engine.from_model(args.model, engine_config_from_args(args), seed=args.model_seed)
-    results = engine.generate(prompts, params).requests
-    engine.shutdown()
+    if args.disaggregate:
+        from workbench.dist.disagg import disagg_config_from_args, run_disaggregated
+
+        cfg = disagg_config_from_args(args, engine_config_from_args(args))
+        requests = [(p, sp, 0.0) for p, sp in zip(prompts, params)]
+        results = run_disaggregated(args.model, requests, cfg, seed=args.model_seed, online=False).requests
+    else:
+        engine = Engine.from_model(args.model, engine_config_from_args(args), seed=args.model_seed)
+        results = engine.generate(prompts, params).requests
+        engine.shutdown()
     if args.json:
         print(json.dumps({"model": str(args.model), "requests": [r.to_dict() for r in results]}))
     else:

@@ -2,6 +2,7 @@
 
     workbench replay --model PRESET_OR_PATH --trace NAME_OR_FILE [--limit N] [--rate-scale X] [--time-scale X]
         [--policy P] [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--json]
+        [--disaggregate P:D [--threads-per-engine N]]
 
 Traces: ``azure-code``, ``azure-conv``, ``mooncake-conversation``, ``mooncake-synthetic``, ``poisson:RATE``
 (``gamma:RATE:CV``), or a file. Requests are clipped to the engine's ``max_model_len`` and get deterministic random
@@ -9,7 +10,11 @@ prompt ids (equal Mooncake hash ids give equal blocks). Each request generates e
 With ``--json``: one object with ``num_requests``, ``num_finished``, ``num_preemptions``, ``metrics`` (``ttft_s``,
 ``tpot_s``, ``itl_s``, ``e2el_s`` each with ``mean``, ``median``, ``p90``, ``p95``, ``p99``; ``request_throughput``,
 ``output_throughput``, ``goodput``, ``slo_attainment``), plus ``rejected`` (id and reason of each rejected request)
-and the engine configuration.
+and the engine configuration. With ``--disaggregate P:D`` the trace goes through P prefill and D decode engine
+processes (``workbench.dist.disagg``; TTFT counts the KV transfer) and the object also holds ``kv_transfer``
+(``bytes``, ``seconds``, ``num_transfers``, ``num_retries``, ``num_recomputed``, ``num_backpressure``), a
+``requests`` list (``request_id``, ``prompt_len``, ``output_len``, ``kv_transfer_bytes``, ``kv_transfer_s``, ...)
+and ``pools``, each pool's step log.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
+from typing import Any
 
 from workbench.commands.common import add_slo_arguments, add_trace_arguments, print_serving_metrics
 from workbench.commands.generate import add_engine_arguments, add_model_arguments, engine_config_from_args
@@ -36,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from workbench.workloads import load_workload
 
     config = engine_config_from_args(args)
+    if args.disaggregate:
+        return _run_disaggregated(args, config)
     engine = Engine.from_model(args.model, config, seed=args.model_seed)
     max_len = engine.scheduler.config.max_model_len
     requests = load_workload(
@@ -59,5 +67,61 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
           f"{summary['duration_s']:.2f} s")  # fmt: skip
+    print_serving_metrics(summary["metrics"])
+    return 0
+
+
+def _run_disaggregated(args: argparse.Namespace, config: Any) -> int:
+    """``replay --disaggregate P:D``: the same trace through prefill and decode engine processes; the colocated
+    JSON plus ``kv_transfer``, a ``requests`` list and the per-pool step logs (``pools``)."""
+    from workbench.config import ModelConfig
+    from workbench.dist.disagg import disagg_config_from_args, run_disaggregated
+    from workbench.engine.metrics import summarize
+    from workbench.engine.sequence import SamplingParams
+    from workbench.workloads import load_workload, prompt_token_ids
+
+    cfg = disagg_config_from_args(args, config)
+    model = ModelConfig.resolve(args.model)
+    max_len = config.resolved_max_model_len(model)
+    trace = load_workload(
+        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale, max_len=max_len,
+        num_requests=args.num_requests, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
+        seed=args.trace_seed,
+    )  # fmt: skip
+    requests = [
+        (
+            list(r.prompt_token_ids or prompt_token_ids(r, model.vocab_size, args.trace_seed)),
+            SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+            r.arrival_time_s,
+        )
+        for r in trace
+    ]
+    result = run_disaggregated(args.model, requests, cfg, seed=args.model_seed, online=True)
+    summary = summarize(
+        result.requests, duration_s=result.duration_s, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+        slo_e2el_s=args.slo_e2el,
+    )  # fmt: skip
+    summary |= {
+        "rejected": [
+            {"request_id": trace[i].request_id, "reason": r.reject_reason}
+            for i, r in enumerate(result.requests)
+            if r.finish_reason == "rejected"
+        ],
+        "kv_transfer": result.kv_transfer(),
+        "requests": [dict(row, request_id=trace[i].request_id) for i, row in enumerate(result.request_rows())],
+        "pools": result.pools,
+        "disaggregate": args.disaggregate,
+        "engine": asdict(config),
+        "model": str(args.model),
+        "trace": args.trace,
+    }
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    kv = summary["kv_transfer"]
+    print(f"{summary['num_finished']}/{summary['num_requests']} finished through {args.disaggregate} engines, "
+          f"{summary['duration_s']:.2f} s; KV moved: {kv['bytes'] / 1e6:.2f} MB in {kv['num_transfers']} transfers "
+          f"({kv['seconds'] * 1e3:.1f} ms), {kv['num_retries']} retried, {kv['num_recomputed']} recomputed, "
+          f"{kv['num_backpressure']} waited for decode room")  # fmt: skip
     print_serving_metrics(summary["metrics"])
     return 0

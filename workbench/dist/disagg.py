@@ -512,3 +512,11 @@ def _error(what: str, results: dict[int, RequestResult], traceback_text: str = "
     error.partial = [results[i] for i in finished]
     error.remote_traceback = traceback_text
     return error
+
+
+def disagg_config_from_args(args: Any, engine: EngineConfig) -> DisaggConfig:
+    """The ``DisaggConfig`` of ``--disaggregate P:D --threads-per-engine N`` (both pools configured as ``engine``)."""
+    num_p, num_d = parse_disaggregate(args.disaggregate)
+    return DisaggConfig(
+        prefill=engine, decode=engine, num_prefill=num_p, num_decode=num_d, threads_per_engine=args.threads_per_engine
+    )

@@ -26,3 +26,24 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def hf_greedy_tokens(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (exactly ``max_new_tokens``, EOS ignored): the peer
+    implementation the engine's tokens are checked against."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        tokens = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(tokens[0, len(p) :].tolist())
+    return out

@@ -14,10 +14,8 @@ import signal
 import time
 
 import pytest
-import torch
-import transformers
 
-from tests.conftest import TINY_PRESETS
+from tests.conftest import TINY_PRESETS, hf_greedy_tokens
 from workbench.dist.group import WorkerError
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
@@ -32,19 +30,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def hf_greedy(path, prompts):
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    out = []
-    for p in prompts:
-        tokens = hf.generate(
-            torch.tensor([p]),
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        out.append(tokens[0, len(p) :].tolist())
-    return out
+    return hf_greedy_tokens(path, prompts, MAX_TOKENS)
 
 
 def test_a_killed_worker_makes_the_engine_raise_and_leaves_no_process(tiny_checkpoint):

@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import transformers
 
-from tests.conftest import TINY_PRESETS
+from tests.conftest import TINY_PRESETS, hf_greedy_tokens
 from workbench.config import ModelConfig
 from workbench.dist.group import DistConfig, WorkerGroup
 from workbench.errors import ConfigError
@@ -77,18 +76,8 @@ def test_tp2_logits_equal_tp1_and_tokens_equal_transformers(preset, tiny_checkpo
     whole = single_rank_logits(load_checkpoint(path), PROMPTS, NUM_DECODE_STEPS)
     for step, (a, b) in enumerate(zip(sharded, whole)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"{preset} step {step}")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     ours = torch.stack([s.argmax(-1) for s in sharded[:-1]], dim=1)  # (num_prompts, steps)
-    for i, prompt in enumerate(PROMPTS):
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NUM_DECODE_STEPS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        assert ours[i].tolist() == out[0, len(prompt) :].tolist(), f"{preset} prompt {i}"
+    assert ours.tolist() == hf_greedy_tokens(path, PROMPTS, NUM_DECODE_STEPS), preset
 
 
 def test_a_rank_holds_only_its_shard(tiny_checkpoint, tp2):

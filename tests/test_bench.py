@@ -154,26 +154,6 @@ def test_cli_prefill_table(capsys):
     assert "mfu" in text and "1 threads" in text
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_static_shape_decode_path_gives_hfs_tokens(tiny_checkpoint, block_size):
-    """The CUDA-graph decode path (static buffers, padded block tables, key mask), run eagerly on the CPU."""
-    from workbench.engine.config import EngineConfig
-    from workbench.engine.engine import Engine
-    from workbench.engine.sequence import SamplingParams
-
-    path = tiny_checkpoint("tiny-gqa")
-    model = load_checkpoint(path)
-    hf = bench.load_hf_model(path, "fp32", torch.device("cpu"))
-    prompts = [[5, 6, 7], list(range(10, 43)), [99] * 17, [1]]
-    expected = [bench.hf_generate(hf, [p], 9)[0] for p in prompts]
-    engine = Engine(model, EngineConfig(block_size=block_size, max_num_seqs=3, max_model_len=64))
-    engine.runner.setup_decode_graphs(max_batch=3, max_model_len=64, capture=False)
-    got = [r.tokens for r in engine.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True)).requests]
-    assert got == expected
-    graphs = engine.runner.decode_graphs
-    assert sum(st.steps for st in graphs._static.values()) > 0  # the static path did serve decode steps
-
-
 def test_lengths_beyond_the_models_positions_are_refused(tiny):
     from workbench.errors import ConfigError
 

@@ -94,7 +94,8 @@ class EngineConfig(ServingConfig):
     """The engine's settings: the shared ``ServingConfig`` plus cache layout, attention backend and device.
 
     ``compile_decode`` (CPU): pure-decode steps run as one ``torch.compile``d graph per batch size
-    (``workbench.engine.compiled_decode``); each new batch size compiles at its first decode step.
+    (``workbench.engine.decode_step``); each new batch size compiles at its first decode step. On CUDA, pure-decode
+    steps replay CUDA graphs; otherwise they run eagerly (``decode_mode``).
     """
 
     cache: str = "paged"
@@ -118,6 +119,12 @@ class EngineConfig(ServingConfig):
             raise ConfigError("enable_prefix_caching needs cache='paged' (a contiguous slot cannot share blocks)")
         if self.cache == "contiguous" and (self.num_blocks is not None or self.kv_cache_bytes is not None):
             raise ConfigError("cache='contiguous' reserves max_num_seqs x max_model_len; num_blocks does not apply")
+
+    def decode_mode(self, device_type: str) -> str:
+        """The ``DecodeStep`` mode of this engine on a device of this type: compile, graph (CUDA) or eager."""
+        if self.compile_decode:
+            return "compile"
+        return "graph" if device_type == "cuda" else "eager"
 
     def cache_shape(self, model: ModelConfig) -> tuple[int, int]:
         """(num_blocks, block_size) of the pool for this model."""

@@ -18,8 +18,8 @@ from typing import Any
 
 from workbench.config import ModelConfig
 from workbench.device import resolve_device, synchronize, torch_dtype
-from workbench.engine.compiled_decode import CompiledDecode
 from workbench.engine.config import EngineConfig
+from workbench.engine.decode_step import DecodeStep
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import Scheduler
@@ -28,6 +28,7 @@ from workbench.errors import RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
 from workbench.kv.ledger import MemoryLedger
+from workbench.model.attention import AttentionBackend, TorchAttentionBackend
 from workbench.model.transformer import Transformer
 
 
@@ -89,6 +90,15 @@ class RunResult:
         return summarize(self.sequences, duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
 
 
+def make_backend(name: str) -> AttentionBackend:
+    """The attention backend called ``name`` (``EngineConfig.attention_backend``)."""
+    if name == "triton":
+        from workbench.model.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
 class Engine:
     """A model, a KV pool, a block manager and a scheduler policy, stepped on the wall clock."""
 
@@ -104,13 +114,12 @@ class Engine:
             mcfg, self.block_manager, weight_dtype=self.config.dtype, kv_dtype=self.config.dtype,
             max_model_len=self.scheduler.config.max_model_len,
         )  # fmt: skip
-        if self.config.attention_backend == "triton":
-            from workbench.model.triton_backend import TritonAttentionBackend
-
-            model.attn_backend = TritonAttentionBackend()
-        self.runner = ModelRunner(model, self.cache)
-        if self.config.compile_decode:
-            self.runner.compiled_decode = CompiledDecode(model, self.cache, self.config.max_num_seqs)
+        self.backend = make_backend(self.config.attention_backend)  # the engine's, never set on the model
+        self.decode = DecodeStep(
+            model, self.cache, self.backend, self.config.decode_mode(model.device.type), self.config.max_num_seqs,
+            self.scheduler.config.max_model_len,
+        )  # fmt: skip
+        self.runner = ModelRunner(model, self.cache, self.backend, self.decode)
         self.step_log = StepLog()
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -185,10 +194,6 @@ class Engine:
         finished, self._early_finished = self._early_finished, []
         start = self.now() if start is None else start
         plan = self.scheduler.schedule(now=start)
-        if self.runner.decode_graphs is None and self.model.device.type == "cuda":
-            # pure-decode steps through CUDA graphs (static shapes up to this engine's batch and length)
-            max_len = self.config.resolved_max_model_len(self.model.config)
-            self.runner.setup_decode_graphs(self.config.max_num_seqs, max_len)
         sampled = self.runner.execute(plan)
         synchronize(self.model.device)
         end = self.now()

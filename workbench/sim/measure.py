@@ -161,6 +161,6 @@ def fit_engine_profile(
 def engine_batched_decode(device: Any) -> tuple[int, int] | None:
     """The engine's rule for attending a decode-only step in one padded gather, (min_seqs, max_key_slots), on a
     device whose engine attends with the torch backend one sequence at a time otherwise (CPU); None elsewhere."""
-    from workbench.model.attention import BATCHED_DECODE_MAX_KEY_SLOTS, BATCHED_DECODE_MIN_SEQS
+    from workbench.model.attention import MAX_GATHER_KEY_SLOTS
 
-    return (BATCHED_DECODE_MIN_SEQS, BATCHED_DECODE_MAX_KEY_SLOTS) if str(device).startswith("cpu") else None
+    return (1, MAX_GATHER_KEY_SLOTS) if str(device).startswith("cpu") else None

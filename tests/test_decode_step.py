@@ -12,12 +12,12 @@ from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep, batch_buckets
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model import load_checkpoint
 from workbench.model.attention import TorchAttentionBackend, build_decode_metadata, build_metadata
 from workbench.model.transformer import Transformer
+from workbench.request import SamplingParams
 
 NEW = 12
 PROMPTS = [[5, 6, 7], list(range(10, 43)), [99] * 17, [1]]

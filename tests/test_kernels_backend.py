@@ -15,11 +15,11 @@ from kernels.testing import TOLERANCES, random_block_tables
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.kv.cache import KVCache
 from workbench.model.attention import TorchAttentionBackend, build_decode_metadata, build_metadata
 from workbench.model.transformer import Transformer
 from workbench.model.triton_backend import TritonAttentionBackend
+from workbench.request import SamplingParams
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 

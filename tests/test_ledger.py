@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from workbench.config import ModelConfig
-from workbench.engine.sequence import SamplingParams, Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.ledger import MemoryLedger, num_blocks_for_budget
-from workbench.kvcalc import paged_vs_contiguous
+from workbench.kv.sizing import paged_vs_contiguous
+from workbench.request import SamplingParams, Sequence
 
 
 def test_llama31_8b_sizes() -> None:

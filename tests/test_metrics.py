@@ -8,7 +8,7 @@ import pytest
 
 from workbench.engine.metrics import STAT_KEYS, MetricsRecorder, StepLog, requests_to_dataframe, stats, summarize
 from workbench.engine.scheduler import ScheduledChunk, StepPlan
-from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence
+from workbench.request import RequestRecord, SamplingParams, Sequence
 
 # A: arrives 0.0, tokens at 1.0, 1.5, 2.5  -> TTFT 1.0, E2E 2.5, TPOT (2.5-1.0)/2 = 0.75, ITL 0.5, 1.0
 # B: arrives 1.0, one token at 3.0         -> TTFT 2.0, E2E 2.0, no TPOT, no ITL

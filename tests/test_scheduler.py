@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from workbench.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, StepPlan
-from workbench.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
+from workbench.request import SamplingParams, Sequence, SequenceStatus
 
 VOCAB = 97
 

@@ -8,9 +8,9 @@ import pytest
 
 from workbench.config import ModelConfig
 from workbench.engine.scheduler import Scheduler, SchedulerConfig
-from workbench.engine.sequence import SamplingParams, Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
+from workbench.request import SamplingParams, Sequence
 from workbench.roofline import get_model
 from workbench.sim.cluster import SimConfig, simulate
 from workbench.sim.costmodel import (

@@ -38,10 +38,10 @@ from workbench.config import ModelConfig, canonical_dtype
 from workbench.device import resolve_device, synchronize, torch_dtype
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec, measured_spec
 from workbench.model.transformer import Transformer
+from workbench.request import SamplingParams
 from workbench.roofline import RooflineModel
 
 DEFAULT_MODEL = "bench-300m"

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from workbench.engine.engine import Engine
-    from workbench.engine.sequence import SamplingParams
+    from workbench.request import SamplingParams
 
     prompts = [parse_prompt_ids(t) for t in args.prompt_ids]
     params = [

@@ -23,13 +23,14 @@ from workbench.engine.decode_step import DecodeStep
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import Scheduler
-from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence, SequenceStatus
 from workbench.errors import RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
 from workbench.kv.ledger import MemoryLedger
 from workbench.model.attention import AttentionBackend, TorchAttentionBackend
 from workbench.model.transformer import Transformer
+from workbench.request import RequestRecord, SamplingParams, Sequence, SequenceStatus
+from workbench.workloads import prompt_token_ids
 
 
 @dataclass
@@ -226,8 +227,6 @@ class Engine:
         (``workbench.workloads.Request``: ids are then drawn deterministically, equal Mooncake hash ids giving equal
         blocks); it is served with ``sampling`` (greedy by default) and exactly ``output_len`` tokens (EOS ignored).
         """
-        from workbench.workloads import prompt_token_ids
-
         vocab = self.model.config.vocab_size
         pending = sorted(requests, key=lambda r: r.arrival_time_s)
         base = sampling or SamplingParams()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workbench.engine.sequence import RequestRecord, Sequence
+from workbench.request import RequestRecord, Sequence
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -50,9 +50,9 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from workbench.engine.sequence import Sequence, SequenceStatus
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
+from workbench.request import Sequence, SequenceStatus
 
 POLICIES = ("static", "continuous", "chunked", "prefill-first", "decode-first")
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from workbench.engine.sequence import Sequence
 from workbench.errors import ConfigError
+from workbench.request import Sequence
 
 
 def ceil_div(a: int, b: int) -> int:

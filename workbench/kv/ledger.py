@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench.config import ModelConfig
-from workbench.engine.sequence import Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
-from workbench.kvcalc import PagingComparison, paged_vs_contiguous
+from workbench.kv.sizing import PagingComparison, paged_vs_contiguous
+from workbench.request import Sequence
 
 
 def num_blocks_for_budget(model: ModelConfig, budget_bytes: int, block_size: int, kv_dtype: str = "bf16") -> int:

@@ -40,10 +40,10 @@ from workbench.config import ModelConfig
 from workbench.engine.config import ServingConfig
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.ledger import num_blocks_for_budget
+from workbench.request import RequestRecord, SamplingParams, Sequence
 from workbench.sim.costmodel import CostModel, plan_stats
 from workbench.workloads import Request, prompt_token_ids
 

@@ -41,7 +41,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    add_scheduler_arguments(g, max_num_seqs_default=32)
+    from workbench.engine.config import EngineConfig
+
+    add_scheduler_arguments(g, max_num_seqs_default=EngineConfig.max_num_seqs)
     g.add_argument("--cache", default="paged", choices=("paged", "contiguous"), help="KV-cache layout")
     g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
     g.add_argument("--compile-decode", action="store_true",

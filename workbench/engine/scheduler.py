@@ -57,6 +57,15 @@ from workbench.request import Sequence, SequenceStatus
 POLICIES = ("static", "continuous", "chunked", "prefill-first", "decode-first")
 
 
+DEFAULT_MAX_NUM_SEQS = 32  # the engine's batch limit by default (the simulator's GPU server: SimConfig, 256)
+
+
+def check_policy(policy: object) -> None:
+    """Raise ConfigError unless ``policy`` is one of ``POLICIES``."""
+    if policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+
+
 @dataclass
 class SchedulerConfig:
     """Knobs of the scheduler, validated; errors name the field and the allowed values.
@@ -68,7 +77,7 @@ class SchedulerConfig:
     """
 
     policy: str = "continuous"
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     token_budget: int | None = None
     chunk_size: int | None = None
     max_model_len: int = 4096
@@ -76,8 +85,7 @@ class SchedulerConfig:
     watermark: float = 0.01
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        check_policy(self.policy)
         for name in ("max_num_seqs", "max_model_len"):
             _check_positive_int(name, getattr(self, name))
         if self.token_budget is None:

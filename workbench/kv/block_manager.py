@@ -25,12 +25,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from workbench.config import ceil_div
 from workbench.errors import ConfigError
 from workbench.request import Sequence
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def chain_hash(prev_hash: int | None, tokens: tuple[int, ...]) -> int:

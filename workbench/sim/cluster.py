@@ -42,7 +42,7 @@ from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
-from workbench.kv.ledger import num_blocks_for_budget
+from workbench.kv.sizing import plan_num_blocks
 from workbench.request import RequestRecord, SamplingParams, Sequence
 from workbench.sim.costmodel import CostModel, plan_stats
 from workbench.workloads import Request, prompt_token_ids
@@ -58,6 +58,8 @@ class SimConfig(ServingConfig):
     ``num_blocks``: KV blocks per replica; None derives it from the hardware's memory:
     ``(mem_capacity * gpu_memory_utilization - weight bytes) / (block_size * kv bytes per token)``
     (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given.
+    It models a GPU server, so two defaults differ from the CPU engine's (and are written here only): 256
+    sequences (vLLM's ``max_num_seqs``) and bf16.
     ``max_model_len`` None: ``min(model's max positions, 4096)``, as the engine.
     """
 
@@ -105,7 +107,7 @@ class SimConfig(ServingConfig):
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_bytes is not None:
-            return num_blocks_for_budget(model, self.kv_cache_bytes, self.block_size, self.dtype)
+            return plan_num_blocks(model, self.block_size, self.dtype, self.kv_cache_bytes)
         if hardware is None:
             raise ConfigError("num_blocks or kv_cache_bytes is needed when no hardware spec is given")
         from workbench.hardware import get_hardware
@@ -113,7 +115,7 @@ class SimConfig(ServingConfig):
         hw = get_hardware(hardware)
         budget = hw.mem_capacity * self.gpu_memory_utilization - model.weight_bytes(self.dtype)
         try:
-            return num_blocks_for_budget(model, int(budget), self.block_size, self.dtype)
+            return plan_num_blocks(model, self.block_size, self.dtype, budget)
         except ConfigError:
             raise ConfigError(
                 f"no KV block of {self.block_size} tokens fits: the weights of {model.name} "

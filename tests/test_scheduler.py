@@ -322,20 +322,6 @@ def test_abort_frees_blocks() -> None:
     assert sched.abort(0) is None
 
 
-def test_decode_steps_without_change() -> None:
-    bm = BlockManager(16, 4)
-    sched = Scheduler(SchedulerConfig(max_model_len=64), bm)
-    sched.add(Sequence(0, [1] * 5, SamplingParams(max_tokens=10)))  # 5 tokens: 2 blocks (8 slots)
-    sched.add(Sequence(1, [2] * 2, SamplingParams(max_tokens=2)))
-    plan = sched.schedule()
-    sched.update(plan, {0: 3, 1: 3}, 1.0)
-    # seq 0: computed 5, blocks hold 8 -> 3 decode steps fit; 9 tokens left to produce
-    # seq 1: computed 2, 1 block of 4 -> 2 fit; 1 token left -> 1 step
-    assert sched.decode_steps_without_change() == 1
-    sched.add(Sequence(2, [1], SamplingParams(max_tokens=2)))
-    assert sched.decode_steps_without_change() == 0
-
-
 def test_config_errors_name_the_field() -> None:
     with pytest.raises(ConfigError, match="policy must be one of static, continuous, chunked"):
         SchedulerConfig(policy="fcfs")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,9 +20,9 @@ from workbench.config import ModelConfig
 from workbench.device import resolve_device, synchronize, torch_dtype
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
-from workbench.engine.metrics import StepLog, summarize
+from workbench.engine.metrics import StepLog, StepRecord, summarize
 from workbench.engine.runner import ModelRunner
-from workbench.engine.scheduler import Scheduler
+from workbench.engine.scheduler import Scheduler, StepPlan
 from workbench.errors import RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
@@ -122,6 +122,8 @@ class Engine:
         )  # fmt: skip
         self.runner = ModelRunner(model, self.cache, self.backend, self.decode)
         self.step_log = StepLog()
+        # called after every executed step with its plan and log record (``workbench.sim.measure`` pairs them)
+        self.on_step: Callable[[StepPlan, StepRecord], None] | None = None
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self._early_finished: list[Sequence] = []
@@ -200,10 +202,9 @@ class Engine:
         end = self.now()
         finished += self.scheduler.update(plan, sampled, end)
         if not plan.is_empty:
-            self.step_log.record(
-                start, end, plan.num_prefill_tokens, plan.num_decode_tokens, plan.num_seqs,
-                self.block_manager.num_used_blocks, len(plan.preempted),
-            )  # fmt: skip
+            record = self.step_log.record(plan, start, end, self.block_manager.num_used_blocks)
+            if self.on_step is not None:
+                self.on_step(plan, record)
         for seq in finished:
             self.runner.release(seq.seq_id)
         return finished

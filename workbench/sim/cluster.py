@@ -39,7 +39,7 @@ from typing import Any
 from workbench.config import ModelConfig
 from workbench.engine.config import ServingConfig
 from workbench.engine.metrics import StepLog, summarize
-from workbench.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.sizing import plan_num_blocks
@@ -201,13 +201,13 @@ class Replica:
             if not ready and self.fast:
                 window = sched.decode_steps_until_change()
                 if window > 1:
-                    running = sched.running
+                    running = list(sched.running)  # the run may finish some: log what it decoded
                     n = len(running)
                     context = sum(s.num_computed_tokens for s in running) + n
                     starts, ends = cost.decode_run(self.clock, n, context, window - 1, until)
                     if ends:
                         sched.advance_decode_steps(ends, SIM_TOKEN)
-                        self._log_bulk(starts, ends, n)
+                        self._log_bulk(starts, ends, running)
                         self.clock = ends[-1]
                         continue
             plan = sched.schedule(now=start)
@@ -228,20 +228,19 @@ class Replica:
         self.busy_s += end - start
         self.num_steps += 1
         if self.step_log is not None:
-            self.step_log.record(
-                start, end, plan.num_prefill_tokens, plan.num_decode_tokens, plan.num_seqs,
-                self.block_manager.num_used_blocks, len(plan.preempted),
-            )  # fmt: skip
+            self.step_log.record(plan, start, end, self.block_manager.num_used_blocks)
         self._finish(finished, end)
 
-    def _log_bulk(self, starts: list[float], ends: list[float], n: int) -> None:
+    def _log_bulk(self, starts: list[float], ends: list[float], running: list[Sequence]) -> None:
         self.busy_s += sum(ends) - sum(starts)
         self.num_steps += len(ends)
         self.num_bulk_steps += len(ends)
         if self.step_log is not None:
             used = self.block_manager.num_used_blocks  # after the run (a run may take a block mid-way)
+            # every step of the run decodes the same sequences: one plan of their decode chunks logs each
+            plan = StepPlan([ScheduledChunk(q, 1, q.num_computed_tokens - 1, False, True) for q in running])
             for s, e in zip(starts, ends):
-                self.step_log.record(s, e, 0, n, n, used, 0)
+                self.step_log.record(plan, s, e, used)
 
     def _finish(self, finished: list[Sequence], now: float) -> None:
         for seq in finished:

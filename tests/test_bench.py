@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from kernels.testing import TOLERANCES
 from workbench import bench
 from workbench.cli import main
 from workbench.config import ModelConfig
@@ -163,8 +164,8 @@ def test_lengths_beyond_the_models_positions_are_refused(tiny):
         bench.bench_decode(tiny, batches=(1,), prompt_len=250, hw=FAKE_HW)
 
 
-def test_fast_layer_paths_are_bit_identical_to_their_references():
-    """The decode hot path's rotary (roll + signed sine) and fused RMSNorm against the plain formulas."""
+def test_fast_layer_paths_equal_their_references():
+    """The decode hot path's rotary (roll + signed sine, bit for bit) and fused RMSNorm against the plain formulas."""
     from workbench.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_rolled, signed_sin
 
     cfg = ModelConfig.resolve("tiny-gqa")
@@ -172,6 +173,7 @@ def test_fast_layer_paths_are_bit_identical_to_their_references():
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(7, 6, 16, generator=gen) * 3).to(dtype)  # (T, heads, d)
         cos, sin = RotaryEmbedding(cfg)(torch.tensor([0, 1, 5, 9, 100, 3, 255]), dtype)
+        # the same IEEE products and sums, one sign moved from x to sin: exact on every CPU
         assert torch.equal(apply_rotary_rolled(x, cos, signed_sin(sin)), apply_rotary(x, cos, sin))
         norm = RMSNorm(64, 1e-5).to(dtype)
         with torch.no_grad():
@@ -180,4 +182,5 @@ def test_fast_layer_paths_are_bit_identical_to_their_references():
         h32 = h.float()
         reference = norm.weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
         with torch.inference_mode():
-            assert torch.equal(norm(h), reference)
+            # the fused kernel reduces in its own order (vector width depends on the CPU): the dtype's tolerance
+            torch.testing.assert_close(norm(h), reference, **TOLERANCES[dtype])

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workbench.engine.sequence import Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
+from workbench.request import Sequence
 
 
 def seq_of(seq_id: int, tokens: list[int]) -> Sequence:

@@ -21,8 +21,8 @@ from workbench.dist.disagg import (
 )
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.errors import ConfigError
+from workbench.request import SamplingParams
 
 rng = random.Random(3)
 PROMPTS = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 33, 17, 64, 1, 40)]

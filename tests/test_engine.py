@@ -10,11 +10,11 @@ import transformers
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model import load_checkpoint
 from workbench.model.attention import build_metadata
+from workbench.request import SamplingParams
 
 MAX_TOKENS = 10
 rng = random.Random(0)

@@ -19,9 +19,9 @@ from tests.conftest import TINY_PRESETS, hf_greedy_tokens
 from workbench.dist.group import WorkerError
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.engine.tp_runner import start_workers
 from workbench.errors import ConfigError
+from workbench.request import SamplingParams
 
 MAX_TOKENS = 8
 rng = random.Random(1)

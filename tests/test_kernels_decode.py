@@ -74,14 +74,15 @@ def test_decode_custom_scale_and_default_splits():
 def test_block_size_1_equals_block_size_16():
     batch16 = decode_batch((8, 2), 64, 16, torch.float32, seq_lens=[3, 33, 50])
     batch1 = repage(batch16, block_size=1)
-    torch.testing.assert_close(run(batch1, num_splits=2), run(batch16, num_splits=2), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(run(batch1, num_splits=2), run(batch16, num_splits=2), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("num_splits", [2, 5, 64])
 def test_split_k_equals_no_split(num_splits):
     # 64 splits of a 90-token context: the longest gets several, the 3-token sequence leaves most splits empty
     batch = decode_batch((8, 1), 64, 16, torch.float32, seq_lens=[90, 3, 47])
-    torch.testing.assert_close(run(batch, num_splits=num_splits), run(batch, num_splits=1), atol=1e-6, rtol=1e-6)
+    # another reduction order: equal within the dtype's tolerance, not bit for bit (that depends on the CPU)
+    torch.testing.assert_close(run(batch, num_splits=num_splits), run(batch, num_splits=1), **TOLERANCES[torch.float32])
 
 
 def test_non_contiguous_query():

@@ -75,7 +75,7 @@ def test_prefill_custom_scale():
 def test_block_size_1_equals_block_size_16():
     batch16 = mixed_batch((8, 2), 64, 16, torch.float32)
     batch1 = repage(batch16, block_size=1)
-    torch.testing.assert_close(run(batch1), run(batch16), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(run(batch1), run(batch16), **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -118,7 +118,8 @@ def test_chunked_prefill_equals_one_shot(dtype):
             pieces[i].append(out)
     for i in range(2):
         chunked = torch.cat(pieces[i])
-        torch.testing.assert_close(chunked.float(), one_shot[i].float(), atol=1e-6, rtol=1e-6)
+        # chunks change the reduction order: equal within the dtype's tolerance (bits differ between CPUs)
+        torch.testing.assert_close(chunked.float(), one_shot[i].float(), **TOLERANCES[dtype])
 
 
 def test_rejects_bad_inputs():

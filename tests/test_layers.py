@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import kv_write_reference, paged_prefill_attention_reference
 from workbench.config import ModelConfig
-from workbench.model.attention import TorchAttentionBackend, build_metadata, reference_attention
+from workbench.model.attention import TorchAttentionBackend, build_metadata
 from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, rope_inv_freq
 
 
@@ -90,6 +91,12 @@ def test_swiglu_against_explicit_formula():
     torch.testing.assert_close(mlp(x), expected)
 
 
+def _reference(q, k_cache, v_cache, meta, scale):
+    """The kernels' fp32 reference (``kernels.reference``) on the engine's metadata."""
+    return paged_prefill_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
+                                             meta.cu_seqlens_q, meta.max_query_len, scale)  # fmt: skip
+
+
 def _paged_case(heads: int, kv_heads: int, head_dim: int, block_size: int, q_lens, s_lens, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in s_lens) + 3
@@ -115,22 +122,23 @@ def _paged_case(heads: int, kv_heads: int, head_dim: int, block_size: int, q_len
     "q_lens, s_lens",
     [
         ([7, 1, 3], [7, 9, 12]),  # a whole prompt, a decode, a chunk on top of a cached prefix
-        ([1, 1, 1, 1, 1], [5, 17, 2, 9, 1]),  # decode only: the batched path
+        ([1, 1, 1, 1, 1], [5, 17, 2, 9, 1]),  # decode only, through the ragged path
     ],
 )
 def test_torch_backend_matches_reference(heads, kv_heads, block_size, q_lens, s_lens):
     q, k, v, k_cache, v_cache, meta = _paged_case(heads, kv_heads, 24, block_size, q_lens, s_lens)
-    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale=24**-0.5)
+    kv_write_reference(k, v, k_cache, v_cache, meta.slot_mapping)  # the model writes before the backend attends
+    out = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, scale=24**-0.5)
     # the backend wrote k, v into the cache; the reference reads them from there
-    ref = reference_attention(q, k_cache, v_cache, meta, scale=24**-0.5)
+    ref = _reference(q, k_cache, v_cache, meta, 24**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_attention_matches_sdpa_on_contiguous_causal():
     # one sequence, whole prompt: the reference over a paged cache equals plain causal SDPA
     q, k, v, k_cache, v_cache, meta = _paged_case(4, 2, 16, 4, [10], [10])
-    TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale=0.25)
-    ref = reference_attention(q, k_cache, v_cache, meta, scale=0.25)
+    kv_write_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+    ref = _reference(q, k_cache, v_cache, meta, 0.25)
     sdpa = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(2, 0), v.transpose(0, 1).repeat_interleave(2, 0),
         is_causal=True, scale=0.25,

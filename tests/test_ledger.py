@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from workbench.config import ModelConfig
-from workbench.engine.sequence import SamplingParams, Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
-from workbench.kv.ledger import MemoryLedger, num_blocks_for_budget
-from workbench.kvcalc import paged_vs_contiguous
+from workbench.kv.ledger import MemoryLedger
+from workbench.kv.sizing import paged_vs_contiguous, plan_num_blocks
+from workbench.request import SamplingParams, Sequence
 
 
 def test_llama31_8b_sizes() -> None:
@@ -40,12 +40,13 @@ def test_mha_gqa_mqa_scale_kv_bytes() -> None:
     assert mha.kv_bytes_per_token("fp32") == 2 * 2 * 4 * 16 * 4
 
 
-def test_num_blocks_for_budget() -> None:
+def test_plan_num_blocks() -> None:
     model = ModelConfig.from_name("Llama-3.1-8B")
-    # 1 GiB / (16 tokens * 128 KiB) = 512 blocks
-    assert num_blocks_for_budget(model, 1 << 30, 16) == 512
+    # 1 GiB / (16 tokens * 128 KiB) = 512 blocks; 1,000 wanted tokens need ceil(1000 / 16) = 63 of them
+    assert plan_num_blocks(model, 16, "bf16", 1 << 30) == 512
+    assert plan_num_blocks(model, 16, "bf16", 1 << 30, wanted_tokens=1000) == 63
     with pytest.raises(ConfigError, match="holds no block"):
-        num_blocks_for_budget(model, 1000, 16)
+        plan_num_blocks(model, 16, "bf16", 1000)
 
 
 def test_contiguous_versus_paged_waste() -> None:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from workbench.engine.metrics import STAT_KEYS, MetricsRecorder, StepLog, requests_to_dataframe, stats, summarize
+from workbench.engine.metrics import STAT_KEYS, StepLog, requests_to_dataframe, stats, summarize
 from workbench.engine.scheduler import ScheduledChunk, StepPlan
-from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence
+from workbench.request import RequestRecord, SamplingParams, Sequence
 
 # A: arrives 0.0, tokens at 1.0, 1.5, 2.5  -> TTFT 1.0, E2E 2.5, TPOT (2.5-1.0)/2 = 0.75, ITL 0.5, 1.0
 # B: arrives 1.0, one token at 3.0         -> TTFT 2.0, E2E 2.0, no TPOT, no ITL
@@ -91,24 +91,19 @@ def test_empty_inputs() -> None:
     assert out["num_requests"] == 0 and out["metrics"]["request_throughput"] == 0.0
 
 
-def test_step_log_exports() -> None:
+def test_step_log_records_plans_and_exports() -> None:
     log = StepLog()
-    log.record(0.0, 0.25, 128, 0, 2, 10)
-    log.record(0.25, 0.30, 0, 2, 2, 11, num_preempted=1)
+    a, b, c = Sequence(0, [1] * 6), Sequence(1, [2] * 3), Sequence(2, [3] * 2)
+    b.output_token_ids = [5]
+    prefill = StepPlan([ScheduledChunk(a, 4, 0, True, False), ScheduledChunk(b, 1, 3, False, True)])
+    padded = StepPlan([ScheduledChunk(b, 1, 3, False, True)], preempted=[c], num_padding_tokens=3, num_idle_slots=1)
+    log.record(prefill, 0.0, 0.25, num_blocks_used=10)
+    row = log.record(padded, 0.25, 0.30, num_blocks_used=11)
+    assert (row.num_prefill_tokens, row.num_decode_tokens, row.num_seqs, row.num_preempted) == (0, 1, 1, 1)
+    assert (row.num_padding_tokens, row.num_idle_slots) == (3, 1)  # the static policy's counts are kept
     df = log.to_dataframe()
     assert list(df["step"]) == [0, 1]
-    assert list(df["num_prefill_tokens"]) == [128, 0]
+    assert list(df["num_prefill_tokens"]) == [4, 0] and list(df["num_seqs"]) == [2, 1]
     assert df["duration_s"].tolist() == pytest.approx([0.25, 0.05])
-    records = json.loads(log.to_json())
+    records = log.to_records()
     assert records[1]["num_preempted"] == 1 and records[1]["num_blocks_used"] == 11
-
-
-def test_recorder_logs_plans() -> None:
-    rec = MetricsRecorder()
-    a, b = Sequence(0, [1] * 6), Sequence(1, [2] * 3)
-    b.output_token_ids = [5]
-    plan = StepPlan([ScheduledChunk(a, 4, 0, True, False), ScheduledChunk(b, 1, 3, False, True)], preempted=[])
-    row = rec.record_step(plan, 1.0, 1.5, num_blocks_used=3)
-    assert (row.num_prefill_tokens, row.num_decode_tokens, row.num_seqs, row.duration_s) == (4, 1, 2, 0.5)
-    rec.record_finished(TIMELINE)
-    assert rec.summary(duration_s=4.0)["metrics"]["request_throughput"] == pytest.approx(0.75)

@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from tests.conftest import TINY_PRESETS
-from workbench.engine.sequence import SamplingParams
 from workbench.model import load_checkpoint
 from workbench.model.generate import generate_static
+from workbench.request import SamplingParams
 
 ATOL, RTOL = 1e-4, 1e-4  # fp32; observed differences are ~1e-7
 NUM_DECODE_STEPS = 16

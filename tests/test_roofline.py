@@ -260,7 +260,7 @@ def test_roofline_table_and_unknown_hardware(capsys: pytest.CaptureFixture[str])
 
 def test_roofline_imports_neither_torch_nor_matplotlib() -> None:
     code = (
-        "import sys, workbench.roofline, workbench.kvcalc, workbench.hardware, workbench.commands.roofline;"
+        "import sys, workbench.roofline, workbench.kv.sizing, workbench.hardware, workbench.commands.roofline;"
         "print('torch' in sys.modules, 'matplotlib' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

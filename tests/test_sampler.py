@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from workbench.engine.sampler import Sampler, filter_logits
-from workbench.engine.sequence import SamplingParams
 from workbench.errors import RequestError
+from workbench.model.sampler import Sampler, filter_logits
+from workbench.request import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()

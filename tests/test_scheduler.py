@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from workbench.engine.scheduler import POLICIES, Scheduler, SchedulerConfig, StepPlan
-from workbench.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
+from workbench.request import SamplingParams, Sequence, SequenceStatus
 
 VOCAB = 97
 
@@ -320,20 +320,6 @@ def test_abort_frees_blocks() -> None:
     assert sched.abort(0) is a and a.finish_reason == "abort"
     assert bm.num_used_blocks == 1 and sched.num_running == 1
     assert sched.abort(0) is None
-
-
-def test_decode_steps_without_change() -> None:
-    bm = BlockManager(16, 4)
-    sched = Scheduler(SchedulerConfig(max_model_len=64), bm)
-    sched.add(Sequence(0, [1] * 5, SamplingParams(max_tokens=10)))  # 5 tokens: 2 blocks (8 slots)
-    sched.add(Sequence(1, [2] * 2, SamplingParams(max_tokens=2)))
-    plan = sched.schedule()
-    sched.update(plan, {0: 3, 1: 3}, 1.0)
-    # seq 0: computed 5, blocks hold 8 -> 3 decode steps fit; 9 tokens left to produce
-    # seq 1: computed 2, 1 block of 4 -> 2 fit; 1 token left -> 1 step
-    assert sched.decode_steps_without_change() == 1
-    sched.add(Sequence(2, [1], SamplingParams(max_tokens=2)))
-    assert sched.decode_steps_without_change() == 0
 
 
 def test_config_errors_name_the_field() -> None:

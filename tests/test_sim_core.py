@@ -8,9 +8,9 @@ import pytest
 
 from workbench.config import ModelConfig
 from workbench.engine.scheduler import Scheduler, SchedulerConfig
-from workbench.engine.sequence import SamplingParams, Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
+from workbench.request import SamplingParams, Sequence
 from workbench.roofline import get_model
 from workbench.sim.cluster import SimConfig, simulate
 from workbench.sim.costmodel import (
@@ -229,8 +229,6 @@ def test_decode_steps_until_change_counts_blocks() -> None:
     plan = sched.schedule()
     sched.update(plan, {0: 9, 1: 9}, 0.0)
     assert bm.num_free_blocks == 3
-    # computed 5 and 9: both reach a block boundary after 3 more decodes (positions 5-7 and 9-11)
-    assert sched.decode_steps_without_change() == 3
     # k steps need ceil((5+k)/4) - 2 + ceil((9+k)/4) - 3 new blocks: 2 for k = 4..7, 4 for k = 8 > 3 free
     assert sched.decode_steps_until_change() == 7
     assert sched._blocks_needed(7) == 2 and sched._blocks_needed(8) == 4

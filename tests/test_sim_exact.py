@@ -8,8 +8,8 @@ import pytest
 
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.model import load_checkpoint
+from workbench.request import SamplingParams
 from workbench.sim.cluster import SimConfig, simulate
 from workbench.sim.costmodel import TraceCostModel
 from workbench.workloads import Request

@@ -22,7 +22,6 @@ from workbench.workloads import (
     prompt_token_ids,
     scale_time,
     synthetic_workload,
-    to_sequence,
     trace_stats,
     truncate_to_context,
 )
@@ -225,5 +224,3 @@ def test_prompt_token_ids_follow_hash_ids() -> None:
     plain = Request(3, 0.0, 50, 4)
     assert prompt_token_ids(plain, 100) == prompt_token_ids(plain, 100)
     assert prompt_token_ids(Request(4, 0.0, 50, 4), 100) != prompt_token_ids(plain, 100)
-    seq = to_sequence(Request(9, 1.5, 20, 0), vocab_size=100)
-    assert seq.sampling.max_tokens == 1 and seq.sampling.ignore_eos and seq.arrival_time == 1.5

@@ -38,10 +38,10 @@ from workbench.config import ModelConfig, canonical_dtype
 from workbench.device import resolve_device, synchronize, torch_dtype
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec, measured_spec
 from workbench.model.transformer import Transformer
+from workbench.request import SamplingParams
 from workbench.roofline import RooflineModel
 
 DEFAULT_MODEL = "bench-300m"
@@ -232,7 +232,6 @@ def bench_decode(
             bytes_per_s.append(decode_step_bytes(cfg, dtype, context)["bytes"] / t)
             contexts.append(sum(context) / len(context))
         t_step = median(step_s)
-        graphs = engine.runner.decode_graphs
         achieved = median(bytes_per_s)
         gemv = sweep.weight_bytes / median(sweep_s)
         mid = decode_step_bytes(cfg, dtype, [round(median(contexts))] * batch)
@@ -252,7 +251,7 @@ def bench_decode(
             "overhead_share": median([(a - b) / a for a, b in zip(step_s, model_s)]),
             "steps": steps,
             "attention_backend": attention_backend,
-            "cuda_graphs": graphs is not None and graphs.capture and graphs.supports(batch),
+            "cuda_graphs": engine.decode.num_graphs > 0,  # the timed steps replayed a recorded graph
             "compiled_decode": compile_decode,
             "first_step_s": first_step_s,
         })  # fmt: skip

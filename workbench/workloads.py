@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from workbench.config import DATA_DIR
-from workbench.engine.sequence import SamplingParams, Sequence
 from workbench.errors import TraceError
+from workbench.request import Request
 
 TRACES_DIR = DATA_DIR / "traces"
 TRACE_FILES = {
@@ -47,28 +47,7 @@ MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
-@dataclass
-class Request:
-    """One request of a workload. ``hash_ids[i]`` identifies prompt tokens ``[512 i, 512 (i + 1))``."""
-
-    request_id: int
-    arrival_time_s: float
-    prompt_len: int
-    output_len: int
-    prompt_token_ids: list[int] | None = None
-    hash_ids: list[int] | None = None
-
-    @property
-    def total_len(self) -> int:
-        return self.prompt_len + self.output_len
-
-
 # ---- synthetic -------------------------------------------------------------------------------------------
-def poisson_arrivals(num_requests: int, rate: float, rng: np.random.Generator) -> list[float]:
-    """Arrival times (s) of a Poisson process at ``rate`` requests/s, the first at its first gap."""
-    return gamma_arrivals(num_requests, rate, 1.0, rng)
-
-
 def gamma_arrivals(num_requests: int, rate: float, cv: float, rng: np.random.Generator) -> list[float]:
     """Arrival times (s) with Gamma inter-arrival gaps of mean ``1/rate`` and coefficient of variation ``cv``.
 
@@ -356,12 +335,6 @@ def prompt_token_ids(request: Request, vocab_size: int, seed: int = 0) -> list[i
             ids += _random_ids([seed, 1, h], MOONCAKE_BLOCK_TOKENS, vocab_size)
         return ids[: request.prompt_len]
     return _random_ids([seed, 0, request.request_id], request.prompt_len, vocab_size)
-
-
-def to_sequence(request: Request, vocab_size: int, seed: int = 0, sampling: SamplingParams | None = None) -> Sequence:
-    """An engine ``Sequence`` for a request: greedy, ``ignore_eos``, ``max_tokens = output_len`` (at least 1)."""
-    sampling = sampling or SamplingParams(max_tokens=max(request.output_len, 1), ignore_eos=True)
-    return Sequence(request.request_id, prompt_token_ids(request, vocab_size, seed), sampling, request.arrival_time_s)
 
 
 # ---- statistics ------------------------------------------------------------------------------------------

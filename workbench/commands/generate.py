@@ -41,7 +41,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    add_scheduler_arguments(g, max_num_seqs_default=32)
+    from workbench.engine.config import EngineConfig
+
+    add_scheduler_arguments(g, max_num_seqs_default=EngineConfig.max_num_seqs)
     g.add_argument("--cache", default="paged", choices=("paged", "contiguous"), help="KV-cache layout")
     g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
     g.add_argument("--compile-decode", action="store_true",
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from workbench.engine.engine import Engine
-    from workbench.engine.sequence import SamplingParams
+    from workbench.request import SamplingParams
 
     prompts = [parse_prompt_ids(t) for t in args.prompt_ids]
     params = [

@@ -77,7 +77,7 @@ def _run_disaggregated(args: argparse.Namespace, config: Any) -> int:
     from workbench.config import ModelConfig
     from workbench.dist.disagg import disagg_config_from_args, run_disaggregated
     from workbench.engine.metrics import summarize
-    from workbench.engine.sequence import SamplingParams
+    from workbench.request import SamplingParams
     from workbench.workloads import load_workload, prompt_token_ids
 
     cfg = disagg_config_from_args(args, config)

@@ -47,16 +47,18 @@ def parse_disaggregate(text: str | None) -> tuple[int, int] | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from workbench.sim.cluster import ROUTERS
+    from workbench.sim.cluster import ROUTERS, SimConfig
     from workbench.sim.costmodel import COST_MODELS
 
     p.add_argument("--model", required=True, help="preset name or config.json (only its shape matters)")
     p.add_argument("--hardware", default="h100-sxm", help="accelerator name (see `workbench hardware`)")
-    p.add_argument("--dtype", default="bf16", help="weights, activations and KV dtype (default bf16)")
+    p.add_argument(
+        "--dtype", default=SimConfig.dtype, help=f"weights, activations and KV dtype (default {SimConfig.dtype})"
+    )
     add_trace_arguments(p, num_requests_default=1000, prompt_lens_default="uniform:64:1024",
                         output_lens_default="uniform:16:256")  # fmt: skip
     g = p.add_argument_group("replica (as the engine's options)")
-    add_scheduler_arguments(g, max_num_seqs_default=256)
+    add_scheduler_arguments(g, max_num_seqs_default=SimConfig.max_num_seqs)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of memory for weights + KV")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1, help="number of replicas (without --disaggregate)")

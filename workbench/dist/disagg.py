@@ -43,7 +43,7 @@ from workbench.dist.group import DistConfig, ProcessSet, WorkerError, free_port
 from workbench.dist.kv_connector import KVReceiver, KVSender, KVTransfer, wall_clock
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import RequestResult
-from workbench.engine.sequence import SamplingParams, Sequence
+from workbench.request import SamplingParams, Sequence
 from workbench.errors import ConfigError
 
 POLL_S = 0.002  # how long an idle engine waits on its queue before looking again

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.config import ModelConfig, canonical_dtype, ceil_div
-from workbench.engine.scheduler import POLICIES, SchedulerConfig
+from workbench.config import ModelConfig, canonical_dtype
+from workbench.engine.scheduler import DEFAULT_MAX_NUM_SEQS, SchedulerConfig, check_policy
 from workbench.errors import ConfigError
-from workbench.kv.ledger import num_blocks_for_budget
+from workbench.kv.sizing import plan_num_blocks
 
 CACHE_LAYOUTS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -49,7 +49,7 @@ class ServingConfig:
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
-    max_num_seqs: int = 32
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_model_len: int | None = None  # default: min(model's max positions, 4096)
     token_budget: int | None = None  # default: the scheduler's
     chunk_size: int | None = None  # default: the scheduler's
@@ -57,8 +57,7 @@ class ServingConfig:
     dtype: str = "fp32"
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        check_policy(self.policy)
         _check_positive_int(self, ("block_size", "max_num_seqs"))
         _check_positive_int(self, ("num_blocks", "kv_cache_bytes", "max_model_len"), optional=True)
         self.dtype = canonical_dtype(self.dtype)
@@ -94,7 +93,8 @@ class EngineConfig(ServingConfig):
     """The engine's settings: the shared ``ServingConfig`` plus cache layout, attention backend and device.
 
     ``compile_decode`` (CPU): pure-decode steps run as one ``torch.compile``d graph per batch size
-    (``workbench.engine.compiled_decode``); each new batch size compiles at its first decode step.
+    (``workbench.engine.decode_step``); each new batch size compiles at its first decode step. On CUDA, pure-decode
+    steps replay CUDA graphs; otherwise they run eagerly (``decode_mode``).
     """
 
     cache: str = "paged"
@@ -128,19 +128,20 @@ class EngineConfig(ServingConfig):
         if self.cache == "contiguous" and (self.num_blocks is not None or self.kv_cache_bytes is not None):
             raise ConfigError("cache='contiguous' reserves max_num_seqs x max_model_len; num_blocks does not apply")
 
+    def decode_mode(self, device_type: str) -> str:
+        """The ``DecodeStep`` mode of this engine on a device of this type: compile, graph (CUDA) or eager."""
+        if self.compile_decode:
+            return "compile"
+        return "graph" if device_type == "cuda" else "eager"
+
     def cache_shape(self, model: ModelConfig) -> tuple[int, int]:
         """(num_blocks, block_size) of the pool for this model."""
         max_len = self.resolved_max_model_len(model)
         if self.cache == "contiguous":
             return self.max_num_seqs, max_len
-        bytes_per_block = self.block_size * model.kv_bytes_per_token(self.dtype)
         if self.num_blocks is not None:
             return self.num_blocks, self.block_size
         if self.kv_cache_bytes is not None:
-            return num_blocks_for_budget(model, self.kv_cache_bytes, self.block_size, self.dtype), self.block_size
-        wanted = ceil_div(self.max_num_seqs * max_len, self.block_size)
-        return max(1, min(wanted, DEFAULT_KV_BUDGET_BYTES // bytes_per_block)), self.block_size
-
-    def kv_pool_bytes(self, model: ModelConfig) -> int:
-        num_blocks, block_size = self.cache_shape(model)
-        return num_blocks * block_size * model.kv_bytes_per_token(self.dtype)
+            return plan_num_blocks(model, self.block_size, self.dtype, self.kv_cache_bytes), self.block_size
+        wanted = self.max_num_seqs * max_len
+        return plan_num_blocks(model, self.block_size, self.dtype, DEFAULT_KV_BUDGET_BYTES, wanted), self.block_size

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,19 +22,21 @@ import torch
 from workbench.config import ModelConfig
 from workbench.device import resolve_device, synchronize, torch_dtype
 from workbench.dist.group import WorkerGroup
-from workbench.engine.compiled_decode import CompiledDecode
 from workbench.engine.config import EngineConfig
-from workbench.engine.metrics import StepLog, summarize
+from workbench.engine.decode_step import DecodeStep
+from workbench.engine.metrics import StepLog, StepRecord, summarize
 from workbench.engine.runner import ModelRunner
-from workbench.engine.scheduler import Scheduler
-from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence, SequenceStatus
+from workbench.engine.scheduler import Scheduler, StepPlan
 from workbench.engine.tp_runner import TensorParallelRunner, start_workers
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
 from workbench.kv.ledger import MemoryLedger
+from workbench.model.attention import AttentionBackend, TorchAttentionBackend
 from workbench.model.sharding import check_tensor_parallel_size
 from workbench.model.transformer import Transformer
+from workbench.request import RequestRecord, SamplingParams, Sequence, SequenceStatus
+from workbench.workloads import prompt_token_ids
 
 
 @dataclass
@@ -95,6 +97,15 @@ class RunResult:
         return summarize(self.sequences, duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
 
 
+def make_backend(name: str) -> AttentionBackend:
+    """The attention backend called ``name`` (``EngineConfig.attention_backend``)."""
+    if name == "triton":
+        from workbench.model.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
 class Engine:
     """A model, a KV pool, a block manager and a scheduler policy, stepped on the wall clock."""
 
@@ -108,28 +119,27 @@ class Engine:
         self.workers = workers
         mcfg: ModelConfig = model.config
         num_blocks, block_size = self.config.cache_shape(mcfg)
-        if workers is None:
-            self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config(mcfg), self.block_manager)
         self.ledger = MemoryLedger(
             mcfg, self.block_manager, weight_dtype=self.config.dtype, kv_dtype=self.config.dtype,
             max_model_len=self.scheduler.config.max_model_len,
         )  # fmt: skip
-        if workers is not None:
-            self.runner: ModelRunner = TensorParallelRunner(
-                workers, num_blocks, block_size, self.config.attention_backend
-            )
-            self.cache = self.runner.cache
-        elif self.config.attention_backend == "triton":
-            from workbench.model.triton_backend import TritonAttentionBackend
-
-            model.attn_backend = TritonAttentionBackend()
-        if workers is None:
-            self.runner = ModelRunner(model, self.cache)
-        if self.config.compile_decode:
-            self.runner.compiled_decode = CompiledDecode(model, self.cache, self.config.max_num_seqs)
+        max_len = self.scheduler.config.max_model_len
+        if workers is not None:  # every rank holds its shard of the pool and its own backend and decode step
+            self.runner: ModelRunner = TensorParallelRunner(workers, num_blocks, block_size, self.config, max_len)
+            self.cache, self.backend, self.decode = self.runner.cache, self.runner.backend, self.runner.decode
+        else:
+            self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device)
+            self.backend = make_backend(self.config.attention_backend)  # the engine's, never set on the model
+            self.decode = DecodeStep(
+                model, self.cache, self.backend, self.config.decode_mode(model.device.type), self.config.max_num_seqs,
+                max_len,
+            )  # fmt: skip
+            self.runner = ModelRunner(model, self.cache, self.backend, self.decode)
         self.step_log = StepLog()
+        # called after every executed step with its plan and log record (``workbench.sim.measure`` pairs them)
+        self.on_step: Callable[[StepPlan, StepRecord], None] | None = None
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self._early_finished: list[Sequence] = []
@@ -225,19 +235,14 @@ class Engine:
         finished, self._early_finished = self._early_finished, []
         start = self.now() if start is None else start
         plan = self.scheduler.schedule(now=start)
-        if self.runner.decode_graphs is None and self.model.device.type == "cuda" and self.workers is None:
-            # pure-decode steps through CUDA graphs (static shapes up to this engine's batch and length)
-            max_len = self.config.resolved_max_model_len(self.model.config)
-            self.runner.setup_decode_graphs(self.config.max_num_seqs, max_len)
         sampled = self.runner.execute(plan)
         synchronize(self.model.device)
         end = self.now()
         finished += self.scheduler.update(plan, sampled, end)
         if not plan.is_empty:
-            self.step_log.record(
-                start, end, plan.num_prefill_tokens, plan.num_decode_tokens, plan.num_seqs,
-                self.block_manager.num_used_blocks, len(plan.preempted),
-            )  # fmt: skip
+            record = self.step_log.record(plan, start, end, self.block_manager.num_used_blocks)
+            if self.on_step is not None:
+                self.on_step(plan, record)
         for seq in finished:
             self.runner.release(seq.seq_id)
         return finished
@@ -261,8 +266,6 @@ class Engine:
         (``workbench.workloads.Request``: ids are then drawn deterministically, equal Mooncake hash ids giving equal
         blocks); it is served with ``sampling`` (greedy by default) and exactly ``output_len`` tokens (EOS ignored).
         """
-        from workbench.workloads import prompt_token_ids
-
         vocab = self.model.config.vocab_size
         pending = sorted(requests, key=lambda r: r.arrival_time_s)
         base = sampling or SamplingParams()

@@ -28,16 +28,17 @@ The JSON layout (``summarize``) is the contract of ``workbench replay`` and ``wo
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from workbench.engine.sequence import RequestRecord, Sequence
+from workbench.request import RequestRecord, Sequence
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from workbench.engine.scheduler import StepPlan
 
 STAT_KEYS = ("mean", "median", "p90", "p95", "p99")
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2el_s")
@@ -189,29 +190,19 @@ class StepLog:
 
     steps: list[StepRecord] = field(default_factory=list)
 
-    def record(
-        self,
-        start_s: float,
-        end_s: float,
-        num_prefill_tokens: int,
-        num_decode_tokens: int,
-        num_seqs: int,
-        num_blocks_used: int,
-        num_preempted: int = 0,
-        num_padding_tokens: int = 0,
-        num_idle_slots: int = 0,
-    ) -> StepRecord:
+    def record(self, plan: StepPlan, start_s: float, end_s: float, num_blocks_used: int) -> StepRecord:
+        """Log one executed ``StepPlan``: the one step record of the engine and the simulator."""
         rec = StepRecord(
-            len(self.steps),
-            start_s,
-            end_s,
-            num_prefill_tokens,
-            num_decode_tokens,
-            num_seqs,
-            num_blocks_used,
-            num_preempted,
-            num_padding_tokens,
-            num_idle_slots,
+            step=len(self.steps),
+            start_s=start_s,
+            end_s=end_s,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decode_tokens=plan.num_decode_tokens,
+            num_seqs=plan.num_seqs,
+            num_blocks_used=num_blocks_used,
+            num_preempted=len(plan.preempted),
+            num_padding_tokens=plan.num_padding_tokens,
+            num_idle_slots=plan.num_idle_slots,
         )
         self.steps.append(rec)
         return rec
@@ -222,47 +213,9 @@ class StepLog:
     def to_records(self) -> list[dict[str, Any]]:
         return [dict(asdict(s), duration_s=s.duration_s) for s in self.steps]
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_records())
-
     def to_dataframe(self) -> pd.DataFrame:
         """Columns: the ``StepRecord`` fields and ``duration_s`` (pandas imported lazily)."""
         import pandas as pd
 
         columns = [f.name for f in StepRecord.__dataclass_fields__.values()] + ["duration_s"]
         return pd.DataFrame(self.to_records(), columns=columns)
-
-
-class MetricsRecorder:
-    """Collects a run's per-step log and finished requests; ``summary`` gives the contract JSON object."""
-
-    def __init__(self) -> None:
-        self.step_log = StepLog()
-        self.finished: list[Sequence | RequestRecord] = []
-
-    def record_step(self, plan: Any, start_s: float, end_s: float, num_blocks_used: int) -> StepRecord:
-        """Log one executed ``StepPlan`` (duck-typed: its token counts, sequences and preemptions)."""
-        return self.step_log.record(
-            start_s,
-            end_s,
-            plan.num_prefill_tokens,
-            plan.num_decode_tokens,
-            plan.num_seqs,
-            num_blocks_used,
-            len(plan.preempted),
-            getattr(plan, "num_padding_tokens", 0),
-            getattr(plan, "num_idle_slots", 0),
-        )
-
-    def record_finished(self, requests: list[Sequence] | list[RequestRecord]) -> None:
-        self.finished.extend(requests)
-
-    def summary(
-        self,
-        duration_s: float | None = None,
-        num_preemptions: int | None = None,
-        slo_ttft_s: float | None = None,
-        slo_tpot_s: float | None = None,
-        slo_e2el_s: float | None = None,
-    ) -> dict[str, Any]:
-        return summarize(self.finished, duration_s, num_preemptions, slo_ttft_s, slo_tpot_s, slo_e2el_s)

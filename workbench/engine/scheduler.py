@@ -39,9 +39,9 @@ length would not), so every accepted request finishes. Admission keeps ``waterma
 something is running (vLLM's 1% watermark against immediate re-preemption); no request is admitted in a
 step that preempted one.
 
-Cost per step is O(running sequences + admitted requests): there is no per-step work over all requests. A
-later fast path for the simulator can advance several pure-decode steps at once when nothing changes (no
-waiting request, no finish, no block boundary): ``decode_steps_without_change`` tells how many.
+Cost per step is O(running sequences + admitted requests): there is no per-step work over all requests. The
+simulator's fast path advances several pure-decode steps at once while nothing changes (no waiting request, no
+finish, the pool holds the blocks they need): ``decode_steps_until_change`` tells how many.
 """
 
 from __future__ import annotations
@@ -50,11 +50,20 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from workbench.engine.sequence import Sequence, SequenceStatus
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
+from workbench.request import Sequence, SequenceStatus
 
 POLICIES = ("static", "continuous", "chunked", "prefill-first", "decode-first")
+
+
+DEFAULT_MAX_NUM_SEQS = 32  # the engine's batch limit by default (the simulator's GPU server: SimConfig, 256)
+
+
+def check_policy(policy: object) -> None:
+    """Raise ConfigError unless ``policy`` is one of ``POLICIES``."""
+    if policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
 
 
 @dataclass
@@ -68,7 +77,7 @@ class SchedulerConfig:
     """
 
     policy: str = "continuous"
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     token_budget: int | None = None
     chunk_size: int | None = None
     max_model_len: int = 4096
@@ -76,8 +85,7 @@ class SchedulerConfig:
     watermark: float = 0.01
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        check_policy(self.policy)
         for name in ("max_num_seqs", "max_model_len"):
             _check_positive_int(name, getattr(self, name))
         if self.token_budget is None:
@@ -414,33 +422,12 @@ class Scheduler:
             finished.append(seq)
         return finished
 
-    def decode_steps_without_change(self) -> int:
-        """How many next steps would be the same pure-decode step over the same running sequences.
-
-        Zero unless no request waits and every running sequence is decoding; otherwise the number of steps
-        before the first block boundary, ``max_tokens`` or context limit among them (a stop token can still
-        end a sequence earlier; a simulator that ignores EOS can advance this many steps at once). The last
-        of these steps may finish sequences; the step after it may need a block or admit a request.
-        """
-        if (self.waiting and self.policy != "static") or not self.running or self._rejected:
-            return 0
-        bs = self.block_manager.block_size
-        steps = None
-        for seq in self.running:
-            if seq.num_computed_tokens != seq.num_tokens - 1:
-                return 0
-            room = len(seq.block_table) * bs - seq.num_computed_tokens  # positions before a new block
-            left = min(seq.sampling.max_tokens - seq.num_output_tokens, self.config.max_model_len - seq.num_tokens)
-            s = min(room, left)
-            steps = s if steps is None else min(steps, s)
-        return max(steps or 0, 0)
-
     # ---- bulk decode (the simulator's fast path) -------------------------------------------------------------
     def decode_steps_until_change(self) -> int:
         """How many next steps are the same pure-decode step over the same running sequences, the last included.
 
-        Like ``decode_steps_without_change`` but a block boundary is no change while the free pool holds every
-        block the run needs (taking a free block is bookkeeping, not a scheduling decision): zero unless no
+        A block boundary is no change while the free pool holds every block the run needs (taking a free
+        block is bookkeeping, not a scheduling decision): zero unless no
         request waits (the static policy ignores waiting requests while its batch runs) and every running
         sequence decodes; otherwise the steps up to and including the first that finishes a sequence by
         ``max_tokens`` or the context limit (EOS ignored), capped where the pool would run out of blocks.

@@ -11,9 +11,10 @@ Every rank holds a pool of the same number of blocks, and the one block table th
 addresses all of them; a rank's blocks hold only its KV heads, so a rank's pool is ``1 / tp`` of the whole (or a
 replicated KV head's share when ``tp`` exceeds ``num_kv_heads``).
 
-Pure-decode steps run through the same eager ``forward`` (the compiled and CUDA-graph decode paths are not used
-under tensor parallelism yet; ``EngineConfig`` says so). Each rank times its all-reduces when asked
-(``comm_stats``), which is how ``bench decode`` reports the share of a step spent communicating.
+Pure decodes go through each rank's ``DecodeStep`` in its eager mode, other steps through the ragged ``forward``
+(the compiled and CUDA-graph modes are not used under tensor parallelism yet; ``EngineConfig`` says so). Each
+rank times its all-reduces when asked (``comm_stats``), which is how ``bench decode`` reports the share of a step
+spent communicating.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import torch
 
 from workbench.device import resolve_device, synchronize, torch_dtype
 from workbench.dist.group import DistConfig, WorkerGroup
+from workbench.engine.config import EngineConfig
+from workbench.engine.decode_step import DecodeStep
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import StepPlan
 from workbench.kv.cache import KVCache
-from workbench.model.attention import TorchAttentionBackend, build_metadata
+from workbench.model.attention import TORCH_BACKEND, build_metadata
 from workbench.model.sharding import all_reduce, gather_logits
 
 
@@ -54,7 +57,7 @@ class ShardWorker:
         self.model = load_model(source, torch_dtype(dtype), self.device, seed, tensor_parallel=tp)
         self.shard = self.model.tp_shard
         self.cache: KVCache | None = None
-        self.backend: Any = TorchAttentionBackend()
+        self.backend: Any = TORCH_BACKEND
         self.comm_s, self.num_all_reduces, self._timing = 0.0, 0, False
         for layer in self.model.layers:
             layer.self_attn.reduce = layer.mlp.reduce = self._all_reduce
@@ -70,26 +73,31 @@ class ShardWorker:
         self.num_all_reduces += 1
         return tensor
 
-    def setup_cache(self, num_blocks: int, block_size: int, attention_backend: str) -> None:
-        """Allocate this rank's shard of a pool of ``num_blocks`` blocks."""
-        self.cache = KVCache(self.model.config, num_blocks, block_size, dtype=self.model.dtype, device=self.device)
-        if attention_backend == "triton":
-            from workbench.model.triton_backend import TritonAttentionBackend
+    def setup_cache(
+        self, num_blocks: int, block_size: int, attention_backend: str, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        """Allocate this rank's shard of a pool of ``num_blocks`` blocks, its backend and its decode step."""
+        from workbench.engine.engine import make_backend
 
-            self.backend = TritonAttentionBackend()
-        else:
-            self.backend = TorchAttentionBackend()
+        self.cache = KVCache(self.model.config, num_blocks, block_size, dtype=self.model.dtype, device=self.device)
+        self.backend = make_backend(attention_backend)
+        self.decode = DecodeStep(self.model, self.cache, self.backend, "eager", max_num_seqs, max_model_len)
 
     def run(self, step: dict[str, Any]) -> torch.Tensor | None:
-        """One step on this rank from the driver's plain lists (``step_inputs``); rank 0 returns the full logits
-        of the sampling rows (None when no token samples, and on the other ranks)."""
-        meta = build_metadata(step["query_lens"], step["seq_lens"], step["tables"], self.cache.block_size, self.device)
-        input_ids = torch.tensor(step["ids"], dtype=torch.long, device=self.device)
-        self.model.attn_backend = self.backend
-        hidden = self.model.forward(input_ids, meta, self.cache)
-        if not step["rows"]:
-            return None
-        return gather_logits(self.model.compute_logits(hidden[meta.last_token_indices[step["rows"]]]), self.shard)
+        """One step on this rank from the driver's plain lists; rank 0 returns the full logits of the sampling
+        rows (None when no token samples, and on the other ranks). A pure decode the decode step takes goes
+        through it (every rank decides alike: the same lengths and limits); anything else is one ragged forward."""
+        if step["decode"] and self.decode.supports(step["seq_lens"]):
+            local = self.decode.run(step["tokens"], step["seq_lens"], step["tables"])
+        else:
+            meta = build_metadata(step["query_lens"], step["seq_lens"], step["tables"], self.cache.block_size,
+                                  self.device)  # fmt: skip
+            ids = torch.tensor(step["tokens"], dtype=torch.long, device=self.device)
+            hidden = self.model.forward(ids, meta, self.cache, self.backend)
+            if not step["rows"]:
+                return None
+            local = self.model.compute_logits(hidden[meta.last_token_indices[step["rows"]]])
+        return gather_logits(local, self.shard)
 
     def comm_stats(self, reset: bool = True, enable: bool = True) -> dict[str, float]:
         """All-reduce seconds and count since the last call on this rank (the driver reports rank 0's)."""
@@ -101,40 +109,31 @@ class ShardWorker:
 
 
 class TensorParallelRunner(ModelRunner):
-    """The driver's runner over a ``WorkerGroup`` of ``ShardWorker`` ranks (rank 0 is this process)."""
+    """The driver's runner over a ``WorkerGroup`` of ``ShardWorker`` ranks (rank 0 is this process): it makes
+    the step's lists once (``prefill_inputs`` / ``prepare_decode``), every rank runs them, rank 0 samples."""
 
-    def __init__(self, group: WorkerGroup, num_blocks: int, block_size: int, attention_backend: str) -> None:
-        group.call("setup_cache", num_blocks, block_size, attention_backend)
+    def __init__(
+        self, group: WorkerGroup, num_blocks: int, block_size: int, config: EngineConfig, max_model_len: int
+    ) -> None:
+        group.call("setup_cache", num_blocks, block_size, config.attention_backend, config.max_num_seqs,
+                   max_model_len)  # fmt: skip
         worker: ShardWorker = group.worker
-        super().__init__(worker.model, worker.cache)
+        super().__init__(worker.model, worker.cache, worker.backend, worker.decode)
         self.group = group
 
     def execute(self, plan: StepPlan) -> dict[int, int]:
         if plan.is_empty:
             return {}
-        if self.time_model:
-            t0 = time.perf_counter()
         rows = [i for i, c in enumerate(plan.chunks) if c.samples]
-        logits = self.group.call("run", step_inputs(plan) | {"rows": rows})
-        if self.time_model:
-            self.last_model_s = time.perf_counter() - t0
-        if not rows:
-            return {}
-        seqs = [plan.chunks[i].seq for i in rows]
-        tokens = self.sampler(logits, [s.sampling for s in seqs], [s.seq_id for s in seqs])
-        return {s.seq_id: t for s, t in zip(seqs, tokens)}
-
-
-def step_inputs(plan: StepPlan) -> dict[str, Any]:
-    """A step as plain lists, small to broadcast: flat token ids, new and total tokens and block table per chunk."""
-    ids: list[int] = []
-    query_lens, seq_lens, tables = [], [], []
-    for chunk in plan.chunks:
-        ids.extend(chunk.seq.token_slice(chunk.start, chunk.start + chunk.num_new_tokens))
-        query_lens.append(chunk.num_new_tokens)
-        seq_lens.append(chunk.start + chunk.num_new_tokens)
-        tables.append(list(chunk.seq.block_table))
-    return {"ids": ids, "query_lens": query_lens, "seq_lens": seq_lens, "tables": tables}
+        if plan.is_pure_decode:
+            tokens, seq_lens, tables = self.prepare_decode(plan)
+            step = {"decode": True, "tokens": tokens, "query_lens": [1] * len(tokens)}
+        else:
+            tokens, query_lens, seq_lens, tables = self.prefill_inputs(plan)
+            step = {"decode": False, "tokens": tokens, "query_lens": query_lens}
+        step |= {"seq_lens": seq_lens, "tables": [list(t) for t in tables], "rows": rows}
+        logits = self._timed(self.group.call, "run", step)
+        return {} if logits is None else self._sample(plan, logits, rows)
 
 
 def start_workers(

@@ -14,8 +14,8 @@ import pandas as pd
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine, RunResult
 from workbench.engine.metrics import requests_to_dataframe
-from workbench.engine.sequence import SamplingParams
 from workbench.model.transformer import Transformer
+from workbench.request import SamplingParams
 from workbench.workloads import Request
 
 SUMMARY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2el_s")

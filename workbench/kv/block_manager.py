@@ -25,12 +25,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from workbench.engine.sequence import Sequence
+from workbench.config import ceil_div
 from workbench.errors import ConfigError
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+from workbench.request import Sequence
 
 
 def chain_hash(prev_hash: int | None, tokens: tuple[int, ...]) -> int:
@@ -158,10 +155,6 @@ class BlockManager:
         """Tokens of ``seq`` that ``allocate`` would take from the prefix cache now (no side effect)."""
         return len(self._lookup_prefix(seq)) * self.block_size
 
-    def can_allocate(self, seq: Sequence, watermark_blocks: int = 0) -> bool:
-        """Whether ``allocate(seq)`` would succeed while leaving ``watermark_blocks`` free."""
-        return self._plan_allocation(seq, watermark_blocks) is not None
-
     def _plan_allocation(self, seq: Sequence, watermark_blocks: int) -> list[int] | None:
         hits = self._lookup_prefix(seq)
         num_new = self.num_blocks_for(seq.num_tokens) - len(hits)
@@ -233,16 +226,6 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
         seq.num_committed_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        """Forget all cached free blocks (in-use registered blocks stay registered)."""
-        for block_id in list(self._evictable):
-            block = self.blocks[block_id]
-            del self._hash_to_block[block.hash]  # type: ignore[arg-type]
-            block.hash = None
-            block.token_ids = None
-            self._empty.append(block_id)
-        self._evictable.clear()
 
     # ---- checks ------------------------------------------------------------------------------------------
     def check_invariants(self, block_tables: list[list[int]] | None = None) -> None:

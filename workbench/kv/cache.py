@@ -60,8 +60,20 @@ class KVCache:
     def total_bytes(self) -> int:
         return self.bytes_per_token * self.num_slots
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
+        """The one writer of the pool: row ``t`` of ``k``/``v`` goes to slot ``slot_mapping[t]`` (int64, (T,)).
+
+        With ``layer``, ``k`` and ``v`` are that layer's ``(T, kv_heads, head_dim)``; without, every layer's
+        ``(layers, T, kv_heads, head_dim)`` at once (what the compiled decode step returns). Used by the prefill
+        path, both attention backends and every decode mode; ``kernels.kv_write`` is the same op as a kernel.
+        """
+        rows = (self.num_kv_heads, self.head_dim)
+        if layer is None:
+            self.k.view(self.num_layers, -1, *rows).index_copy_(1, slot_mapping, k)
+            self.v.view(self.num_layers, -1, *rows).index_copy_(1, slot_mapping, v)
+        else:
+            self.k[layer].view(-1, *rows).index_copy_(0, slot_mapping, k)
+            self.v[layer].view(-1, *rows).index_copy_(0, slot_mapping, v)
 
 
 class ContiguousKVCache(KVCache):

@@ -19,25 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench.config import ModelConfig
-from workbench.engine.sequence import Sequence
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
-from workbench.kvcalc import PagingComparison, paged_vs_contiguous
-
-
-def num_blocks_for_budget(model: ModelConfig, budget_bytes: int, block_size: int, kv_dtype: str = "bf16") -> int:
-    """How many KV blocks of ``block_size`` tokens fit in ``budget_bytes``."""
-    if budget_bytes <= 0:
-        raise ConfigError(f"KV memory budget must be > 0 bytes, got {budget_bytes}")
-    if block_size < 1:
-        raise ConfigError(f"block_size must be >= 1, got {block_size}")
-    block_bytes = block_size * model.kv_bytes_per_token(kv_dtype)
-    num_blocks = budget_bytes // block_bytes
-    if num_blocks < 1:
-        raise ConfigError(
-            f"KV memory budget of {budget_bytes} bytes holds no block of {block_size} tokens ({block_bytes} bytes)"
-        )
-    return int(num_blocks)
+from workbench.kv.sizing import PagingComparison, paged_vs_contiguous
+from workbench.request import Sequence
 
 
 def kv_tokens_held(seq: Sequence) -> int:

@@ -1,31 +1,44 @@
-"""Attention over a paged KV cache for a flattened, ragged batch: metadata and backends.
+"""Attention over a paged KV cache: the metadata of a step and the backends that attend.
 
-One step of the engine is a flat list of new tokens from several sequences. Sequence ``s`` contributes
-``query_lens[s]`` new tokens that sit at the end of its ``seq_lens[s]`` tokens of context: its new tokens have
-positions ``seq_lens[s] - query_lens[s] ... seq_lens[s] - 1`` and each attends causally to every earlier position
-of its own sequence (the cached prefix plus the new tokens up to itself). A decode is ``query_len == 1``; a whole
-prompt is ``query_len == seq_len``; a prefill chunk or a prefix-cache hit is anything in between. One code path
-serves all of them, and MHA/GQA/MQA differ only in ``num_kv_heads``.
+Two kinds of step, each with its own metadata and one builder:
+
+- a *ragged* step (prefill, chunked prefill, prefix hits, prefill mixed with decodes; ``Transformer.forward``):
+  sequence ``s`` contributes ``query_lens[s]`` new tokens at the end of its ``seq_lens[s]`` tokens of context, and
+  each new token attends causally to every earlier position of its own sequence. ``AttentionMetadata`` from
+  ``build_metadata``; the model writes the step's K/V into the cache (``KVCache.write``), then the backend attends.
+- a *pure decode* (``Transformer.decode_step``; ``workbench.engine.decode_step`` runs it eagerly, compiled or as a
+  CUDA graph): one new token per sequence. ``DecodeMetadata`` from ``build_decode_metadata``: besides the paged
+  view (block tables, lengths) it holds the slot of every cached key, padded to a common width ``C`` and masked,
+  so that the torch backend attends to the cached keys plus the new one without writing the cache first.
 
 Names follow flash-attention and vLLM: ``cu_seqlens_q``, ``seq_lens`` (K lengths), ``slot_mapping``,
-``block_tables``. A backend writes the step's new K/V into the cache and then attends; ``TorchAttentionBackend``
-does it with PyTorch's scaled_dot_product_attention, the Triton backend (``kernels/``) with its own kernels.
+``block_tables``. ``TorchAttentionBackend`` attends with PyTorch's scaled_dot_product_attention, the Triton backend
+(``workbench.model.triton_backend``) with the kernels of ``kernels/``. MHA/GQA/MQA differ only in ``num_kv_heads``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from workbench.config import ceil_div
 
+if TYPE_CHECKING:
+    from workbench.kv.cache import KVCache
+
+KEY_PAD = 16  # a decode's cached-key columns are padded to a multiple of this (C is never 1, which dynamo specialises)
+# The torch backend's decode gathers every sequence's cached keys into one (B, C) tensor; past this many key slots
+# the copy costs more than attending one sequence at a time over views of the cache, and a pure decode takes the
+# ragged path instead (the one "gather too big" limit of every decode mode).
+MAX_GATHER_KEY_SLOTS = 1 << 16
+
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs about one step, built once per step by ``build_metadata``."""
+    """Everything attention needs about one ragged step, built once per step by ``build_metadata``."""
 
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # context length per sequence after this step (cached + new)
@@ -39,7 +52,6 @@ class AttentionMetadata:
     # per-sequence helpers for the torch backend, computed once per step rather than once per layer
     seq_block_ids: list[torch.Tensor] = field(default_factory=list)
     seq_masks: list[torch.Tensor | None] = field(default_factory=list)
-    batch_gather: tuple[torch.Tensor, torch.Tensor] | None = None  # decode-only: (block ids (B, nb), mask (B,1,1,S))
 
     @property
     def num_seqs(self) -> int:
@@ -54,26 +66,32 @@ class AttentionMetadata:
         return max(self.query_lens)
 
     @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens)
-
-    @property
     def last_token_indices(self) -> torch.Tensor:
         """Index in the flat batch of each sequence's last new token (where its next token is sampled)."""
         return (self.cu_seqlens_q[1:] - 1).long()
 
 
-# A decode-only step of at least BATCHED_DECODE_MIN_SEQS sequences may gather every sequence's K/V into one padded
-# tensor and attend in one call; the gather copies (batch x longest context) key slots, so past
-# BATCHED_DECODE_MAX_KEY_SLOTS the per-sequence loop over cache views is faster. Measured on a 2-core CPU with
-# SmolLM2-135M shapes, 8 sequences at context 2048: 1110 ms batched vs 253 ms looped (MHA), 176 vs 147 ms (GQA 9/3);
-# 32 sequences at context 32: 79 ms batched vs 95 ms looped.
-BATCHED_DECODE_MIN_SEQS = 4
-BATCHED_DECODE_MAX_KEY_SLOTS = 2048
+@dataclass
+class DecodeMetadata:
+    """One pure-decode step of ``B`` sequences, built by ``build_decode_metadata`` (or copied into static buffers).
+
+    Row ``b``'s new token sits at position ``positions[b]`` (its number of cached keys) and is written to slot
+    ``slot_mapping[b]``. ``key_slots[b, j]`` is the slot of cached key ``j`` (past the row's length: some valid
+    slot, masked off by ``key_mask``); ``key_mask[b, 0, 0, C]``, the new key's column, is always True.
+    """
+
+    positions: torch.Tensor  # (B,) int64
+    slot_mapping: torch.Tensor  # (B,) int64
+    seq_lens: torch.Tensor  # (B,) int32: cached keys + the new one
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
+    key_slots: torch.Tensor  # (B, C) int64
+    key_mask: torch.Tensor  # (B, 1, 1, C + 1) bool
+    max_seq_len: int  # what the paged kernels size their split-K by (static steps: the longest allowed)
+
+    def copy_(self, other: DecodeMetadata) -> None:
+        """Copy ``other``'s tensors into this one's storage (the static buffers a CUDA graph reads)."""
+        for name in ("positions", "slot_mapping", "seq_lens", "block_tables", "key_slots", "key_mask"):
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
 
 
 def slot_of(table: list[int], pos: int, block_size: int) -> int:
@@ -86,6 +104,11 @@ def pad_block_tables(tables: list[list[int]], width: int) -> list[list[int]]:
     return [t[:width] + [0] * (width - min(len(t), width)) for t in tables]
 
 
+def decode_key_width(max_cached: int) -> int:
+    """Cached-key columns ``C`` of a decode whose longest sequence has ``max_cached`` keys: padded to ``KEY_PAD``."""
+    return KEY_PAD * ceil_div(max(max_cached, 1), KEY_PAD)
+
+
 def build_metadata(
     query_lens: list[int],
     seq_lens: list[int],
@@ -93,7 +116,7 @@ def build_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Turn per-sequence lengths and block tables into the step's tensors."""
+    """Turn per-sequence lengths and block tables into a ragged step's tensors."""
     positions: list[int] = []
     slots: list[int] = []
     for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
@@ -115,86 +138,102 @@ def build_metadata(
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor(pad_block_tables(block_tables, max_blocks), dtype=torch.int32, device=device),
     )
-    _prepare_torch_helpers(meta, device)
-    return meta
-
-
-def _prepare_torch_helpers(meta: AttentionMetadata, device: torch.device | str) -> None:
-    bs = meta.block_size
-    s_max = meta.max_seq_len
-    if (
-        meta.is_decode_only
-        and meta.num_seqs >= BATCHED_DECODE_MIN_SEQS
-        and meta.num_seqs * s_max <= BATCHED_DECODE_MAX_KEY_SLOTS
-    ):
-        ids = meta.block_tables[:, : ceil_div(s_max, bs)].long()  # (B, nb)
-        key_pos = torch.arange(ids.shape[1] * bs, device=device)
-        mask = (key_pos[None, :] < meta.seq_lens_t[:, None]).view(meta.num_seqs, 1, 1, -1)  # (B, 1, 1, nb*bs)
-        meta.batch_gather = (ids, mask)
-        return
     for q_len, s_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_list):
-        meta.seq_block_ids.append(torch.tensor(table[: ceil_div(s_len, bs)], dtype=torch.int64, device=device))
+        meta.seq_block_ids.append(torch.tensor(table[: ceil_div(s_len, block_size)], dtype=torch.int64, device=device))
         if q_len == 1 or q_len == s_len:
             meta.seq_masks.append(None)  # no mask, or plain causal
         else:
             # query i sits at position s_len - q_len + i and sees keys 0..that position
             q_pos = torch.arange(s_len - q_len, s_len, device=device)
             meta.seq_masks.append(torch.arange(s_len, device=device)[None, :] <= q_pos[:, None])  # (q_len, s_len)
+    return meta
+
+
+def build_decode_metadata(
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    width: int | None = None,
+    max_seq_len: int | None = None,
+) -> DecodeMetadata:
+    """A pure decode's tensors: sequence ``b`` has ``seq_lens[b] - 1`` cached keys and one new token.
+
+    ``width`` (C): cached-key columns, by default ``decode_key_width`` of the longest; ``max_seq_len``: what the
+    paged kernels are told is the longest (default: the true longest). Static steps pass both as the largest
+    the engine allows, so every shape stays the same from step to step.
+    """
+    cached = [n - 1 for n in seq_lens]
+    width = decode_key_width(max(cached)) if width is None else width
+    max_seq_len = max(seq_lens) if max_seq_len is None else max_seq_len
+    tables = torch.tensor(pad_block_tables(block_tables, ceil_div(max(width, max_seq_len), block_size)), device=device)
+    pos = torch.tensor(cached, dtype=torch.int64, device=device)
+    j = torch.arange(width, device=device)
+    key_mask = torch.ones(len(seq_lens), 1, 1, width + 1, dtype=torch.bool, device=device)
+    torch.lt(j[None, :], pos[:, None], out=key_mask[:, 0, 0, :width])  # the last column (the new key) stays True
+    return DecodeMetadata(
+        positions=pos,
+        slot_mapping=torch.tensor([slot_of(t, p, block_size) for t, p in zip(block_tables, cached)], device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(torch.int32),
+        key_slots=tables[:, j // block_size] * block_size + j % block_size,  # (B, C)
+        key_mask=key_mask,
+        max_seq_len=max_seq_len,
+    )
 
 
 class AttentionBackend(Protocol):
-    """Writes a step's new K/V into the paged cache, then attends every new query to its sequence's context."""
+    """Attends a step's new queries to their sequences' cached context.
+
+    ``forward`` serves a ragged step whose K/V the model has already written; ``decode`` a pure decode, given the
+    new tokens' K/V. ``decode_writes_cache``: whether ``decode`` writes the new K/V itself (a kernel that reads
+    them from the pool must); otherwise the caller writes them (``KVCache.write``) after the step.
+    """
 
     name: str
+    gathers: bool  # whether decode gathers the cached keys (bounded by MAX_GATHER_KEY_SLOTS)
+    decode_writes_cache: bool
 
     def forward(
         self,
         q: torch.Tensor,  # (num_tokens, num_heads, head_dim), rotary applied
-        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim), rotary applied
-        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), one layer
+        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), one layer, step's K/V written
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         ...
 
-
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter new K/V rows into their cache slots (the PyTorch twin of ``kernels.kv_write``)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    def decode(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (B, num_heads, head_dim): one new token per sequence, rotary applied
+        k: torch.Tensor,  # (B, num_kv_heads, head_dim): the new tokens' K, rotary applied
+        v: torch.Tensor,  # (B, num_kv_heads, head_dim)
+        cache: KVCache,
+        meta: DecodeMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (B, num_heads, head_dim)
+        ...
 
 
 class TorchAttentionBackend:
-    """PyTorch SDPA per sequence (or one padded batch for many decodes). The engine's default on CPU."""
+    """PyTorch SDPA: per sequence for a ragged step, one padded gather for a pure decode. The CPU default."""
 
     name = "torch"
+    gathers = True
+    decode_writes_cache = False
 
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         n_kv, d = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // n_kv  # query heads per KV head (1: MHA)
-        if meta.batch_gather is not None:
-            ids, mask = meta.batch_gather
-            b = meta.num_seqs
-            kk = k_cache[ids].view(b, -1, n_kv, d).transpose(1, 2)  # (B, kv_heads, nb*bs, d)
-            vv = v_cache[ids].view(b, -1, n_kv, d).transpose(1, 2)
-            # GQA without copies: the `group` query heads of KV head j (heads j*group ...) act as its query rows
-            qg = q.view(b, n_kv, group, d)  # (B, kv_heads, group, d)
-            out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask, scale=scale)  # (B, kv_heads, group, d)
-            return out.reshape(b, n_kv * group, d)
         out = torch.empty_like(q)
         start = 0
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
@@ -210,8 +249,6 @@ class TorchAttentionBackend:
                 # 4-D inputs select SDPA's fused CPU kernel (3-D ones take the slower math path)
                 qg = q[start].view(1, n_kv, group, d)  # (1, kv_heads, group, d)
                 o = F.scaled_dot_product_attention(qg, kt[None], vt[None], scale=scale)  # (1, kv_heads, group, d)
-                if meta.num_seqs == 1:  # batch-1 decode: the output is the answer, no copy into `out`
-                    return o.view(1, n_kv * group, d)
                 out[start] = o.view(n_kv * group, d)
                 start += 1
                 continue
@@ -230,56 +267,27 @@ class TorchAttentionBackend:
             start += q_len
         return out
 
-
-def gathered_decode_attention(
-    q: torch.Tensor,  # (B, num_heads, head_dim): one new token per sequence, rotary applied
-    k: torch.Tensor,  # (B, num_kv_heads, head_dim): the new tokens' K, rotary applied
-    v: torch.Tensor,  # (B, num_kv_heads, head_dim)
-    k_slots: torch.Tensor,  # (num_slots, num_kv_heads, head_dim): one layer's pool, flat
-    v_slots: torch.Tensor,
-    key_slots: torch.Tensor,  # (B, C) int64: slot of each cached key position (any valid slot past the length)
-    key_mask: torch.Tensor,  # (B, 1, 1, C + 1) bool: which cached keys count; the last column (new key) True
-    scale: float,
-) -> torch.Tensor:  # (B, num_heads, head_dim)
-    """Decode attention over the cached keys plus the new one, without writing the cache.
-
-    Each sequence's cached K/V are gathered through ``key_slots`` (C columns, padded to the longest sequence and
-    masked), the new token's K/V appended as the last key. The shapes depend only on (B, C), which is what lets
-    ``Transformer.decode_gathered`` be compiled as one graph with C dynamic.
-    """
-    b, n_kv, d = k.shape
-    group = q.shape[1] // n_kv
-    kk = torch.cat((k_slots[key_slots], k[:, None]), dim=1).transpose(1, 2)  # (B, kv_heads, C + 1, d)
-    vv = torch.cat((v_slots[key_slots], v[:, None]), dim=1).transpose(1, 2)
-    qg = q.reshape(b, n_kv, group, d)  # GQA without copies: a KV head's query heads are its query rows
-    out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=key_mask, scale=scale)  # (B, kv_heads, group, d)
-    return out.reshape(b, n_kv * group, d)
+    def decode(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        meta: DecodeMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Each row's cached K/V gathered through ``meta.key_slots`` (masked), its new K/V appended as the last
+        key: the scores and values of a write followed by attention, with the cache only read. The shapes depend
+        only on (B, C), so the step compiles as one graph with C dynamic."""
+        b, n_kv, d = k.shape
+        group = q.shape[1] // n_kv
+        k_slots, v_slots = cache.k[layer].view(-1, n_kv, d), cache.v[layer].view(-1, n_kv, d)  # (num_slots, kv, d)
+        kk = torch.cat((k_slots[meta.key_slots], k[:, None]), dim=1).transpose(1, 2)  # (B, kv_heads, C + 1, d)
+        vv = torch.cat((v_slots[meta.key_slots], v[:, None]), dim=1).transpose(1, 2)
+        qg = q.reshape(b, n_kv, group, d)  # GQA without copies: a KV head's query heads are its query rows
+        out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=meta.key_mask, scale=scale)  # (B, kv, group, d)
+        return out.reshape(b, n_kv * group, d)
 
 
-def reference_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """The slow, obviously-correct attention: per sequence, per head, fp32, explicit causal mask and softmax."""
-    n_heads, n_kv = q.shape[1], k_cache.shape[2]
-    group = n_heads // n_kv
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    start = 0
-    for q_len, s_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_list):
-        pos = torch.arange(s_len)
-        slots = torch.tensor([table[p // meta.block_size] for p in range(s_len)]) * meta.block_size
-        slots = slots + pos % meta.block_size
-        ks = k_cache.reshape(-1, n_kv, k_cache.shape[-1])[slots].float()  # (s_len, kv_heads, d)
-        vs = v_cache.reshape(-1, n_kv, v_cache.shape[-1])[slots].float()
-        q_pos = torch.arange(s_len - q_len, s_len)
-        allowed = pos[None, :] <= q_pos[:, None]  # (q_len, s_len)
-        for h in range(n_heads):
-            qh = q[start : start + q_len, h].float()  # (q_len, d)
-            scores = (qh @ ks[:, h // group].T) * scale
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            out[start : start + q_len, h] = torch.softmax(scores, dim=-1) @ vs[:, h // group]
-        start += q_len
-    return out.to(q.dtype)
+TORCH_BACKEND = TorchAttentionBackend()  # stateless: what a model's forward uses unless given another

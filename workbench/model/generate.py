@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field
 
 from workbench.device import synchronize
-from workbench.engine.sampler import Sampler
-from workbench.engine.sequence import SamplingParams
+from workbench.model.sampler import Sampler
 from workbench.model.transformer import Transformer
+from workbench.request import SamplingParams
 
 
 @dataclass

@@ -4,8 +4,11 @@
                         prompt are written to the cache, and the last position's logits give the first token.
     decode(tokens)    : one new token per sequence; each step re-reads every weight and the sequence's whole cache.
 
-Both are thin wrappers over ``forward``, which takes a flat ragged batch of new tokens and its ``AttentionMetadata``
-(so the engine can also mix prefill chunks and decodes in one step). MHA, GQA and MQA are one code path: only
+They are thin wrappers over the model's two entry points over a paged cache: ``forward``, a flat ragged batch of
+new tokens and its ``AttentionMetadata`` (so the engine can also mix prefill chunks and decodes in one step), and
+``decode_step``, the one pure-decode step (one token per sequence, ``DecodeMetadata``), which the engine runs eagerly,
+compiled or as a CUDA graph (``workbench.engine.decode_step``). The attention backend is an argument of both: it
+belongs to the caller (the engine), not to the model. MHA, GQA and MQA are one code path: only
 ``num_kv_heads`` differs. Q/K/V and gate/up projections are fused into single matrix products (fewer, larger GEMMs);
 ``workbench.model.checkpoint`` maps HF tensors onto them.
 """
@@ -22,13 +25,17 @@ from workbench.config import ModelConfig
 from workbench.errors import RequestError
 from workbench.kv.cache import ContiguousKVCache, KVCache
 from workbench.model.attention import (
+    TORCH_BACKEND,
     AttentionBackend,
     AttentionMetadata,
-    TorchAttentionBackend,
+    DecodeMetadata,
+    build_decode_metadata,
     build_metadata,
-    gathered_decode_attention,
 )
 from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary_rolled, signed_sin
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""(layer, q (T, heads, d), k (T, kv_heads, d), v, scale) -> attention output (T, heads, d)."""
 
 
 class Attention(nn.Module):
@@ -46,41 +53,18 @@ class Attention(nn.Module):
         x: torch.Tensor,  # (T, hidden)
         cos: torch.Tensor,  # (T, 1, head_dim)
         sin_signed: torch.Tensor,  # (T, 1, head_dim): layers.signed_sin(sin)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, kv_heads, head_dim)
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin_signed)
-        o = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, heads, d)
-        out = F.linear(o.reshape(x.shape[0], self.q_size), self.o_proj.weight)  # row-parallel under TP
-        return out if self.reduce is None else self.reduce(out)
-
-    def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+        attend: Attend,
+        layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q (T, heads, d) and K (T, kv_heads, d) with rotary applied, and V (T, kv_heads, d)."""
+        """(output (T, hidden), this step's K (T, kv_heads, d), V): ``attend`` writes or keeps the K/V."""
         t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q_size + 2 kv_size)
         # rotary on Q and K together: their columns are adjacent, so one set of kernels serves both
         qk = apply_rotary_rolled(qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, d), cos, sin_signed)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
-        return qk[:, :nh], qk[:, nh:], v
-
-    def decode_gathered(
-        self,
-        x: torch.Tensor,  # (B, hidden): one new token per sequence
-        cos: torch.Tensor,
-        sin_signed: torch.Tensor,
-        k_slots: torch.Tensor,  # (num_slots, kv_heads, head_dim): this layer's pool, flat
-        v_slots: torch.Tensor,
-        key_slots: torch.Tensor,  # (B, C) int64
-        key_mask: torch.Tensor,  # (B, 1, 1, C + 1) bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decode attention that reads the cache and writes nothing: (output (B, hidden), new K, new V)."""
-        q, k, v = self.project(x, cos, sin_signed)
-        o = gathered_decode_attention(q, k, v, k_slots, v_slots, key_slots, key_mask, self.scale)
-        return F.linear(o.reshape(x.shape[0], self.q_size), self.o_proj.weight), k, v
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
+        o = attend(layer, q, k, v, self.scale)  # (T, heads, d)
+        out = F.linear(o.reshape(t, self.q_size), self.o_proj.weight)  # row-parallel under TP
+        return (out if self.reduce is None else self.reduce(out)), k, v
 
 
 class DecoderLayer(nn.Module):
@@ -91,24 +75,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin_signed, k_cache, v_cache, meta, backend) -> torch.Tensor:  # noqa: ANN001
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, attend: Attend, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # submodules' forward is called directly: nn.Module.__call__ costs more than a decode's small ops
-        x = x + self.self_attn.forward(
-            self.input_layernorm.forward(x), cos, sin_signed, k_cache, v_cache, meta, backend
-        )
-        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x)))  # x: this layer's own tensor
-
-    def decode_gathered(self, x, cos, sin_signed, k_slots, v_slots, key_slots, key_mask):  # noqa: ANN001, ANN201
-        """``forward`` for a pure decode through ``Attention.decode_gathered``: (x, new K, new V)."""
-        o, k, v = self.self_attn.decode_gathered(
-            self.input_layernorm.forward(x), cos, sin_signed, k_slots, v_slots, key_slots, key_mask
-        )
+        o, k, v = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin_signed, attend, layer)
         x = x + o
-        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x))), k, v
+        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x))), k, v  # x: this layer's own tensor
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer. ``attn_backend`` may be swapped (torch SDPA by default, or Triton)."""
+    """Decoder-only transformer. Attention goes through the backend its caller passes (torch SDPA by default)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -120,7 +97,6 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
-        self.attn_backend: AttentionBackend = TorchAttentionBackend()
 
     # ---- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -162,47 +138,64 @@ class Transformer(nn.Module):
         """A contiguous per-slot cache in the model's dtype and device."""
         return ContiguousKVCache(self.config, max_batch, max_len, dtype=self.dtype, device=self.device)
 
-    # ---- the one forward over a flat ragged batch ------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-        """Hidden states after the final norm for every new token. input_ids: (T,) -> (T, hidden)."""
+    # ---- the two entry points over a paged cache: a ragged step, and a pure decode --------------------------------
+    def _layers(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Embed, every layer with ``attend`` as its attention, final norm: (hidden (T, hidden), K and V per layer)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = self.rotary(meta.positions, x.dtype)  # once per step, shared by every layer
+        cos, sin = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         sin_signed = signed_sin(sin)
-        k_layers, v_layers = cache.k.unbind(0), cache.v.unbind(0)  # one view per layer, made once per step
-        for layer, k_cache, v_cache in zip(self.layers, k_layers, v_layers):
-            x = layer.forward(x, cos, sin_signed, k_cache, v_cache, meta, self.attn_backend)
-        return self.norm(x)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.forward(x, cos, sin_signed, attend, i)
+            ks.append(k)
+            vs.append(v)
+        return self.norm.forward(x), ks, vs
 
-    def decode_gathered(
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: KVCache,
+        backend: AttentionBackend = TORCH_BACKEND,
+    ) -> torch.Tensor:
+        """A ragged step (prefill, chunks, mixed): each layer writes its K/V into ``cache``, then attends.
+        Hidden states after the final norm for every new token; input_ids: (T,) -> (T, hidden)."""
+        k_layers, v_layers = cache.k.unbind(0), cache.v.unbind(0)  # one view per layer, made once per step
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            cache.write(meta.slot_mapping, k, v, layer=i)
+            return backend.forward(q, k_layers[i], v_layers[i], meta, scale)
+
+        return self._layers(input_ids, meta.positions, attend)[0]
+
+    def decode_step(
         self,
         input_ids: torch.Tensor,  # (B,) one new token per sequence
-        positions: torch.Tensor,  # (B,) int64: each token's position (its sequence's cached length)
-        key_slots: torch.Tensor,  # (B, C) int64: pool slot of each cached key position, padded past the length
-        key_mask: torch.Tensor,  # (B, 1, 1, C + 1) bool: cached keys to attend to, then the new token's (True)
-        k_pool: torch.Tensor,  # (layers, num_blocks, block_size, kv_heads, head_dim): KVCache.k
-        v_pool: torch.Tensor,
+        meta: DecodeMetadata,
+        cache: KVCache,
+        backend: AttentionBackend = TORCH_BACKEND,
+        write: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A pure-decode step as a function of its inputs: next-token logits (B, vocab) fp32 and every layer's
-        new K and V, (layers, B, kv_heads, head_dim) each, for the caller to write at the tokens' slots.
+        """The one pure-decode step: next-token logits (B, vocab) fp32 and every layer's new K and V,
+        (layers, B, kv_heads, head_dim) each.
 
-        It reads the pool and writes nothing, so ``torch.compile`` takes it as one graph without copying the
-        pool (a write into a view of a graph input makes inductor copy the whole base). Each token attends to
-        its cached keys gathered through ``key_slots`` (masked by ``key_mask``) followed by its own new key:
-        the same scores and values as ``forward`` with a write first, the new key last instead of in place.
+        The torch backend only reads the cache during the step (each token attends to its gathered cached keys
+        and then its own new key); ``write`` then stores the new K/V with ``KVCache.write``. ``write=False``
+        leaves that to the caller: the compiled step (``workbench.engine.decode_step``) is a function that writes
+        nothing, since a write into a view of a graph input makes inductor copy the whole pool.
         """
-        n_layers = self.config.num_layers
-        k_flat = k_pool.view(n_layers, -1, *k_pool.shape[3:])  # (layers, num_slots, kv_heads, d)
-        v_flat = v_pool.view(n_layers, -1, *v_pool.shape[3:])
-        x = self.embed_tokens(input_ids)  # (B, hidden)
-        cos, sin = self.rotary(positions, x.dtype)
-        sin_signed = signed_sin(sin)
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer.decode_gathered(x, cos, sin_signed, k_flat[i], v_flat[i], key_slots, key_mask)
-            new_k.append(k)
-            new_v.append(v)
-        return self.compute_logits(self.norm.forward(x)), torch.stack(new_k), torch.stack(new_v)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            return backend.decode(i, q, k, v, cache, meta, scale)
+
+        hidden, ks, vs = self._layers(input_ids, meta.positions, attend)
+        k_new, v_new = torch.stack(ks), torch.stack(vs)
+        if write and not backend.decode_writes_cache:
+            cache.write(meta.slot_mapping, k_new, v_new)
+        return self.compute_logits(hidden), k_new, v_new
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -221,7 +214,13 @@ class Transformer(nn.Module):
         if bad:
             raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
-    def prefill(self, prompts: list[list[int]], cache: ContiguousKVCache, slots: list[int]) -> torch.Tensor:
+    def prefill(
+        self,
+        prompts: list[list[int]],
+        cache: ContiguousKVCache,
+        slots: list[int],
+        backend: AttentionBackend = TORCH_BACKEND,
+    ) -> torch.Tensor:
         """Run whole prompts into cache slots; return each prompt's last-position logits, (num_seqs, vocab) fp32."""
         cache.check_slots(slots)
         if len(prompts) != len(slots):
@@ -231,12 +230,19 @@ class Transformer(nn.Module):
         lens = [len(p) for p in prompts]
         meta = build_metadata(lens, lens, [[s] for s in slots], cache.block_size, self.device)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)
-        hidden = self.forward(ids, meta, cache)
+        hidden = self.forward(ids, meta, cache, backend)
         for s, n in zip(slots, lens):
             cache.lengths[s] = n
         return self.compute_logits(hidden[meta.last_token_indices])
 
-    def decode(self, tokens: list[int], cache: ContiguousKVCache, slots: list[int]) -> torch.Tensor:
+    @torch.inference_mode()
+    def decode(
+        self,
+        tokens: list[int],
+        cache: ContiguousKVCache,
+        slots: list[int],
+        backend: AttentionBackend = TORCH_BACKEND,
+    ) -> torch.Tensor:
         """One new token per slot, attending to the slot's whole cache; return next-token logits (num_seqs, vocab)."""
         cache.check_slots(slots)
         if len(tokens) != len(slots):
@@ -247,8 +253,9 @@ class Transformer(nn.Module):
                 raise RequestError(f"slot {s} has no prefilled context; call prefill first")
             if n > cache.max_len:
                 raise RequestError(f"slot {s} is full ({cache.max_len} tokens)")
-        meta = build_metadata([1] * len(slots), seq_lens, [[s] for s in slots], cache.block_size, self.device)
-        hidden = self.forward(torch.tensor(tokens, dtype=torch.long, device=self.device), meta, cache)
+        meta = build_decode_metadata(seq_lens, [[s] for s in slots], cache.block_size, self.device)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        logits = self.decode_step(ids, meta, cache, backend)[0]
         for s, n in zip(slots, seq_lens):
             cache.lengths[s] = n
-        return self.compute_logits(hidden)
+        return logits

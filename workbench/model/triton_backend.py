@@ -1,31 +1,36 @@
 """The Triton attention backend: the engine's paged attention through the kernels of ``kernels/``.
 
-Same protocol as ``TorchAttentionBackend`` (``workbench.model.attention``): write the step's new K/V into the
-cache with ``kv_write``, then attend with ``paged_decode_attention`` when every sequence decodes one token
-(split-K over the context) or ``paged_prefill_attention`` otherwise (prefill, chunked prefill, prefix hits and
-mixed prefill/decode batches). Runs on CUDA, or on the CPU under the Triton interpreter (``TRITON_INTERPRET=1``
-set before ``kernels`` is imported; slow, for tests).
+Same protocol as ``TorchAttentionBackend`` (``workbench.model.attention``): a ragged step (prefill, chunked
+prefill, prefix hits, mixed prefill/decode batches) attends with ``paged_prefill_attention`` over K/V the model has
+already written; a pure decode writes the new K/V first (``KVCache.write``: the kernel reads them from the pool),
+then attends with ``paged_decode_attention`` (split-K over the context). Runs on CUDA, or on the CPU under the
+Triton interpreter (``TRITON_INTERPRET=1`` set before ``kernels`` is imported; slow, for tests).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from workbench.model.attention import AttentionMetadata
+from workbench.model.attention import AttentionMetadata, DecodeMetadata
+
+if TYPE_CHECKING:
+    from workbench.kv.cache import KVCache
 
 
 class TritonAttentionBackend:
     """Paged attention with Triton kernels; ``num_splits`` fixes decode's split-K (None: a heuristic)."""
 
     name = "triton"
+    gathers = False
+    decode_writes_cache = True
 
     def __init__(self, num_splits: int | None = None) -> None:
         # imported here so that the workbench does not pay for (or require) triton until this backend is used
-        from kernels.kv_write import kv_write
         from kernels.paged_decode import paged_decode_attention
         from kernels.paged_prefill import paged_prefill_attention
 
-        self._kv_write = kv_write
         self._decode = paged_decode_attention
         self._prefill = paged_prefill_attention
         self.num_splits = num_splits
@@ -33,33 +38,30 @@ class TritonAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,  # (num_tokens, num_heads, head_dim), rotary applied
-        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim), rotary applied
-        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), one layer
+        k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), one layer, step's K/V written
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        """Write K/V for the step's tokens into their slots, then attend each query to its sequence's context."""
-        self._kv_write(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode_only:  # one query per sequence: token i of the batch is sequence i
-            return self._decode(
-                q,
-                k_cache,
-                v_cache,
-                meta.block_tables,
-                meta.seq_lens_t,
-                scale=scale,
-                num_splits=self.num_splits,
-                max_seq_len=meta.max_seq_len,
-            )
+        """Attend each query to its sequence's context (the kernel handles any mix of query lengths)."""
         return self._prefill(
-            q,
-            k_cache,
-            v_cache,
-            meta.block_tables,
-            meta.seq_lens_t,
-            meta.cu_seqlens_q,
-            meta.max_query_len,
-            scale=scale,
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.cu_seqlens_q, meta.max_query_len, scale=scale
         )
+
+    def decode(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (B, num_heads, head_dim)
+        k: torch.Tensor,  # (B, num_kv_heads, head_dim)
+        v: torch.Tensor,
+        cache: KVCache,
+        meta: DecodeMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (B, num_heads, head_dim)
+        """Write the new K/V at their slots, then one query per sequence over its whole paged context."""
+        cache.write(meta.slot_mapping, k, v, layer=layer)
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        return self._decode(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=scale, num_splits=self.num_splits,
+            max_seq_len=meta.max_seq_len,
+        )  # fmt: skip

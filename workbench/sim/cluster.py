@@ -39,11 +39,11 @@ from typing import Any
 from workbench.config import ModelConfig
 from workbench.engine.config import ServingConfig
 from workbench.engine.metrics import StepLog, summarize
-from workbench.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence
+from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
-from workbench.kv.ledger import num_blocks_for_budget
+from workbench.kv.sizing import plan_num_blocks
+from workbench.request import RequestRecord, SamplingParams, Sequence
 from workbench.sim.costmodel import CostModel, plan_stats
 from workbench.workloads import Request, prompt_token_ids
 
@@ -58,6 +58,8 @@ class SimConfig(ServingConfig):
     ``num_blocks``: KV blocks per replica; None derives it from the hardware's memory:
     ``(mem_capacity * gpu_memory_utilization - weight bytes) / (block_size * kv bytes per token)``
     (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given.
+    It models a GPU server, so two defaults differ from the CPU engine's (and are written here only): 256
+    sequences (vLLM's ``max_num_seqs``) and bf16.
     ``max_model_len`` None: ``min(model's max positions, 4096)``, as the engine.
     """
 
@@ -105,7 +107,7 @@ class SimConfig(ServingConfig):
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_bytes is not None:
-            return num_blocks_for_budget(model, self.kv_cache_bytes, self.block_size, self.dtype)
+            return plan_num_blocks(model, self.block_size, self.dtype, self.kv_cache_bytes)
         if hardware is None:
             raise ConfigError("num_blocks or kv_cache_bytes is needed when no hardware spec is given")
         from workbench.hardware import get_hardware
@@ -113,7 +115,7 @@ class SimConfig(ServingConfig):
         hw = get_hardware(hardware)
         budget = hw.mem_capacity * self.gpu_memory_utilization - model.weight_bytes(self.dtype)
         try:
-            return num_blocks_for_budget(model, int(budget), self.block_size, self.dtype)
+            return plan_num_blocks(model, self.block_size, self.dtype, budget)
         except ConfigError:
             raise ConfigError(
                 f"no KV block of {self.block_size} tokens fits: the weights of {model.name} "
@@ -199,13 +201,13 @@ class Replica:
             if not ready and self.fast:
                 window = sched.decode_steps_until_change()
                 if window > 1:
-                    running = sched.running
+                    running = list(sched.running)  # the run may finish some: log what it decoded
                     n = len(running)
                     context = sum(s.num_computed_tokens for s in running) + n
                     starts, ends = cost.decode_run(self.clock, n, context, window - 1, until)
                     if ends:
                         sched.advance_decode_steps(ends, SIM_TOKEN)
-                        self._log_bulk(starts, ends, n)
+                        self._log_bulk(starts, ends, running)
                         self.clock = ends[-1]
                         continue
             plan = sched.schedule(now=start)
@@ -226,20 +228,19 @@ class Replica:
         self.busy_s += end - start
         self.num_steps += 1
         if self.step_log is not None:
-            self.step_log.record(
-                start, end, plan.num_prefill_tokens, plan.num_decode_tokens, plan.num_seqs,
-                self.block_manager.num_used_blocks, len(plan.preempted),
-            )  # fmt: skip
+            self.step_log.record(plan, start, end, self.block_manager.num_used_blocks)
         self._finish(finished, end)
 
-    def _log_bulk(self, starts: list[float], ends: list[float], n: int) -> None:
+    def _log_bulk(self, starts: list[float], ends: list[float], running: list[Sequence]) -> None:
         self.busy_s += sum(ends) - sum(starts)
         self.num_steps += len(ends)
         self.num_bulk_steps += len(ends)
         if self.step_log is not None:
             used = self.block_manager.num_used_blocks  # after the run (a run may take a block mid-way)
+            # every step of the run decodes the same sequences: one plan of their decode chunks logs each
+            plan = StepPlan([ScheduledChunk(q, 1, q.num_computed_tokens - 1, False, True) for q in running])
             for s, e in zip(starts, ends):
-                self.step_log.record(s, e, 0, n, n, used, 0)
+                self.step_log.record(plan, s, e, used)
 
     def _finish(self, finished: list[Sequence], now: float) -> None:
         for seq in finished:

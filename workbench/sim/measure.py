@@ -1,9 +1,9 @@
 """Measure the real engine's step times on this machine and fit the ``profiled`` cost model to them.
 
 ``measure_engine_steps`` replays workloads on an ``Engine`` and pairs every logged step with the ``StepStats``
-of the plan it executed (captured by wrapping the engine's ``Scheduler.schedule``; the scheduler itself is not
-changed), plus the host gap after each step that was followed at once by another (not by an idle wait for an
-arrival). ``fit_engine_profile`` fits ``ProfiledCostModel`` to them. Torch is imported only through the engine.
+of the plan it executed (``Engine.on_step`` hands over each plan with its log record), plus the host gap after
+each step that was followed at once by another (not by an idle wait for an arrival). ``fit_engine_profile`` fits
+``ProfiledCostModel`` to them. Torch is imported only through the engine.
 """
 
 from __future__ import annotations
@@ -36,37 +36,19 @@ class StepSamples:
         self.wakes_s += other.wakes_s
 
 
-def instrument(engine: Any) -> tuple[list[StepStats], list[bool]]:
-    """Wrap ``engine.scheduler``'s schedule/update on the instance: returns the lists that receive each non-empty
-    plan's stats and, per non-empty step, whether work remained right after it (the next step follows at once)."""
-    sched = engine.scheduler
-    schedule, update = sched.schedule, sched.update
-    stats: list[StepStats] = []
-    busy_after: list[bool] = []
-
-    def schedule_and_record(now: float | None = None) -> StepPlan:
-        plan = schedule(now=now)
-        if not plan.is_empty:
-            stats.append(plan_stats(plan))
-        return plan
-
-    def update_and_record(plan: StepPlan, sampled: dict[int, int], now: float) -> list:
-        finished = update(plan, sampled, now)
-        if not plan.is_empty:
-            busy_after.append(sched.has_unfinished())
-        return finished
-
-    sched.schedule = schedule_and_record
-    sched.update = update_and_record
-    return stats, busy_after
-
-
 def measure_engine_steps(engine_factory: Any, workloads: list[list[Request]], seed: int = 0) -> StepSamples:
     """Replay each workload on a fresh engine from ``engine_factory()`` and collect its steps."""
     samples = StepSamples()
     for requests in workloads:
         engine = engine_factory()
-        stats, busy_after = instrument(engine)
+        stats: list[StepStats] = []
+        busy_after: list[bool] = []  # per step: whether work remained right after it (the next step follows at once)
+
+        def observe(plan: StepPlan, _record: Any, engine: Any = engine, stats=stats, busy_after=busy_after) -> None:  # noqa: ANN001
+            stats.append(plan_stats(plan))
+            busy_after.append(engine.scheduler.has_unfinished())
+
+        engine.on_step = observe
         engine.replay(requests, seed=seed)
         steps = engine.step_log.steps
         if len(steps) != len(stats):
@@ -161,6 +143,6 @@ def fit_engine_profile(
 def engine_batched_decode(device: Any) -> tuple[int, int] | None:
     """The engine's rule for attending a decode-only step in one padded gather, (min_seqs, max_key_slots), on a
     device whose engine attends with the torch backend one sequence at a time otherwise (CPU); None elsewhere."""
-    from workbench.model.attention import BATCHED_DECODE_MAX_KEY_SLOTS, BATCHED_DECODE_MIN_SEQS
+    from workbench.model.attention import MAX_GATHER_KEY_SLOTS
 
-    return (BATCHED_DECODE_MIN_SEQS, BATCHED_DECODE_MAX_KEY_SLOTS) if str(device).startswith("cpu") else None
+    return (1, MAX_GATHER_KEY_SLOTS) if str(device).startswith("cpu") else None

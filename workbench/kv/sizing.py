@@ -3,6 +3,9 @@
 - bytes per token: ``ModelConfig.kv_bytes_per_token`` (K and V, all layers: 2 * layers * kv_heads * head_dim * B).
 - ``attention_variants``: the same for the model's MHA, GQA and MQA counterparts (same query heads and head
   size, different numbers of KV heads), to show what grouping saves.
+- ``plan_num_blocks``: the one KV-pool planner: how many blocks of ``block_size`` tokens a pool gets (given,
+  or as many as fit a byte budget, capped at what the wanted tokens need). The engine (``EngineConfig``), the
+  simulator (``SimConfig``) and ``max_concurrent_sequences`` size their pools through it.
 - ``max_concurrent_sequences``: the largest number of sequences of a given length whose KV cache fits in a
   memory budget after the weights (and an optional reserve for activations), contiguous or paged.
 - ``paged_vs_contiguous``: memory of a set of requests when each slot reserves the maximum length
@@ -61,6 +64,28 @@ def attention_variants(
     return rows
 
 
+def plan_num_blocks(
+    model: ModelConfig,
+    block_size: int,
+    kv_dtype: str,
+    budget_bytes: float,
+    wanted_tokens: int | None = None,
+) -> int:
+    """How many KV blocks of ``block_size`` tokens fit in ``budget_bytes``: ``budget // (block_size *
+    kv_bytes_per_token)``, at most the blocks ``wanted_tokens`` need when given. Raises ``ConfigError`` when not
+    even one block fits."""
+    if block_size < 1:
+        raise ConfigError(f"block_size must be >= 1, got {block_size}")
+    block_bytes = block_size * model.kv_bytes_per_token(kv_dtype)
+    num_blocks = int(max(0.0, budget_bytes) // block_bytes)
+    if num_blocks < 1:
+        raise ConfigError(
+            f"a KV memory budget of {int(budget_bytes)} bytes holds no block of {block_size} tokens "
+            f"({block_bytes} bytes)"
+        )
+    return num_blocks if wanted_tokens is None else min(num_blocks, ceil_div(wanted_tokens, block_size))
+
+
 @dataclass(frozen=True)
 class CapacityResult:
     """How many sequences of ``seq_len`` tokens fit in ``memory_bytes``."""
@@ -103,8 +128,12 @@ def max_concurrent_sequences(
     budget = memory_bytes - weights - reserve_bytes
     tokens = seq_len if block_size is None else ceil_div(seq_len, block_size) * block_size
     per_seq = tokens * cfg.kv_bytes_per_token(kv_dtype or dtype)
+    try:  # a sequence's whole reservation as one "block": how many fit is the pool planner's answer
+        max_seqs = plan_num_blocks(cfg, tokens, kv_dtype or dtype, budget)
+    except ConfigError:
+        max_seqs = 0
     return CapacityResult(
-        max_seqs=max(0, int(budget // per_seq)),
+        max_seqs=max_seqs,
         memory_bytes=float(memory_bytes),
         weight_bytes=float(weights),
         reserve_bytes=float(reserve_bytes),
@@ -195,6 +224,7 @@ def paged_vs_contiguous(
 __all__ = [
     "attention_variants",
     "max_concurrent_sequences",
+    "plan_num_blocks",
     "CapacityResult",
     "paged_vs_contiguous",
     "PagingComparison",

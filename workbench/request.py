@@ -1,4 +1,8 @@
-"""Requests as the scheduler sees them: sampling parameters and the ``Sequence`` state machine.
+"""The request vocabulary, below everything that uses it: ``SamplingParams``, the ``Sequence`` state machine,
+the ``RequestRecord`` of a finished request, and a workload's ``Request`` (what arrives, and when).
+
+The block manager, scheduler, model runner, sampler, simulator, workloads and metrics all speak these types; this
+module imports only ``workbench.errors``.
 
 A ``Sequence`` is one request in flight. Its life: WAITING (queued, no KV blocks) -> RUNNING (holds KV
 blocks; each step computes some of its tokens) -> FINISHED (stop token, ``max_tokens``, the model's context,
@@ -168,22 +172,6 @@ class Sequence:
         """True while more than the last token is still to be computed (a prompt, or a recomputation)."""
         return self.num_computed_tokens < self.num_tokens - 1
 
-    @property
-    def arrival(self) -> float:
-        return self.arrival_time
-
-    @property
-    def first_scheduled(self) -> float | None:
-        return self.first_scheduled_time
-
-    @property
-    def first_token(self) -> float | None:
-        return self.first_token_time
-
-    @property
-    def finish(self) -> float | None:
-        return self.finish_time
-
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
@@ -221,3 +209,15 @@ class RequestRecord:
             finish_reason=seq.finish_reason,
             num_preemptions=seq.num_preemptions,
         )
+
+
+@dataclass
+class Request:
+    """One request of a workload. ``hash_ids[i]`` identifies prompt tokens ``[512 i, 512 (i + 1))``."""
+
+    request_id: int
+    arrival_time_s: float
+    prompt_len: int
+    output_len: int
+    prompt_token_ids: list[int] | None = None
+    hash_ids: list[int] | None = None

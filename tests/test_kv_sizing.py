@@ -6,7 +6,7 @@ import pytest
 
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
-from workbench.kvcalc import attention_variants, max_concurrent_sequences, paged_vs_contiguous
+from workbench.kv.sizing import attention_variants, max_concurrent_sequences, paged_vs_contiguous
 
 GIB = 2**30
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.engine.sequence import SamplingParams
+from workbench.request import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

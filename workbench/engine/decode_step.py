@@ -1,0 +1,181 @@
+"""The one pure-decode executor: ``Transformer.decode_step`` run eagerly, through ``torch.compile``, or as CUDA graphs.
+
+A pure decode (every scheduled sequence adds one token and samples) is the step a serving engine repeats most,
+and the one whose cost is launches and small operations rather than arithmetic. ``DecodeStep`` runs it in one of
+three modes over the same model function and the same ``DecodeMetadata`` builder:
+
+- ``eager``: the metadata of this step (cached-key width padded to ``KEY_PAD``), the model's decode step, and the
+  cache write (``KVCache.write``).
+- ``compile`` (CPU): the model's decode step compiled by inductor with its C++ wrapper, one graph per batch size
+  (at most ``MAX_COMPILED_SIZES``) with the key width dynamic. Why (measured with per-segment timers and
+  ``torch.profiler`` on ``bench-300m``, fp32, 2 CPU threads): a batch-1 step is ~100 matrix-vector products and
+  ~20 small eager operations per layer between them; each small one finds its code and data evicted by the weight
+  stream before it and costs 10-60 us instead of 2-5 us, ~10 of the step's ~57 ms. Compiled, a layer's glue fuses
+  into a few loops and no Python runs between the products. The compiled function writes nothing (a write into a
+  view of a graph input makes inductor copy the whole pool); the step's new K/V are written after it. Compilation
+  happens at the first decode of each batch size (~35 s for ``bench-300m`` on two cores; inductor caches on disk).
+- ``graph`` (CUDA; ``capture=False`` runs the same static path eagerly, which is how the CPU tests check it):
+  a batch is padded to the next bucket of ``batch_buckets`` (1, 2, 4, 8, 16, ...) by repeating its first row,
+  whose K/V the padding rows compute again and write to the same slot. All buckets share one set of static input
+  buffers sized for the largest (views of its first rows), with the key width and the kernels' ``max_seq_len`` at
+  the longest the engine allows, so every shape and pointer is fixed. A bucket's first step runs eagerly on a
+  side stream (which also warms the kernels), then its graph is recorded and replayed from the next step on.
+
+``supports`` says whether a step takes this path; the one limit is ``MAX_GATHER_KEY_SLOTS`` for a backend that
+gathers the cached keys (torch). Steps it refuses go through the ragged ``Transformer.forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from workbench.errors import ConfigError
+from workbench.kv.cache import KVCache
+from workbench.model.attention import (
+    MAX_GATHER_KEY_SLOTS,
+    AttentionBackend,
+    DecodeMetadata,
+    build_decode_metadata,
+    decode_key_width,
+)
+from workbench.model.transformer import Transformer
+
+DECODE_MODES = ("eager", "compile", "graph")
+MAX_COMPILED_SIZES = 8  # distinct batch sizes compiled per executor; other pure decodes take the ragged path
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The batch sizes graphs are captured at: 1, 2, 4, 8, 16, ... and ``max_batch`` itself."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return [*sizes, max_batch]
+
+
+def _rows(meta: DecodeMetadata, n: int) -> DecodeMetadata:
+    """A view of the first ``n`` rows of every tensor of ``meta``."""
+    return replace(meta, **{f.name: getattr(meta, f.name)[:n] for f in fields(meta) if f.name != "max_seq_len"})
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # (bucket, vocab) fp32, written by each replay
+
+
+class DecodeStep:
+    """Pure-decode steps of ``1 .. max_batch`` sequences in one ``mode`` of ``DECODE_MODES``."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        backend: AttentionBackend,
+        mode: str,
+        max_batch: int,
+        max_model_len: int,
+        capture: bool | None = None,
+    ) -> None:
+        if mode not in DECODE_MODES:
+            raise ConfigError(f"decode mode must be one of {DECODE_MODES}, got {mode!r}")
+        on_cuda = model.device.type == "cuda"
+        if mode == "compile" and on_cuda:
+            raise ConfigError("compile_decode is for the CPU: on CUDA, decode steps replay CUDA graphs")
+        self.capture = mode == "graph" and (on_cuda if capture is None else capture)
+        if self.capture and not on_cuda:
+            raise ConfigError("CUDA graphs need the model on a CUDA device")
+        self.model, self.cache, self.backend, self.mode = model, cache, backend, mode
+        self.max_batch, self.max_model_len = max_batch, max_model_len
+        self.steps = 0  # decode steps served
+        self.compiled_sizes: set[int] = set()
+        self._graphs: dict[int, _Graph] = {}
+        if mode == "compile":
+            import torch._dynamo as dynamo  # imported when used: it costs a second at import
+
+            # every batch size (and every model in a process) is a recompilation of the same code object
+            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(model.decode_step, fullgraph=True, dynamic=False,
+                                           options={"cpp_wrapper": True})  # fmt: skip
+        if mode == "graph":
+            self.buckets = batch_buckets(max_batch)
+            self.width = decode_key_width(max_model_len - 1)  # cached-key columns of every static step
+            n, dev = self.buckets[-1], model.device
+            one = build_decode_metadata([1], [[0]], cache.block_size, dev, self.width, max_model_len)
+            self._meta = DecodeMetadata(  # the one set of static buffers, (largest bucket, ...) each
+                **{f.name: one_f.expand(n, *one_f.shape[1:]).clone() for f in fields(one)
+                   if f.name != "max_seq_len" for one_f in [getattr(one, f.name)]},
+                max_seq_len=max_model_len,
+            )  # fmt: skip
+            self._ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def padded_batch(self, batch: int) -> int:
+        """The rows a step of ``batch`` sequences computes: its bucket in graph mode, itself otherwise."""
+        return next(b for b in self.buckets if b >= batch) if self.mode == "graph" else batch
+
+    def supports(self, seq_lens: list[int]) -> bool:
+        """Whether a pure decode of sequences with these lengths (cached + new) takes this executor."""
+        batch = len(seq_lens)
+        if not 1 <= batch <= self.max_batch:
+            return False
+        compiled = self.compiled_sizes
+        if self.mode == "compile" and batch not in compiled and len(compiled) >= MAX_COMPILED_SIZES:
+            return False
+        if not self.backend.gathers:
+            return True
+        width = self.width if self.mode == "graph" else decode_key_width(max(seq_lens) - 1)
+        return self.padded_batch(batch) * width <= MAX_GATHER_KEY_SLOTS
+
+    @torch.inference_mode()
+    def run(self, tokens: list[int], seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One decode step: ``tokens[i]`` at position ``seq_lens[i] - 1`` of a sequence with block table
+        ``tables[i]``; writes the new K/V into the cache and returns next-token logits (B, vocab) fp32."""
+        self.steps += 1
+        dev, bs = self.model.device, self.cache.block_size
+        if self.mode == "graph":
+            return self._run_static(tokens, seq_lens, tables)
+        meta = build_decode_metadata(seq_lens, tables, bs, dev)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        if self.mode == "eager":
+            return self.model.decode_step(ids, meta, self.cache, self.backend)[0]
+        torch._dynamo.mark_dynamic(meta.key_slots, 1)
+        torch._dynamo.mark_dynamic(meta.key_mask, 3)
+        logits, k_new, v_new = self._compiled(ids, meta, self.cache, self.backend, write=False)
+        self.compiled_sizes.add(len(tokens))
+        self.cache.write(meta.slot_mapping, k_new, v_new)
+        return logits
+
+    def _run_static(self, tokens: list[int], seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        batch = len(tokens)
+        n = self.padded_batch(batch)
+        pad = n - batch  # rows that repeat row 0: same token, position and slot, so the same K/V written again
+        tokens, seq_lens, tables = tokens + tokens[:1] * pad, seq_lens + seq_lens[:1] * pad, tables + tables[:1] * pad
+        meta, ids = _rows(self._meta, n), self._ids[:n]
+        # one host-to-device copy per buffer, into the storage the graphs read
+        meta.copy_(build_decode_metadata(seq_lens, tables, self.cache.block_size, ids.device, self.width,
+                                         self.max_model_len))  # fmt: skip
+        ids.copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)
+        graph = self._graphs.get(n)
+        if graph is not None:
+            graph.graph.replay()
+            return graph.logits[:batch]
+        if not self.capture:
+            return self.model.decode_step(ids, meta, self.cache, self.backend)[0][:batch]
+        # warm up on a side stream (as torch.cuda.graphs recommends), which is also this step's answer, then record
+        dev = ids.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            logits = self.model.decode_step(ids, meta, self.cache, self.backend)[0]
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            recorded = self.model.decode_step(ids, meta, self.cache, self.backend)[0]  # recorded, not executed
+        self._graphs[n] = _Graph(g, recorded)
+        return logits[:batch]
+
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs recorded so far (0 unless capturing)."""
+        return len(self._graphs)

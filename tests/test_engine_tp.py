@@ -8,6 +8,7 @@ since a process holds one torch.distributed group at a time.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -56,6 +57,19 @@ def test_sizes_that_cannot_work_are_config_errors_before_any_process_starts(monk
         Engine.from_model("tiny-gqa", EngineConfig(device="cpu", tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="compile_decode"):
         EngineConfig(tensor_parallel_size=2, compile_decode=True)
+
+
+def test_bench_decode_reports_the_all_reduces_of_a_tp_step(capsys):
+    from workbench.cli import main
+
+    args = ["bench", "decode", "--model", "tiny-gqa", "--tensor-parallel-size", "2", "--threads", "1", "--device",
+            "cpu", "--batch", "1", "2", "--steps", "2", "--warmup", "1", "--cached-ceilings", "--json"]  # fmt: skip
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    for row in rows:
+        assert row["tensor_parallel_size"] == 2
+        assert row["all_reduces_per_step"] == 2 * 2  # after O and after down, in each of tiny-gqa's 2 layers
+        assert 0 < row["all_reduce_share"] < 1 and row["all_reduce_bytes_per_s"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -146,15 +146,17 @@ def load_bench_model(name_or_path: str, dtype: str = "fp32", device: str = "auto
     return load_model(name_or_path, dtype=torch_dtype(dtype), device=resolve_device(device), seed=seed)
 
 
-def _engine(model: Transformer, max_num_seqs: int, max_model_len: int, **kwargs: Any) -> Engine:
+def _engine(model: Transformer, max_num_seqs: int, max_model_len: int, workers: Any = None, **kwargs: Any) -> Engine:
+    """An engine on ``model`` (with ``workers``: rank 0's shard of a tensor-parallel model on those ranks)."""
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_model_len=min(max_model_len, model.config.max_position_embeddings),
         dtype=canonical_dtype(str(model.dtype).replace("torch.", "")),
         device=str(model.device),
+        tensor_parallel_size=1 if workers is None else workers.world_size,
         **kwargs,
     )
-    return Engine(model, config)
+    return Engine(model, config, workers=workers)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
@@ -173,8 +175,14 @@ def bench_decode(
     seed: int = 0,
     attention_backend: str = "torch",
     compile_decode: bool = False,
+    workers: Any = None,
 ) -> list[dict[str, Any]]:
     """Per batch size: median decode step time, tokens/s, bytes/s, MBU, gemv_ratio and engine overhead share.
+
+    ``workers``: the ranks of a tensor-parallel model (``workbench.engine.tp_runner.start_workers``; ``model`` is
+    rank 0's shard): each row then adds the share of a step rank 0 spent in all-reduces and their bandwidth
+    (bytes of the reduced tensors over the time spent in them, the slower rank's wait included). Bytes per step
+    and MBU count the whole model, read by all ranks together out of one machine's memory.
 
     ``batch`` requests of ``prompt_len`` random tokens are prefilled, then ``warmup + steps`` decode steps run;
     the last ``steps`` are timed, each followed by a ``LinearSweep`` of the same batch (the gemv reference).
@@ -200,6 +208,7 @@ def bench_decode(
             model,
             batch,
             prompt_len + warmup + steps + 2,
+            workers,
             attention_backend=attention_backend,
             compile_decode=compile_decode,
         )
@@ -216,6 +225,8 @@ def bench_decode(
         step_s, model_s, sweep_s, bytes_per_s, contexts = [], [], [], [], []
         first_step_s = 0.0
         for i in range(warmup + steps):
+            if workers is not None and i == warmup:
+                workers.call("comm_stats", True, True)  # time the all-reduces of the measured steps
             context = [s.num_tokens for s in engine.sequences.values()]  # each decode attends to this many keys
             synchronize(model.device)
             t0 = time.perf_counter()
@@ -232,6 +243,16 @@ def bench_decode(
             bytes_per_s.append(decode_step_bytes(cfg, dtype, context)["bytes"] / t)
             contexts.append(sum(context) / len(context))
         t_step = median(step_s)
+        comm: dict[str, Any] = {}
+        if workers is not None:
+            stats = workers.call("comm_stats", True, False)
+            reduced = stats["num_all_reduces"] * batch * cfg.hidden_size * model.dtype.itemsize
+            comm = {
+                "tensor_parallel_size": workers.world_size,
+                "all_reduce_share": stats["all_reduce_s"] / sum(step_s),
+                "all_reduces_per_step": stats["num_all_reduces"] / len(step_s),
+                "all_reduce_bytes_per_s": reduced / stats["all_reduce_s"] if stats["all_reduce_s"] else None,
+            }
         achieved = median(bytes_per_s)
         gemv = sweep.weight_bytes / median(sweep_s)
         mid = decode_step_bytes(cfg, dtype, [round(median(contexts))] * batch)
@@ -254,6 +275,7 @@ def bench_decode(
             "cuda_graphs": engine.decode.num_graphs > 0,  # the timed steps replayed a recorded graph
             "compiled_decode": compile_decode,
             "first_step_s": first_step_s,
+            **comm,
         })  # fmt: skip
         del engine
     return rows

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all usable cores)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="decode: shard the model over N processes, --threads each (default 1); rows add the "
+                   "all-reduce share of a step and its bandwidth")  # fmt: skip
     p.add_argument("--prompt-len", type=int, nargs="+", default=None,
                    help="prompt lengths (prefill: 128 512 1024; decode: 128; hf: 32)")  # fmt: skip
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
@@ -85,7 +88,19 @@ def run(args: argparse.Namespace) -> int:
         # ceilings measured in the same run as the benchmark (a shared machine drifts), unless asked otherwise
         hw = measured_spec(device.type, refresh=not args.cached_ceilings)
         out["machine"] = _machine(hw, threads, device)
-        model = bench.load_bench_model(args.model, args.dtype, str(device), seed=args.seed)
+        workers = None
+        if args.tensor_parallel_size > 1:
+            if args.kind != "decode":
+                from workbench.errors import ConfigError
+
+                raise ConfigError("--tensor-parallel-size applies to bench decode only")
+            from workbench.engine.tp_runner import start_workers
+
+            workers = start_workers(args.model, args.tensor_parallel_size, args.dtype, str(device), args.seed, threads)
+            model, compile_decode = workers.worker.model, False  # TP decode runs eagerly
+            out["tensor_parallel_size"] = args.tensor_parallel_size
+        else:
+            model = bench.load_bench_model(args.model, args.dtype, str(device), seed=args.seed)
         if args.kind == "decode":
             out["results"] = bench.bench_decode(
                 model,
@@ -97,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 attention_backend=args.attention_backend,
                 compile_decode=compile_decode,
+                workers=workers,
             )
+            if workers is not None:
+                workers.shutdown()
         elif args.kind == "prefill":
             out["results"] = bench.bench_prefill(
                 model, args.prompt_len or [128, 512, 1024], args.repeats, args.warmup, hw, seed=args.seed
@@ -127,6 +145,12 @@ def format_table(out: dict[str, Any]) -> str:
                 f"{r['achieved_bytes_per_s'] / 1e9:>7.2f} {r['mbu']:>6.2f} {r['gemv_ratio']:>10.3f} "
                 f"{r['overhead_share']:>8.1%}"
             )
+            if "all_reduce_share" in r:
+                bw = r["all_reduce_bytes_per_s"] or 0.0
+                lines.append(
+                    f"      TP={r['tensor_parallel_size']}: {r['all_reduces_per_step']:.0f} all-reduces per step, "
+                    f"{r['all_reduce_share']:.1%} of the step, {bw / 1e9:.2f} GB/s"
+                )
     elif out["bench"] == "prefill":
         lines.append(f"{'prompt':>6} {'ms':>9} {'GFLOP/s':>9} {'mfu':>6}")
         for r in out["results"]:

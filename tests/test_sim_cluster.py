@@ -54,14 +54,15 @@ def test_disaggregation_two_requests_by_hand() -> None:
     xfer0 = 1000 * 131072 / 12.5e9 + 0.001  # 0.01148576 s over 100 Gb/s plus 1 ms
     xfer1 = 500 * 131072 / 12.5e9 + 0.001  # 0.00624288
     decode = 0.01 + 1e-3
-    # request 1's KV lands first; its decode starts then; request 0's lands during that step and waits for it
+    # request 1's KV lands first and the idle decode replica admits it at once: its first token reaches the client
+    # then (DistServe's TTFT) and its decode step starts; request 0's lands during that step and waits for it
     t1 = prefill_end + xfer1 + decode
-    assert r1.token_times == pytest.approx([prefill_end, t1], rel=1e-12)
-    assert r0.token_times == pytest.approx([prefill_end, t1 + decode, t1 + 2 * decode], rel=1e-12)
+    assert r1.token_times == pytest.approx([prefill_end + xfer1, t1], rel=1e-12)
+    assert r0.token_times == pytest.approx([t1, t1 + decode, t1 + 2 * decode], rel=1e-12)
     assert prefill_end + xfer0 < t1  # (the premise of "waits for that step")
     assert [r["role"] for r in res.replicas] == ["prefill", "decode"]
     summary = res.summary()
-    assert summary["metrics"]["ttft_s"]["median"] == pytest.approx(prefill_end)
+    assert summary["metrics"]["ttft_s"]["median"] == pytest.approx(((prefill_end + xfer1) + t1) / 2)
 
 
 def test_disaggregation_single_token_request_never_transfers() -> None:

@@ -14,12 +14,14 @@ times of ``CostModel.decode_run``; the last goes through ``schedule``/``update``
 
 Cluster: ``num_replicas`` replicas behind a router (``round-robin``; ``least-outstanding``: fewest routed and
 unfinished requests; ``shortest-queue``: fewest requests waiting for admission; ties go to the lowest index).
-Disaggregation (``disaggregate=(P, D)``): P prefill replicas run each request's prompt and first token (TTFT
-ends there); its KV (``num_prompt_tokens * kv_bytes_per_token``) then crosses a link in
+Disaggregation (``disaggregate=(P, D)``): P prefill replicas run each request's prompt and first token; its KV
+(``num_prompt_tokens * kv_bytes_per_token``) then crosses a link in
 ``bytes / (link_gbps * 1e9 / 8) + link_latency_s`` (each transfer on its own, no contention, as in
 DistServe's model of a dedicated high-bandwidth link: Zhong et al., OSDI'24), and the request joins the
 decode replica chosen by the router when the transfer completes; that replica admits it (blocks for its
-tokens, FCFS, keeping the watermark) at the top of its next step, and its next token is a decode.
+tokens, FCFS, keeping the watermark) at the top of its next step, and its next token is a decode. TTFT ends at
+that admission: the first token reaches the client from the decode side (DistServe's definition, and the real
+disaggregated engine's), so it counts the prefill, the transfer and any wait for room.
 
 Events are processed in time order: at equal times, step completions come before arrivals and KV transfers,
 and both before a step that starts at that time (so such a step admits them, as the engine does).
@@ -197,7 +199,10 @@ class Replica:
                 return
             ready = self.ready
             while ready and sched.admit_prefilled(ready[0]):
-                ready.popleft()
+                # its first token reaches the client from here, now that this replica holds its KV (DistServe's
+                # TTFT, as the real disaggregated engine measures it: workbench.dist.disagg)
+                seq = ready.popleft()
+                seq.first_token_time = seq.token_times[0] = max(start, seq.token_times[0])
             if not ready and self.fast:
                 window = sched.decode_steps_until_change()
                 if window > 1:

@@ -466,7 +466,7 @@ def test_record_writes_sidecar_and_displays(clean_record, tmp_path: Path, capsys
         "bad": None,
     }
     assert "ttft_s = 0.25" in capsys.readouterr().out
-    assert clean_record.save() == tmp_path / "metrics.json"
+    assert clean_record.save() is None and (tmp_path / "metrics.json").is_file()
     assert "Key results" in capsys.readouterr().out
 
 

@@ -179,11 +179,18 @@ def record(name_or_dict: str | Mapping[str, Any], value: Any = _MISSING, *, show
     return converted
 
 
-def figure(fig: Any, name: str, *, dpi: int = 150, close: bool = True) -> Path | None:
+def figure_path(name: str) -> Path | None:
+    """Where ``figure(fig, name)`` writes its PNG (None without an output folder)."""
+    folder = output_dir()
+    return None if folder is None else folder / FIGURES_DIR / f"{name}.png"
+
+
+def figure(fig: Any, name: str, *, dpi: int = 150, close: bool = True) -> None:
     """Save the matplotlib figure ``fig`` as ``<output_dir>/figures/<name>.png`` and display that image once.
 
     The figure is closed afterwards (``close=True``) so that the inline backend does not show it a second
-    time. Returns the PNG's path, or None when no output folder is set (then the figure is only shown).
+    time. Returns None, so that a figure call ending a notebook cell echoes nothing; ``figure_path(name)``
+    says where the PNG went.
     """
     if not isinstance(name, str) or not _FIGURE_NAME_RE.match(name):
         raise ValueError(f"record.figure: name {name!r} must be letters, digits, '_', '-' or '.'")
@@ -211,11 +218,25 @@ def figure(fig: Any, name: str, *, dpi: int = 150, close: bool = True) -> Path |
                 plt.close(fig)
             except ImportError:
                 pass
-    return path
+    return None
 
 
-def save(title: str = "Key results") -> Path | None:
-    """Display every recorded value as one table and write the sidecar; returns its path (None: no folder)."""
-    path = _write_sidecar()
-    _display_table(_metrics, title)
-    return path
+# structured entries of metrics.json, shown by ``conclude`` rather than in the key-results table
+STRUCTURED_KEYS = ("claims", "anomalies", "hygiene")
+
+
+def conclude(claims: list[Mapping[str, Any]], anomalies: list[Mapping[str, Any]] = ()) -> str:  # type: ignore[assignment]
+    """Record the experiment's ``claims`` (after ``apply_anomalies``) and ``anomalies`` in metrics.json, and return
+    the conclusion as Markdown: the anomalies, then each claim with its verdict and numbers."""
+    from workbench.experiments.claims import apply_anomalies, claims_markdown
+
+    final = apply_anomalies(claims, list(anomalies))
+    record({"claims": final, "anomalies": list(anomalies)}, show=False)
+    return claims_markdown(final, list(anomalies))
+
+
+def save(title: str = "Key results") -> None:
+    """Display every recorded scalar value as one table (claims, anomalies and hygiene are left to ``conclude``)
+    and write the sidecar. Returns None, so that a cell ending in ``save()`` echoes nothing."""
+    _write_sidecar()
+    _display_table({k: v for k, v in _metrics.items() if k not in STRUCTURED_KEYS}, title)

@@ -133,3 +133,28 @@ def measure_decode_paged(
         t = timed(step, model.device, warmup, repeats)
         rows.append({"phase": "decode", "batch": batch, "prompt_len": 0, "context_len": kv_len, **t})
     return rows
+
+
+TIMING_COLUMNS = {
+    "time_min_s": "min (ms)",
+    "time_s": "median (ms)",
+    "time_max_s": "max (ms)",
+    "predicted_s": "roofline (ms)",
+}
+
+
+def timing_table(rows: Sequence[dict[str, Any]], keys: Sequence[str] = ("phase", "batch", "prompt_len", "context_len")):
+    """Measured rows as a table for reading: the identifying ``keys``, the step time's min / median / max and the
+    roofline's prediction in ms, arithmetic intensity, MFU, MBU and tokens/s, each column named with its unit."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    out = df[[k for k in keys if k in df]].copy()
+    for key, label in TIMING_COLUMNS.items():
+        if key in df:
+            out[label] = (df[key] * 1e3).round(2)
+    extra = {"intensity": ("FLOP/byte", 2), "mfu": ("MFU", 3), "mbu": ("MBU", 3), "tokens_per_s": ("tokens/s", 1)}
+    for key, (label, digits) in extra.items():
+        if key in df:
+            out[label] = df[key].round(digits)
+    return out

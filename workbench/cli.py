@@ -28,14 +28,35 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default (unless its help already states one) and keeps the help's line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+# the one set of options every workbench parser is built with: no abbreviations (argparse would otherwise take
+# `--rate 4` for `--rate-scale 4`, silently), and defaults shown in every --help
+PARSER_OPTIONS = {"allow_abbrev": False, "formatter_class": HelpFormatter}
+
+
+def make_parser(**kwargs: object) -> argparse.ArgumentParser:
+    """An ``argparse.ArgumentParser`` with the workbench's options (``PARSER_OPTIONS``): use it for any parser."""
+    return argparse.ArgumentParser(**{**PARSER_OPTIONS, **kwargs})  # type: ignore[arg-type]
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``workbench`` parser; only ``command``'s options are added (its module is imported)."""
+    parser = make_parser(
         prog="workbench",
         description="LLM inference workbench: prefill and decode, measured and modelled.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, **PARSER_OPTIONS)  # type: ignore[arg-type]
         if name == command:
             importlib.import_module(module).add_arguments(p)
     return parser

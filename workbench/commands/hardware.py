@@ -28,16 +28,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({spec.name: spec.to_dict() for spec in specs}, indent=2))
         return 0
-    header = f"{'name':<10} {'fp32':>7} {'bf16':>8} {'fp8':>8} {'TB/s':>7} {'GiB':>6} {'balance':>8}  description"
+    from workbench.commands.roofline import bandwidth_text, flops_text
+
+    header = (
+        f"{'name':<10} {'fp32':>14} {'bf16':>14} {'fp8':>14} {'memory':>11} {'GiB':>6} {'balance':>12}  description"
+    )
     print(header)
-    print(f"{'':<10} {'TFLOP/s':>7} {'TFLOP/s':>8} {'TFLOP/s':>8} {'':>7} {'':>6} {'bf16':>8}")
+    print(f"{'':<10} {'':>14} {'':>14} {'':>14} {'read':>11} {'':>6} {'FLOP/B bf16':>12}")
     for spec in specs:
-        tf = {k: v / 1e12 for k, v in spec.peak_flops.items()}
-        fp8 = f"{tf['fp8']:8.1f}" if "fp8" in tf else f"{'-':>8}"
-        bf16 = f"{tf['bf16']:8.1f}" if "bf16" in tf else f"{'-':>8}"
+        cols = [f"{flops_text(spec.peak_flops[k]):>14}" if k in spec.peak_flops else f"{'-':>14}"
+                for k in ("fp32", "bf16", "fp8")]  # fmt: skip
         print(
-            f"{spec.name:<10} {tf['fp32']:7.1f} {bf16} {fp8} {spec.mem_bandwidth / 1e12:7.3f} "
-            f"{spec.mem_capacity / 2**30:6.0f} {spec.balance_point('bf16'):8.1f}  {spec.display_name}"
+            f"{spec.name:<10} {' '.join(cols)} {bandwidth_text(spec.mem_bandwidth):>11} "
+            f"{spec.mem_capacity / 2**30:6.0f} {spec.balance_point('bf16'):12.3g}  {spec.display_name}"
         )
     if args.measure:
         spec = specs[-1]

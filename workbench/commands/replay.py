@@ -8,8 +8,8 @@ Traces: ``azure-code``, ``azure-conv``, ``mooncake-conversation``, ``mooncake-sy
 prompt ids (equal Mooncake hash ids give equal blocks). Each request generates exactly its trace output length.
 With ``--json``: one object with ``num_requests``, ``num_finished``, ``num_preemptions``, ``metrics`` (``ttft_s``,
 ``tpot_s``, ``itl_s``, ``e2el_s`` each with ``mean``, ``median``, ``p90``, ``p95``, ``p99``; ``request_throughput``,
-``output_throughput``, ``goodput``, ``slo_attainment``), plus ``rejected`` (id and reason of each rejected request)
-and the engine configuration.
+``output_throughput``, ``goodput``, ``slo_attainment``: null without an SLO), plus ``rejected`` (id and reason of
+each rejected request), ``num_clipped`` (requests shortened to ``max_model_len``) and the engine configuration.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from workbench.commands.common import clip_to_context
     from workbench.engine.engine import Engine
     from workbench.workloads import load_workload
 
@@ -39,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_model(args.model, config, seed=args.model_seed)
     max_len = engine.scheduler.config.max_model_len
     requests = load_workload(
-        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale, max_len=max_len,
+        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
         num_requests=args.num_requests, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         seed=args.trace_seed,
     )  # fmt: skip
+    requests, num_clipped = clip_to_context(requests, max_len)
     result = engine.replay(requests, seed=args.trace_seed)
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = [
@@ -53,10 +55,15 @@ def run(args: argparse.Namespace) -> int:
     summary["engine"] = asdict(config)
     summary["model"] = str(args.model)
     summary["trace"] = args.trace
+    summary["num_clipped"] = num_clipped
+    summary["max_model_len"] = max_len
+    summary["device"] = str(engine.model.device)
     if args.json:
         print(json.dumps(summary))
         return 0
+    print(f"replay of {args.trace} on the real engine: model {args.model}, device {summary['device']}, "
+          f"policy {config.policy}")  # fmt: skip
     print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
-          f"{summary['duration_s']:.2f} s")  # fmt: skip
+          f"{summary['duration_s']:.2f} s; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
     print_serving_metrics(summary["metrics"])
     return 0

@@ -23,6 +23,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys prefill, decode)")
 
 
+def _count(n: float) -> str:
+    """A parameter count in the unit that reads: 135.0M, 8.03B, 512.0K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}" if unit == "B" else f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def flops_text(flops_per_s: float) -> str:
+    """FLOP/s in the unit that reads (GFLOP/s for a CPU, TFLOP/s for a GPU)."""
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.4g} TFLOP/s"
+    return f"{flops_per_s / 1e9:.4g} GFLOP/s"
+
+
+def bandwidth_text(bytes_per_s: float) -> str:
+    """Bytes/s in the unit that reads (GB/s below 1 TB/s)."""
+    if bytes_per_s >= 1e12:
+        return f"{bytes_per_s / 1e12:.4g} TB/s"
+    return f"{bytes_per_s / 1e9:.4g} GB/s"
+
+
 def _fmt_time(seconds: float) -> str:
     if seconds >= 1:
         return f"{seconds:8.3f} s"
@@ -68,12 +90,12 @@ def run(args: argparse.Namespace) -> int:
     model = get_model(args.model, args.hardware, dtype=args.dtype, kv_dtype=args.kv_dtype)
     hw = model.hw
     print(
-        f"{model.cfg.name} ({model.cfg.attention_kind}, {model.cfg.num_params() / 1e9:.2f} B params) on "
+        f"{model.cfg.name} ({model.cfg.attention_kind}, {_count(model.cfg.num_params())} params) on "
         f"{hw.display_name or hw.name}: weights {model.dtype}, activations {model.act_dtype}, KV {model.kv_dtype}"
     )
     print(
-        f"ceilings: {model.matmul_peak / 1e12:.4g} TFLOP/s ({model.act_dtype}), "
-        f"{hw.mem_bandwidth / 1e12:.4g} TB/s; balance point {report['balance_point']:.1f} FLOP/byte"
+        f"ceilings: {flops_text(model.matmul_peak)} ({model.act_dtype}), "
+        f"{bandwidth_text(hw.mem_bandwidth)}; balance point {report['balance_point']:.3g} FLOP/byte"
     )
     _print_phase(
         f"prefill: {args.batch} x {args.prompt_len} prompt tokens",

@@ -34,7 +34,6 @@ def _environment() -> Any:
         autoescape=True,
         trim_blocks=True,
         lstrip_blocks=True,
-        undefined=jinja2.StrictUndefined,
     )
 
 

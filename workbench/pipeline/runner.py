@@ -291,7 +291,7 @@ def execute_experiment(
                 log_output=False,
                 # the kernel listens on loopback only; its start-up warning about unencrypted TCP would otherwise
                 # break the report's progress bar once per notebook
-                extra_arguments=["--IPKernelApp.log_level=ERROR"],
+                extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
                 **engine_kwargs,
             )
     except PapermillExecutionError as exc:

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from workbench import cli, record
+from workbench.atomic import atomic_open, atomic_write_json, atomic_write_text
 from workbench.errors import ConfigError
 from workbench.pipeline import runner
 from workbench.pipeline import spec as spec_mod
-from workbench.pipeline.atomic import atomic_open, atomic_write_json, atomic_write_text
 from workbench.pipeline.environment import capture_environment, measured_ceilings
 from workbench.pipeline.params import notebook_parameters, parse_param, parse_params
 from workbench.pipeline.spec import choose_profile, load_spec, parse_spec

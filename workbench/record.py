@@ -17,7 +17,7 @@ leaves what it had recorded. Without an output folder (``set_output_dir`` not ca
 to disk; the values are still displayed.
 
 This module imports nothing from the notebook stack at import time (IPython and matplotlib are only used
-when present), and nothing from ``workbench.pipeline``.
+when present), and nothing from ``workbench.pipeline``; its files are written by ``workbench.atomic``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from workbench.atomic import atomic_write_bytes
 
 METRICS_FILE = "metrics.json"
 FIGURES_DIR = "figures"
@@ -102,16 +103,7 @@ def to_json_value(value: Any, name: str = "value") -> Any:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data)
 
 
 def _write_sidecar() -> Path | None:

@@ -80,23 +80,21 @@ def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux, else the platform module)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"
+    """The CPU's model name (``workbench.hardware.cpu_model_name``: /proc/cpuinfo, else the platform module)."""
+    try:
+        from workbench.hardware import cpu_model_name
+    except Exception:  # recorded, not fatal: the environment file must exist for every run
+        return platform.processor() or platform.machine() or "unknown"
+    return cpu_model_name()
 
 
 def memory_total_bytes() -> int | None:
-    """Total RAM in bytes (Linux), else None."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return None
+    """Total RAM in bytes (``workbench.hardware.physical_memory_bytes``), else None."""
+    try:
+        from workbench.hardware import physical_memory_bytes
+    except Exception:
+        return None
+    return physical_memory_bytes()
 
 
 def torch_info() -> dict[str, Any]:

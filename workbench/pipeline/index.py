@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from workbench.pipeline.atomic import atomic_write_text
+from workbench.atomic import atomic_write_text
 
 MANIFEST = "manifest.json"
 ENVIRONMENT = "environment.json"

@@ -29,9 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from workbench.atomic import atomic_write_json, atomic_write_text
 from workbench.errors import ConfigError
 from workbench.experiments.hygiene import NUM_THREADS_ENV
-from workbench.pipeline.atomic import atomic_write_json, atomic_write_text
 from workbench.pipeline.environment import capture_environment, finish_environment, git_state
 from workbench.pipeline.export import (
     NOINPUT_SUFFIX,

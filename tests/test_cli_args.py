@@ -52,3 +52,17 @@ def test_hardware_and_roofline_print_readable_units(capsys) -> None:
     assert "K params" in first and "0.00 B" not in first
     assert cli.main(["hardware"]) == 0
     assert "TFLOP/s" in capsys.readouterr().out
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_options_write_figures(tmp_path, capsys) -> None:
+    roof, trace, sim = tmp_path / "roof.png", tmp_path / "trace.png", tmp_path / "sim.png"
+    assert cli.main(["roofline", "--model", "tiny-gqa", "--hardware", "h100-sxm", "--plot", str(roof)]) == 0
+    assert cli.main(["trace-stats", "azure-conv", "--limit", "50", "--plot", str(trace)]) == 0
+    argv = ["simulate", "--model", "Llama-3.1-8B", "--trace", "poisson:4", "--num-requests", "20", "--plot", str(sim)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for path in (roof, trace, sim, tmp_path / "sim-timeline.png"):
+        assert path.read_bytes()[:8] == PNG_MAGIC and str(path) in out

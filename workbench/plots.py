@@ -135,23 +135,15 @@ def plot_roofline(
         ax.text(hi, vec, f"vector (fp32) {_tflops(vec)} ", va="bottom", ha="right", fontsize="small")
     ax.text(lo * 1.2, bw * lo * 1.5, f"{bw / 1e12:.3g} TB/s", fontsize="small", color="black")
     colors = ["C0", "C1", "C2", "C3", "C4", "C5"]
+    labelled: list[tuple[str, float, float]] = []  # every phase's operations, labelled once across phases
     for i, (phase, cost) in enumerate(phases.items()):
         color = colors[i % len(colors)]
-        marker = PHASE_MARKERS.get(phase, "D")
+        kind = next((k for k in PHASE_MARKERS if phase.startswith(k)), None)
+        marker = PHASE_MARKERS.get(kind, "D") if kind else "D"
         pts = [(op.name, op.intensity, op.flops / op.time_s) for op in cost.ops or () if op.flops > 0 and op.bytes > 0]
         if pts:
             ax.scatter([p[1] for p in pts], [p[2] for p in pts], s=18, color=color, marker=marker, alpha=0.7)
-            if label_ops:
-                for names, x, y in _group_points(pts):
-                    ax.annotate(
-                        _wrap(names),
-                        (x, y),
-                        xytext=(4, -4),
-                        textcoords="offset points",
-                        fontsize=6,
-                        color=color,
-                        va="top",
-                    )
+            labelled += pts
         if cost.time_s > 0 and cost.flops > 0:
             ax.scatter(
                 [cost.intensity],
@@ -162,6 +154,12 @@ def plot_roofline(
                 edgecolor="black",
                 label=f"{phase} (whole step)",
                 zorder=5,
+            )
+    if label_ops:
+        for names, x, y in _group_points(labelled, tol=0.3):
+            unique = list(dict.fromkeys(names))
+            ax.annotate(
+                _wrap(unique), (x, y), xytext=(4, -4), textcoords="offset points", fontsize=6, color="#333", va="top"
             )
     for _label, inten, achieved in measured:
         ax.scatter([inten], [achieved], s=70, marker="*", color="crimson", zorder=6)
@@ -432,6 +430,110 @@ def figure_summary(ax: Axes) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------- figures of the command line (--plot FILE)
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Write ``fig`` to ``path`` (format from the suffix: .png, .svg, .pdf) with the Agg backend; returns the path."""
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def use_file_backend() -> None:
+    """Select matplotlib's Agg backend (no display needed) and the workbench theme, for commands writing files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    set_theme()
+
+
+def _cdf(ax: Axes, values: Sequence[float], label: str) -> None:
+    xs = sorted(values)
+    if xs:
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
+
+
+def plot_latency_cdfs(records: Sequence[Any], title: str) -> Any:
+    """Three panels: the CDFs of TTFT, TPOT and E2E latency (ms, log axis) of finished request records."""
+    import matplotlib.pyplot as plt
+
+    from workbench.engine.metrics import is_completed, request_latencies
+
+    lats = [request_latencies(r) for r in records if is_completed(r)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (key, label) in zip(axes, [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2el_s", "E2E latency")]):
+        _cdf(ax, [lat[key] * 1e3 for lat in lats if lat[key] is not None and lat[key] > 0], label)
+        ax.set(
+            xscale="log",
+            xlabel=f"{label} (ms)",
+            ylabel="share of finished requests",
+            ylim=(0, 1.02),
+            title=f"{label} CDF ({len(lats)} requests)",
+        )
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_serving_timelines(records: Sequence[Any], step_logs: Sequence[Any], title: str) -> Any:
+    """Three panels against simulated time: requests waiting for their first token (all replicas), then per
+    replica the sequences in each step (batch size) and the KV blocks in use."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True)
+    events = sorted(
+        [(r.arrival_time, 1) for r in records]
+        + [(r.first_token_time, -1) for r in records if r.first_token_time is not None]
+    )
+    t, n, xs, ys = 0.0, 0, [0.0], [0]
+    for t, d in events:
+        n += d
+        xs.append(t)
+        ys.append(n)
+    axes[0].step(xs, ys, where="post")
+    axes[0].set(ylabel="waiting for first token", title="queue: arrived, no token yet")
+    for i, log in enumerate(step_logs):
+        if log is None or not log.steps:
+            continue
+        starts = [s.start_s for s in log.steps]
+        axes[1].step(starts, [s.num_seqs for s in log.steps], where="post", label=f"replica {i}", lw=0.8)
+        axes[2].step(starts, [s.num_blocks_used for s in log.steps], where="post", label=f"replica {i}", lw=0.8)
+    axes[1].set(ylabel="sequences in the step", title="batch size per step")
+    axes[2].set(ylabel="KV blocks in use", xlabel="simulated time (s)", title="KV cache occupancy")
+    for ax in axes[1:]:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(title="replica", fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_trace(requests: Sequence[Any], title: str) -> Any:
+    """Three panels of a workload: prompt and output length histograms (log bins) and arrivals per second."""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, label in ((axes[0], "prompt_len", "prompt"), (axes[1], "output_len", "output")):
+        values = [getattr(r, key) for r in requests]
+        hi = max(values) if values else 1
+        bins = [2 ** (i / 4) for i in range(int(4 * math.log2(max(hi, 2))) + 2)]
+        ax.hist(values, bins=bins, color="C0" if key == "prompt_len" else "C1", edgecolor="white")
+        ax.set(xscale="log", xlabel=f"{label} length (tokens)", ylabel="requests", title=f"{label} lengths")
+    arrivals = [r.arrival_time_s for r in requests]
+    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    width = max(span / 100, 1e-3)
+    axes[2].hist(arrivals, bins=max(1, min(100, int(span / width) + 1)), color="C2", edgecolor="white")
+    axes[2].set(xlabel="arrival time (s)", ylabel=f"requests per {width:.3g} s", title="arrivals over time")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
 __all__ = [
     "set_theme",
     "plot_roofline",
@@ -444,5 +546,10 @@ __all__ = [
     "plot_step_timelines",
     "plot_budget_tradeoff",
     "figure_summary",
+    "save_figure",
+    "use_file_backend",
+    "plot_latency_cdfs",
+    "plot_serving_timelines",
+    "plot_trace",
     "BYTE_KIND_COLORS",
 ]

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="bf16", help="weights and activations: bf16, fp16 or fp32")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the activation dtype)")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="also draw both phases' operations on the roofline into FILE (.png, .svg)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys prefill, decode)")
 
 
@@ -84,10 +86,25 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
     )
+    model = get_model(args.model, args.hardware, dtype=args.dtype, kv_dtype=args.kv_dtype)
+    if args.plot:
+        from workbench import plots
+
+        plots.use_file_backend()
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 6.5))
+        phases = {
+            f"prefill {args.batch}x{args.prompt_len}": model.prefill([args.prompt_len] * args.batch),
+            f"decode {args.batch}@{args.context_len}": model.decode([args.context_len] * args.batch),
+        }
+        plots.plot_roofline(model.hw, phases, dtype=model.act_dtype, ax=ax)
+        ax.set_title(f"{model.cfg.name} on {ax.get_title().removeprefix('Roofline: ')}")
+        plots.save_figure(fig, args.plot)
+        report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2, allow_nan=False, default=str))
         return 0
-    model = get_model(args.model, args.hardware, dtype=args.dtype, kv_dtype=args.kv_dtype)
     hw = model.hw
     print(
         f"{model.cfg.name} ({model.cfg.attention_kind}, {_count(model.cfg.num_params())} params) on "
@@ -111,4 +128,6 @@ def run(args: argparse.Namespace) -> int:
         f"{_fmt_time(report['itl_floor_s']).strip()}; decode at context {args.context_len} turns compute-bound at "
         + (f"batch {bound_batch}" if bound_batch else "no batch size (KV reads grow as fast as FLOPs)")
     )
+    if args.plot:
+        print(f"figure: {args.plot}")
     return 0

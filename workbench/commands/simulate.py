@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--decode-efficiency", type=float, default=1.0, help="roofline: achieved share in decode")
     add_slo_arguments(p)
     p.add_argument("--step-log", default=None, help="write every replica's per-step log to this JSON file")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw latency CDFs into FILE and queue, batch and KV blocks over time per replica into "
+                   "FILE's stem + '-timeline' (.png, .svg, .pdf)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     requests, num_clipped = clip_to_context(requests, max_len)
     result = simulate(requests, cfg, cost, config, hardware=hw, seed=args.trace_seed,
-                      record_steps=args.step_log is not None)  # fmt: skip
+                      record_steps=args.step_log is not None or args.plot is not None)  # fmt: skip
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = result.rejected
     engine = asdict(config)
@@ -116,6 +119,20 @@ def run(args: argparse.Namespace) -> int:
     if args.step_log:
         with open(args.step_log, "w") as fh:
             json.dump([log.to_records() if log is not None else [] for log in result.step_logs], fh)
+    if args.plot:
+        from pathlib import Path
+
+        from workbench import plots
+
+        plots.use_file_backend()
+        title = (
+            f"{args.model} on {hw.display_name or hw.name}, {args.trace}, {result.cost_model.get('name')} cost model"
+        )
+        target = Path(args.plot)
+        timeline = target.with_name(f"{target.stem}-timeline{target.suffix or '.png'}")
+        plots.save_figure(plots.plot_latency_cdfs(result.records, title), str(target))
+        plots.save_figure(plots.plot_serving_timelines(result.records, result.step_logs, title), str(timeline))
+        summary["plots"] = [str(target), str(timeline)]
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -129,4 +146,6 @@ def run(args: argparse.Namespace) -> int:
     for rep in summary["replicas"]:
         print(f"  replica {rep['index']} ({rep['role']}): {rep['num_steps']} steps, "
               f"utilisation {100 * rep['utilization']:.0f}%")  # fmt: skip
+    for path in summary.get("plots", []):
+        print(f"  figure: {path}")
     return 0

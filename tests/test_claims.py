@@ -111,7 +111,8 @@ def test_sanity_checks_by_hand() -> None:
     slow = H.check_batching([_decode(1, 0.150, 0.01), _decode(8, 2.72, 0.1), _decode(16, 2.0, 0.1)])
     assert [a["batches"] for a in slow] == [[1, 8]]
     assert H.check_batching([_decode(1, 0.05, 0.01), _decode(8, 0.2, 0.01)]) == []
-    assert H.check_ceilings({"peak_flops": -0.5, "mem_bandwidth": 0.1})[0]["ceiling"] == "peak_flops"
+    moved = H.check_ceilings({"peak_flops": -0.5, "mem_bandwidth": 0.1})
+    assert [(a["ceiling"], a["affects"]) for a in moved] == [("peak_flops", "timing")]
     assert H.check_drift({"decode": 0.2}) == []
     assert H.steal_share({"total": 100, "steal": 5}, {"total": 300, "steal": 25}) == pytest.approx(0.1)
 
@@ -128,3 +129,25 @@ def test_threads_env_is_validated(monkeypatch) -> None:
     monkeypatch.setenv(H.NUM_THREADS_ENV, "1")
     assert H.configure_threads() == 1
     torch.set_num_threads(before)
+
+
+def test_index_shows_the_running_experiment_verdicts_and_anomalies() -> None:
+    from workbench.pipeline.index import render_run_index
+
+    claim = C.paging_wastes_less(0.8, 0.02, 16)
+    flagged = H.check_drift({"decode": 0.6})
+    manifest = {
+        "run_id": "r1",
+        "complete": False,
+        "running": "second",
+        "pending": ["second", "third"],
+        "experiments": [
+            {"name": "first", "status": "ok", "duration_s": 1.0, "figures": ["first/figures/a.png"],
+             "metrics": {"claims": [claim], "anomalies": flagged, "ttft_ms": 1234.5678, "n": 12000}},
+        ],
+    }  # fmt: skip
+    page = render_run_index(manifest, {})
+    assert "running second" in page and ">running<" in page and ">pending<" in page and "Not run" not in page
+    assert "1 confirmed" in page and "Unreliable" in page and "+60%" in page
+    assert "1,235" in page and "12,000" in page  # one number format per column
+    assert 'src="first/figures/a.png"' in page

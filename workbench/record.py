@@ -115,10 +115,24 @@ def _write_sidecar() -> Path | None:
     return path
 
 
-def _format(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A key result for a table, one format for every row: 4 significant digits (thousands separated),
+    scientific notation only below 0.001 or from a million on; lists and dicts as short JSON."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int):
+        return f"{value:,}"
     if isinstance(value, float):
-        return f"{value:.6g}"
-    return json.dumps(value) if not isinstance(value, str) else value
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+            return f"{value:.4g}"
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, str):
+        return value
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_format = format_value
 
 
 def _display_table(values: Mapping[str, Any], title: str | None = None) -> None:

@@ -12,8 +12,9 @@ sanity checks. Together they give:
 - anomalies: an MFU or MBU above 1 beyond ``UTILIZATION_TOLERANCE``, a batch that makes decode slower per token,
   a drift beyond ``DRIFT_THRESHOLD``, a ceiling that moved by more than ``CEILING_THRESHOLD``.
 
-Each anomaly names what it ``affects`` ("timing": every measured time, "ceilings": every figure divided by a
-ceiling, "batching": the batching claims); ``workbench.experiments.claims.apply_anomalies`` turns the claims that
+Each anomaly names what it ``affects`` ("timing": every measured time, so a drift or a moving ceiling, which both
+say the machine changed under the experiment; "ceilings": every figure divided by a ceiling, so an MFU or MBU above
+1; "batching": the batching claims); ``workbench.experiments.claims.apply_anomalies`` turns the claims that
 rest on an affected quantity into *inconclusive, unreliable*, so an anomaly is never stated as a finding.
 
 Thread count: ``WORKBENCH_NUM_THREADS`` (set by ``workbench report --threads N``) when present. One thread is the
@@ -309,8 +310,9 @@ def check_ceilings(change: Mapping[str, float], threshold: float = CEILING_THRES
         anomaly(
             "ceiling_moved",
             f"the measured {name.replace('_', ' ')} changed by {value:+.0%} between the start and the end "
-            f"(threshold {threshold:.0%}): figures divided by it are unreliable",
-            "ceilings",
+            f"(threshold {threshold:.0%}): the machine changed during the experiment, so its timings and the "
+            "figures divided by this ceiling are unreliable",
+            "timing",
             ceiling=name,
             value=value,
             threshold=threshold,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.atomic import atomic_write_text
+from workbench.record import format_value
 
 MANIFEST = "manifest.json"
 ENVIRONMENT = "environment.json"
@@ -39,22 +40,6 @@ def _environment() -> Any:
 
 def _render(template: str, **context: Any) -> str:
     return _environment().get_template(template).render(**context)
-
-
-def format_value(value: Any) -> str:
-    """A key result for a table: 4 significant digits with thousands separators, lists shortened."""
-    if isinstance(value, bool) or value is None:
-        return json.dumps(value)
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
-            return f"{value:.4g}"
-        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
-    if isinstance(value, str):
-        return value
-    text = json.dumps(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

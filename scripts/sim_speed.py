@@ -10,13 +10,13 @@ prints the top of a cProfile of the simulation to stderr.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import pstats
 import sys
 import time
 
+from workbench.cli import make_parser
 from workbench.config import ModelConfig
 from workbench.sim.cluster import SimConfig, simulate
 from workbench.sim.costmodel import RooflineCostModel
@@ -24,7 +24,7 @@ from workbench.workloads import load_workload
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = make_parser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--model", default="Llama-3.1-8B")
     p.add_argument("--hardware", default="h100-sxm")

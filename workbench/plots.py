@@ -228,6 +228,17 @@ def _log_ticks(ax: Axes, values: Sequence[float], axis: str = "x") -> None:
     target.set_major_formatter(ScalarFormatter())
 
 
+def _log_y(ax: Axes) -> None:
+    """A log y axis labelled at 1, 2 and 5 of each decade (instead of two bare decades)."""
+    from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_locator(NullLocator())
+    formatter = ScalarFormatter()
+    formatter.set_scientific(False)
+    ax.yaxis.set_major_formatter(formatter)
+
+
 def plot_phase_times(measured: Any, model_name: str, axes: Sequence[Axes] | None = None) -> Sequence[Axes]:
     """Two panels: TTFT against prompt length (prefill rows) and decode step time against batch size per context
     length (decode rows), measured (median, min..max bars) next to the roofline's prediction."""
@@ -246,6 +257,7 @@ def plot_phase_times(measured: Any, model_name: str, axes: Sequence[Axes] | None
         title=f"Prefill time against prompt length ({model_name})",
     )
     _log_ticks(axes[0], p.prompt_len)
+    _log_y(axes[0])
     axes[0].legend()
     d = measured[measured.phase == "decode"]
     for i, (kv, grp) in enumerate(d.groupby("context_len")):
@@ -331,6 +343,7 @@ def plot_batch_sweep(sweep: Any, kv_len: int, axes: Sequence[Axes] | None = None
         title=f"Decode throughput against batch size, context {kv_len}",
     )
     _log_ticks(axes[0], sweep.batch)
+    _log_y(axes[0])
     axes[0].legend()
     axes[1].errorbar(
         sweep.batch, sweep.time_s * 1e3, yerr=_yerr(sweep, scale=1e3), fmt="o-", capsize=3, label="measured (step time)"

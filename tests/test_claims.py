@@ -149,5 +149,8 @@ def test_index_shows_the_running_experiment_verdicts_and_anomalies() -> None:
     page = render_run_index(manifest, {})
     assert "running second" in page and ">running<" in page and ">pending<" in page and "Not run" not in page
     assert "1 confirmed" in page and "Unreliable" in page and "+60%" in page
+    timed = C.apply_anomalies([C.chunking_costs_ttft(1000, 1400)], flagged)
+    manifest["experiments"][0]["metrics"]["claims"] = timed
+    assert "numbers alone: confirmed" in render_run_index(manifest, {})
     assert "1,235" in page and "12,000" in page  # one number format per column
     assert 'src="first/figures/a.png"' in page

@@ -79,7 +79,12 @@ def _experiment_context(exp: dict[str, Any]) -> dict[str, Any]:
         if exp.get(key)
     ]
     claims = [
-        {**c, "verdict_text": VERDICT_TEXT.get(c.get("verdict"), str(c.get("verdict"))), "detail": c.get("detail", "")}
+        {
+            **c,
+            "verdict_text": VERDICT_TEXT.get(c.get("verdict"), str(c.get("verdict"))),
+            "from_numbers_text": VERDICT_TEXT.get(c.get("verdict_from_numbers"), ""),
+            "detail": c.get("detail", ""),
+        }
         for c in metrics.get("claims") or []
         if isinstance(c, dict)
     ]

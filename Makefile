@@ -44,8 +44,9 @@ test: lint
 	MPLBACKEND=agg $(PY) -m pytest --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
 		$(PYTEST_ARGS) tests notebooks
 
+# JupyterLab refuses to start as root without --allow-root (containers often run as root)
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root,) notebooks/
 
 clean-venv:
 	rm -rf $(VENV)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workbench.parsing import make_parser
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIM = 128
 # decode grid: batch x KV length x (query heads, KV heads)
@@ -369,7 +371,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = make_parser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results as JSON to this file")
     parser.add_argument("--quick", action="store_true", help="a few rows only (plus the target rows)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")

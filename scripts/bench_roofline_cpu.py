@@ -14,7 +14,6 @@ ceilings are therefore measured in the same run as the steps unless ``--cached``
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -26,6 +25,7 @@ import torch
 from workbench.config import ModelConfig
 from workbench.hardware import measured_spec
 from workbench.model import Transformer
+from workbench.parsing import make_parser
 from workbench.roofline import RooflineModel, StepCost
 
 PRESET = "bench-300m"
@@ -78,7 +78,7 @@ def time_decode(model: Transformer, batch: int, context_len: int, repeats: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = make_parser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per case (median reported)")
     parser.add_argument(
         "--cached", action="store_true", help="reuse cached ceilings instead of measuring them in this run"

@@ -15,7 +15,6 @@ decide it.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -27,6 +26,8 @@ import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+
+from workbench.parsing import make_parser
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_GLOB = "tests/test_kernels_*.py"
@@ -218,7 +219,7 @@ def builtin_checks(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--budget-s", type=float, default=450.0, help="the whole check's time budget")
     parser.add_argument("--tests-budget-s", type=float, default=270.0, help="at most this much for the tests")

@@ -13,7 +13,6 @@ Prints one JSON object:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from workbench.bench import LinearSweep, _engine, _greedy, load_bench_model, random_prompts, set_threads
 from workbench.model.layers import apply_rotary_rolled
+from workbench.parsing import make_parser
 
 pc = time.perf_counter
 
@@ -87,7 +87,7 @@ def timed_layer_forward(acc: dict[str, float]):  # noqa: ANN201
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = make_parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="bench-300m")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)

@@ -14,12 +14,12 @@ test: CPU timings on a shared machine are noisy.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from workbench.engine.config import EngineConfig
 from workbench.engine.scheduler import POLICIES
+from workbench.parsing import make_parser
 from workbench.sim.cluster import SimConfig, simulate
 from workbench.sim.costmodel import ProfiledCostModel
 from workbench.sim.measure import fit_engine_profile
@@ -27,7 +27,7 @@ from workbench.workloads import synthetic_workload
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = make_parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-gqa")
     p.add_argument("--profile", default=None, help="use this profile instead of fitting one")
     p.add_argument("--num-requests", type=int, default=40)

@@ -10,7 +10,6 @@ prints the top of a cProfile of the simulation to stderr.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import pstats
@@ -18,13 +17,14 @@ import sys
 import time
 
 from workbench.config import ModelConfig
+from workbench.parsing import make_parser
 from workbench.sim.cluster import SimConfig, simulate
 from workbench.sim.costmodel import RooflineCostModel
 from workbench.workloads import load_workload
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = make_parser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="azure-conv")
     p.add_argument("--model", default="Llama-3.1-8B")
     p.add_argument("--hardware", default="h100-sxm")

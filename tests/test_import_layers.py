@@ -6,10 +6,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # bottom to top; a module may import from its own layer or below
 LAYERS = {
-    1: ("config", "errors", "device", "request"),
+    1: ("config", "errors", "device", "request", "atomic", "parsing"),
     2: ("kv", "model", "roofline", "hardware"),
-    3: ("engine", "workloads", "bench"),
-    4: ("dist", "sim", "serve"),
+    3: ("engine", "dist", "workloads", "bench"),  # dist: the engine starts its own tensor-parallel ranks
+    4: ("sim", "serve"),
     5: ("experiments", "plots", "record", "pipeline", "commands", "cli"),
 }
 LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}

@@ -41,7 +41,10 @@ def test_latency_aggregates() -> None:
     assert m["request_throughput"] == pytest.approx(3 / 4)
     assert m["output_throughput"] == pytest.approx(9 / 4)
     assert m["total_token_throughput"] == pytest.approx((35 + 9) / 4)
-    # no SLO: every completed request is good; the rejected one is a miss
+    # no SLO: nothing to attain, so goodput and attainment are null (not "100% within SLOs")
+    assert m["goodput"] is None and m["slo_attainment"] is None
+    # an SLO every completed request meets: the rejected one is a miss
+    m = summarize(TIMELINE, duration_s=4.0, slo_e2el_s=100.0)["metrics"]
     assert m["goodput"] == pytest.approx(0.75)
     assert m["slo_attainment"] == pytest.approx(75.0)
 
@@ -65,8 +68,9 @@ def test_contract_layout_and_default_duration() -> None:
     assert set(out) >= {"num_requests", "num_finished", "num_preemptions", "metrics"}
     for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
         assert set(out["metrics"][key]) == set(STAT_KEYS)
-    for key in ("request_throughput", "output_throughput", "goodput", "slo_attainment"):
+    for key in ("request_throughput", "output_throughput"):
         assert isinstance(out["metrics"][key], float)
+    assert out["metrics"]["goodput"] is None and out["metrics"]["slo_attainment"] is None
     json.dumps(out)
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from workbench import cli, record
+from workbench.atomic import atomic_open, atomic_write_json, atomic_write_text
 from workbench.errors import ConfigError
 from workbench.pipeline import runner
 from workbench.pipeline import spec as spec_mod
-from workbench.pipeline.atomic import atomic_open, atomic_write_json, atomic_write_text
 from workbench.pipeline.environment import capture_environment, measured_ceilings
 from workbench.pipeline.params import notebook_parameters, parse_param, parse_params
 from workbench.pipeline.spec import choose_profile, load_spec, parse_spec
@@ -466,7 +466,7 @@ def test_record_writes_sidecar_and_displays(clean_record, tmp_path: Path, capsys
         "bad": None,
     }
     assert "ttft_s = 0.25" in capsys.readouterr().out
-    assert clean_record.save() == tmp_path / "metrics.json"
+    assert clean_record.save() is None and (tmp_path / "metrics.json").is_file()
     assert "Key results" in capsys.readouterr().out
 
 

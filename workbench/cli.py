@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from workbench.errors import WorkbenchError
+from workbench.parsing import PARSER_OPTIONS, HelpFormatter, make_parser  # noqa: F401  (re-exported)
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -29,13 +30,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``workbench`` parser; only ``command``'s options are added (its module is imported)."""
+    parser = make_parser(
         prog="workbench",
         description="LLM inference workbench: prefill and decode, measured and modelled.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, **PARSER_OPTIONS)  # type: ignore[arg-type]
         if name == command:
             importlib.import_module(module).add_arguments(p)
     return parser

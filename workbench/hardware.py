@@ -242,11 +242,16 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine() or "unknown-cpu"
 
 
-def _physical_memory_bytes() -> float:
+def physical_memory_bytes() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say): the one place these facts are read."""
     try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        return float(GIB)
+        return None
+
+
+def _physical_memory_bytes() -> float:
+    return float(physical_memory_bytes() or GIB)
 
 
 PROBE_VERSION = 2  # bumped when the probes change (2: the CPU read ceiling also tries a gemv); older caches are stale
@@ -475,4 +480,5 @@ __all__ = [
     "measure_cuda",
     "measured_spec",
     "cpu_model_name",
+    "physical_memory_bytes",
 ]

@@ -6,7 +6,11 @@ seaborn, when installed) are imported inside the functions, so importing the ana
 (``workbench.roofline`` ...) never imports them.
 
 Figures here: ``plot_roofline`` (log-log roofline with the hardware's ceilings and one point per operation
-and phase) and ``plot_decode_bytes`` (stacked bars of where a decode step's bytes go).
+and phase), ``plot_decode_bytes`` (stacked bars of where a decode step's bytes go), and the experiments' figures:
+``plot_phase_times`` (01), ``plot_variant_decode`` and ``plot_waste`` (02), ``plot_batch_sweep`` and
+``plot_policy_bars`` (03), ``plot_step_timelines`` and ``plot_budget_tradeoff`` (04). Every timing is drawn with
+error bars from its min..max over the repeats (rows with ``time_min_s`` / ``time_max_s``). Titles name the axes
+and the setting, never a claim: the claims and their verdicts are in each notebook's conclusion.
 """
 
 from __future__ import annotations
@@ -60,8 +64,16 @@ def _new_ax(ax: Axes | None) -> Axes:
 
 
 def _tflops(flops: float) -> str:
+    """FLOP/s in the unit that reads: TFLOP/s for an accelerator, GFLOP/s for a CPU."""
     tf = flops / 1e12
+    if tf < 1:
+        return f"{flops / 1e9:.3g} GFLOP/s"
     return f"{tf:,.0f} TFLOP/s" if tf >= 10 else f"{tf:.3g} TFLOP/s"
+
+
+def _bandwidth(bytes_per_s: float) -> str:
+    """Bytes/s in the unit that reads: TB/s, else GB/s."""
+    return f"{bytes_per_s / 1e12:.3g} TB/s" if bytes_per_s >= 1e12 else f"{bytes_per_s / 1e9:.3g} GB/s"
 
 
 def _group_points(
@@ -129,20 +141,17 @@ def plot_roofline(
     if vec < peak:
         ax.plot([vec / bw, hi], [vec, vec], color="grey", ls="-.", lw=1)
         ax.text(hi, vec, f"vector (fp32) {_tflops(vec)} ", va="bottom", ha="right", fontsize="small")
-    ax.text(lo * 1.2, bw * lo * 1.5, f"{bw / 1e12:.3g} TB/s", fontsize="small", color="black")
+    ax.text(lo * 1.2, bw * lo * 3, _bandwidth(bw), fontsize="small", color="black")
     colors = ["C0", "C1", "C2", "C3", "C4", "C5"]
+    labelled: list[tuple[str, float, float]] = []  # every phase's operations, labelled once across phases
     for i, (phase, cost) in enumerate(phases.items()):
         color = colors[i % len(colors)]
-        marker = PHASE_MARKERS.get(phase, "D")
+        kind = next((k for k in PHASE_MARKERS if phase.startswith(k)), None)
+        marker = PHASE_MARKERS.get(kind, "D") if kind else "D"
         pts = [(op.name, op.intensity, op.flops / op.time_s) for op in cost.ops or () if op.flops > 0 and op.bytes > 0]
         if pts:
             ax.scatter([p[1] for p in pts], [p[2] for p in pts], s=18, color=color, marker=marker, alpha=0.7)
-            if label_ops:
-                for names, x, y in _group_points(pts):
-                    ax.annotate(
-                        _wrap(names), (x, y), xytext=(4, -4), textcoords="offset points", fontsize=6,
-                        color=color, va="top",
-                    )  # fmt: skip
+            labelled += pts
         if cost.time_s > 0 and cost.flops > 0:
             ax.scatter(
                 [cost.intensity],
@@ -154,9 +163,16 @@ def plot_roofline(
                 label=f"{phase} (whole step)",
                 zorder=5,
             )
-    for label, inten, achieved in measured:
+    if label_ops:
+        for names, x, y in _group_points(labelled, tol=0.3):
+            unique = list(dict.fromkeys(names))
+            ax.annotate(
+                _wrap(unique), (x, y), xytext=(4, -4), textcoords="offset points", fontsize=6, color="#333", va="top"
+            )
+    for _label, inten, achieved in measured:
         ax.scatter([inten], [achieved], s=70, marker="*", color="crimson", zorder=6)
-        ax.annotate(label, (inten, achieved), xytext=(4, 4), textcoords="offset points", fontsize=7, color="crimson")
+    for names, x, y in _group_points(measured, tol=0.15):  # neighbours share one label instead of overprinting
+        ax.annotate(_wrap(names, 2), (x, y), xytext=(5, 3), textcoords="offset points", fontsize=7, color="crimson")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
@@ -193,6 +209,228 @@ def plot_decode_bytes(
     return ax
 
 
+def _yerr(rows: Any, key: str = "time_s", scale: float = 1.0) -> Any:
+    """Asymmetric error bars (below, above) from ``<key>_min_s`` / ``<key>_max_s`` columns, or None."""
+    base = key.removesuffix("_s")
+    lo, hi = f"{base}_min_s", f"{base}_max_s"
+    if lo not in rows or hi not in rows:
+        return None
+    return [(rows[key] - rows[lo]).clip(lower=0) * scale, (rows[hi] - rows[key]).clip(lower=0) * scale]
+
+
+def _log_ticks(ax: Axes, values: Sequence[float], axis: str = "x") -> None:
+    """Tick marks at the measured values on a log axis (instead of two decades)."""
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
+
+    target = ax.xaxis if axis == "x" else ax.yaxis
+    target.set_major_locator(FixedLocator(sorted(set(values))))
+    target.set_minor_locator(NullLocator())
+    target.set_major_formatter(ScalarFormatter())
+
+
+def _log_y(ax: Axes) -> None:
+    """A log y axis labelled at 1, 2 and 5 of each decade (instead of two bare decades)."""
+    from matplotlib.ticker import LogLocator, NullLocator, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_minor_locator(NullLocator())
+    formatter = ScalarFormatter()
+    formatter.set_scientific(False)
+    ax.yaxis.set_major_formatter(formatter)
+
+
+def plot_phase_times(measured: Any, model_name: str, axes: Sequence[Axes] | None = None) -> Sequence[Axes]:
+    """Two panels: TTFT against prompt length (prefill rows) and decode step time against batch size per context
+    length (decode rows), measured (median, min..max bars) next to the roofline's prediction."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    p = measured[measured.phase == "prefill"]
+    axes[0].errorbar(p.prompt_len, p.time_s * 1e3, yerr=_yerr(p, scale=1e3), fmt="o-", capsize=3, label="measured")
+    axes[0].plot(p.prompt_len, p.predicted_s * 1e3, "s--", label="roofline (measured ceilings)")
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="prompt length (tokens)",
+        ylabel="TTFT (ms)",
+        title=f"Prefill time against prompt length ({model_name})",
+    )
+    _log_ticks(axes[0], p.prompt_len)
+    _log_y(axes[0])
+    axes[0].legend()
+    d = measured[measured.phase == "decode"]
+    for i, (kv, grp) in enumerate(d.groupby("context_len")):
+        color = f"C{i}"
+        axes[1].errorbar(
+            grp.batch,
+            grp.time_s * 1e3,
+            yerr=_yerr(grp, scale=1e3),
+            fmt="o-",
+            capsize=3,
+            color=color,
+            label=f"measured, context {kv}",
+        )
+        axes[1].plot(grp.batch, grp.predicted_s * 1e3, "s--", alpha=0.6, color=color, label=f"roofline, context {kv}")
+    axes[1].set(
+        xscale="log",
+        xlabel="batch size (sequences)",
+        ylabel="decode step time (ms)",
+        title=f"Decode step time against batch size ({model_name})",
+    )
+    _log_ticks(axes[1], d.batch)
+    axes[1].legend(fontsize="small")
+    return axes
+
+
+def plot_variant_decode(decode: Any, batch: int, ax: Axes | None = None) -> Axes:
+    """Decode step time against context length, one line per (KV variant, layout), with min..max bars."""
+    ax = _new_ax(ax)
+    for (kind, layout), grp in decode.groupby(["variant", "layout"], sort=False):
+        style = "o-" if layout == "contiguous" else "x:"
+        ax.errorbar(
+            grp.context_len,
+            grp.time_s * 1e3,
+            yerr=_yerr(grp, scale=1e3),
+            fmt=style,
+            capsize=3,
+            label=f"{kind}, {layout}",
+        )
+    ax.set(
+        xscale="log",
+        xlabel="context length (tokens per sequence)",
+        ylabel="decode step time (ms)",
+        title=f"Decode step time per KV variant, batch {batch}",
+    )
+    _log_ticks(ax, decode.context_len)
+    ax.legend(title="KV heads, layout")
+    return ax
+
+
+def plot_waste(waste: Any, trace: str, ax: Axes | None = None) -> Axes:
+    """Share of reserved KV memory holding no token: paged per block size, and the contiguous per-slot cache."""
+    ax = _new_ax(ax)
+    ax.plot(waste.block_size, waste["paged waste"] * 100, "o-", label="paged: tail of each last block")
+    ax.axhline(waste["contiguous waste"].iloc[0] * 100, color="crimson", ls="--", label="contiguous per-slot cache")
+    ax.set(
+        xscale="log",
+        xlabel="block size (tokens)",
+        ylabel="reserved memory holding no token (%)",
+        title=f"KV memory waste against block size ({trace} lengths)",
+    )
+    _log_ticks(ax, waste.block_size)
+    ax.legend(title="KV layout")
+    return ax
+
+
+def plot_batch_sweep(sweep: Any, kv_len: int, axes: Sequence[Axes] | None = None) -> Sequence[Axes]:
+    """Decode throughput (output tokens/s) and ITL against batch size, measured with min..max bars and the
+    roofline's prediction."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    err = None
+    if "tokens_per_s_min" in sweep:
+        err = [sweep.tokens_per_s - sweep.tokens_per_s_min, sweep.tokens_per_s_max - sweep.tokens_per_s]
+    axes[0].errorbar(sweep.batch, sweep.tokens_per_s, yerr=err, fmt="o-", capsize=3, label="measured")
+    axes[0].plot(sweep.batch, sweep.batch / sweep.predicted_s, "s--", label="roofline (measured ceilings)")
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch size (sequences)",
+        ylabel="decode throughput (output tokens/s)",
+        title=f"Decode throughput against batch size, context {kv_len}",
+    )
+    _log_ticks(axes[0], sweep.batch)
+    _log_y(axes[0])
+    axes[0].legend()
+    axes[1].errorbar(
+        sweep.batch, sweep.time_s * 1e3, yerr=_yerr(sweep, scale=1e3), fmt="o-", capsize=3, label="measured (step time)"
+    )
+    axes[1].plot(sweep.batch, sweep.predicted_s * 1e3, "s--", label="roofline")
+    axes[1].set(
+        xscale="log",
+        xlabel="batch size (sequences)",
+        ylabel="inter-token latency (ms)",
+        title=f"ITL against batch size, context {kv_len}",
+    )
+    _log_ticks(axes[1], sweep.batch)
+    axes[1].legend()
+    return axes
+
+
+def plot_policy_bars(policies: Any, metrics: Sequence[tuple[str, str]], axes: Sequence[Axes] | None = None) -> Any:
+    """One panel per ``(column, label with unit)``: a bar per workload and policy (``label`` column)."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4.4))
+    for ax, (metric, label) in zip(axes, metrics):
+        pivot = policies.pivot(index="workload", columns="label", values=metric)
+        pivot.plot.bar(ax=ax, rot=0)
+        ax.set(ylabel=label, xlabel="workload", title=label)
+        ax.legend(title="policy")
+    return axes
+
+
+def plot_step_timelines(runs: Mapping[str, Mapping[str, Any]]) -> Any:
+    """One panel per scheduler: each engine step a bar (start .. end on that scheduler's own time axis, height
+    its duration), coloured by its share of prefill tokens, with a colour bar."""
+    import matplotlib.pyplot as plt
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.0 * len(runs)), squeeze=False, layout="constrained")
+    cmap, norm = plt.get_cmap("viridis"), Normalize(0, 1)
+    for ax, (label, run) in zip(axes[:, 0], runs.items()):
+        s = run["steps"]
+        share = s.num_prefill_tokens / (s.num_prefill_tokens + s.num_decode_tokens).clip(lower=1)
+        ax.bar(
+            s.start_s * 1e3,
+            s.duration_s * 1e3,
+            width=s.duration_s * 1e3,
+            align="edge",
+            color=cmap(norm(share)),
+            edgecolor="black",
+            linewidth=0.3,
+        )
+        ax.set(
+            ylabel="step time (ms)",
+            xlabel="engine time (ms)",
+            xlim=(0, float((s.start_s + s.duration_s).max()) * 1e3),
+            title=f"{label}: longest step {run['max_step_s'] * 1e3:.0f} ms, worst decode ITL "
+            f"{run['stall_itl_max_s'] * 1e3:.0f} ms, long-prompt TTFT {run['long_ttft_s'] * 1e3:.0f} ms",
+        )
+    fig.colorbar(
+        ScalarMappable(norm=norm, cmap=cmap), ax=axes[:, 0].tolist(), label="share of prefill tokens in the step"
+    )
+    return fig
+
+
+def plot_budget_tradeoff(sweep: Any, long_prompt_len: int, num_decodes: int, ax: Axes | None = None) -> Axes:
+    """Worst decode ITL while the long prompt prefills against its TTFT, one point per chunked token budget;
+    labels alternate above and below the points so that neighbours do not overprint."""
+    ax = _new_ax(ax)
+    ax.plot(sweep.long_ttft_ms, sweep.stall_ms, "o-")
+    for i, (_, r) in enumerate(sweep.sort_values("long_ttft_ms").iterrows()):
+        dy = 8 if i % 2 == 0 else -14
+        ax.annotate(
+            f"{int(r.token_budget)}",
+            (r.long_ttft_ms, r.stall_ms),
+            xytext=(4, dy),
+            textcoords="offset points",
+            fontsize="small",
+        )
+    ax.set(
+        xlabel="TTFT of the long prompt (ms)",
+        ylabel="worst decode ITL while it prefills (ms)",
+        title=f"Stall against TTFT per token budget ({long_prompt_len}-token prompt, {num_decodes} decodes)\n"
+        "point labels: token budget (tokens per step)",
+    )
+    return ax
+
+
 def figure_summary(ax: Axes) -> dict[str, Any]:
     """Title, axis labels and scales of an Axes: what tests and reports check about a figure."""
     return {
@@ -204,4 +442,126 @@ def figure_summary(ax: Axes) -> dict[str, Any]:
     }
 
 
-__all__ = ["set_theme", "plot_roofline", "plot_decode_bytes", "figure_summary", "BYTE_KIND_COLORS"]
+# ---------------------------------------------------------------- figures of the command line (--plot FILE)
+
+
+def save_figure(fig: Any, path: str) -> str:
+    """Write ``fig`` to ``path`` (format from the suffix: .png, .svg, .pdf) with the Agg backend; returns the path."""
+    fig.savefig(path, dpi=150, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def use_file_backend() -> None:
+    """Select matplotlib's Agg backend (no display needed) and the workbench theme, for commands writing files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    set_theme()
+
+
+def _cdf(ax: Axes, values: Sequence[float], label: str) -> None:
+    xs = sorted(values)
+    if xs:
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
+
+
+def plot_latency_cdfs(records: Sequence[Any], title: str) -> Any:
+    """Three panels: the CDFs of TTFT, TPOT and E2E latency (ms, log axis) of finished request records."""
+    import matplotlib.pyplot as plt
+
+    from workbench.engine.metrics import is_completed, request_latencies
+
+    lats = [request_latencies(r) for r in records if is_completed(r)]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (key, label) in zip(axes, [("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2el_s", "E2E latency")]):
+        _cdf(ax, [lat[key] * 1e3 for lat in lats if lat[key] is not None and lat[key] > 0], label)
+        ax.set(
+            xscale="log",
+            xlabel=f"{label} (ms)",
+            ylabel="share of finished requests",
+            ylim=(0, 1.02),
+            title=f"{label} CDF ({len(lats)} requests)",
+        )
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_serving_timelines(records: Sequence[Any], step_logs: Sequence[Any], title: str) -> Any:
+    """Three panels against simulated time: requests waiting for their first token (all replicas), then per
+    replica the sequences in each step (batch size) and the KV blocks in use."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True)
+    events = sorted(
+        [(r.arrival_time, 1) for r in records]
+        + [(r.first_token_time, -1) for r in records if r.first_token_time is not None]
+    )
+    t, n, xs, ys = 0.0, 0, [0.0], [0]
+    for t, d in events:
+        n += d
+        xs.append(t)
+        ys.append(n)
+    axes[0].step(xs, ys, where="post")
+    axes[0].set(ylabel="waiting for first token", title="queue: arrived, no token yet")
+    for i, log in enumerate(step_logs):
+        if log is None or not log.steps:
+            continue
+        starts = [s.start_s for s in log.steps]
+        axes[1].step(starts, [s.num_seqs for s in log.steps], where="post", label=f"replica {i}", lw=0.8)
+        axes[2].step(starts, [s.num_blocks_used for s in log.steps], where="post", label=f"replica {i}", lw=0.8)
+    axes[1].set(ylabel="sequences in the step", title="batch size per step")
+    axes[2].set(ylabel="KV blocks in use", xlabel="simulated time (s)", title="KV cache occupancy")
+    for ax in axes[1:]:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(title="replica", fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def plot_trace(requests: Sequence[Any], title: str) -> Any:
+    """Three panels of a workload: prompt and output length histograms (log bins) and arrivals per second."""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, label in ((axes[0], "prompt_len", "prompt"), (axes[1], "output_len", "output")):
+        values = [getattr(r, key) for r in requests]
+        hi = max(values) if values else 1
+        bins = [2 ** (i / 4) for i in range(int(4 * math.log2(max(hi, 2))) + 2)]
+        ax.hist(values, bins=bins, color="C0" if key == "prompt_len" else "C1", edgecolor="white")
+        ax.set(xscale="log", xlabel=f"{label} length (tokens)", ylabel="requests", title=f"{label} lengths")
+    arrivals = [r.arrival_time_s for r in requests]
+    span = max(arrivals) - min(arrivals) if arrivals else 0.0
+    width = max(span / 100, 1e-3)
+    axes[2].hist(arrivals, bins=max(1, min(100, int(span / width) + 1)), color="C2", edgecolor="white")
+    axes[2].set(xlabel="arrival time (s)", ylabel=f"requests per {width:.3g} s", title="arrivals over time")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+__all__ = [
+    "set_theme",
+    "plot_roofline",
+    "plot_decode_bytes",
+    "plot_phase_times",
+    "plot_variant_decode",
+    "plot_waste",
+    "plot_batch_sweep",
+    "plot_policy_bars",
+    "plot_step_timelines",
+    "plot_budget_tradeoff",
+    "figure_summary",
+    "save_figure",
+    "use_file_backend",
+    "plot_latency_cdfs",
+    "plot_serving_timelines",
+    "plot_trace",
+    "BYTE_KIND_COLORS",
+]

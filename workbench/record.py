@@ -17,7 +17,7 @@ leaves what it had recorded. Without an output folder (``set_output_dir`` not ca
 to disk; the values are still displayed.
 
 This module imports nothing from the notebook stack at import time (IPython and matplotlib are only used
-when present), and nothing from ``workbench.pipeline``.
+when present), and nothing from ``workbench.pipeline``; its files are written by ``workbench.atomic``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from workbench.atomic import atomic_write_bytes
 
 METRICS_FILE = "metrics.json"
 FIGURES_DIR = "figures"
@@ -102,16 +103,7 @@ def to_json_value(value: Any, name: str = "value") -> Any:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data)
 
 
 def _write_sidecar() -> Path | None:
@@ -123,10 +115,24 @@ def _write_sidecar() -> Path | None:
     return path
 
 
-def _format(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A key result for a table, one format for every row: 4 significant digits (thousands separated),
+    scientific notation only below 0.001 or from a million on; lists and dicts as short JSON."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int):
+        return f"{value:,}"
     if isinstance(value, float):
-        return f"{value:.6g}"
-    return json.dumps(value) if not isinstance(value, str) else value
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+            return f"{value:.4g}"
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, str):
+        return value
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_format = format_value
 
 
 def _display_table(values: Mapping[str, Any], title: str | None = None) -> None:
@@ -179,11 +185,18 @@ def record(name_or_dict: str | Mapping[str, Any], value: Any = _MISSING, *, show
     return converted
 
 
-def figure(fig: Any, name: str, *, dpi: int = 150, close: bool = True) -> Path | None:
+def figure_path(name: str) -> Path | None:
+    """Where ``figure(fig, name)`` writes its PNG (None without an output folder)."""
+    folder = output_dir()
+    return None if folder is None else folder / FIGURES_DIR / f"{name}.png"
+
+
+def figure(fig: Any, name: str, *, dpi: int = 150, close: bool = True) -> None:
     """Save the matplotlib figure ``fig`` as ``<output_dir>/figures/<name>.png`` and display that image once.
 
     The figure is closed afterwards (``close=True``) so that the inline backend does not show it a second
-    time. Returns the PNG's path, or None when no output folder is set (then the figure is only shown).
+    time. Returns None, so that a figure call ending a notebook cell echoes nothing; ``figure_path(name)``
+    says where the PNG went.
     """
     if not isinstance(name, str) or not _FIGURE_NAME_RE.match(name):
         raise ValueError(f"record.figure: name {name!r} must be letters, digits, '_', '-' or '.'")
@@ -211,11 +224,25 @@ def figure(fig: Any, name: str, *, dpi: int = 150, close: bool = True) -> Path |
                 plt.close(fig)
             except ImportError:
                 pass
-    return path
+    return None
 
 
-def save(title: str = "Key results") -> Path | None:
-    """Display every recorded value as one table and write the sidecar; returns its path (None: no folder)."""
-    path = _write_sidecar()
-    _display_table(_metrics, title)
-    return path
+# structured entries of metrics.json, shown by ``conclude`` rather than in the key-results table
+STRUCTURED_KEYS = ("claims", "anomalies", "hygiene")
+
+
+def conclude(claims: list[Mapping[str, Any]], anomalies: list[Mapping[str, Any]] = ()) -> str:  # type: ignore[assignment]
+    """Record the experiment's ``claims`` (after ``apply_anomalies``) and ``anomalies`` in metrics.json, and return
+    the conclusion as Markdown: the anomalies, then each claim with its verdict and numbers."""
+    from workbench.experiments.claims import apply_anomalies, claims_markdown
+
+    final = apply_anomalies(claims, list(anomalies))
+    record({"claims": final, "anomalies": list(anomalies)}, show=False)
+    return claims_markdown(final, list(anomalies))
+
+
+def save(title: str = "Key results") -> None:
+    """Display every recorded scalar value as one table (claims, anomalies and hygiene are left to ``conclude``)
+    and write the sidecar. Returns None, so that a cell ending in ``save()`` echoes nothing."""
+    _write_sidecar()
+    _display_table({k: v for k, v in _metrics.items() if k not in STRUCTURED_KEYS}, title)

@@ -54,6 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _progress(items: list[Any], desc: str, unit: str) -> Any:
+    """A tqdm bar on stderr over ``items`` when stderr is a terminal (stdout keeps the table or the JSON)."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty())
+
+
 def _machine(hw: Any, threads: int, device: Any) -> dict[str, Any]:
     from workbench.bench import read_bandwidth
 
@@ -102,24 +111,30 @@ def run(args: argparse.Namespace) -> int:
         else:
             model = bench.load_bench_model(args.model, args.dtype, str(device), seed=args.seed)
         if args.kind == "decode":
-            out["results"] = bench.bench_decode(
-                model,
-                args.batch,
-                (args.prompt_len or [128])[0],
-                args.steps,
-                args.warmup,
-                hw,
-                seed=args.seed,
-                attention_backend=args.attention_backend,
-                compile_decode=compile_decode,
-                workers=workers,
-            )
+            # one batch size at a time, so that the progress bar moves (the first step of each compiles: ~30 s)
+            note = ", compiling its decode step" if compile_decode else ""
+            out["results"] = []
+            sweep = bench.LinearSweep(model.config, model.dtype, model.device, seed=args.seed)  # built once
+            for batch in _progress(args.batch, f"decode{note}", "batch"):
+                out["results"] += bench.bench_decode(
+                    model,
+                    [batch],
+                    (args.prompt_len or [128])[0],
+                    args.steps,
+                    args.warmup,
+                    hw,
+                    sweep=sweep,
+                    seed=args.seed,
+                    attention_backend=args.attention_backend,
+                    compile_decode=compile_decode,
+                    workers=workers,
+                )
             if workers is not None:
                 workers.shutdown()
         elif args.kind == "prefill":
-            out["results"] = bench.bench_prefill(
-                model, args.prompt_len or [128, 512, 1024], args.repeats, args.warmup, hw, seed=args.seed
-            )
+            out["results"] = []
+            for n in _progress(args.prompt_len or [128, 512, 1024], "prefill", "prompt"):
+                out["results"] += bench.bench_prefill(model, [n], args.repeats, args.warmup, hw, seed=args.seed)
         else:
             out["offline"] = bench.bench_offline(
                 model, args.num_requests, args.context, args.max_num_seqs, args.repeats, seed=args.seed
@@ -133,11 +148,13 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(out: dict[str, Any]) -> str:
     """A plain-text table of a bench result (the JSON's figures, rounded, in readable units)."""
-    head = f"workbench bench {out['bench']}: {out['model']} {out['dtype']}, {out['num_threads']} threads"
+    machine = out.get("machine", {}).get("device_name")
+    on = f" on {machine}" if machine else ""
+    head = f"workbench bench {out['bench']}: model {out['model']} {out['dtype']}{on}, {out['num_threads']} threads"
     lines = [head]
     if out["bench"] == "decode":
         lines.append(
-            f"{'batch':>5} {'step ms':>9} {'tok/s':>9} {'GB/s':>7} {'mbu':>6} {'gemv_ratio':>10} {'overhead':>8}"
+            f"{'batch':>5} {'step ms':>9} {'out tok/s':>9} {'GB/s':>7} {'mbu':>6} {'gemv_ratio':>10} {'overhead':>8}"
         )
         for r in out["results"]:
             lines.append(
@@ -167,7 +184,8 @@ def format_table(out: dict[str, Any]) -> str:
             if key in out:
                 r = out[key]
                 lines.append(
-                    f"{key:>8}: ours {r['ours_tokens_per_s']:.1f} tok/s, transformers {r['hf_tokens_per_s']:.1f} "
-                    f"tok/s, ratio {r['ratio']:.2f}, identical tokens: {r['identical_tokens']}"
+                    f"{key:>8}: ours {r['ours_tokens_per_s']:.1f} output tok/s, transformers "
+                    f"{r['hf_tokens_per_s']:.1f} output tok/s, ratio {r['ratio']:.2f}, identical tokens: "
+                    f"{r['identical_tokens']}"
                 )
     return "\n".join(lines)

@@ -58,8 +58,11 @@ def add_trace_arguments(
     p.add_argument(
         "--num-requests", type=int, default=num_requests_default, help="synthetic traces: number of requests"
     )
-    p.add_argument("--prompt-lens", default=prompt_lens_default, help="synthetic traces: prompt length distribution")
-    p.add_argument("--output-lens", default=output_lens_default, help="synthetic traces: output length distribution")
+    spec = "fixed:N | uniform:LO:HI (inclusive) | lognormal:MEDIAN:SIGMA | zipf:A:MAX"
+    p.add_argument("--prompt-lens", default=prompt_lens_default, metavar="SPEC",
+                   help=f"synthetic traces: prompt length distribution, {spec}")  # fmt: skip
+    p.add_argument("--output-lens", default=output_lens_default, metavar="SPEC",
+                   help=f"synthetic traces: output length distribution, {spec}")  # fmt: skip
     p.add_argument("--trace-seed", type=int, default=0, help="seed of synthetic arrivals, lengths and prompt ids")
 
 
@@ -70,11 +73,29 @@ def add_slo_arguments(p: ArgumentContainer) -> None:
     p.add_argument("--slo-e2el", type=float, default=None, help="end-to-end latency SLO in seconds (goodput)")
 
 
+LATENCY_LABELS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL", "e2el_s": "E2E latency"}
+
+
+def clip_to_context(requests: list[Any], max_len: int) -> tuple[list[Any], int]:
+    """``truncate_to_context(requests, max_len)`` and how many requests it shortened (to be reported, not hidden)."""
+    from workbench.workloads import truncate_to_context
+
+    clipped = truncate_to_context(requests, max_len)
+    changed = sum(1 for a, b in zip(requests, clipped) if (a.prompt_len, a.output_len) != (b.prompt_len, b.output_len))
+    return clipped, changed
+
+
 def print_serving_metrics(m: dict[str, Any]) -> None:
     """Latency statistics (ms), throughput and goodput of a summary's ``metrics``, as replay and simulate print them."""
-    for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+    for key, label in LATENCY_LABELS.items():
         s = m[key]
-        print(f"  {key:7s} mean {s['mean'] * 1e3:9.2f} ms  median {s['median'] * 1e3:9.2f} ms  "
-              f"p99 {s['p99'] * 1e3:9.2f} ms")  # fmt: skip
-    print(f"  throughput {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} tok/s; "
-          f"goodput {m['goodput']:.2f} req/s ({m['slo_attainment']:.0f}% within SLOs)")  # fmt: skip
+        print(f"  {label + ' (ms)':16s} mean {s['mean'] * 1e3:9.2f}  median {s['median'] * 1e3:9.2f}  "
+              f"p99 {s['p99'] * 1e3:9.2f}")  # fmt: skip
+    total = m.get("total_token_throughput")
+    total_text = f", {total:.1f} total (prompt + output) tok/s" if total is not None else ""
+    print(f"  throughput {m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} output tok/s{total_text}")
+    if m.get("goodput") is None:
+        print("  goodput and SLO attainment: n/a (no SLO given; --slo-ttft, --slo-tpot, --slo-e2el)")
+    else:
+        slos = ", ".join(f"{k.removesuffix('_s').upper()} <= {v:g} s" for k, v in (m.get("slos") or {}).items() if v)
+        print(f"  goodput {m['goodput']:.2f} req/s, {m['slo_attainment']:.1f}% of requests within SLOs ({slos})")

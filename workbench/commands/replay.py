@@ -9,12 +9,12 @@ Traces: ``azure-code``, ``azure-conv``, ``mooncake-conversation``, ``mooncake-sy
 prompt ids (equal Mooncake hash ids give equal blocks). Each request generates exactly its trace output length.
 With ``--json``: one object with ``num_requests``, ``num_finished``, ``num_preemptions``, ``metrics`` (``ttft_s``,
 ``tpot_s``, ``itl_s``, ``e2el_s`` each with ``mean``, ``median``, ``p90``, ``p95``, ``p99``; ``request_throughput``,
-``output_throughput``, ``goodput``, ``slo_attainment``), plus ``rejected`` (id and reason of each rejected request)
-and the engine configuration. With ``--disaggregate P:D`` the trace goes through P prefill and D decode engine
-processes (``workbench.dist.disagg``; TTFT counts the KV transfer) and the object also holds ``kv_transfer``
-(``bytes``, ``seconds``, ``num_transfers``, ``num_retries``, ``num_recomputed``, ``num_backpressure``), a
-``requests`` list (``request_id``, ``prompt_len``, ``output_len``, ``kv_transfer_bytes``, ``kv_transfer_s``, ...)
-and ``pools``, each pool's step log.
+``output_throughput``, ``goodput``, ``slo_attainment``: null without an SLO), plus ``rejected`` (id and reason of
+each rejected request), ``num_clipped`` (requests shortened to ``max_model_len``) and the engine configuration.
+With ``--disaggregate P:D`` the trace goes through P prefill and D decode engine processes (``workbench.dist.disagg``;
+TTFT counts the KV transfer) and the object also holds ``kv_transfer`` (``bytes``, ``seconds``, ``num_transfers``,
+``num_retries``, ``num_recomputed``, ``num_backpressure``), a ``requests`` list (``request_id``, ``prompt_len``,
+``output_len``, ``kv_transfer_bytes``, ``kv_transfer_s``, ...) and ``pools``, each pool's step log.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from workbench.commands.common import clip_to_context
     from workbench.engine.engine import Engine
     from workbench.workloads import load_workload
 
@@ -47,10 +48,11 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_model(args.model, config, seed=args.model_seed)
     max_len = engine.scheduler.config.max_model_len
     requests = load_workload(
-        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale, max_len=max_len,
+        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
         num_requests=args.num_requests, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         seed=args.trace_seed,
     )  # fmt: skip
+    requests, num_clipped = clip_to_context(requests, max_len)
     result = engine.replay(requests, seed=args.trace_seed)
     engine.shutdown()
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
@@ -62,11 +64,16 @@ def run(args: argparse.Namespace) -> int:
     summary["engine"] = asdict(config)
     summary["model"] = str(args.model)
     summary["trace"] = args.trace
+    summary["num_clipped"] = num_clipped
+    summary["max_model_len"] = max_len
+    summary["device"] = str(engine.model.device)
     if args.json:
         print(json.dumps(summary))
         return 0
+    print(f"replay of {args.trace} on the real engine: model {args.model}, device {summary['device']}, "
+          f"policy {config.policy}")  # fmt: skip
     print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
-          f"{summary['duration_s']:.2f} s")  # fmt: skip
+          f"{summary['duration_s']:.2f} s; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
     print_serving_metrics(summary["metrics"])
     return 0
 
@@ -74,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_disaggregated(args: argparse.Namespace, config: Any) -> int:
     """``replay --disaggregate P:D``: the same trace through prefill and decode engine processes; the colocated
     JSON plus ``kv_transfer``, a ``requests`` list and the per-pool step logs (``pools``)."""
+    from workbench.commands.common import clip_to_context
     from workbench.config import ModelConfig
     from workbench.dist.disagg import disagg_config_from_args, run_disaggregated
     from workbench.engine.metrics import summarize
@@ -84,10 +92,11 @@ def _run_disaggregated(args: argparse.Namespace, config: Any) -> int:
     model = ModelConfig.resolve(args.model)
     max_len = config.resolved_max_model_len(model)
     trace = load_workload(
-        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale, max_len=max_len,
+        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
         num_requests=args.num_requests, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         seed=args.trace_seed,
     )  # fmt: skip
+    trace, num_clipped = clip_to_context(trace, max_len)
     requests = [
         (
             list(r.prompt_token_ids or prompt_token_ids(r, model.vocab_size, args.trace_seed)),
@@ -111,6 +120,8 @@ def _run_disaggregated(args: argparse.Namespace, config: Any) -> int:
         "requests": [dict(row, request_id=trace[i].request_id) for i, row in enumerate(result.request_rows())],
         "pools": result.pools,
         "disaggregate": args.disaggregate,
+        "num_clipped": num_clipped,
+        "max_model_len": max_len,
         "engine": asdict(config),
         "model": str(args.model),
         "trace": args.trace,
@@ -119,7 +130,9 @@ def _run_disaggregated(args: argparse.Namespace, config: Any) -> int:
         print(json.dumps(summary))
         return 0
     kv = summary["kv_transfer"]
-    print(f"{summary['num_finished']}/{summary['num_requests']} finished through {args.disaggregate} engines, "
+    print(f"replay of {args.trace} through {args.disaggregate} prefill:decode engines: model {args.model}, "
+          f"policy {config.policy}; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
+    print(f"{summary['num_finished']}/{summary['num_requests']} finished, "
           f"{summary['duration_s']:.2f} s; KV moved: {kv['bytes'] / 1e6:.2f} MB in {kv['num_transfers']} transfers "
           f"({kv['seconds'] * 1e3:.1f} ms), {kv['num_retries']} retried, {kv['num_recomputed']} recomputed, "
           f"{kv['num_backpressure']} waited for decode room")  # fmt: skip

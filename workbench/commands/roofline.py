@@ -20,7 +20,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="bf16", help="weights and activations: bf16, fp16 or fp32")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the activation dtype)")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="also draw both phases' operations on the roofline into FILE (.png, .svg)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys prefill, decode)")
+
+
+def _count(n: float) -> str:
+    """A parameter count in the unit that reads: 135.0M, 8.03B, 512.0K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}" if unit == "B" else f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def flops_text(flops_per_s: float) -> str:
+    """FLOP/s in the unit that reads (GFLOP/s for a CPU, TFLOP/s for a GPU)."""
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.4g} TFLOP/s"
+    return f"{flops_per_s / 1e9:.4g} GFLOP/s"
+
+
+def bandwidth_text(bytes_per_s: float) -> str:
+    """Bytes/s in the unit that reads (GB/s below 1 TB/s)."""
+    if bytes_per_s >= 1e12:
+        return f"{bytes_per_s / 1e12:.4g} TB/s"
+    return f"{bytes_per_s / 1e9:.4g} GB/s"
 
 
 def _fmt_time(seconds: float) -> str:
@@ -62,18 +86,33 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
     )
+    model = get_model(args.model, args.hardware, dtype=args.dtype, kv_dtype=args.kv_dtype)
+    if args.plot:
+        from workbench import plots
+
+        plots.use_file_backend()
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(10, 6.5))
+        phases = {
+            f"prefill {args.batch}x{args.prompt_len}": model.prefill([args.prompt_len] * args.batch),
+            f"decode {args.batch}@{args.context_len}": model.decode([args.context_len] * args.batch),
+        }
+        plots.plot_roofline(model.hw, phases, dtype=model.act_dtype, ax=ax)
+        ax.set_title(f"{model.cfg.name} on {ax.get_title().removeprefix('Roofline: ')}")
+        plots.save_figure(fig, args.plot)
+        report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2, allow_nan=False, default=str))
         return 0
-    model = get_model(args.model, args.hardware, dtype=args.dtype, kv_dtype=args.kv_dtype)
     hw = model.hw
     print(
-        f"{model.cfg.name} ({model.cfg.attention_kind}, {model.cfg.num_params() / 1e9:.2f} B params) on "
+        f"{model.cfg.name} ({model.cfg.attention_kind}, {_count(model.cfg.num_params())} params) on "
         f"{hw.display_name or hw.name}: weights {model.dtype}, activations {model.act_dtype}, KV {model.kv_dtype}"
     )
     print(
-        f"ceilings: {model.matmul_peak / 1e12:.4g} TFLOP/s ({model.act_dtype}), "
-        f"{hw.mem_bandwidth / 1e12:.4g} TB/s; balance point {report['balance_point']:.1f} FLOP/byte"
+        f"ceilings: {flops_text(model.matmul_peak)} ({model.act_dtype}), "
+        f"{bandwidth_text(hw.mem_bandwidth)}; balance point {report['balance_point']:.3g} FLOP/byte"
     )
     _print_phase(
         f"prefill: {args.batch} x {args.prompt_len} prompt tokens",
@@ -89,4 +128,6 @@ def run(args: argparse.Namespace) -> int:
         f"{_fmt_time(report['itl_floor_s']).strip()}; decode at context {args.context_len} turns compute-bound at "
         + (f"batch {bound_batch}" if bound_batch else "no batch size (KV reads grow as fast as FLOPs)")
     )
+    if args.plot:
+        print(f"figure: {args.plot}")
     return 0

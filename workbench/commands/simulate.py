@@ -24,6 +24,7 @@ from workbench.commands.common import (
     add_scheduler_arguments,
     add_slo_arguments,
     add_trace_arguments,
+    clip_to_context,
     print_serving_metrics,
     serving_config_kwargs,
 )
@@ -74,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--decode-efficiency", type=float, default=1.0, help="roofline: achieved share in decode")
     add_slo_arguments(p)
     p.add_argument("--step-log", default=None, help="write every replica's per-step log to this JSON file")
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw latency CDFs into FILE and queue, batch and KV blocks over time per replica into "
+                   "FILE's stem + '-timeline' (.png, .svg, .pdf)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -94,13 +98,15 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     cost = make_cost_model(args.cost_model, cfg, hw, args.dtype, args.profile, args.prefill_efficiency,
                            args.decode_efficiency, args.profile_noise_seed)  # fmt: skip
+    max_len = config.resolved_max_model_len(cfg)
     requests = load_workload(
         args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
-        max_len=config.resolved_max_model_len(cfg), num_requests=args.num_requests, prompt_lens=args.prompt_lens,
+        num_requests=args.num_requests, prompt_lens=args.prompt_lens,
         output_lens=args.output_lens, seed=args.trace_seed,
     )  # fmt: skip
+    requests, num_clipped = clip_to_context(requests, max_len)
     result = simulate(requests, cfg, cost, config, hardware=hw, seed=args.trace_seed,
-                      record_steps=args.step_log is not None)  # fmt: skip
+                      record_steps=args.step_log is not None or args.plot is not None)  # fmt: skip
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = result.rejected
     engine = asdict(config)
@@ -110,12 +116,31 @@ def run(args: argparse.Namespace) -> int:
     summary["trace"] = args.trace
     summary["hardware"] = hw.name
     summary["cost_model"] = result.cost_model
+    summary["num_clipped"] = num_clipped
+    summary["max_model_len"] = max_len
     if args.step_log:
         with open(args.step_log, "w") as fh:
             json.dump([log.to_records() if log is not None else [] for log in result.step_logs], fh)
+    if args.plot:
+        from pathlib import Path
+
+        from workbench import plots
+
+        plots.use_file_backend()
+        title = (
+            f"{args.model} on {hw.display_name or hw.name}, {args.trace}, {result.cost_model.get('name')} cost model"
+        )
+        target = Path(args.plot)
+        timeline = target.with_name(f"{target.stem}-timeline{target.suffix or '.png'}")
+        plots.save_figure(plots.plot_latency_cdfs(result.records, title), str(target))
+        plots.save_figure(plots.plot_serving_timelines(result.records, result.step_logs, title), str(timeline))
+        summary["plots"] = [str(target), str(timeline)]
     if args.json:
         print(json.dumps(summary))
         return 0
+    cost_name = result.cost_model.get("name", args.cost_model)
+    print(f"simulated {args.trace}: model {args.model}, hardware {hw.display_name or hw.name}, cost model "
+          f"{cost_name}; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
     print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
           f"{summary['duration_s']:.2f} s simulated in {summary['wall_s']:.2f} s "
           f"({summary['requests_per_wall_s']:.0f} req/s, {summary['us_per_step']:.1f} us/step)")  # fmt: skip
@@ -123,4 +148,6 @@ def run(args: argparse.Namespace) -> int:
     for rep in summary["replicas"]:
         print(f"  replica {rep['index']} ({rep['role']}): {rep['num_steps']} steps, "
               f"utilisation {100 * rep['utilization']:.0f}%")  # fmt: skip
+    for path in summary.get("plots", []):
+        print(f"  figure: {path}")
     return 0

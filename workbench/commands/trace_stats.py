@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate by X")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by X")
     parser.add_argument("--max-len", type=int, default=None, help="clip prompt + output to this context")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="also draw length histograms and arrivals over time into FILE (.png, .svg)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -27,6 +29,12 @@ def run(args: argparse.Namespace) -> int:
     )
     stats = trace_stats(requests)
     stats["trace"] = args.trace
+    if args.plot:
+        from workbench import plots
+
+        plots.use_file_backend()
+        plots.save_figure(plots.plot_trace(requests, f"{args.trace}: {len(requests)} requests"), args.plot)
+        stats["plot"] = args.plot
     if args.json:
         print(json.dumps(stats))
         return 0
@@ -43,4 +51,6 @@ def run(args: argparse.Namespace) -> int:
     ratio = stats["prefix_hit_ratio"]
     hit = "n/a (no hash ids)" if ratio is None else f"{ratio:.4f} (block level, unlimited cache)"
     print(f"prefix hit ratio {hit}")
+    if args.plot:
+        print(f"figure           {args.plot}")
     return 0

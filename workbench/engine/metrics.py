@@ -20,7 +20,7 @@ percentiles, as vLLM); an empty sample gives 0.0 like vLLM. Throughputs divide b
 ``request_throughput`` (completed requests/s), ``output_throughput`` (output tokens/s) and
 ``total_token_throughput`` ((prompt + output) tokens/s). ``goodput`` is vLLM's: completed requests per second
 that meet *every* SLO given (``ttft_s <= slo_ttft_s``, ``tpot_s <= slo_tpot_s``, ``e2el_s <= slo_e2el_s``; a
-request with one output token meets any TPOT SLO); with no SLO given every completed request counts.
+request with one output token meets any TPOT SLO); with no SLO given, goodput and ``slo_attainment`` are null.
 ``slo_attainment`` is the percentage of *all* requests (rejected ones count as misses) meeting every SLO.
 
 The JSON layout (``summarize``) is the contract of ``workbench replay`` and ``workbench simulate``.
@@ -110,7 +110,7 @@ def summarize(
     the requests. Layout: ``num_requests``, ``num_finished``, ``num_preemptions``, ``duration_s`` and
     ``metrics`` with ``ttft_s``/``tpot_s``/``itl_s``/``e2el_s`` (each ``mean``, ``median``, ``p90``,
     ``p95``, ``p99``), ``request_throughput``, ``output_throughput``, ``total_token_throughput``,
-    ``goodput``, ``slo_attainment`` (%) and the ``slos`` used.
+    ``goodput``, ``slo_attainment`` (%; both null when no SLO is given) and the ``slos`` used.
     """
     records = [_record(r) for r in requests]
     done = [r for r in records if is_completed(r)]
@@ -123,6 +123,7 @@ def summarize(
     if num_preemptions is None:
         num_preemptions = sum(r.num_preemptions for r in records)
     good = sum(meets_slos(lat, slo_ttft_s, slo_tpot_s, slo_e2el_s) for lat in lats)
+    has_slo = any(x is not None for x in (slo_ttft_s, slo_tpot_s, slo_e2el_s))
     out_tokens = sum(r.num_output_tokens for r in done)
     in_tokens = sum(r.num_prompt_tokens for r in done)
 
@@ -137,8 +138,9 @@ def summarize(
         "request_throughput": per_s(len(done)),
         "output_throughput": per_s(out_tokens),
         "total_token_throughput": per_s(in_tokens + out_tokens),
-        "goodput": per_s(good),
-        "slo_attainment": 100.0 * good / len(records) if records else 0.0,
+        # without any SLO there is nothing to attain: null, not "100% within SLOs"
+        "goodput": per_s(good) if has_slo else None,
+        "slo_attainment": (100.0 * good / len(records) if records else 0.0) if has_slo else None,
         "slos": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "e2el_s": slo_e2el_s},
     }
     return {

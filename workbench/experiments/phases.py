@@ -7,8 +7,6 @@ work (weights read once, L keys and values read per sequence) does not depend on
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,25 +14,22 @@ import torch
 
 from workbench.device import synchronize
 from workbench.errors import ConfigError
+from workbench.experiments.hygiene import time_stats
 from workbench.hardware import HardwareSpec
 from workbench.model.transformer import Transformer
 from workbench.roofline import get_model
 
 
+def timed(fn: Callable[[], Any], device: torch.device, warmup: int = 1, repeats: int = 3) -> dict[str, float]:
+    """Wall time of ``fn()`` over ``repeats`` synchronised runs after ``warmup``: the row fields ``time_s``
+    (median), ``time_min_s`` and ``time_max_s``, so every table and plot can show the spread."""
+    s = time_stats(fn, lambda: synchronize(device), warmup, repeats)
+    return {"time_s": s["median_s"], "time_min_s": s["min_s"], "time_max_s": s["max_s"]}
+
+
 def median_time(fn: Callable[[], Any], device: torch.device, warmup: int = 1, repeats: int = 3) -> float:
     """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup`` runs, synchronised."""
-    if repeats < 1 or warmup < 0:
-        raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return timed(fn, device, warmup, repeats)["time_s"]
 
 
 def _prompts(model: Transformer, batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -45,21 +40,23 @@ def _prompts(model: Transformer, batch: int, length: int, seed: int = 0) -> list
 def measure_prefill(
     model: Transformer, prompt_lens: Sequence[int], batch: int = 1, warmup: int = 1, repeats: int = 3
 ) -> list[dict[str, Any]]:
-    """Median time of prefilling ``batch`` prompts of each length (the TTFT of a request that waits for nothing)."""
+    """Time (median, min, max) of prefilling ``batch`` prompts of each length (the TTFT of a request that waits for
+    nothing)."""
     rows = []
     for n in prompt_lens:
         cache = model.new_cache(batch, n)
         prompts = _prompts(model, batch, n)
         slots = list(range(batch))
-        t = median_time(lambda: model.prefill(prompts, cache, slots), model.device, warmup, repeats)  # noqa: B023
-        rows.append({"phase": "prefill", "batch": batch, "prompt_len": n, "context_len": n, "time_s": t})
+        t = timed(lambda: model.prefill(prompts, cache, slots), model.device, warmup, repeats)  # noqa: B023
+        rows.append({"phase": "prefill", "batch": batch, "prompt_len": n, "context_len": n, **t})
     return rows
 
 
 def measure_decode(
     model: Transformer, batch_sizes: Sequence[int], kv_lens: Sequence[int], warmup: int = 1, repeats: int = 3
 ) -> list[dict[str, Any]]:
-    """Median time of one decode step for each (batch size, KV length): every sequence reads ``kv_len`` positions."""
+    """Time (median, min, max) of one decode step for each (batch size, KV length): every sequence reads ``kv_len``
+    positions."""
     rows = []
     for kv_len in kv_lens:
         if kv_len < 1 or kv_len > model.config.max_position_embeddings:
@@ -74,8 +71,8 @@ def measure_decode(
                     cache.lengths[s] = kv_len - 1  # noqa: B023
                 model.decode(tokens, cache, slots)  # noqa: B023
 
-            t = median_time(step, model.device, warmup, repeats)
-            rows.append({"phase": "decode", "batch": b, "prompt_len": 0, "context_len": kv_len, "time_s": t})
+            t = timed(step, model.device, warmup, repeats)
+            rows.append({"phase": "decode", "batch": b, "prompt_len": 0, "context_len": kv_len, **t})
     return rows
 
 
@@ -89,6 +86,10 @@ def add_roofline(rows: list[dict[str, Any]], model: Transformer, hw: HardwareSpe
         else:
             cost = rm.decode([r["context_len"]] * r["batch"], detailed=False)
         u = rm.utilization(cost, r["time_s"])
+        tokens = r["batch"] * (r["prompt_len"] if r["phase"] == "prefill" else 1)
+        spread = {}
+        if "time_min_s" in r and "time_max_s" in r:  # the spread of the timing, carried to throughput
+            spread = {"tokens_per_s_min": tokens / r["time_max_s"], "tokens_per_s_max": tokens / r["time_min_s"]}
         out.append(
             {
                 **r,
@@ -101,7 +102,8 @@ def add_roofline(rows: list[dict[str, Any]], model: Transformer, hw: HardwareSpe
                 "achieved_bytes_per_s": u.achieved_bytes_per_s,
                 "mfu": u.mfu,
                 "mbu": u.mbu,
-                "tokens_per_s": (r["batch"] * (r["prompt_len"] if r["phase"] == "prefill" else 1)) / r["time_s"],
+                "tokens_per_s": tokens / r["time_s"],
+                **spread,
             }
         )
     return out
@@ -110,7 +112,8 @@ def add_roofline(rows: list[dict[str, Any]], model: Transformer, hw: HardwareSpe
 def measure_decode_paged(
     model: Transformer, batch: int, kv_lens: Sequence[int], block_size: int, warmup: int = 1, repeats: int = 3
 ) -> list[dict[str, Any]]:
-    """Median decode-step time when each sequence's KV lives in scattered ``block_size``-token blocks of a pool."""
+    """Decode-step time (median, min, max) when each sequence's KV lives in scattered ``block_size``-token blocks of
+    a pool."""
     from workbench.kv.cache import KVCache
     from workbench.model.attention import build_metadata
 
@@ -127,6 +130,31 @@ def measure_decode_paged(
             meta = build_metadata([1] * batch, [kv_len] * batch, tables, block_size, model.device)  # noqa: B023
             model.compute_logits(model.forward(ids, meta, cache))  # noqa: B023
 
-        t = median_time(step, model.device, warmup, repeats)
-        rows.append({"phase": "decode", "batch": batch, "prompt_len": 0, "context_len": kv_len, "time_s": t})
+        t = timed(step, model.device, warmup, repeats)
+        rows.append({"phase": "decode", "batch": batch, "prompt_len": 0, "context_len": kv_len, **t})
     return rows
+
+
+TIMING_COLUMNS = {
+    "time_min_s": "min (ms)",
+    "time_s": "median (ms)",
+    "time_max_s": "max (ms)",
+    "predicted_s": "roofline (ms)",
+}
+
+
+def timing_table(rows: Sequence[dict[str, Any]], keys: Sequence[str] = ("phase", "batch", "prompt_len", "context_len")):
+    """Measured rows as a table for reading: the identifying ``keys``, the step time's min / median / max and the
+    roofline's prediction in ms, arithmetic intensity, MFU, MBU and tokens/s, each column named with its unit."""
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    out = df[[k for k in keys if k in df]].copy()
+    for key, label in TIMING_COLUMNS.items():
+        if key in df:
+            out[label] = (df[key] * 1e3).round(2)
+    extra = {"intensity": ("FLOP/byte", 2), "mfu": ("MFU", 3), "mbu": ("MBU", 3), "tokens_per_s": ("tokens/s", 1)}
+    for key, (label, digits) in extra.items():
+        if key in df:
+            out[label] = df[key].round(digits)
+    return out

@@ -129,3 +129,25 @@ def scale_lengths(requests: Sequence[Request], factor: float, max_len: int) -> l
         for r in requests
     ]  # fmt: skip
     return truncate_to_context(scaled, max_len)
+
+
+def budget_sweep(
+    model: Transformer,
+    config_for_budget: Any,
+    budgets: Sequence[int],
+    **scenario: Any,
+) -> pd.DataFrame:
+    """``long_prompt_among_decodes`` under the chunked scheduler for each token budget (``config_for_budget(b)``
+    gives the engine config): one row per budget with ``itl_p99_ms``, ``stall_ms`` and ``long_ttft_ms``."""
+    rows = []
+    for budget in budgets:
+        run = long_prompt_among_decodes(model, config_for_budget(budget), **scenario)
+        rows.append(
+            {
+                "token_budget": budget,
+                "itl_p99_ms": run["itl_p99_s"] * 1e3,
+                "stall_ms": run["stall_itl_max_s"] * 1e3,
+                "long_ttft_ms": run["long_ttft_s"] * 1e3,
+            }
+        )
+    return pd.DataFrame(rows)

@@ -8,7 +8,7 @@
 - ``environment``: the ``environment.json`` of a run;
 - ``export``: HTML exports and PNG figures of an executed notebook;
 - ``index``: the run's ``index.html`` and ``reports/index.html``;
-- ``atomic``: write-to-temp-then-rename file writes.
+- ``workbench.atomic`` (one level up, shared with ``workbench.record``): write-to-temp-then-rename file writes.
 
 Core modules never import this package; it imports papermill, nbformat and nbconvert only inside the
 functions that use them.

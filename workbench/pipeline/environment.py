@@ -80,23 +80,21 @@ def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo on Linux, else the platform module)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.lower().startswith(("model name", "hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown"
+    """The CPU's model name (``workbench.hardware.cpu_model_name``: /proc/cpuinfo, else the platform module)."""
+    try:
+        from workbench.hardware import cpu_model_name
+    except Exception:  # recorded, not fatal: the environment file must exist for every run
+        return platform.processor() or platform.machine() or "unknown"
+    return cpu_model_name()
 
 
 def memory_total_bytes() -> int | None:
-    """Total RAM in bytes (Linux), else None."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return None
+    """Total RAM in bytes (``workbench.hardware.physical_memory_bytes``), else None."""
+    try:
+        from workbench.hardware import physical_memory_bytes
+    except Exception:
+        return None
+    return physical_memory_bytes()
 
 
 def torch_info() -> dict[str, Any]:
@@ -141,7 +139,8 @@ def torch_info() -> dict[str, Any]:
 
 
 def measured_ceilings() -> dict[str, Any]:
-    """``workbench.hardware.measured_spec().to_dict()``, or why it could not be had."""
+    """``workbench.hardware.measured_spec(refresh=True, cache_dir=None).to_dict()`` (measured now, in this
+    process), with ``peak_flops`` and ``mem_bandwidth`` on top; or why it could not be had."""
     try:
         hardware = importlib.import_module("workbench.hardware")
     except Exception as exc:  # missing module, or one that fails to import: recorded, not fatal
@@ -150,9 +149,13 @@ def measured_ceilings() -> dict[str, Any]:
         return {"available": False, "reason": "workbench.hardware has no measured_spec()"}
     try:
         measure = hardware.measured_spec
-        # measure the device the notebooks run on: CUDA when there is one
-        takes_device = "device" in inspect.signature(measure).parameters
-        spec = measure(device="auto") if takes_device else measure()
+        # measure the device the notebooks run on (CUDA when there is one), now and in this process: never a
+        # file cache written by another process at another time
+        params = inspect.signature(measure).parameters
+        kwargs: dict[str, Any] = {"device": "auto"} if "device" in params else {}
+        if "refresh" in params:
+            kwargs.update(refresh=True, cache_dir=None)
+        spec = measure(**kwargs)
         values = spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
     except Exception as exc:  # a failed measurement must not stop the report; it is recorded
         return {"available": False, "reason": f"measured_spec() failed: {type(exc).__name__}: {exc}"}
@@ -176,12 +179,18 @@ def capture_environment(
     kernel: str,
     run_id: str,
     measure: bool = True,
+    num_threads: int | None = None,
 ) -> dict[str, Any]:
-    """The ``environment.json`` of a run.
+    """The ``environment.json`` of a run, as it stands at the start (``finish_environment`` adds the end).
 
     ``parameters`` maps each experiment to the values it runs with (notebook defaults merged with the
-    spec's and the command line's), so that the seeds and every knob of the run are on record.
+    spec's and the command line's), so that the seeds and every knob of the run are on record. ``num_threads``
+    is the torch thread count the notebooks run with (``workbench report --threads``); the ceilings are
+    measured with it (``ceilings_start``), with the load average and CPU jiffies before the run.
     """
+    from workbench.experiments.hygiene import cpu_times, load_average
+
+    ceilings = measured_ceilings() if measure else {"available": False, "reason": "not measured (--no-ceilings)"}
     environment = {
         "run_id": run_id,
         "captured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -201,9 +210,14 @@ def capture_environment(
         "cpu": {"model": cpu_model(), "logical_cores": os.cpu_count(), "memory_total_bytes": memory_total_bytes()},
         "torch": torch_info(),
         "packages": package_versions(),
-        "measured_ceilings": measured_ceilings()
-        if measure
-        else {"available": False, "reason": "not measured (measure=False)"},
+        "num_threads": num_threads,
+        "measured_ceilings": ceilings,
+        "ceilings_start": ceilings,
+        "ceilings_end": None,
+        "load_average_start": load_average(),
+        "load_average_end": None,
+        "cpu_times_start": cpu_times(),
+        "cpu_steal_share": None,
         "git": git_state(),
         "parameters": {k: dict(v) for k, v in parameters.items()},
         "seeds": seeds_of(parameters),
@@ -212,3 +226,18 @@ def capture_environment(
         },
     }
     return to_json_value(environment, "environment")  # plain JSON: NaN and infinities become null
+
+
+def finish_environment(environment: dict[str, Any], *, measure: bool = True) -> dict[str, Any]:
+    """``environment`` with the end of the run: ``ceilings_end`` (measured again now), ``load_average_end`` and
+    ``cpu_steal_share`` (the hypervisor's share of CPU time over the run)."""
+    from workbench.experiments.hygiene import cpu_times, load_average, steal_share
+
+    out = dict(environment)
+    out["ceilings_end"] = (
+        measured_ceilings() if measure else {"available": False, "reason": "not measured (--no-ceilings)"}
+    )
+    out["load_average_end"] = load_average()
+    out["cpu_steal_share"] = steal_share(environment.get("cpu_times_start"), cpu_times())
+    out["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return to_json_value(out, "environment")

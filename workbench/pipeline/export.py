@@ -9,7 +9,7 @@ import base64
 from pathlib import Path
 from typing import Any
 
-from workbench.pipeline.atomic import atomic_write_bytes, atomic_write_text
+from workbench.atomic import atomic_write_bytes, atomic_write_text
 from workbench.record import FIGURE_METADATA_KEY, FIGURES_DIR
 
 NOINPUT_SUFFIX = ".noinput.html"

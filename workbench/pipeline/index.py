@@ -1,55 +1,45 @@
 """The HTML pages of a report: ``<run>/index.html`` for one run and ``reports/index.html`` across runs.
 
-Plain HTML with an inline stylesheet and relative links, so a report folder can be copied or zipped and
-still opens anywhere. Every value from a manifest is escaped.
+Rendered with jinja2 from ``templates/`` (autoescaped: every value from a manifest is escaped), with an inline
+stylesheet and relative links, so a report folder can be copied or zipped and still opens anywhere. Each
+experiment shows its claims with their verdicts, the anomalies its sanity checks flagged, every scalar key result
+and its figures at a readable size; the experiment running now is shown as running, the others not yet run as
+pending.
 """
 
 from __future__ import annotations
 
 import json
-from html import escape
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from workbench.pipeline.atomic import atomic_write_text
+from workbench.atomic import atomic_write_text
+from workbench.record import format_value
 
 MANIFEST = "manifest.json"
 ENVIRONMENT = "environment.json"
 INDEX = "index.html"
-MAX_METRICS_SHOWN = 16
-
-_STYLE = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:2rem;color:#222;max-width:80rem}
-h1{font-size:1.5rem}h2{font-size:1.2rem;margin-top:2rem}
-table{border-collapse:collapse;margin:.5rem 0}td,th{border:1px solid #ddd;padding:.25rem .6rem;text-align:left;
-vertical-align:top}th{background:#f4f4f4}
-.ok{color:#0a7d24;font-weight:600}.failed{color:#b00020;font-weight:600}.skipped{color:#8a6d00;font-weight:600}
-.incomplete{color:#b00020;font-weight:600}.muted{color:#666}
-.experiment{border:1px solid #ddd;border-radius:6px;padding:.5rem 1rem;margin:1rem 0}
-.thumbs img{max-width:280px;max-height:200px;border:1px solid #ccc;margin:.25rem}
-pre{background:#f8f8f8;padding:.5rem;overflow-x:auto;font-size:.85rem}
-code{font-size:.9rem}
-"""
+TEMPLATES = Path(__file__).parent / "templates"
+# structured entries of metrics.json, shown as claims / anomalies rather than as key results
+STRUCTURED_KEYS = ("claims", "anomalies", "hygiene")
+VERDICT_TEXT = {"confirmed": "confirmed", "not_confirmed": "not confirmed", "inconclusive": "inconclusive"}
 
 
-def _page(title: str, body: str) -> str:
-    return (
-        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{escape(title)}</title><style>{_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
+@lru_cache(maxsize=1)
+def _environment() -> Any:
+    import jinja2
+
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        autoescape=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
     )
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, str):
-        return value
-    text = json.dumps(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _link(href: str | None, text: str) -> str:
-    return f"<a href='{escape(href, quote=True)}'>{escape(text)}</a>" if href else ""
+def _render(template: str, **context: Any) -> str:
+    return _environment().get_template(template).render(**context)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -60,108 +50,138 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _run_state(manifest: dict[str, Any]) -> str:
-    if manifest.get("complete"):
-        return ""
-    reason = "interrupted" if manifest.get("interrupted") else "incomplete: still running or stopped"
-    return f" <span class='incomplete'>({escape(reason)})</span>"
+def verdict_counts(metrics: dict[str, Any] | None) -> str:
+    """'2 confirmed, 1 not confirmed' from an experiment's claims ('' without claims)."""
+    claims = (metrics or {}).get("claims") or []
+    counts: dict[str, int] = {}
+    for c in claims:
+        if isinstance(c, dict):
+            counts[c.get("verdict", "?")] = counts.get(c.get("verdict", "?"), 0) + 1
+    return ", ".join(f"{n} {VERDICT_TEXT.get(v, v)}" for v, n in counts.items())
 
 
-def _experiment_section(exp: dict[str, Any]) -> str:
-    status = str(exp.get("status", "?"))
-    name = str(exp.get("name", "?"))
-    parts = [
-        f"<div class='experiment' id='{escape(name, quote=True)}'>",
-        f"<h2>{escape(name)} <span class='{escape(status, quote=True)}'>{escape(status)}</span></h2>",
-    ]
-    if exp.get("description"):
-        parts.append(f"<p>{escape(str(exp['description']))}</p>")
-    links = [
-        _link(exp.get("html"), "report (HTML)"),
-        _link(exp.get("html_noinput"), "report without code"),
-        _link(exp.get("notebook"), "executed notebook"),
-        _link(exp.get("metrics_file"), "metrics JSON"),
-    ]
-    meta = f"duration {exp['duration_s']:.1f} s" if isinstance(exp.get("duration_s"), (int, float)) else ""
-    parts.append(f"<p>{' · '.join(x for x in [meta, *links] if x)}</p>")
-    if exp.get("skip_reason"):
-        parts.append(f"<p class='muted'>Skipped: {escape(str(exp['skip_reason']))}</p>")
+def _experiment_context(exp: dict[str, Any]) -> dict[str, Any]:
+    metrics = exp.get("metrics") or {}
     error = exp.get("error")
     if error:
-        cell = error.get("cell_index")
-        where = f" in cell {cell}" if cell is not None else ""
+        where = f" in cell {error['cell_index']}" if error.get("cell_index") is not None else ""
         if error.get("execution_count") is not None:
             where += f" (In [{error['execution_count']}])"
-        parts.append(
-            f"<p class='failed'>{escape(str(error.get('ename')))}{escape(where)}: "
-            f"{escape(str(error.get('evalue')))}</p>"
-            f"<details><summary>traceback</summary><pre>{escape(str(error.get('traceback', '')))}</pre></details>"
+        error = {**error, "where": where, "traceback": error.get("traceback", "")}
+    links = [
+        (exp.get(key), text)
+        for key, text in (
+            ("html", "report (HTML)"),
+            ("html_noinput", "report without code"),
+            ("notebook", "executed notebook"),
+            ("metrics_file", "metrics JSON"),
         )
-    metrics = exp.get("metrics") or {}
-    if metrics:
-        items = list(metrics.items())
-        rows = "".join(
-            f"<tr><td><code>{escape(str(k))}</code></td><td>{escape(_fmt(v))}</td></tr>"
-            for k, v in items[:MAX_METRICS_SHOWN]
-        )
-        more = f"<p class='muted'>and {len(items) - MAX_METRICS_SHOWN} more in the metrics JSON</p>"
-        parts.append(
-            f"<table><tr><th>key result</th><th>value</th></tr>{rows}</table>"
-            + (more if len(items) > MAX_METRICS_SHOWN else "")
-        )
-    figures = exp.get("figures") or []
-    if figures:
-        thumbs = "".join(
-            f"<a href='{escape(f, quote=True)}'><img src='{escape(f, quote=True)}' alt='{escape(f, quote=True)}'></a>"
-            for f in figures
-        )
-        parts.append(f"<div class='thumbs'>{thumbs}</div>")
-    parts.append("</div>")
-    return "\n".join(parts)
+        if exp.get(key)
+    ]
+    claims = [
+        {
+            **c,
+            "verdict_text": VERDICT_TEXT.get(c.get("verdict"), str(c.get("verdict"))),
+            "from_numbers_text": VERDICT_TEXT.get(c.get("verdict_from_numbers"), ""),
+            "detail": c.get("detail", ""),
+        }
+        for c in metrics.get("claims") or []
+        if isinstance(c, dict)
+    ]
+    return {
+        "name": str(exp.get("name", "?")),
+        "status": str(exp.get("status", "?")),
+        "description": exp.get("description"),
+        "duration": f"{exp['duration_s']:.1f} s" if isinstance(exp.get("duration_s"), (int, float)) else "",
+        "links": links,
+        "skip_reason": exp.get("skip_reason"),
+        "error": error,
+        "claims": claims,
+        "anomalies": [a for a in metrics.get("anomalies") or [] if isinstance(a, dict)],
+        "metrics": [(k, format_value(v)) for k, v in metrics.items() if k not in STRUCTURED_KEYS],
+        "figures": exp.get("figures") or [],
+    }
 
 
-def render_run_index(manifest: dict[str, Any], environment: dict[str, Any] | None = None) -> str:
-    """The HTML summary of one run, from its manifest (and environment, when there is one)."""
-    run_id = str(manifest.get("run_id", "?"))
-    experiments = manifest.get("experiments", [])
-    counts = {s: sum(1 for e in experiments if e.get("status") == s) for s in ("ok", "failed", "skipped")}
-    env = environment or {}
+def _facts(manifest: dict[str, Any], env: dict[str, Any]) -> list[tuple[str, str]]:
     torch = env.get("torch", {}) if isinstance(env.get("torch"), dict) else {}
     git = env.get("git", {}) if isinstance(env.get("git"), dict) else {}
+
+    def ceilings(key: str) -> str | None:
+        c = env.get(key)
+        if not isinstance(c, dict) or not c.get("available"):
+            return None if c is None else f"not measured ({(c or {}).get('reason', '?')})"
+        flops = (c.get("peak_flops") or {}).get("fp32")
+        bw = c.get("mem_bandwidth")
+        parts = [
+            f"{flops / 1e9:,.1f} GFLOP/s fp32 matmul" if flops else None,
+            f"{bw / 1e9:,.1f} GB/s read" if bw else None,
+        ]
+        return ", ".join(p for p in parts if p)
+
+    def load(key: str) -> str | None:
+        v = env.get(key)
+        return " / ".join(f"{x:.2f}" for x in v) + " (1 / 5 / 15 min)" if isinstance(v, list) else None
+
+    versions = f"{torch.get('version')} / {torch.get('cuda_version')} / {torch.get('triton_version')}"
+    steal = env.get("cpu_steal_share")
     facts = [
         ("profile", manifest.get("profile")),
         ("started", manifest.get("started_at")),
         ("finished", manifest.get("finished_at") or "not finished"),
         ("git commit", (git.get("commit") or "unknown") + (" (dirty tree)" if git.get("dirty") else "")),
         ("device", torch.get("device_name")),
-        (
-            "torch / CUDA / Triton",
-            f"{torch.get('version')} / {torch.get('cuda_version')} / {torch.get('triton_version')}",
-        ),
+        ("torch / CUDA / Triton", versions),
+        ("torch threads", env.get("num_threads")),
+        ("ceilings at the start", ceilings("ceilings_start")),
+        ("ceilings at the end", ceilings("ceilings_end")),
+        ("load average at the start", load("load_average_start")),
+        ("load average at the end", load("load_average_end")),
+        ("CPU steal during the run", f"{steal:.1%}" if isinstance(steal, float) else None),
         ("python", (env.get("python") or {}).get("version")),
         ("kernel", manifest.get("kernel")),
-    ]
-    rows = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in facts if v is not None)
-    summary_rows = "".join(
-        f"<tr><td><a href='#{escape(str(e.get('name')), quote=True)}'>{escape(str(e.get('name')))}</a></td>"
-        f"<td class='{escape(str(e.get('status')), quote=True)}'>{escape(str(e.get('status')))}</td>"
-        f"<td>{e['duration_s']:.1f} s</td></tr>"
-        if isinstance(e.get("duration_s"), (int, float))
-        else f"<tr><td>{escape(str(e.get('name')))}</td><td>{escape(str(e.get('status')))}</td><td></td></tr>"
+    ]  # fmt: skip
+    return [(k, str(v)) for k, v in facts if v is not None]
+
+
+def render_run_index(manifest: dict[str, Any], environment: dict[str, Any] | None = None) -> str:
+    """The HTML summary of one run, from its manifest (and environment, when there is one)."""
+    experiments = manifest.get("experiments", [])
+    counts = {s: sum(1 for e in experiments if e.get("status") == s) for s in ("ok", "failed", "skipped")}
+    rows = [
+        {
+            "name": str(e.get("name")),
+            "anchor": True,
+            "status": str(e.get("status")),
+            "duration": f"{e['duration_s']:.1f} s" if isinstance(e.get("duration_s"), (int, float)) else "",
+            "verdicts": verdict_counts(e.get("metrics")),
+            "num_anomalies": len((e.get("metrics") or {}).get("anomalies") or []),
+        }
         for e in experiments
+    ]
+    running = manifest.get("running")
+    for name in manifest.get("pending") or []:
+        status = "running" if name == running and not manifest.get("interrupted") else "pending"
+        rows.append(
+            {"name": str(name), "anchor": False, "status": status, "duration": "", "verdicts": "", "num_anomalies": 0}
+        )
+    if manifest.get("complete"):
+        state = ""
+    elif manifest.get("interrupted"):
+        state = "interrupted"
+    else:
+        state = f"running {running}" if running else "incomplete: still running or stopped"
+    run_id = str(manifest.get("run_id", "?"))
+    return _render(
+        "run_index.html.j2",
+        title=f"workbench run {run_id}",
+        run_id=run_id,
+        state=state,
+        counts=counts,
+        facts=_facts(manifest, environment or {}),
+        rows=rows,
+        experiments=[_experiment_context(e) for e in experiments],
     )
-    pending = manifest.get("pending") or []
-    pending_html = f"<p class='incomplete'>Not run: {escape(', '.join(map(str, pending)))}</p>" if pending else ""
-    body = (
-        f"<p><a href='../{INDEX}'>all runs</a></p>"
-        f"<h1>Run {escape(run_id)}{_run_state(manifest)}</h1>"
-        f"<p>{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped · "
-        f"<a href='{ENVIRONMENT}'>environment.json</a> · <a href='{MANIFEST}'>manifest.json</a></p>"
-        f"<table>{rows}</table>"
-        f"<table><tr><th>experiment</th><th>status</th><th>duration</th></tr>{summary_rows}</table>"
-        f"{pending_html}" + "\n".join(_experiment_section(e) for e in experiments)
-    )
-    return _page(f"workbench run {run_id}", body)
 
 
 def write_run_index(run_dir: str | Path, manifest: dict[str, Any]) -> Path:
@@ -183,32 +203,27 @@ def list_runs(reports_dir: str | Path) -> list[tuple[Path, dict[str, Any] | None
 def write_reports_index(reports_dir: str | Path) -> Path:
     """Rebuild ``<reports_dir>/index.html``: one row per run, newest first, incomplete runs marked."""
     root = Path(reports_dir)
-    rows = []
+    runs = []
     for run_path, manifest in list_runs(root):
-        name = escape(run_path.name)
         if manifest is None:
-            rows.append(f"<tr><td>{name}</td><td colspan='5' class='incomplete'>unreadable manifest</td></tr>")
+            runs.append({"name": run_path.name, "unreadable": True})
             continue
         exps = manifest.get("experiments", [])
-        counts = {s: sum(1 for e in exps if e.get("status") == s) for s in ("ok", "failed", "skipped")}
-        state = (
-            "<span class='ok'>complete</span>"
-            if manifest.get("complete")
-            else "<span class='incomplete'>incomplete</span>"
+        verdicts: dict[str, int] = {}
+        for e in exps:
+            for c in (e.get("metrics") or {}).get("claims") or []:
+                if isinstance(c, dict):
+                    verdicts[c.get("verdict", "?")] = verdicts.get(c.get("verdict", "?"), 0) + 1
+        runs.append(
+            {
+                "name": run_path.name,
+                "unreadable": False,
+                "profile": str(manifest.get("profile")),
+                "started": str(manifest.get("started_at")),
+                "complete": bool(manifest.get("complete")),
+                "counts": {s: sum(1 for e in exps if e.get("status") == s) for s in ("ok", "failed", "skipped")},
+                "verdicts": ", ".join(f"{n} {VERDICT_TEXT.get(v, v)}" for v, n in verdicts.items()),
+                "failed": [str(e.get("name")) for e in exps if e.get("status") == "failed"],
+            }
         )
-        rows.append(
-            f"<tr><td><a href='{escape(run_path.name, quote=True)}/{INDEX}'>{name}</a></td>"
-            f"<td>{escape(str(manifest.get('profile')))}</td>"
-            f"<td>{escape(str(manifest.get('started_at')))}</td>"
-            f"<td>{state}</td>"
-            f"<td>{counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped</td>"
-            f"<td>{escape(', '.join(str(e.get('name')) for e in exps if e.get('status') == 'failed'))}</td></tr>"
-        )
-    table = (
-        "<table><tr><th>run</th><th>profile</th><th>started (UTC)</th><th>state</th><th>experiments</th>"
-        "<th>failed</th></tr>" + "".join(rows) + "</table>"
-        if rows
-        else "<p class='muted'>No runs yet. Run <code>make report</code>.</p>"
-    )
-    body = f"<h1>Workbench reports</h1><p class='muted'>Newest first.</p>{table}"
-    return atomic_write_text(root / INDEX, _page("Workbench reports", body))
+    return atomic_write_text(root / INDEX, _render("reports_index.html.j2", title="Workbench reports", runs=runs))

@@ -48,41 +48,37 @@ def read_notebook_json(path: str | Path) -> dict[str, Any]:
 def notebook_parameters(path: str | Path) -> dict[str, NotebookParameter] | None:
     """The parameters declared in the cell tagged ``parameters`` of the notebook at ``path``.
 
-    Returns None when no cell carries the tag. Each top-level assignment (``x = 1`` or ``x: int = 1``) is a
-    parameter; a value that is not a Python literal (``device = torch.device("cpu")``) is kept as a name
-    without a checkable type.
+    Read by ``papermill.inspect_notebook`` (the parser papermill itself injects parameters with). Returns None when
+    no cell carries the tag. Each assignment (``x = 1`` or ``x: int = 1``) is a parameter; a value that is not a
+    Python literal (``device = torch.device("cpu")``) is kept as a name without a checkable type.
     """
+    import papermill
+
     nb_path = Path(path)
     nb = read_notebook_json(nb_path)
-    for index, cell in enumerate(nb["cells"]):
-        tags = cell.get("metadata", {}).get("tags", [])
-        if cell.get("cell_type") != "code" or PARAMETERS_TAG not in tags:
-            continue
-        source = _cell_source(cell)
+    tagged = [
+        (i, c)
+        for i, c in enumerate(nb["cells"])
+        if c.get("cell_type") == "code" and PARAMETERS_TAG in c.get("metadata", {}).get("tags", [])
+    ]
+    if not tagged:
+        return None
+    index, cell = tagged[0]
+    try:
+        ast.parse(_cell_source(cell))  # papermill's line parser would skip what it cannot read
+    except SyntaxError as exc:
+        raise ConfigError(
+            f"notebook {nb_path}: the parameters cell (cell {index}) is not valid Python: line {exc.lineno}: {exc.msg}"
+        ) from exc
+    found: dict[str, NotebookParameter] = {}
+    for name, info in papermill.inspect_notebook(str(nb_path)).items():
         try:
-            tree = ast.parse(source)
-        except SyntaxError as exc:
-            raise ConfigError(
-                f"notebook {nb_path}: the parameters cell (cell {index}) is not valid Python: line {exc.lineno}: "
-                f"{exc.msg}"
-            ) from exc
-        found: dict[str, NotebookParameter] = {}
-        for node in tree.body:
-            if isinstance(node, ast.Assign):
-                targets, value, annotation = node.targets, node.value, None
-            elif isinstance(node, ast.AnnAssign) and node.value is not None:
-                targets, value, annotation = [node.target], node.value, ast.unparse(node.annotation)
-            else:
-                continue
-            try:
-                default, literal = ast.literal_eval(value), True
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                default, literal = None, False
-            for target in targets:
-                if isinstance(target, ast.Name):
-                    found[target.id] = NotebookParameter(target.id, default, literal, annotation)
-        return found
-    return None
+            default, literal = ast.literal_eval(info["default"]), True
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            default, literal = None, False
+        annotation = info.get("inferred_type_name")
+        found[name] = NotebookParameter(name, default, literal, None if annotation in (None, "None") else annotation)
+    return found
 
 
 def parse_param(text: str) -> tuple[str, Any]:

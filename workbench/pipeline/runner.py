@@ -29,9 +29,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from workbench.atomic import atomic_write_json, atomic_write_text
 from workbench.errors import ConfigError
-from workbench.pipeline.atomic import atomic_write_json, atomic_write_text
-from workbench.pipeline.environment import capture_environment, git_state
+from workbench.experiments.hygiene import NUM_THREADS_ENV
+from workbench.pipeline.environment import capture_environment, finish_environment, git_state
 from workbench.pipeline.export import (
     NOINPUT_SUFFIX,
     export_html,
@@ -233,6 +234,17 @@ def _env_var(name: str, value: str) -> Iterator[None]:
             os.environ[name] = old
 
 
+@contextmanager
+def _env_vars(values: Mapping[str, str]) -> Iterator[None]:
+    if not values:
+        yield
+        return
+    name, value = next(iter(values.items()))
+    rest = dict(list(values.items())[1:])
+    with _env_var(name, value), _env_vars(rest):
+        yield
+
+
 def _strip_ansi(lines: Sequence[str] | str) -> str:
     text = "\n".join(lines) if not isinstance(lines, str) else lines
     return _ANSI_RE.sub("", text)
@@ -277,6 +289,9 @@ def execute_experiment(
                 cwd=str(exp_dir),
                 progress_bar=False,
                 log_output=False,
+                # the kernel listens on loopback only; its start-up warning about unencrypted TCP would otherwise
+                # break the report's progress bar once per notebook
+                extra_arguments=["--IPKernelApp.log_level=CRITICAL"],
                 **engine_kwargs,
             )
     except PapermillExecutionError as exc:
@@ -380,13 +395,26 @@ def run_pipeline(
     *,
     progress: bool = True,
     measure_ceilings: bool = True,
+    num_threads: int | None = None,
 ) -> RunResult:
     """Execute a validated ``plan`` into ``<out_dir>/<run-id>/`` and rebuild the indexes.
 
-    Returns the result whatever the experiments did; only an interruption (Ctrl-C) propagates, after the
-    manifest has been left marked incomplete and interrupted.
+    ``num_threads``: torch threads for the notebooks (``$WORKBENCH_NUM_THREADS`` and ``$OMP_NUM_THREADS`` of their
+    kernels) and for the ceilings measured here at the start and the end. Returns the result whatever the
+    experiments did; only an interruption (Ctrl-C) propagates, after the manifest has been left marked incomplete
+    and interrupted.
     """
     from tqdm.auto import tqdm
+
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {num_threads}")
+        import torch
+
+        torch.set_num_threads(num_threads)
+        thread_env = {NUM_THREADS_ENV: str(num_threads), "OMP_NUM_THREADS": str(num_threads)}
+    else:
+        thread_env = {}
 
     out_path = Path(out_dir).resolve()
     started = _utcnow()
@@ -407,6 +435,8 @@ def run_pipeline(
         "overrides": plan.overrides,
         "experiments": [],
         "pending": [p.name for p in plan.experiments],
+        "running": None,
+        "num_threads": num_threads,
     }
     atomic_write_json(run_dir / MANIFEST, manifest)
     environment = capture_environment(
@@ -415,23 +445,31 @@ def run_pipeline(
         kernel=plan.kernel,
         run_id=run_id,
         measure=measure_ceilings,
+        num_threads=num_threads,
     )
     atomic_write_json(run_dir / ENVIRONMENT, environment)
+    write_run_index(run_dir, manifest)
+    write_reports_index(out_path)  # the run's "all runs" link resolves from the start
 
     bar = tqdm(plan.experiments, desc="report", unit="notebook", disable=not progress, file=sys.stderr)
     try:
         for planned in bar:
             bar.set_postfix_str(planned.name)
+            manifest["running"] = planned.name
+            write_run_index(run_dir, manifest)
             if planned.skip_reason:
                 entry = _skipped_entry(planned)
             else:
-                entry = execute_experiment(planned, run_dir, kernel=plan.kernel, timeout_s=plan.spec.timeout_s)
+                with _env_vars(thread_env):
+                    entry = execute_experiment(planned, run_dir, kernel=plan.kernel, timeout_s=plan.spec.timeout_s)
             manifest["experiments"].append(entry)
             manifest["pending"].remove(planned.name)
+            manifest["running"] = None
             atomic_write_json(run_dir / MANIFEST, manifest)
             write_run_index(run_dir, manifest)
     except BaseException:
         manifest["interrupted"] = True
+        manifest["running"] = None
         atomic_write_json(run_dir / MANIFEST, manifest)
         write_run_index(run_dir, manifest)
         write_reports_index(out_path)
@@ -444,6 +482,7 @@ def run_pipeline(
     manifest["finished_at"] = _utcnow().isoformat(timespec="seconds")
     manifest["duration_s"] = round(time.perf_counter() - t0, 3)
     manifest["complete"] = True
+    atomic_write_json(run_dir / ENVIRONMENT, finish_environment(environment, measure=measure_ceilings))
     write_run_index(run_dir, manifest)
     atomic_write_json(run_dir / MANIFEST, manifest)  # last: from here on the run reads as complete
     write_reports_index(out_path)

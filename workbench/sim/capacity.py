@@ -40,6 +40,8 @@ def meets_target(summary: dict[str, Any], rate: float, metric: str, target: floa
     """(value, meets) of a ``summarize`` object: SLO attainment in % against ``target`` in %, or goodput over
     request throughput (the share of completed requests/s that meet every SLO) against ``target`` as a fraction."""
     m = summary["metrics"]
+    if m.get("goodput") is None:
+        raise ConfigError("a capacity search needs at least one SLO (slo_ttft_s, slo_tpot_s or slo_e2el_s)")
     if metric == "slo_attainment":
         value = float(m["slo_attainment"])
     elif metric == "goodput":

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.atomic import atomic_write_text
 from workbench.errors import ConfigError, read_json_file
 
 PROFILE_KIND = "collective-profile"
@@ -175,6 +176,4 @@ class CollectiveProfile:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")

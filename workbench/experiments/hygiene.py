@@ -1,0 +1,338 @@
+"""Measurement hygiene: what every timed experiment checks about itself before its numbers count as findings.
+
+A notebook calls ``start_checks`` before it times anything and ``end_checks`` after, and hands its results to the
+sanity checks. Together they give:
+
+- the machine's ceilings (matmul peak, memory read bandwidth) measured *in this process* at the start and at the
+  end (``measured_spec(refresh=True, cache_dir=None)``: never a file cache written by another process at another
+  time), and whether they moved;
+- a reference step (a fixed small prefill and a fixed small decode of the notebook's model), timed at the start and
+  at the end: its drift says whether the machine changed under the experiment;
+- the load average and the CPU steal time before and after, and the torch thread count;
+- anomalies: an MFU or MBU above 1 beyond ``UTILIZATION_TOLERANCE``, a batch that makes decode slower per token,
+  a drift beyond ``DRIFT_THRESHOLD``, a ceiling that moved by more than ``CEILING_THRESHOLD``.
+
+Each anomaly names what it ``affects`` ("timing": every measured time, so a drift or a moving ceiling, which both
+say the machine changed under the experiment; "ceilings": every figure divided by a ceiling, so an MFU or MBU above
+1; "batching": the batching claims); ``workbench.experiments.claims.apply_anomalies`` turns the claims that
+rest on an affected quantity into *inconclusive, unreliable*, so an anomaly is never stated as a finding.
+
+Thread count: ``WORKBENCH_NUM_THREADS`` (set by ``workbench report --threads N``) when present. One thread is the
+pipeline's default on a CPU because OpenMP's thread teams wait for their slowest member at every barrier: with two
+threads on two cores and one other busy job, a batch-8 decode step was measured at 2,720 ms against 150 ms with one
+thread, while one thread only shares its core.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+NUM_THREADS_ENV = "WORKBENCH_NUM_THREADS"
+UTILIZATION_TOLERANCE = 0.10  # MFU/MBU up to 1.10 is measurement noise of the ceiling probes; above is an error
+DRIFT_THRESHOLD = 0.25  # reference step median changed by more than 25% between start and end
+CEILING_THRESHOLD = 0.25  # a ceiling changed by more than 25% between start and end
+REFERENCE_PREFILL_TOKENS = 64
+REFERENCE_DECODE_CONTEXT = 128
+
+
+# ---------------------------------------------------------------- timing with spread
+
+
+def time_stats(fn: Callable[[], Any], sync: Callable[[], None], warmup: int = 1, repeats: int = 3) -> dict[str, Any]:
+    """Wall times of ``fn()`` over ``repeats`` runs after ``warmup``: ``min_s``, ``median_s``, ``max_s``,
+    ``times_s``."""
+    from workbench.errors import ConfigError
+
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return {"min_s": min(times), "median_s": statistics.median(times), "max_s": max(times), "times_s": times}
+
+
+# ---------------------------------------------------------------- the machine's state
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS does not say)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def cpu_times() -> dict[str, int] | None:
+    """Aggregate CPU jiffies from /proc/stat: ``total`` and ``steal`` (None off Linux)."""
+    try:
+        line = Path("/proc/stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    values = [int(v) for v in line[1:]]
+    return {"total": sum(values[:8]), "steal": values[7] if len(values) > 7 else 0}
+
+
+def steal_share(before: Mapping[str, int] | None, after: Mapping[str, int] | None) -> float | None:
+    """The share of CPU time stolen by the hypervisor between two ``cpu_times`` readings (None if unknown)."""
+    if not before or not after or after["total"] <= before["total"]:
+        return None
+    return (after["steal"] - before["steal"]) / (after["total"] - before["total"])
+
+
+def machine_state() -> dict[str, Any]:
+    """Load average, CPU jiffies and the time: the "before" or "after" of a measurement."""
+    return {"load_average": load_average(), "cpu_times": cpu_times(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def configure_threads(num_threads: int | None = None) -> int:
+    """Set torch's intra-op threads to ``num_threads``, else ``$WORKBENCH_NUM_THREADS``, else leave them; returns
+    the count in use."""
+    import torch
+
+    from workbench.errors import ConfigError
+
+    if num_threads is None and os.environ.get(NUM_THREADS_ENV):
+        try:
+            num_threads = int(os.environ[NUM_THREADS_ENV])
+        except ValueError:
+            value = os.environ[NUM_THREADS_ENV]
+            raise ConfigError(f"${NUM_THREADS_ENV} must be a positive integer, got {value!r}") from None
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
+def measure_ceilings_now(device: str = "cpu") -> Any:
+    """The ceilings measured now, in this process (no file cache read or written): a ``HardwareSpec``."""
+    from workbench.hardware import measured_spec
+
+    return measured_spec(device=device, refresh=True, cache_dir=None)
+
+
+def ceilings_summary(hw: Any, dtype: str = "fp32") -> dict[str, Any]:
+    """The numbers of a measured ``HardwareSpec`` that results are divided by."""
+    return {
+        "peak_flops": {k: float(v) for k, v in hw.peak_flops.items()},
+        "peak_flops_dtype": float(hw.peak(dtype)),
+        "mem_bandwidth": float(hw.mem_bandwidth),
+        "measured_at": hw.details.get("measured_at"),
+        "num_threads": hw.details.get("num_threads"),
+    }
+
+
+# ---------------------------------------------------------------- the reference step
+
+
+def reference_step(model: Any, repeats: int = 5) -> dict[str, Any]:
+    """Time a fixed small prefill (``REFERENCE_PREFILL_TOKENS`` tokens) and decode (batch 1 at context
+    ``REFERENCE_DECODE_CONTEXT``) of ``model``: ``{"prefill": stats, "decode": stats}`` (see ``time_stats``)."""
+    import torch
+
+    from workbench.device import synchronize
+
+    cfg = model.config
+    n = min(REFERENCE_PREFILL_TOKENS, cfg.max_position_embeddings - 1)
+    ctx = min(REFERENCE_DECODE_CONTEXT, cfg.max_position_embeddings)
+    prompt = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    pcache = model.new_cache(1, n)
+    dcache = model.new_cache(1, ctx)
+
+    def prefill() -> None:
+        model.prefill([prompt], pcache, [0])
+
+    def decode() -> None:
+        dcache.lengths[0] = ctx - 1
+        model.decode([1], dcache, [0])
+
+    def sync() -> None:
+        synchronize(model.device)
+
+    out = {}
+    for name, fn in (("prefill", prefill), ("decode", decode)):
+        stats = time_stats(fn, sync, warmup=1, repeats=repeats)
+        stats.pop("times_s")
+        out[name] = stats
+    return out
+
+
+# ---------------------------------------------------------------- start and end of an experiment
+
+
+def start_checks(model: Any, device: str = "cpu", dtype: str = "fp32", num_threads: int | None = None) -> dict:
+    """Threads, machine state, ceilings and the reference step at the start of an experiment.
+
+    Returns ``{"num_threads", "state_start", "hw", "ceilings_start", "reference_start"}``; ``hw`` is the
+    ``HardwareSpec`` to divide results by (the one measured now).
+    """
+    threads = configure_threads(num_threads)
+    state = machine_state()
+    hw = measure_ceilings_now(device)
+    return {
+        "num_threads": threads,
+        "state_start": state,
+        "hw": hw,
+        "dtype": dtype,
+        "ceilings_start": ceilings_summary(hw, dtype),
+        "reference_start": reference_step(model),
+    }
+
+
+def end_checks(start: Mapping[str, Any], model: Any, device: str = "cpu") -> dict[str, Any]:
+    """The same at the end, with the drift of the reference step and the change of each ceiling.
+
+    Returns the JSON-ready record of the experiment's hygiene (``ceilings_start``, ``ceilings_end``,
+    ``load_average_start``, ``load_average_end``, ``cpu_steal_share``, ``num_threads``, ``reference_start``,
+    ``reference_end``, ``reference_drift``, ``ceiling_change``) and ``anomalies`` from the drift and the ceilings.
+    """
+    reference_end = reference_step(model)
+    ceilings_end = ceilings_summary(measure_ceilings_now(device), start.get("dtype", "fp32"))
+    state_end = machine_state()
+    drift = {
+        phase: reference_end[phase]["median_s"] / start["reference_start"][phase]["median_s"] - 1.0
+        for phase in ("prefill", "decode")
+    }
+    c0 = start["ceilings_start"]
+    change = {
+        "peak_flops": ceilings_end["peak_flops_dtype"] / c0["peak_flops_dtype"] - 1.0,
+        "mem_bandwidth": ceilings_end["mem_bandwidth"] / c0["mem_bandwidth"] - 1.0,
+    }
+    out = {
+        "num_threads": start["num_threads"],
+        "ceilings_start": c0,
+        "ceilings_end": ceilings_end,
+        "load_average_start": start["state_start"]["load_average"],
+        "load_average_end": state_end["load_average"],
+        "cpu_steal_share": steal_share(start["state_start"]["cpu_times"], state_end["cpu_times"]),
+        "reference_start": start["reference_start"],
+        "reference_end": reference_end,
+        "reference_drift": drift,
+        "ceiling_change": change,
+    }
+    out["anomalies"] = check_drift(drift) + check_ceilings(change)
+    return out
+
+
+# ---------------------------------------------------------------- sanity checks
+
+
+def anomaly(check: str, message: str, affects: str, **values: Any) -> dict[str, Any]:
+    """One flagged problem: which ``check``, a sentence, what it ``affects`` (timing | ceilings | batching)."""
+    return {"check": check, "message": message, "affects": affects, **values}
+
+
+def check_utilization(rows: Iterable[Mapping[str, Any]], tolerance: float = UTILIZATION_TOLERANCE) -> list[dict]:
+    """An anomaly for every row whose ``mfu`` or ``mbu`` exceeds ``1 + tolerance``: the ceiling it is divided by
+    was measured too low (or the count is wrong), so no utilization of this run is a finding."""
+    out = []
+    for r in rows:
+        for key in ("mfu", "mbu"):
+            value = r.get(key)
+            if value is not None and value > 1.0 + tolerance:
+                where = f"{r.get('phase', '?')} batch {r.get('batch')} context {r.get('context_len')}"
+                out.append(
+                    anomaly(
+                        f"{key}_above_1",
+                        f"{key.upper()} {value:.2f} > 1 + {tolerance:g} ({where}): the measured ceiling is too low "
+                        "for this run, so utilizations are not findings",
+                        "ceilings",
+                        value=value,
+                        tolerance=tolerance,
+                    )
+                )
+    return out
+
+
+def check_batching(rows: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """An anomaly where a larger decode batch made each token slower, beyond the spread of both timings.
+
+    For each context length, batches in increasing order: per-token time = step time / batch; a larger batch is
+    flagged when its fastest per-token time (``time_min_s``) exceeds the slowest (``time_max_s``) of the smaller.
+    Rows without a spread use their ``time_s`` for both.
+    """
+    out = []
+    by_ctx: dict[Any, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        if r.get("phase", "decode") == "decode":
+            by_ctx.setdefault(r.get("context_len"), []).append(r)
+    for ctx, group in by_ctx.items():
+        group = sorted(group, key=lambda r: r["batch"])
+        for small, big in zip(group, group[1:]):
+            small_max = small.get("time_max_s", small["time_s"]) / small["batch"]
+            big_min = big.get("time_min_s", big["time_s"]) / big["batch"]
+            if big_min > small_max:
+                out.append(
+                    anomaly(
+                        "batching_slower_per_token",
+                        f"decode at context {ctx}: batch {big['batch']} took {big_min * 1e3:.2f} ms per token at "
+                        f"best, batch {small['batch']} {small_max * 1e3:.2f} ms at worst; batching should never "
+                        "make a token slower, so the machine was disturbed",
+                        "batching",
+                        context_len=ctx,
+                        batches=[small["batch"], big["batch"]],
+                    )
+                )
+    return out
+
+
+def check_drift(drift: Mapping[str, float], threshold: float = DRIFT_THRESHOLD) -> list[dict]:
+    """An anomaly for a reference step whose median moved by more than ``threshold`` between start and end."""
+    return [
+        anomaly(
+            "reference_drift",
+            f"the reference {phase} step's median changed by {value:+.0%} between the start and the end "
+            f"(threshold {threshold:.0%}): the machine's speed changed during the experiment",
+            "timing",
+            phase=phase,
+            value=value,
+            threshold=threshold,
+        )
+        for phase, value in drift.items()
+        if abs(value) > threshold
+    ]
+
+
+def check_ceilings(change: Mapping[str, float], threshold: float = CEILING_THRESHOLD) -> list[dict]:
+    """An anomaly for a ceiling that changed by more than ``threshold`` between the start and the end."""
+    return [
+        anomaly(
+            "ceiling_moved",
+            f"the measured {name.replace('_', ' ')} changed by {value:+.0%} between the start and the end "
+            f"(threshold {threshold:.0%}): the machine changed during the experiment, so its timings and the "
+            "figures divided by this ceiling are unreliable",
+            "timing",
+            ceiling=name,
+            value=value,
+            threshold=threshold,
+        )
+        for name, value in change.items()
+        if abs(value) > threshold
+    ]
+
+
+__all__ = [
+    "time_stats",
+    "machine_state",
+    "configure_threads",
+    "measure_ceilings_now",
+    "reference_step",
+    "start_checks",
+    "end_checks",
+    "anomaly",
+    "check_utilization",
+    "check_batching",
+    "check_drift",
+    "check_ceilings",
+]

@@ -565,3 +565,29 @@ __all__ = [
     "plot_trace",
     "BYTE_KIND_COLORS",
 ]
+
+
+# ---- notebook 05: disaggregation ---------------------------------------------------------------------------------
+def plot_slo_attainment(sweep: Any, slo_text: str, ax: Axes | None = None) -> Axes:
+    """SLO attainment (%) against request rate, one line per node layout (colocated replicas or P:D splits)."""
+    ax = _new_ax(ax)
+    for layout, group in sweep.groupby("layout", sort=False):
+        style = "o-" if layout.startswith("colocated") else "s--"
+        ax.plot(group.rate, group.slo_attainment, style, label=layout)
+    ax.set(xlabel="request rate (requests/s)", ylabel="requests within both SLOs (%)",
+           title=f"SLO attainment against load, simulated ({slo_text})")  # fmt: skip
+    ax.legend(title="layout (prefill:decode GPUs)", fontsize="small")
+    return ax
+
+
+def plot_link_sweep(links: Any, split: str, ax: Axes | None = None) -> Axes:
+    """Goodput per GPU of one P:D split against the KV link's bandwidth (log axis), and the colocated node's."""
+    ax = _new_ax(ax)
+    ax.plot(links.link_gbps, links.goodput_per_gpu, "s-", label=f"disaggregated {split}")
+    ax.axhline(float(links.colocated_goodput_per_gpu.iloc[0]), color="0.4", ls=":", label="colocated (no link)")
+    ax.set_xscale("log")
+    _log_ticks(ax, list(links.link_gbps))
+    ax.set(xlabel="KV link bandwidth per transfer (Gb/s)", ylabel="goodput per GPU (requests/s)",
+           title="Goodput per GPU against the KV link, simulated")  # fmt: skip
+    ax.legend(fontsize="small")
+    return ax

@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workbench.config import ModelConfig
-from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.device import dtype_name, resolve_device, synchronize, torch_dtype
 from workbench.engine.compiled_decode import CompiledDecode
 from workbench.engine.config import EngineConfig
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import Scheduler
 from workbench.engine.sequence import RequestRecord, SamplingParams, Sequence, SequenceStatus
-from workbench.errors import RequestError
+from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
 from workbench.kv.ledger import MemoryLedger
@@ -89,6 +89,21 @@ class RunResult:
         return summarize(self.sequences, duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
 
 
+def check_triton_backend(device: Any) -> None:
+    """ConfigError unless the Triton kernels can run on ``device``: CUDA, or the interpreter (``TRITON_INTERPRET=1``
+    in the environment before start)."""
+    try:
+        from kernels._common import INTERPRET
+    except ImportError as exc:
+        raise ConfigError(f"attention_backend 'triton' needs the triton package ({exc}); use attention_backend "
+                          "'torch'") from None  # fmt: skip
+    if device.type != "cuda" and not INTERPRET:
+        raise ConfigError(
+            f"attention_backend 'triton' needs a CUDA device (the model is on {device}); on the CPU set "
+            "TRITON_INTERPRET=1 in the environment (the slow interpreter) or use attention_backend 'torch'"
+        )
+
+
 class Engine:
     """A model, a KV pool, a block manager and a scheduler policy, stepped on the wall clock."""
 
@@ -100,11 +115,13 @@ class Engine:
         self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config(mcfg), self.block_manager)
+        allocated = dtype_name(self.cache.dtype)  # what the weights and the pool really hold, whatever config says
         self.ledger = MemoryLedger(
-            mcfg, self.block_manager, weight_dtype=self.config.dtype, kv_dtype=self.config.dtype,
+            mcfg, self.block_manager, weight_dtype=dtype_name(model.dtype), kv_dtype=allocated,
             max_model_len=self.scheduler.config.max_model_len,
         )  # fmt: skip
         if self.config.attention_backend == "triton":
+            check_triton_backend(model.device)
             from workbench.model.triton_backend import TritonAttentionBackend
 
             model.attn_backend = TritonAttentionBackend()
@@ -142,18 +159,40 @@ class Engine:
         arrival_time: float | None = None,
         request_id: int | None = None,
     ) -> int:
-        """Queue a request and return its id. An invalid request is finished at once as 'rejected' with the reason."""
-        rid = next(self._ids) if request_id is None else request_id
+        """Queue a request and return its id. An invalid request is finished at once as 'rejected' with the reason.
+
+        ``request_id`` None takes the next automatic id not yet used; an id already in ``sequences`` raises
+        RequestError before anything changes (a result could not be told apart from the earlier one's).
+        """
+        if request_id is None:
+            rid = next(self._ids)
+            while rid in self.sequences:  # an explicit id took it earlier
+                rid = next(self._ids)
+        else:
+            if not isinstance(request_id, int) or isinstance(request_id, bool):
+                raise RequestError(f"request_id must be an integer or None, got {request_id!r}")
+            if request_id in self.sequences:
+                raise RequestError(f"request_id {request_id} is already in use by this engine; give a new id")
+            rid = request_id
         arrival = self.now() if arrival_time is None else arrival_time
         reason = None
+        prompt = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else []
         try:
+            if not isinstance(prompt_ids, (list, tuple)):
+                raise RequestError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
             if isinstance(sampling, dict):
                 sampling = SamplingParams(**sampling)
-            self._check_tokens(prompt_ids)
+            elif isinstance(sampling, SamplingParams):
+                sampling.__post_init__()  # validated again: its fields may have been changed since
+            elif sampling is not None:
+                raise RequestError(
+                    f"sampling must be a SamplingParams, a dict of its fields or None, got {type(sampling).__name__}"
+                )
+            self._check_tokens(prompt)
         except (RequestError, TypeError) as exc:
             reason = str(exc)
             sampling = None
-        seq = Sequence(rid, list(prompt_ids), sampling, arrival, eos_token_ids=self.model.config.eos_token_ids)
+        seq = Sequence(rid, prompt, sampling, arrival, eos_token_ids=self.model.config.eos_token_ids)
         self.sequences[rid] = seq
         if reason is not None:
             seq.status, seq.finish_reason, seq.reject_reason, seq.finish_time = (
@@ -168,7 +207,7 @@ class Engine:
         if len(prompt_ids) == 0:
             raise RequestError("empty prompt: at least one token id is needed")
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
@@ -208,6 +247,11 @@ class Engine:
     ) -> RunResult:
         """Offline: every prompt arrives now; step until all are done. Results in prompt order."""
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(
+                f"{len(params)} sampling params for {len(prompts)} prompts; give one SamplingParams for all "
+                "or a list with one per prompt"
+            )
         start = self.now()
         ids = [self.add_request(p, sp, arrival_time=start) for p, sp in zip(prompts, params)]
         while self.has_unfinished():
@@ -234,7 +278,8 @@ class Engine:
                 r = pending[i]
                 sp = {**asdict(base), "max_tokens": r.output_len, "ignore_eos": True}
                 prompt = r.prompt_token_ids if r.prompt_token_ids is not None else prompt_token_ids(r, vocab, seed)
-                ids.append(self.add_request(list(prompt), sp, arrival_time=r.arrival_time_s))
+                rid = getattr(r, "request_id", None)  # the trace's own id, so results can be joined to it
+                ids.append(self.add_request(list(prompt), sp, arrival_time=r.arrival_time_s, request_id=rid))
                 i += 1
             if self.has_unfinished():
                 self.step(now)

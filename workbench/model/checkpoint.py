@@ -12,7 +12,10 @@ initialised model of a preset's architecture *through transformers* and saves it
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +26,31 @@ from workbench.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+@contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open`` on ``file``; a file that is not safetensors (cut short, zeroed, empty, random bytes) is a
+    CheckpointError naming it, not safetensors' own traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({exc}); write it again or fetch it whole"
+        ) from None
+    with handle as f:
+        yield f
+
+
+def _get_tensor(f: Any, file: Path, name: str) -> torch.Tensor:
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc}); the file is damaged") from None
 
 
 def _tensor_files(ckpt: Path) -> dict[str, Path]:
@@ -38,9 +66,7 @@ def _tensor_files(ckpt: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{ckpt}: shard {shard.name} named in {INDEX_FILE} is missing")
         return files
     if (ckpt / SINGLE_FILE).exists():
-        from safetensors import safe_open
-
-        with safe_open(str(ckpt / SINGLE_FILE), framework="pt") as f:
+        with _open_safetensors(ckpt / SINGLE_FILE) as f:
             return {name: ckpt / SINGLE_FILE for name in f.keys()}  # noqa: SIM118
     raise CheckpointError(f"{ckpt}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
 
@@ -76,6 +102,11 @@ def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _is_ignorable(name: str) -> bool:
+    """Tensors a checkpoint may carry that our model recomputes: rotary tables (``rotary_emb.inv_freq``)."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
 def load_checkpoint(
     path: str | Path, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu"
 ) -> Transformer:
@@ -96,18 +127,27 @@ def load_checkpoint(
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"{ckpt}: missing tensor(s) {missing[:3]}{more}")
 
-    from safetensors import safe_open
+    unused = sorted(n for n in files if n not in expected and not _is_ignorable(n))
+    if unused:
+        more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
+        raise CheckpointError(
+            f"{ckpt}: tensor(s) {unused[:5]}{more} are not used by the model config.json describes "
+            f"({cfg.num_layers} layers); the config and the weights disagree (num_hidden_layers?)"
+        )
 
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(set(files[n] for n in expected)):
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(file) as f:
             for name in expected:
                 if files[name] == file:
-                    t = f.get_tensor(name)
+                    t = _get_tensor(f, file, name)
                     if tuple(t.shape) != expected[name]:
                         raise CheckpointError(
                             f"{ckpt}: tensor {name} has shape {tuple(t.shape)}, expected {expected[name]}"
                         )
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        bad = int((~torch.isfinite(t)).sum())
+                        raise CheckpointError(f"{file}: tensor {name} holds {bad} NaN or infinite value(s)")
                     tensors[name] = t
 
     model = Transformer.from_config(cfg, dtype=torch.float32, device="cpu", init_std=0.0)
@@ -174,14 +214,22 @@ def save_random_checkpoint(
     return out
 
 
+def _has_weights(ckpt: Path) -> bool:
+    return (ckpt / SINGLE_FILE).exists() or (ckpt / INDEX_FILE).exists()
+
+
 def load_model(
     name_or_path: str | Path,
     dtype: str | torch.dtype = "fp32",
     device: str | torch.device = "cpu",
     seed: int = 0,
 ) -> Transformer:
-    """A checkpoint directory (real weights) or a preset name / config.json (random weights, seeded)."""
+    """A checkpoint directory (real weights) or a preset name / config.json (random weights, seeded).
+
+    A ``config.json`` beside safetensors weights is that checkpoint: its weights are loaded."""
     path = Path(name_or_path)
+    if path.is_file() and path.name == "config.json" and _has_weights(path.parent):
+        path = path.parent  # the config of a checkpoint: load its weights, not random ones
     if path.is_dir():
         return load_checkpoint(path, dtype=dtype, device=device)
     cfg = ModelConfig.resolve(name_or_path)

@@ -16,8 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from workbench.commands.common import check_output_dir
     from workbench.model.checkpoint import save_random_checkpoint
 
+    check_output_dir(args.out, "--out")
     cfg = ModelConfig.resolve(args.preset)
     out = save_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype)
     print(json.dumps({"checkpoint": str(out), "preset": cfg.name, "params": cfg.num_params(), "dtype": args.dtype}))

@@ -9,17 +9,25 @@ prompt ids (equal Mooncake hash ids give equal blocks). Each request generates e
 With ``--json``: one object with ``num_requests``, ``num_finished``, ``num_preemptions``, ``metrics`` (``ttft_s``,
 ``tpot_s``, ``itl_s``, ``e2el_s`` each with ``mean``, ``median``, ``p90``, ``p95``, ``p99``; ``request_throughput``,
 ``output_throughput``, ``goodput``, ``slo_attainment``), plus ``rejected`` (id and reason of each rejected request)
-and the engine configuration.
+and the engine configuration. Before it starts it prints the wall-clock span of the arrivals (stderr) and refuses a
+span beyond ``--max-duration`` (default one hour). The exit code is 1 when every request was rejected.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
-from workbench.commands.common import add_slo_arguments, add_trace_arguments, print_serving_metrics
+from workbench.commands.common import (
+    add_slo_arguments,
+    add_trace_arguments,
+    all_rejected_exit_code,
+    print_serving_metrics,
+)
 from workbench.commands.generate import add_engine_arguments, add_model_arguments, engine_config_from_args
+from workbench.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,21 +36,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace_arguments(p, num_requests_default=100, prompt_lens_default="uniform:16:256",
                         output_lens_default="uniform:8:64")  # fmt: skip
     add_slo_arguments(p)
+    p.add_argument("--max-duration", type=float, default=3600.0,
+                   help="refuse a replay whose arrivals span more wall-clock s than this (default 3600)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def check_span(requests: list, max_duration_s: float) -> float:
+    """The replay's wall-clock span (its last arrival, s), printed to stderr before anything runs; a ConfigError
+    naming ``--time-scale`` and ``--limit`` when it exceeds ``max_duration_s``."""
+    if not max_duration_s > 0:
+        raise ConfigError(f"--max-duration must be a positive number of seconds, got {max_duration_s}")
+    span = max((r.arrival_time_s for r in requests), default=0.0)
+    if span > max_duration_s:
+        raise ConfigError(
+            f"the trace's arrivals span {span:.0f} s of wall clock, beyond --max-duration {max_duration_s:g} s; "
+            "compress it with --time-scale (e.g. 0.01) or --rate-scale, take fewer requests with --limit, or raise "
+            "--max-duration"
+        )
+    print(f"workbench replay: {len(requests)} requests arriving over {span:.1f} s of wall clock", file=sys.stderr)
+    return span
+
+
 def run(args: argparse.Namespace) -> int:
+    from workbench.config import ModelConfig
     from workbench.engine.engine import Engine
     from workbench.workloads import load_workload
 
     config = engine_config_from_args(args)
-    engine = Engine.from_model(args.model, config, seed=args.model_seed)
-    max_len = engine.scheduler.config.max_model_len
+    max_len = config.resolved_max_model_len(ModelConfig.resolve(args.model))
     requests = load_workload(
         args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale, max_len=max_len,
         num_requests=args.num_requests, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         seed=args.trace_seed,
     )  # fmt: skip
+    check_span(requests, args.max_duration)
+    engine = Engine.from_model(args.model, config, seed=args.model_seed)
     result = engine.replay(requests, seed=args.trace_seed)
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = [
@@ -55,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     summary["trace"] = args.trace
     if args.json:
         print(json.dumps(summary))
-        return 0
-    print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
-          f"{summary['duration_s']:.2f} s")  # fmt: skip
-    print_serving_metrics(summary["metrics"])
-    return 0
+    else:
+        print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} "
+              f"preemptions, {summary['duration_s']:.2f} s")  # fmt: skip
+        print_serving_metrics(summary["metrics"])
+    return all_rejected_exit_code("replay", summary)

@@ -202,6 +202,8 @@ def save_random_checkpoint(
         cfg = ModelConfig.resolve(cfg)
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"unsupported architecture {cfg.architecture}")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"{out_dir} exists and is not a folder; a checkpoint is written into a folder")
     import transformers
 
     config = hf_config_object(cfg)

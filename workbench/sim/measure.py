@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workbench.engine.scheduler import StepPlan
+from workbench.errors import ConfigError
 from workbench.sim.costmodel import ProfiledCostModel, StepStats, fit_profile, plan_stats, token_knots
 from workbench.workloads import Request, synthetic_workload
 
@@ -128,6 +129,11 @@ def fit_engine_profile(
     from workbench.hardware import cpu_model_name
     from workbench.model.checkpoint import load_model
 
+    for name, value in (("num_requests", num_requests), ("threads", threads)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(
+                f"{name} must be a positive integer (--{name.replace('_', '-')} N, N >= 1), got {value!r}"
+            )
     if threads is not None:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
@@ -164,3 +170,36 @@ def engine_batched_decode(device: Any) -> tuple[int, int] | None:
     from workbench.model.attention import BATCHED_DECODE_MAX_KEY_SLOTS, BATCHED_DECODE_MIN_SEQS
 
     return (BATCHED_DECODE_MIN_SEQS, BATCHED_DECODE_MAX_KEY_SLOTS) if str(device).startswith("cpu") else None
+
+
+def check_profile_matches(profile: Any, path: Any, model_name: str, hardware: Any, force: bool = False) -> None:
+    """ConfigError unless ``profile`` (a ``ProfiledCostModel``) was fitted on ``model_name`` and, when ``hardware``
+    (a ``HardwareSpec``) is given, on that machine: a measured spec matches, a datasheet accelerator does not (the
+    profile's step times are those of the machine it measured). ``force`` skips both checks."""
+    if force:
+        return
+    meta = profile.meta or {}
+    fitted = meta.get("model")
+    if fitted is not None and str(fitted).lower() != model_name.lower():
+        raise ConfigError(
+            f"profile {path} was fitted on model {fitted!r}, not {model_name!r}; fit one with `workbench fit-profile "
+            f"--model {model_name}`, or pass --force-profile to use it anyway"
+        )
+    if hardware is not None and not str(hardware.name).startswith("measured"):
+        machine = meta.get("machine", "another machine")
+        raise ConfigError(
+            f"profile {path} holds step times measured on {machine}, not on {hardware.name}; leave out --hardware "
+            f"(or give --hardware measured), use --cost-model roofline for {hardware.name}, or pass --force-profile"
+        )
+
+
+def profiled_engine_num_blocks(config: Any, model_cfg: Any) -> int:
+    """The pool an engine of these settings gets by default (``EngineConfig.cache_shape``): ``max_num_seqs`` x
+    ``max_model_len`` tokens, at most ``DEFAULT_KV_BUDGET_BYTES`` (the pool a profiled machine ran with)."""
+    from workbench.config import ceil_div
+    from workbench.engine.config import DEFAULT_KV_BUDGET_BYTES
+
+    max_len = config.resolved_max_model_len(model_cfg)
+    bytes_per_block = config.block_size * model_cfg.kv_bytes_per_token(config.dtype)
+    wanted = ceil_div(config.max_num_seqs * max_len, config.block_size)
+    return max(1, min(wanted, DEFAULT_KV_BUDGET_BYTES // bytes_per_block))

@@ -129,3 +129,22 @@ def test_replay_results_carry_the_traces_own_ids(model):
     reqs = [Request(11, 0.0, 4, 2), Request(3, 0.0, 5, 2)]
     result = fresh(model).replay(reqs)
     assert sorted(r.request_id for r in result.requests) == [3, 11]
+
+
+def test_abort_mid_decode_frees_its_blocks_and_spares_the_others(model):
+    engine = fresh(model, num_blocks=12, block_size=4)
+    keep = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    drop = engine.add_request([8, 9, 10, 11, 12], SamplingParams(max_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    seq = engine.sequences[drop]
+    assert seq.num_output_tokens >= 1 and seq.block_table
+    assert engine.abort(drop) and seq.finish_reason == "abort" and seq.block_table == []
+    engine.block_manager.check_invariants([s.block_table for s in engine.scheduler.running])
+    assert not engine.abort(drop) and not engine.abort(12345)  # already finished, unknown
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.sequences[keep].output_token_ids == alone(
+        model, [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)
+    )
+    assert engine.block_manager.num_used_blocks == 0

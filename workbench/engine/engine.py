@@ -203,6 +203,16 @@ class Engine:
             self.scheduler.add(seq)
         return rid
 
+    def abort(self, request_id: int) -> bool:
+        """Stop an unfinished request now (finish_reason 'abort'), freeing its KV blocks and its sampler state;
+        False when the id is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        seq.finish_time = self.now()
+        self.runner.release(request_id)
+        return True
+
     def _check_tokens(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) == 0:
             raise RequestError("empty prompt: at least one token id is needed")

@@ -148,3 +148,15 @@ def test_abort_mid_decode_frees_its_blocks_and_spares_the_others(model):
         model, [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)
     )
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_replay_with_ids_already_used_is_refused_before_anything_is_queued(model):
+    from workbench.workloads import Request
+
+    engine = fresh(model)
+    engine.generate([[1, 2]], GREEDY)  # request id 0
+    with pytest.raises(RequestError, match=r"request id\(s\) \[0\]"):
+        engine.replay([Request(5, 0.0, 4, 2), Request(0, 0.0, 4, 2)])
+    assert list(engine.sequences) == [0] and not engine.has_unfinished()
+    with pytest.raises(RequestError, match=r"request id\(s\) \[7\] appear twice"):
+        fresh(model).replay([Request(7, 0.0, 4, 2), Request(7, 0.1, 4, 2)])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -279,6 +280,14 @@ class Engine:
 
         vocab = self.model.config.vocab_size
         pending = sorted(requests, key=lambda r: r.arrival_time_s)
+        trace_ids = [r.request_id for r in pending if getattr(r, "request_id", None) is not None]
+        counts = Counter(trace_ids)
+        clash = sorted({i for i in counts if i in self.sequences or counts[i] > 1})
+        if clash:  # checked before anything is queued
+            raise RequestError(
+                f"request id(s) {clash[:5]} appear twice in the workload or are already used by this engine; "
+                "give each request its own id, or replay on a fresh Engine"
+            )
         base = sampling or SamplingParams()
         self.reset_clock()
         ids, i = [], 0

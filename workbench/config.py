@@ -109,6 +109,8 @@ class ModelConfig:
             raise ConfigError(f"{self.name}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if not (self.rope_theta > 0):
             raise ConfigError(f"{self.name}: rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ConfigError(f"{self.name}: rope_scaling must be a dict or None, got {self.rope_scaling!r}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind == "llama3":
@@ -218,6 +220,12 @@ class ModelConfig:
         rope_scaling = hf.get("rope_scaling")
         rope_theta = hf.get("rope_theta")
         rope_params = hf.get("rope_parameters")  # transformers >= 5 folds theta and scaling into this dict
+        for key, value in (("rope_scaling", rope_scaling), ("rope_parameters", rope_params)):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(
+                    f'{where}: {key} must be an object such as {{"rope_type": "llama3", "factor": 8.0, ...}} '
+                    f"or null, got {value!r}"
+                )
         if rope_params:
             rope_theta = rope_theta or rope_params.get("rope_theta")
             if rope_scaling is None and rope_params.get("rope_type", "default") != "default":

@@ -35,6 +35,14 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     return TORCH_DTYPES[key]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The workbench's short name ('fp32', 'fp16', 'bf16') of a torch compute dtype."""
+    for name, value in TORCH_DTYPES.items():
+        if value == dtype:
+            return name
+    raise ConfigError(f"dtype {dtype} is not a compute dtype of the workbench; expected one of fp32, fp16, bf16")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (a no-op on the CPU), so that wall-clock timings are honest."""
     if device.type == "cuda":

@@ -445,6 +445,14 @@ def measured_spec(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"measured_spec: device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device 'cuda' requested but torch {torch.__version__} sees no CUDA device; measure the CPU "
+                "(--device cpu) or use 'auto'"
+            )
     custom = bool(measure_kwargs)
     if not refresh and not custom and device in _MEASURED:
         return _MEASURED[device]

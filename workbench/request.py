@@ -35,6 +35,7 @@ class SequenceStatus(enum.Enum):
 
 
 FINISH_REASONS = ("length", "stop", "rejected", "abort")
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64) (and negatives, which we refuse)
 
 
 @dataclass
@@ -65,6 +66,8 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise RequestError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
+            raise RequestError(f"seed must be in [0, 2**64) (an unsigned 64-bit integer), got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:

@@ -15,6 +15,9 @@ Names accepted by ``load_workload``:
   ``output_lens`` specs (see ``LengthSpec``);
 - a path to a ``.csv`` (Azure format) or ``.jsonl`` (Mooncake format) file.
 
+Every trace file must list its rows in non-decreasing time: a row earlier than the one before it is a
+``TraceError`` naming its line (one rule for every command that reads traces; nothing is re-sorted silently).
+
 Token ids. Traces carry lengths, not text. ``prompt_token_ids`` makes ids deterministically from a seed
 and a vocabulary size; for requests with ``hash_ids`` each 512-token block's ids depend only on its hash
 id, so requests that share hash ids share token blocks and a prefix cache sees the trace's real sharing.
@@ -136,7 +139,24 @@ def _azure_seconds(text: str) -> tuple[int, float]:
     if m is None:
         raise ValueError(f"bad TIMESTAMP {text!r}")
     y, mo, d, hh, mm = (int(g) for g in m.groups()[:5])
-    return date(y, mo, d).toordinal(), hh * 3600 + mm * 60 + float(m.group(6))
+    sec = float(m.group(6))
+    if hh > 23 or mm > 59 or sec >= 60:
+        raise ValueError(f"bad TIMESTAMP {text!r}: time of day must be 00:00:00 to 23:59:59.999...")
+    try:
+        day = date(y, mo, d).toordinal()
+    except ValueError as exc:
+        raise ValueError(f"bad TIMESTAMP {text!r}: {exc}") from None
+    return day, hh * 3600 + mm * 60 + sec
+
+
+def _check_order(where: str, arrival: float, previous: tuple[float, int] | None, path: Path) -> None:
+    """The one ordering rule of every trace file: rows in non-decreasing time, else a TraceError naming the first
+    row that is earlier than the one before it."""
+    if previous is not None and arrival < previous[0]:
+        raise TraceError(
+            f"{where}: timestamp is {previous[0] - arrival:.6g} s earlier than line {previous[1]}'s; a trace must be "
+            f"sorted by arrival time (sort {path.name} by its timestamp column)"
+        )
 
 
 def _int_field(value: object, name: str, where: str, minimum: int = 0) -> int:
@@ -165,6 +185,7 @@ def load_azure_csv(path: str | Path) -> list[Request]:
         if header is None or [h.strip() for h in header[:3]] != list(AZURE_COLUMNS):
             raise TraceError(f"{path}:1: expected header {','.join(AZURE_COLUMNS)}, got {header!r}")
         first: tuple[int, float] | None = None
+        previous: tuple[float, int] | None = None
         for lineno, row in enumerate(reader, start=2):
             where = f"{path}:{lineno}"
             if not row:
@@ -178,6 +199,8 @@ def load_azure_csv(path: str | Path) -> list[Request]:
             if first is None:
                 first = (day, sec)
             arrival = (day - first[0]) * 86400 + (sec - first[1])
+            _check_order(where, arrival, previous, path)
+            previous = (arrival, lineno)
             prompt = _int_field(row[1].strip(), "ContextTokens", where, minimum=1)
             output = _int_field(row[2].strip(), "GeneratedTokens", where)
             requests.append(Request(len(requests), arrival, prompt, output))
@@ -193,6 +216,7 @@ def load_mooncake_jsonl(path: str | Path) -> list[Request]:
         raise TraceError(f"trace file not found: {path}") from None
     requests: list[Request] = []
     first_ms: float | None = None
+    previous: tuple[float, int] | None = None
     with handle:
         for lineno, line in enumerate(handle, start=1):
             where = f"{path}:{lineno}"
@@ -225,7 +249,10 @@ def load_mooncake_jsonl(path: str | Path) -> list[Request]:
                     )
             if first_ms is None:
                 first_ms = float(ts)
-            requests.append(Request(len(requests), (ts - first_ms) / 1000.0, prompt, output, hash_ids=hash_ids))
+            arrival = (ts - first_ms) / 1000.0
+            _check_order(where, arrival, previous, path)
+            previous = (arrival, lineno)
+            requests.append(Request(len(requests), arrival, prompt, output, hash_ids=hash_ids))
     return requests
 
 

@@ -5,6 +5,8 @@
 - ``add_trace_arguments``: which trace to serve and how to scale or synthesise it (``load_workload``).
 - ``add_slo_arguments``: the SLOs that decide goodput.
 - ``print_serving_metrics``: the latency and throughput lines of a serving summary's ``metrics``.
+- ``all_rejected_exit_code``, ``check_output_file``, ``check_output_dir``: exit codes and output paths checked
+  before any work starts.
 
 Plain argparse: a command imports this module at its top, so it imports nothing heavy.
 """
@@ -12,7 +14,11 @@ Plain argparse: a command imports this module at its top, so it imports nothing 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
+
+from workbench.errors import ConfigError
 
 ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
 
@@ -99,3 +105,43 @@ def print_serving_metrics(m: dict[str, Any]) -> None:
     else:
         slos = ", ".join(f"{k.removesuffix('_s').upper()} <= {v:g} s" for k, v in (m.get("slos") or {}).items() if v)
         print(f"  goodput {m['goodput']:.2f} req/s, {m['slo_attainment']:.1f}% of requests within SLOs ({slos})")
+
+
+def all_rejected_exit_code(command: str, summary: dict[str, Any]) -> int:
+    """1, with one line on stderr, when a serving run rejected every one of its requests (its latencies would be
+    reported as 0.0); else 0."""
+    import sys
+
+    rejected = summary.get("rejected") or []
+    if summary["num_requests"] > 0 and len(rejected) == summary["num_requests"]:
+        print(f"workbench {command}: all {len(rejected)} requests were rejected; the first: {rejected[0]['reason']}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+def check_output_file(path: str | Path | None, option: str) -> None:
+    """ConfigError, before any work, unless ``path`` can be written as a file: its folder exists and is writable,
+    and ``path`` is not a folder."""
+    if path is None:
+        return
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"{option} {path} is a folder; give a file name inside it")
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {path}: folder {parent} does not exist; create it first or choose another path")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{option} {path}: not writable here; choose a path you can write")
+
+
+def check_output_dir(path: str | Path, option: str) -> None:
+    """ConfigError, before any work, unless ``path`` is (or can be created as) a writable folder."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{option} {path} exists and is not a folder; give a folder (new or existing)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: {existing} is not writable; choose a folder you can write")

@@ -42,10 +42,17 @@ def default_profile_path(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from workbench.commands.common import check_output_file
     from workbench.engine.scheduler import POLICIES
     from workbench.errors import ConfigError
     from workbench.sim.measure import fit_engine_profile
 
+    for name in ("num_requests", "threads", "max_num_seqs", "max_model_len"):
+        value = getattr(args, name)
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    out = args.out or default_profile_path(args.model)
+    check_output_file(out, "--out")
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, seed=args.seed, device=args.device, dtype=args.dtype,
         threads=args.threads,
     )  # fmt: skip
-    path = profile.save(args.out or default_profile_path(args.model))
+    path = profile.save(out)
     if args.json:
         print(json.dumps({**profile.to_dict(), "path": str(path)}))
         return 0

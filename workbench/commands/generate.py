@@ -81,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (per request: seed + request index)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed in [0, 2**64) (per request: seed + request index, modulo 2**64)")  # fmt: skip
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -90,9 +91,11 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from workbench.engine.engine import Engine
-    from workbench.request import SamplingParams
+    from workbench.request import SEED_LIMIT, SamplingParams
 
     prompts = [parse_prompt_ids(t) for t in args.prompt_ids]
+    if args.seed is not None:
+        SamplingParams(seed=args.seed)  # validates --seed itself before per-request seeds wrap around 2**64
     params = [
         SamplingParams(
             temperature=args.temperature,
@@ -100,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             max_tokens=args.max_new_tokens,
             ignore_eos=args.ignore_eos,
-            seed=None if args.seed is None else args.seed + i,
+            seed=None if args.seed is None else (args.seed + i) % SEED_LIMIT,  # a valid seed for every request
         )
         for i in range(len(prompts))
     ]

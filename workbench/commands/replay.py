@@ -1,7 +1,7 @@
 """``workbench replay``: serve a workload on the real engine in real time and report serving metrics.
 
     workbench replay --model PRESET_OR_PATH --trace NAME_OR_FILE [--limit N] [--rate-scale X] [--time-scale X]
-        [--policy P] [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--json]
+        [--policy P] [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--max-duration S] [--json]
         [--disaggregate P:D [--threads-per-engine N]]
 
 Traces: ``azure-code``, ``azure-conv``, ``mooncake-conversation``, ``mooncake-synthetic``, ``poisson:RATE``
@@ -11,6 +11,9 @@ With ``--json``: one object with ``num_requests``, ``num_finished``, ``num_preem
 ``tpot_s``, ``itl_s``, ``e2el_s`` each with ``mean``, ``median``, ``p90``, ``p95``, ``p99``; ``request_throughput``,
 ``output_throughput``, ``goodput``, ``slo_attainment``: null without an SLO), plus ``rejected`` (id and reason of
 each rejected request), ``num_clipped`` (requests shortened to ``max_model_len``) and the engine configuration.
+Before it starts it prints the wall-clock span of the arrivals (stderr) and refuses a span beyond
+``--max-duration`` (default one hour). The exit code is 1 when every request was rejected.
+
 With ``--disaggregate P:D`` the trace goes through P prefill and D decode engine processes (``workbench.dist.disagg``;
 TTFT counts the KV transfer) and the object also holds ``kv_transfer`` (``bytes``, ``seconds``, ``num_transfers``,
 ``num_retries``, ``num_recomputed``, ``num_backpressure``), a ``requests`` list (``request_id``, ``prompt_len``,
@@ -21,11 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 from typing import Any
 
-from workbench.commands.common import add_slo_arguments, add_trace_arguments, print_serving_metrics
+from workbench.commands.common import (
+    add_slo_arguments,
+    add_trace_arguments,
+    all_rejected_exit_code,
+    print_serving_metrics,
+)
 from workbench.commands.generate import add_engine_arguments, add_model_arguments, engine_config_from_args
+from workbench.errors import ConfigError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,25 +44,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace_arguments(p, num_requests_default=100, prompt_lens_default="uniform:16:256",
                         output_lens_default="uniform:8:64")  # fmt: skip
     add_slo_arguments(p)
+    p.add_argument("--max-duration", type=float, default=3600.0,
+                   help="refuse a replay whose arrivals span more wall-clock s than this (default 3600)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def run(args: argparse.Namespace) -> int:
+def check_span(requests: list, max_duration_s: float) -> float:
+    """The replay's wall-clock span (its last arrival, s), printed to stderr before anything runs; a ConfigError
+    naming ``--time-scale`` and ``--limit`` when it exceeds ``max_duration_s``."""
+    if not max_duration_s > 0:
+        raise ConfigError(f"--max-duration must be a positive number of seconds, got {max_duration_s}")
+    span = max((r.arrival_time_s for r in requests), default=0.0)
+    if span > max_duration_s:
+        raise ConfigError(
+            f"the trace's arrivals span {span:.0f} s of wall clock, beyond --max-duration {max_duration_s:g} s; "
+            "compress it with --time-scale (e.g. 0.01) or --rate-scale, take fewer requests with --limit, or raise "
+            "--max-duration"
+        )
+    print(f"workbench replay: {len(requests)} requests arriving over {span:.1f} s of wall clock", file=sys.stderr)
+    return span
+
+
+def _workload(args: argparse.Namespace, max_len: int) -> tuple[list[Any], int]:
+    """The trace, clipped to ``max_len`` (and how many requests that shortened), its span checked."""
     from workbench.commands.common import clip_to_context
-    from workbench.engine.engine import Engine
     from workbench.workloads import load_workload
 
-    config = engine_config_from_args(args)
-    if args.disaggregate:
-        return _run_disaggregated(args, config)
-    engine = Engine.from_model(args.model, config, seed=args.model_seed)
-    max_len = engine.scheduler.config.max_model_len
     requests = load_workload(
         args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
         num_requests=args.num_requests, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         seed=args.trace_seed,
     )  # fmt: skip
     requests, num_clipped = clip_to_context(requests, max_len)
+    check_span(requests, args.max_duration)
+    return requests, num_clipped
+
+
+def run(args: argparse.Namespace) -> int:
+    from workbench.config import ModelConfig
+    from workbench.engine.engine import Engine
+
+    config = engine_config_from_args(args)
+    max_len = config.resolved_max_model_len(ModelConfig.resolve(args.model))
+    requests, num_clipped = _workload(args, max_len)
+    if args.disaggregate:
+        return _run_disaggregated(args, config, requests, num_clipped, max_len)
+    engine = Engine.from_model(args.model, config, seed=args.model_seed)
     result = engine.replay(requests, seed=args.trace_seed)
     engine.shutdown()
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
@@ -69,37 +106,30 @@ def run(args: argparse.Namespace) -> int:
     summary["device"] = str(engine.model.device)
     if args.json:
         print(json.dumps(summary))
-        return 0
-    print(f"replay of {args.trace} on the real engine: model {args.model}, device {summary['device']}, "
-          f"policy {config.policy}")  # fmt: skip
-    print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
-          f"{summary['duration_s']:.2f} s; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
-    print_serving_metrics(summary["metrics"])
-    return 0
+    else:
+        print(f"replay of {args.trace} on the real engine: model {args.model}, device {summary['device']}, "
+              f"policy {config.policy}")  # fmt: skip
+        print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} "
+              f"preemptions, {summary['duration_s']:.2f} s; {num_clipped} request(s) clipped to max_model_len "
+              f"{max_len}")  # fmt: skip
+        print_serving_metrics(summary["metrics"])
+    return all_rejected_exit_code("replay", summary)
 
 
-def _run_disaggregated(args: argparse.Namespace, config: Any) -> int:
+def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], num_clipped: int, max_len: int) -> int:
     """``replay --disaggregate P:D``: the same trace through prefill and decode engine processes; the colocated
     JSON plus ``kv_transfer``, a ``requests`` list and the per-pool step logs (``pools``)."""
-    from workbench.commands.common import clip_to_context
     from workbench.config import ModelConfig
     from workbench.dist.disagg import disagg_config_from_args, run_disaggregated
     from workbench.engine.metrics import summarize
     from workbench.request import SamplingParams
-    from workbench.workloads import load_workload, prompt_token_ids
+    from workbench.workloads import prompt_token_ids
 
     cfg = disagg_config_from_args(args, config)
-    model = ModelConfig.resolve(args.model)
-    max_len = config.resolved_max_model_len(model)
-    trace = load_workload(
-        args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
-        num_requests=args.num_requests, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
-        seed=args.trace_seed,
-    )  # fmt: skip
-    trace, num_clipped = clip_to_context(trace, max_len)
+    vocab = ModelConfig.resolve(args.model).vocab_size
     requests = [
         (
-            list(r.prompt_token_ids or prompt_token_ids(r, model.vocab_size, args.trace_seed)),
+            list(r.prompt_token_ids or prompt_token_ids(r, vocab, args.trace_seed)),
             SamplingParams(max_tokens=r.output_len, ignore_eos=True),
             r.arrival_time_s,
         )
@@ -128,13 +158,13 @@ def _run_disaggregated(args: argparse.Namespace, config: Any) -> int:
     }
     if args.json:
         print(json.dumps(summary))
-        return 0
+        return all_rejected_exit_code("replay", summary)
     kv = summary["kv_transfer"]
     print(f"replay of {args.trace} through {args.disaggregate} prefill:decode engines: model {args.model}, "
           f"policy {config.policy}; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
-    print(f"{summary['num_finished']}/{summary['num_requests']} finished, "
-          f"{summary['duration_s']:.2f} s; KV moved: {kv['bytes'] / 1e6:.2f} MB in {kv['num_transfers']} transfers "
-          f"({kv['seconds'] * 1e3:.1f} ms), {kv['num_retries']} retried, {kv['num_recomputed']} recomputed, "
-          f"{kv['num_backpressure']} waited for decode room")  # fmt: skip
+    print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['duration_s']:.2f} s; KV moved: "
+          f"{kv['bytes'] / 1e6:.2f} MB in {kv['num_transfers']} transfers ({kv['seconds'] * 1e3:.1f} ms), "
+          f"{kv['num_retries']} retried, {kv['num_recomputed']} recomputed, {kv['num_backpressure']} waited for "
+          "decode room")  # fmt: skip
     print_serving_metrics(summary["metrics"])
-    return 0
+    return all_rejected_exit_code("replay", summary)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from workbench.errors import ConfigError
+from workbench.commands.common import check_output_dir
 
 DEFAULT_SPEC = Path("notebooks") / "pipeline.yaml"
 DEFAULT_THREADS = 1
@@ -74,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
             requires = f"  (requires {', '.join(exp.requires)})" if exp.requires else ""
             print(f"{exp.name}: {exp.notebook.name}{requires}")
         return 0
-    if args.out.exists() and not args.out.is_dir():
-        raise ConfigError(f"--out {args.out} exists and is not a folder")
+    check_output_dir(args.out, "--out")
     plan = plan_run(spec, profile=args.profile, only=args.only, overrides=parse_params(args.param), kernel=args.kernel)
     if plan.kernel_note:
         print(f"workbench report: note: {plan.kernel_note}", file=sys.stderr)

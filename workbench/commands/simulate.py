@@ -11,7 +11,9 @@ by ``workbench fit-profile``). Requests are clipped to ``max_model_len`` and gen
 length, as in ``workbench replay``. With ``--json``: the keys of ``workbench replay --json`` (``num_requests``,
 ``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``, ``engine``, ``model``, ``trace``)
 plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``, ``us_per_step``, ``replicas``
-(per-replica steps and utilisation), ``hardware`` and ``cost_model``.
+(per-replica steps and utilisation), ``hardware`` and ``cost_model``. A profile fitted on another model, or a
+``--hardware`` accelerator other than the profile's machine, is an error unless ``--force-profile``. The exit code is
+1 when every request was rejected; ``--step-log``'s folder is checked before the simulation runs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from workbench.commands.common import (
     add_scheduler_arguments,
     add_slo_arguments,
     add_trace_arguments,
+    all_rejected_exit_code,
+    check_output_file,
     clip_to_context,
     print_serving_metrics,
     serving_config_kwargs,
@@ -52,7 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from workbench.sim.costmodel import COST_MODELS
 
     p.add_argument("--model", required=True, help="preset name or config.json (only its shape matters)")
-    p.add_argument("--hardware", default="h100-sxm", help="accelerator name (see `workbench hardware`)")
+    p.add_argument("--hardware", default=None,
+                   help="accelerator name (see `workbench hardware`; default h100-sxm, or with --cost-model profiled "
+                   "the profile's own machine, with the pool the measured engine had)")  # fmt: skip
     p.add_argument(
         "--dtype", default=SimConfig.dtype, help=f"weights, activations and KV dtype (default {SimConfig.dtype})"
     )
@@ -71,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--cost-model", default="roofline", choices=COST_MODELS)
     m.add_argument("--profile", default=None, help="profile JSON of the profiled cost model")
     m.add_argument("--profile-noise-seed", type=int, default=None, help="profiled: draw measured residuals")
+    m.add_argument("--force-profile", action="store_true",
+                   help="profiled: use a profile fitted on another model or machine anyway")  # fmt: skip
     m.add_argument("--prefill-efficiency", type=float, default=1.0, help="roofline: achieved share in prefill")
     m.add_argument("--decode-efficiency", type=float, default=1.0, help="roofline: achieved share in decode")
     add_slo_arguments(p)
@@ -88,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
     from workbench.sim.costmodel import make_cost_model
     from workbench.workloads import load_workload
 
+    check_output_file(args.step_log, "--step-log")
     cfg = ModelConfig.resolve(args.model)
-    hw = get_hardware(args.hardware)
+    profiled = args.cost_model == "profiled"
+    hw = get_hardware(args.hardware or "h100-sxm") if args.hardware or not profiled else None
     config = SimConfig(
         **serving_config_kwargs(args), gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
         num_replicas=args.replicas, router=args.router,
@@ -99,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
     cost = make_cost_model(args.cost_model, cfg, hw, args.dtype, args.profile, args.prefill_efficiency,
                            args.decode_efficiency, args.profile_noise_seed)  # fmt: skip
     max_len = config.resolved_max_model_len(cfg)
+    if profiled:
+        from workbench.sim.measure import check_profile_matches, profiled_engine_num_blocks
+
+        check_profile_matches(cost, args.profile, cfg.name, hw, force=args.force_profile)
+        if hw is None and config.num_blocks is None and config.kv_cache_bytes is None:
+            config.num_blocks = profiled_engine_num_blocks(config, cfg)
     requests = load_workload(
         args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
         num_requests=args.num_requests, prompt_lens=args.prompt_lens,
@@ -110,11 +126,11 @@ def run(args: argparse.Namespace) -> int:
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = result.rejected
     engine = asdict(config)
-    engine["num_blocks"] = result.replicas[0]["num_blocks"] if result.replicas else config.num_blocks
+    engine["num_blocks"] = result.replicas[0]["num_blocks_capacity"] if result.replicas else config.num_blocks
     summary["engine"] = engine
     summary["model"] = str(args.model)
     summary["trace"] = args.trace
-    summary["hardware"] = hw.name
+    summary["hardware"] = hw.name if hw is not None else f"profile: {cost.meta.get('machine', 'unknown machine')}"
     summary["cost_model"] = result.cost_model
     summary["num_clipped"] = num_clipped
     summary["max_model_len"] = max_len
@@ -128,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
         plots.use_file_backend()
         title = (
-            f"{args.model} on {hw.display_name or hw.name}, {args.trace}, {result.cost_model.get('name')} cost model"
+            f"{args.model} on {summary['hardware']}, {args.trace}, {result.cost_model.get('name')} cost model"
         )
         target = Path(args.plot)
         timeline = target.with_name(f"{target.stem}-timeline{target.suffix or '.png'}")
@@ -137,9 +153,9 @@ def run(args: argparse.Namespace) -> int:
         summary["plots"] = [str(target), str(timeline)]
     if args.json:
         print(json.dumps(summary))
-        return 0
+        return all_rejected_exit_code("simulate", summary)
     cost_name = result.cost_model.get("name", args.cost_model)
-    print(f"simulated {args.trace}: model {args.model}, hardware {hw.display_name or hw.name}, cost model "
+    print(f"simulated {args.trace}: model {args.model}, hardware {summary['hardware']}, cost model "
           f"{cost_name}; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
     print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
           f"{summary['duration_s']:.2f} s simulated in {summary['wall_s']:.2f} s "
@@ -150,4 +166,4 @@ def run(args: argparse.Namespace) -> int:
               f"utilisation {100 * rep['utilization']:.0f}%")  # fmt: skip
     for path in summary.get("plots", []):
         print(f"  figure: {path}")
-    return 0
+    return all_rejected_exit_code("simulate", summary)

@@ -23,6 +23,7 @@ from workbench.kv.sizing import plan_num_blocks
 
 CACHE_LAYOUTS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("torch", "triton")
+ENGINE_DTYPES = ("fp32", "fp16", "bf16")  # int8/fp8 are roofline and simulator dtypes, not engine ones
 DEFAULT_KV_BUDGET_BYTES = 2 * 1024**3
 
 
@@ -105,6 +106,11 @@ class EngineConfig(ServingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.dtype not in ENGINE_DTYPES:
+            raise ConfigError(
+                f"dtype must be one of {', '.join(ENGINE_DTYPES)} (what the engine computes and caches in), "
+                f"got {self.dtype!r}"
+            )
         if self.cache not in CACHE_LAYOUTS:
             raise ConfigError(f"cache must be one of {CACHE_LAYOUTS}, got {self.cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

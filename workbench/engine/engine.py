@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from workbench.config import ModelConfig
-from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.device import dtype_name, resolve_device, synchronize, torch_dtype
 from workbench.dist.group import WorkerGroup
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
@@ -104,6 +105,19 @@ def make_backend(name: str) -> AttentionBackend:
 
         return TritonAttentionBackend()
     return TorchAttentionBackend()
+def check_triton_backend(device: Any) -> None:
+    """ConfigError unless the Triton kernels can run on ``device``: CUDA, or the interpreter (``TRITON_INTERPRET=1``
+    in the environment before start)."""
+    try:
+        from kernels._common import INTERPRET
+    except ImportError as exc:
+        raise ConfigError(f"attention_backend 'triton' needs the triton package ({exc}); use attention_backend "
+                          "'torch'") from None  # fmt: skip
+    if device.type != "cuda" and not INTERPRET:
+        raise ConfigError(
+            f"attention_backend 'triton' needs a CUDA device (the model is on {device}); on the CPU set "
+            "TRITON_INTERPRET=1 in the environment (the slow interpreter) or use attention_backend 'torch'"
+        )
 
 
 class Engine:
@@ -121,11 +135,14 @@ class Engine:
         num_blocks, block_size = self.config.cache_shape(mcfg)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config(mcfg), self.block_manager)
+        allocated = dtype_name(model.dtype)  # the pool is allocated in the weights' dtype, whatever config says
         self.ledger = MemoryLedger(
-            mcfg, self.block_manager, weight_dtype=self.config.dtype, kv_dtype=self.config.dtype,
+            mcfg, self.block_manager, weight_dtype=dtype_name(model.dtype), kv_dtype=allocated,
             max_model_len=self.scheduler.config.max_model_len,
         )  # fmt: skip
         max_len = self.scheduler.config.max_model_len
+        if self.config.attention_backend == "triton":
+            check_triton_backend(model.device)
         if workers is not None:  # every rank holds its shard of the pool and its own backend and decode step
             self.runner: ModelRunner = TensorParallelRunner(workers, num_blocks, block_size, self.config, max_len)
             self.cache, self.backend, self.decode = self.runner.cache, self.runner.backend, self.runner.decode
@@ -192,18 +209,40 @@ class Engine:
         arrival_time: float | None = None,
         request_id: int | None = None,
     ) -> int:
-        """Queue a request and return its id. An invalid request is finished at once as 'rejected' with the reason."""
-        rid = next(self._ids) if request_id is None else request_id
+        """Queue a request and return its id. An invalid request is finished at once as 'rejected' with the reason.
+
+        ``request_id`` None takes the next automatic id not yet used; an id already in ``sequences`` raises
+        RequestError before anything changes (a result could not be told apart from the earlier one's).
+        """
+        if request_id is None:
+            rid = next(self._ids)
+            while rid in self.sequences:  # an explicit id took it earlier
+                rid = next(self._ids)
+        else:
+            if not isinstance(request_id, int) or isinstance(request_id, bool):
+                raise RequestError(f"request_id must be an integer or None, got {request_id!r}")
+            if request_id in self.sequences:
+                raise RequestError(f"request_id {request_id} is already in use by this engine; give a new id")
+            rid = request_id
         arrival = self.now() if arrival_time is None else arrival_time
         reason = None
+        prompt = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else []
         try:
+            if not isinstance(prompt_ids, (list, tuple)):
+                raise RequestError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
             if isinstance(sampling, dict):
                 sampling = SamplingParams(**sampling)
-            self._check_tokens(prompt_ids)
+            elif isinstance(sampling, SamplingParams):
+                sampling.__post_init__()  # validated again: its fields may have been changed since
+            elif sampling is not None:
+                raise RequestError(
+                    f"sampling must be a SamplingParams, a dict of its fields or None, got {type(sampling).__name__}"
+                )
+            self._check_tokens(prompt)
         except (RequestError, TypeError) as exc:
             reason = str(exc)
             sampling = None
-        seq = Sequence(rid, list(prompt_ids), sampling, arrival, eos_token_ids=self.model.config.eos_token_ids)
+        seq = Sequence(rid, prompt, sampling, arrival, eos_token_ids=self.model.config.eos_token_ids)
         self.sequences[rid] = seq
         if reason is not None:
             seq.status, seq.finish_reason, seq.reject_reason, seq.finish_time = (
@@ -214,11 +253,21 @@ class Engine:
             self.scheduler.add(seq)
         return rid
 
+    def abort(self, request_id: int) -> bool:
+        """Stop an unfinished request now (finish_reason 'abort'), freeing its KV blocks and its sampler state;
+        False when the id is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        seq.finish_time = self.now()
+        self.runner.release(request_id)
+        return True
+
     def _check_tokens(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) == 0:
             raise RequestError("empty prompt: at least one token id is needed")
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
@@ -253,6 +302,11 @@ class Engine:
     ) -> RunResult:
         """Offline: every prompt arrives now; step until all are done. Results in prompt order."""
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(
+                f"{len(params)} sampling params for {len(prompts)} prompts; give one SamplingParams for all "
+                "or a list with one per prompt"
+            )
         start = self.now()
         ids = [self.add_request(p, sp, arrival_time=start) for p, sp in zip(prompts, params)]
         while self.has_unfinished():
@@ -268,6 +322,14 @@ class Engine:
         """
         vocab = self.model.config.vocab_size
         pending = sorted(requests, key=lambda r: r.arrival_time_s)
+        trace_ids = [r.request_id for r in pending if getattr(r, "request_id", None) is not None]
+        counts = Counter(trace_ids)
+        clash = sorted({i for i in counts if i in self.sequences or counts[i] > 1})
+        if clash:  # checked before anything is queued
+            raise RequestError(
+                f"request id(s) {clash[:5]} appear twice in the workload or are already used by this engine; "
+                "give each request its own id, or replay on a fresh Engine"
+            )
         base = sampling or SamplingParams()
         self.reset_clock()
         ids, i = [], 0
@@ -277,7 +339,8 @@ class Engine:
                 r = pending[i]
                 sp = {**asdict(base), "max_tokens": r.output_len, "ignore_eos": True}
                 prompt = r.prompt_token_ids if r.prompt_token_ids is not None else prompt_token_ids(r, vocab, seed)
-                ids.append(self.add_request(list(prompt), sp, arrival_time=r.arrival_time_s))
+                rid = getattr(r, "request_id", None)  # the trace's own id, so results can be joined to it
+                ids.append(self.add_request(list(prompt), sp, arrival_time=r.arrival_time_s, request_id=rid))
                 i += 1
             if self.has_unfinished():
                 self.step(now)

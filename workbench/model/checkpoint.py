@@ -12,7 +12,10 @@ initialised model of a preset's architecture *through transformers* and saves it
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +27,42 @@ from workbench.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+
+@contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+    """``safe_open`` on ``file``; a file that is not safetensors (cut short, zeroed, empty, random bytes) is a
+    CheckpointError naming it, not safetensors' own traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({exc}); write it again or fetch it whole"
+        ) from None
+    with handle as f:
+        yield f
+
+
+def _get_slice(f: Any, file: Path, name: str) -> Any:
+    """The safetensors slice of ``name`` (nothing read yet); a damaged entry is a CheckpointError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return f.get_slice(name)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc}); the file is damaged") from None
+
+
+def _read_slice(t: Any, file: Path, name: str, shard: TensorParallelShard | None) -> torch.Tensor:
+    """The whole tensor, or only ``shard``'s part of it (the bytes of the other ranks are never read)."""
+    from safetensors import SafetensorError
+
+    try:
+        return t[:] if shard is None else shard.take(t, name)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc}); the file is damaged") from None
 
 
 def _tensor_files(ckpt: Path) -> dict[str, Path]:
@@ -39,9 +78,7 @@ def _tensor_files(ckpt: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{ckpt}: shard {shard.name} named in {INDEX_FILE} is missing")
         return files
     if (ckpt / SINGLE_FILE).exists():
-        from safetensors import safe_open
-
-        with safe_open(str(ckpt / SINGLE_FILE), framework="pt") as f:
+        with _open_safetensors(ckpt / SINGLE_FILE) as f:
             return {name: ckpt / SINGLE_FILE for name in f.keys()}  # noqa: SIM118
     raise CheckpointError(f"{ckpt}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
 
@@ -77,6 +114,11 @@ def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _is_ignorable(name: str) -> bool:
+    """Tensors a checkpoint may carry that our model recomputes: rotary tables (``rotary_emb.inv_freq``)."""
+    return name.endswith("rotary_emb.inv_freq")
+
+
 def load_checkpoint(
     path: str | Path,
     dtype: str | torch.dtype = "fp32",
@@ -104,20 +146,30 @@ def load_checkpoint(
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"{ckpt}: missing tensor(s) {missing[:3]}{more}")
 
-    from safetensors import safe_open
+    unused = sorted(n for n in files if n not in expected and not _is_ignorable(n))
+    if unused:
+        more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
+        raise CheckpointError(
+            f"{ckpt}: tensor(s) {unused[:5]}{more} are not used by the model config.json describes "
+            f"({cfg.num_layers} layers); the config and the weights disagree (num_hidden_layers?)"
+        )
 
     shard = None if tensor_parallel is None else TensorParallelShard(cfg, *tensor_parallel)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(set(files[n] for n in expected)):
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(file) as f:
             for name in expected:
                 if files[name] == file:
-                    t = f.get_slice(name)
+                    t = _get_slice(f, file, name)
                     if tuple(t.get_shape()) != expected[name]:
                         raise CheckpointError(
                             f"{ckpt}: tensor {name} has shape {tuple(t.get_shape())}, expected {expected[name]}"
                         )
-                    tensors[name] = t[:] if shard is None else shard.take(t, name)
+                    value = _read_slice(t, file, name, shard)
+                    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                        bad = int((~torch.isfinite(value)).sum())
+                        raise CheckpointError(f"{file}: tensor {name} holds {bad} NaN or infinite value(s)")
+                    tensors[name] = value
 
     if shard is None:
         model = Transformer.from_config(cfg, dtype=torch.float32, device="cpu", init_std=0.0)
@@ -176,6 +228,8 @@ def save_random_checkpoint(
         cfg = ModelConfig.resolve(cfg)
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"unsupported architecture {cfg.architecture}")
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"{out_dir} exists and is not a folder; a checkpoint is written into a folder")
     import transformers
 
     config = hf_config_object(cfg)
@@ -188,6 +242,10 @@ def save_random_checkpoint(
     return out
 
 
+def _has_weights(ckpt: Path) -> bool:
+    return (ckpt / SINGLE_FILE).exists() or (ckpt / INDEX_FILE).exists()
+
+
 def load_model(
     name_or_path: str | Path,
     dtype: str | torch.dtype = "fp32",
@@ -197,11 +255,15 @@ def load_model(
 ) -> Transformer:
     """A checkpoint directory (real weights) or a preset name / config.json (random weights, seeded).
 
+    A ``config.json`` beside safetensors weights is that checkpoint: its weights are loaded.
+
     ``tensor_parallel`` ``(rank, size)``: that rank's shard. A checkpoint is read slice by slice; a preset's
     random weights are drawn whole (the same for every size, so shards of one seed add up to the same model)
     and then cut.
     """
     path = Path(name_or_path)
+    if path.is_file() and path.name == "config.json" and _has_weights(path.parent):
+        path = path.parent  # the config of a checkpoint: load its weights, not random ones
     if path.is_dir():
         return load_checkpoint(path, dtype=dtype, device=device, tensor_parallel=tensor_parallel)
     cfg = ModelConfig.resolve(name_or_path)

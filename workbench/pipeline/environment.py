@@ -63,18 +63,20 @@ def _run(args: list[str], cwd: Path) -> str | None:
 
 
 def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
-    """Commit, short commit, branch and whether tracked files differ from it (``dirty``)."""
+    """Commit, short commit, branch and whether tracked files differ from it (``dirty``), of the checkout that
+    holds ``repo`` (any folder inside it); ``toplevel`` is that checkout's root."""
     commit = _run(["git", "rev-parse", "HEAD"], repo)
     if commit is None:
         return {"commit": None, "short_commit": None, "dirty": None, "reason": f"no git commit found at {repo}"}
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], repo)
     untracked = _run(["git", "ls-files", "--others", "--exclude-standard"], repo)
     return {
+        "toplevel": _run(["git", "rev-parse", "--show-toplevel"], repo),
         "commit": commit,
         "short_commit": commit[:7],
         "branch": _run(["git", "rev-parse", "--abbrev-ref", "HEAD"], repo),
         "dirty": None if status is None else bool(status),
-        "modified_files": [] if not status else [line[3:] for line in status.splitlines()],
+        "modified_files": [] if not status else [line[2:].strip() for line in status.splitlines()],
         "untracked_files": 0 if not untracked else len(untracked.splitlines()),
     }
 
@@ -180,17 +182,22 @@ def capture_environment(
     run_id: str,
     measure: bool = True,
     num_threads: int | None = None,
+    source_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The ``environment.json`` of a run, as it stands at the start (``finish_environment`` adds the end).
 
     ``parameters`` maps each experiment to the values it runs with (notebook defaults merged with the
     spec's and the command line's), so that the seeds and every knob of the run are on record. ``num_threads``
     is the torch thread count the notebooks run with (``workbench report --threads``); the ceilings are
-    measured with it (``ceilings_start``), with the load average and CPU jiffies before the run.
+    measured with it (``ceilings_start``), with the load average and CPU jiffies before the run. ``git`` is the
+    state of the checkout holding ``source_dir`` (the notebooks' folder; default: the package's); when the
+    installed package lives in another checkout, ``package_git`` records that one too.
     """
     from workbench.experiments.hygiene import cpu_times, load_average
 
     ceilings = measured_ceilings() if measure else {"available": False, "reason": "not measured (--no-ceilings)"}
+    git = git_state(source_dir if source_dir is not None else REPO_ROOT)
+    package_git = git_state(REPO_ROOT) if source_dir is not None else git
     environment = {
         "run_id": run_id,
         "captured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -218,7 +225,8 @@ def capture_environment(
         "load_average_end": None,
         "cpu_times_start": cpu_times(),
         "cpu_steal_share": None,
-        "git": git_state(),
+        "git": git,
+        **({"package_git": package_git} if package_git.get("toplevel") != git.get("toplevel") else {}),
         "parameters": {k: dict(v) for k, v in parameters.items()},
         "seeds": seeds_of(parameters),
         "env": {

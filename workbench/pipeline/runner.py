@@ -305,6 +305,12 @@ def execute_experiment(
             "traceback": _strip_ansi(exc.traceback),
             "source": exc.source,
         }
+    except KeyboardInterrupt:  # the .partial notebook stays, with statuses that say which cells ran
+        if partial_nb.exists():
+            nb = nbformat.read(partial_nb, as_version=4)
+            mark_stopped_cells(nb, "interrupted")
+            atomic_write_text(partial_nb, nbformat.writes(nb))
+        raise
     except Exception as exc:  # kernel died, timeout, unreadable notebook: recorded, and the run goes on
         entry["status"] = "failed"
         entry["error"] = {
@@ -314,6 +320,7 @@ def execute_experiment(
             "evalue": _strip_ansi(str(exc)),
             "traceback": _strip_ansi(traceback.format_exc()),
             "source": None,
+            "stopped": True,  # papermill's own statuses are to be corrected below
         }
 
     if partial_nb.exists():
@@ -321,6 +328,10 @@ def execute_experiment(
         nb.metadata.setdefault("papermill", {})["output_path"] = str(final_nb)
         if entry.get("error") and entry["error"].get("papermill_cell_index") is not None:
             entry["error"]["cell_index"] = source_cell_index(nb, entry["error"].pop("papermill_cell_index"))
+        if entry.get("error") and entry["error"].get("stopped"):
+            running = mark_stopped_cells(nb, entry["error"]["ename"])
+            if running is not None:
+                entry["error"]["cell_index"] = source_cell_index(nb, running)
         atomic_write_text(final_nb, nbformat.writes(nb))
         partial_nb.unlink()
         entry["notebook"] = _rel(final_nb, run_dir)
@@ -333,6 +344,7 @@ def execute_experiment(
             warnings.append(f"export failed: {type(exc).__name__}: {exc}")
     if entry.get("error"):
         entry["error"].pop("papermill_cell_index", None)
+        entry["error"].pop("stopped", None)
     entry["figures"] = [_rel(p, run_dir) for p in list_figures(exp_dir)]
 
     metrics_path = exp_dir / METRICS_FILE
@@ -351,6 +363,30 @@ def execute_experiment(
     if warnings:
         entry["warnings"] = warnings
     return entry
+
+
+def mark_stopped_cells(nb: Any, reason: str) -> int | None:
+    """Correct papermill's cell statuses in ``nb`` after a run that stopped in a cell without a cell error (the
+    kernel died, a timeout, Ctrl-C), and return the index in ``nb.cells`` of the cell that was running (None when
+    no cell started).
+
+    papermill's cleanup marks every cell still pending as completed and the running one as completed too; here a
+    cell that never started is ``pending`` again, the one that was running is ``failed``, and the notebook's
+    ``metadata.papermill.stopped`` records why and how many cells had started.
+    """
+    started = [i for i, cell in enumerate(nb.cells) if cell.get("metadata", {}).get("papermill", {}).get("start_time")]
+    for cell in nb.cells:
+        pm = cell.get("metadata", {}).get("papermill")
+        if pm is not None and not pm.get("start_time"):
+            pm["status"] = "pending"
+            pm.pop("end_time", None)
+            pm.pop("duration", None)
+    running = started[-1] if started else None
+    if running is not None:
+        pm = nb.cells[running].metadata.papermill
+        pm["status"], pm["exception"] = "failed", True
+    nb.metadata.setdefault("papermill", {})["stopped"] = {"reason": reason, "cells_started": len(started)}
+    return running
 
 
 def _base_entry(planned: PlannedExperiment, status: str) -> dict[str, Any]:
@@ -418,7 +454,8 @@ def run_pipeline(
 
     out_path = Path(out_dir).resolve()
     started = _utcnow()
-    run_dir, run_id = _make_run_dir(out_path, new_run_id(started, git_state().get("short_commit")))
+    source_dir = plan.spec.path.resolve().parent  # the checkout the notebooks come from, not the package's
+    run_dir, run_id = _make_run_dir(out_path, new_run_id(started, git_state(source_dir).get("short_commit")))
     t0 = time.perf_counter()
     manifest: dict[str, Any] = {
         "schema": MANIFEST_SCHEMA,
@@ -446,6 +483,7 @@ def run_pipeline(
         run_id=run_id,
         measure=measure_ceilings,
         num_threads=num_threads,
+        source_dir=source_dir,
     )
     atomic_write_json(run_dir / ENVIRONMENT, environment)
     write_run_index(run_dir, manifest)

@@ -38,7 +38,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from workbench.config import ModelConfig
+from workbench.config import ModelConfig, ceil_div
 from workbench.engine.config import ServingConfig
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
@@ -59,7 +59,9 @@ class SimConfig(ServingConfig):
 
     ``num_blocks``: KV blocks per replica; None derives it from the hardware's memory:
     ``(mem_capacity * gpu_memory_utilization - weight bytes) / (block_size * kv bytes per token)``
-    (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given.
+    (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given. A
+    derived pool larger than the workload could ever fill is tracked at the size it could fill (the same schedule,
+    with bookkeeping that grows with the workload, not with the memory); ``num_blocks`` given is tracked as is.
     It models a GPU server, so two defaults differ from the CPU engine's (and are written here only): 256
     sequences (vLLM's ``max_num_seqs``) and bf16.
     ``max_model_len`` None: ``min(model's max positions, 4096)``, as the engine.
@@ -334,7 +336,10 @@ def simulate(
     config = config or SimConfig()
     cfg = model if isinstance(model, ModelConfig) else ModelConfig.resolve(model)
     sched_cfg = config.scheduler_config(cfg)
-    num_blocks = config.resolved_num_blocks(cfg, hardware)
+    requests = list(requests)
+    capacity = num_blocks = config.resolved_num_blocks(cfg, hardware)
+    if config.num_blocks is None:
+        num_blocks = min(capacity, _blocks_never_short(requests, sched_cfg, config.block_size))
     total = config.total_replicas
     costs = [cost_model] * total if isinstance(cost_model, CostModel) else list(cost_model)
     if len(costs) != total:
@@ -428,6 +433,7 @@ def simulate(
             "utilization": rep.busy_s / duration if duration > 0 else 0.0,
             "num_preemptions": rep.scheduler.num_preemptions,
             "num_blocks": rep.block_manager.num_blocks,
+            "num_blocks_capacity": capacity,
         }
         for rep in reps
     ]
@@ -442,6 +448,16 @@ def simulate(
         cost_model=costs[0].describe() if costs else {},
         rejected=rejected,
     )
+
+
+def _blocks_never_short(requests: list, sched_cfg: Any, block_size: int) -> int:
+    """A pool size past which more blocks change nothing: every block all the requests could ever hold, over the
+    admission watermark. With at least this many no allocation fails and no cached block is evicted, so a pool
+    derived from an accelerator's memory (millions of blocks) is tracked at this size with the same schedule;
+    the bookkeeping grows with the workload, not with the memory."""
+    max_len = sched_cfg.max_model_len
+    need = sum(ceil_div(min(r.prompt_len + max(int(r.output_len), 1), max_len), block_size) for r in requests)
+    return math.ceil(need / (1.0 - sched_cfg.watermark)) + 1
 
 
 def _sampling(base: SamplingParams | None, max_tokens: int) -> SamplingParams:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workbench.engine.scheduler import StepPlan
+from workbench.errors import ConfigError
 from workbench.sim.costmodel import ProfiledCostModel, StepStats, fit_profile, plan_stats, token_knots
 from workbench.workloads import Request, synthetic_workload
 
@@ -110,6 +111,11 @@ def fit_engine_profile(
     from workbench.hardware import cpu_model_name
     from workbench.model.checkpoint import load_model
 
+    for name, value in (("num_requests", num_requests), ("threads", threads)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(
+                f"{name} must be a positive integer (--{name.replace('_', '-')} N, N >= 1), got {value!r}"
+            )
     if threads is not None:
         torch.set_num_threads(threads)
     dev = resolve_device(device)
@@ -146,3 +152,33 @@ def engine_batched_decode(device: Any) -> tuple[int, int] | None:
     from workbench.model.attention import MAX_GATHER_KEY_SLOTS
 
     return (1, MAX_GATHER_KEY_SLOTS) if str(device).startswith("cpu") else None
+
+
+def check_profile_matches(profile: Any, path: Any, model_name: str, hardware: Any, force: bool = False) -> None:
+    """ConfigError unless ``profile`` (a ``ProfiledCostModel``) was fitted on ``model_name`` and, when ``hardware``
+    (a ``HardwareSpec``) is given, on that machine: a measured spec matches, a datasheet accelerator does not (the
+    profile's step times are those of the machine it measured). ``force`` skips both checks."""
+    if force:
+        return
+    meta = profile.meta or {}
+    fitted = meta.get("model")
+    if fitted is not None and str(fitted).lower() != model_name.lower():
+        raise ConfigError(
+            f"profile {path} was fitted on model {fitted!r}, not {model_name!r}; fit one with `workbench fit-profile "
+            f"--model {model_name}`, or pass --force-profile to use it anyway"
+        )
+    if hardware is not None and not str(hardware.name).startswith("measured"):
+        machine = meta.get("machine", "another machine")
+        raise ConfigError(
+            f"profile {path} holds step times measured on {machine}, not on {hardware.name}; leave out --hardware "
+            f"(or give --hardware measured), use --cost-model roofline for {hardware.name}, or pass --force-profile"
+        )
+
+
+def profiled_engine_num_blocks(config: Any, model_cfg: Any) -> int:
+    """The pool an engine of these settings gets by default (``EngineConfig.cache_shape``, the one planner): the pool
+    a profiled machine ran with."""
+    from workbench.engine.config import EngineConfig
+
+    fields = ("policy", "block_size", "max_num_seqs", "max_model_len", "dtype")
+    return EngineConfig(**{name: getattr(config, name) for name in fields}).cache_shape(model_cfg)[0]

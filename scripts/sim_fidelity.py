@@ -102,8 +102,8 @@ def disaggregated_fidelity(args, profile: ProfiledCostModel, held_out: list) -> 
     """The real disaggregated run (repeated) against the simulated one, with the link fitted to the real one."""
     import statistics
 
-    from workbench.config import ModelConfig
-    from workbench.dist.disagg import DisaggCluster, DisaggConfig, parse_disaggregate
+    from workbench.config import ModelConfig, parse_disaggregate
+    from workbench.dist.disagg import DisaggCluster, DisaggConfig
     from workbench.engine.metrics import summarize
     from workbench.request import SamplingParams
     from workbench.sim.comm import fit_latency_bandwidth

@@ -34,8 +34,8 @@ import torch
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.sequence import SamplingParams
 from workbench.model.transformer import Transformer
+from workbench.request import SamplingParams
 
 
 def rss_kib(field: str = "VmRSS") -> int:

@@ -11,13 +11,12 @@ import random
 
 import pytest
 
-from workbench.config import ModelConfig
+from workbench.config import ModelConfig, parse_disaggregate
 from workbench.dist.disagg import (
     DisaggCluster,
     DisaggConfig,
     DisaggregationError,
     Faults,
-    parse_disaggregate,
 )
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine

@@ -8,8 +8,8 @@ anything runs. A running 7-token request holds 2 blocks (8 tokens after its firs
 """
 
 from workbench.engine.scheduler import Scheduler, SchedulerConfig
-from workbench.engine.sequence import SamplingParams, Sequence, SequenceStatus
 from workbench.kv.block_manager import BlockManager
+from workbench.request import SamplingParams, Sequence, SequenceStatus
 
 ONE = SamplingParams(max_tokens=4, ignore_eos=True)
 

@@ -359,3 +359,16 @@ __all__ = [
     "ceil_div",
     "DTYPE_BYTES",
 ]
+
+
+def parse_disaggregate(spec: str) -> tuple[int, int]:
+    """'P:D' -> (P, D): prefill and decode engines or replicas (``--disaggregate`` of replay, generate, simulate)."""
+    try:
+        p, d = (int(x) for x in str(spec).split(":"))
+    except ValueError:
+        raise ConfigError(
+            f"--disaggregate takes P:D (prefill : decode engines or replicas, e.g. 1:1), got {spec!r}"
+        ) from None
+    if p < 1 or d < 1:
+        raise ConfigError(f"--disaggregate P:D needs at least one prefill and one decode, got {spec!r}")
+    return p, d

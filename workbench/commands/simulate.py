@@ -32,23 +32,7 @@ from workbench.commands.common import (
     print_serving_metrics,
     serving_config_kwargs,
 )
-from workbench.errors import ConfigError
-
-
-def parse_disaggregate(text: str | None) -> tuple[int, int] | None:
-    """``P:D`` (prefill replicas : decode replicas) or None."""
-    if text is None:
-        return None
-    parts = text.split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        p, d = int(parts[0]), int(parts[1])
-    except ValueError:
-        raise ConfigError(f"--disaggregate must be P:D (prefill replicas : decode replicas), got {text!r}") from None
-    if p < 1 or d < 1:
-        raise ConfigError(f"--disaggregate needs at least one prefill and one decode replica, got {text!r}")
-    return p, d
+from workbench.config import parse_disaggregate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,8 +87,8 @@ def run(args: argparse.Namespace) -> int:
     config = SimConfig(
         **serving_config_kwargs(args), gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
         num_replicas=args.replicas, router=args.router,
-        disaggregate=parse_disaggregate(args.disaggregate), link_gbps=args.link_gbps,
-        link_latency_s=args.link_latency_ms / 1e3,
+        disaggregate=None if args.disaggregate is None else parse_disaggregate(args.disaggregate),
+        link_gbps=args.link_gbps, link_latency_s=args.link_latency_ms / 1e3,
     )  # fmt: skip
     cost = make_cost_model(args.cost_model, cfg, hw, args.dtype, args.profile, args.prefill_efficiency,
                            args.decode_efficiency, args.profile_noise_seed)  # fmt: skip
@@ -143,9 +127,7 @@ def run(args: argparse.Namespace) -> int:
         from workbench import plots
 
         plots.use_file_backend()
-        title = (
-            f"{args.model} on {summary['hardware']}, {args.trace}, {result.cost_model.get('name')} cost model"
-        )
+        title = f"{args.model} on {summary['hardware']}, {args.trace}, {result.cost_model.get('name')} cost model"
         target = Path(args.plot)
         timeline = target.with_name(f"{target.stem}-timeline{target.suffix or '.png'}")
         plots.save_figure(plots.plot_latency_cdfs(result.records, title), str(target))

@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 
 from workbench.dist.group import DistConfig, ProcessSet, WorkerError, free_port
 from workbench.dist.kv_connector import KVReceiver, KVSender, KVTransfer, wall_clock
+from workbench.config import parse_disaggregate
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import RequestResult
 from workbench.request import SamplingParams, Sequence
@@ -53,17 +54,6 @@ class DisaggregationError(WorkerError):
     """A prefill or decode engine died or stalled; ``partial`` holds the requests that had finished."""
 
     partial: list[RequestResult] = []
-
-
-def parse_disaggregate(spec: str) -> tuple[int, int]:
-    """'P:D' -> (P, D): the number of prefill and decode engines."""
-    try:
-        p, d = (int(x) for x in str(spec).split(":"))
-    except ValueError:
-        raise ConfigError(f"--disaggregate takes P:D (prefill and decode engines, e.g. 1:1), got {spec!r}") from None
-    if p < 1 or d < 1:
-        raise ConfigError(f"--disaggregate P:D needs at least one engine of each kind, got {spec!r}")
-    return p, d
 
 
 @dataclass(frozen=True)

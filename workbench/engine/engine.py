@@ -105,6 +105,8 @@ def make_backend(name: str) -> AttentionBackend:
 
         return TritonAttentionBackend()
     return TorchAttentionBackend()
+
+
 def check_triton_backend(device: Any) -> None:
     """ConfigError unless the Triton kernels can run on ``device``: CUDA, or the interpreter (``TRITON_INTERPRET=1``
     in the environment before start)."""

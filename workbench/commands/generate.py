@@ -11,9 +11,9 @@ Greedy unless a temperature is given. With ``--json``: one object with a list ``
 ``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies), plus
 ``finish_reason`` and, for a rejected request, ``reject_reason``. ``--prompt TEXT`` (repeatable; served after the
 ``--prompt-ids`` prompts) needs a checkpoint directory with a tokenizer (``tokenizer.json``); whenever the model has
-one, each request also carries ``text``, the decoded output (special tokens skipped). A rejected request does not stop the others; the
-exit code is then 1. A preset name gives random weights (seeded by ``--model-seed``); a directory loads a real HF
-checkpoint.
+one, each request also carries ``text``, the decoded output (special tokens skipped). A rejected request does not
+stop the others; the exit code is then 1. A preset name gives random weights (seeded by ``--model-seed``); a
+directory loads a real HF checkpoint.
 """
 
 from __future__ import annotations
@@ -84,7 +84,6 @@ def run(args: argparse.Namespace) -> int:
 
     from workbench.engine.engine import Engine
     from workbench.engine.sequence import SamplingParams
-
     from workbench.errors import CheckpointError
     from workbench.model.tokenizer import TextCodec, has_tokenizer
 

@@ -1,7 +1,7 @@
 """``workbench serve``: serve a model over an OpenAI-compatible HTTP API (``workbench.serve.app``).
 
     workbench serve --model DIR_OR_PRESET [engine options] [--host 127.0.0.1] [--port 8000]
-        [--served-model-name NAME] [--drain-timeout S]
+        [--served-model-name NAME] [--threads N] [--drain-timeout S]
 
 ``--port 0`` picks a free port; the first line printed is ``{"event": "listening", "host", "port"}``. A checkpoint
 directory with a ``tokenizer.json`` serves text prompts and, with a chat template, chat completions; without one
@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default 30)")  # fmt: skip
 
@@ -41,6 +42,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     engine = Engine.from_model(args.model, engine_config_from_args(args), seed=args.model_seed)
     codec = TextCodec.from_dir(args.model) if has_tokenizer(args.model) else None
     app = build_app(engine, codec, args.served_model_name or str(args.model))

@@ -213,7 +213,8 @@ async def _write_events(
         delta = comp.push(out)
         reason = _finish_reason(out, comp) if (out.finish_reason is not None or comp.stopped) else None
         if reason is None and out.finish_reason is None:
-            if delta or comp.req.return_token_ids:
+            if out.token_ids:  # one chunk per engine step, even when its text is held back or empty (a
+                # special token): clients time tokens by chunks
                 await send(comp.chunk(delta, None, out.token_ids, first))
                 first = False
             out = await _next(handle)

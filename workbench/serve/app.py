@@ -145,6 +145,7 @@ async def _next(handle: RequestHandle) -> Output:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
+    received = state.engine.now()  # TTFT and E2E count from here, before the body is read and tokenized
     if state.draining:
         return _error("the server is shutting down", 503)
     try:
@@ -162,7 +163,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise
         return _error(str(exc))
     comp = _Completion(state, req, chat)
-    handle = state.engine.add(req.prompt_ids, req.sampling)
+    handle = state.engine.add(req.prompt_ids, req.sampling, arrival_time=received)
     try:
         out = await _next(handle)
         if out.finish_reason == "rejected":

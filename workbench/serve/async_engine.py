@@ -67,9 +67,15 @@ class AsyncEngine:
         """Requests added and not yet finished (queued for admission included)."""
         return len(self._live) + len(self._to_add)
 
-    def add(self, prompt_ids: list[int], sampling: SamplingParams) -> RequestHandle:
-        """Queue a request; its outputs arrive on ``handle.queue``. Its TTFT counts from now."""
-        handle = RequestHandle(next(self._ids), prompt_ids, sampling, self.engine.now())
+    def now(self) -> float:
+        """The engine's clock (thread-safe: a read of ``perf_counter``)."""
+        return self.engine.now()
+
+    def add(self, prompt_ids: list[int], sampling: SamplingParams, arrival_time: float | None = None) -> RequestHandle:
+        """Queue a request; its outputs arrive on ``handle.queue``. Its TTFT counts from ``arrival_time`` (engine
+        clock; default now)."""
+        arrival = self.engine.now() if arrival_time is None else arrival_time
+        handle = RequestHandle(next(self._ids), prompt_ids, sampling, arrival)
         self._to_add.append(handle)
         self._wake.set()
         return handle

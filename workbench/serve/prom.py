@@ -1,7 +1,8 @@
 """The server's Prometheus metrics, and quantiles read back from a histogram in Prometheus text.
 
 Names follow vLLM's (``vllm:time_to_first_token_seconds`` ...) with the prefix ``workbench:``. Latencies are taken on
-the engine's clock: TTFT from the moment the server received the request to the step that produced its first token,
+the engine's clock: TTFT from the moment the server's handler received the request (before reading its body) to
+the end of the step that produced its first token,
 ITL between consecutive tokens of a request, E2E from receipt to the last token (requests that a client abandoned
 are not counted). Built on ``prometheus_client``, one registry per server.
 """

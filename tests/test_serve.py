@@ -249,6 +249,27 @@ def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks(server, cli
     assert got.usage.completion_tokens == 200
 
 
+def test_bench_serve_against_the_server_writes_vllms_result_keys(server, tmp_path, capsys):
+    before = _get(server, "/metrics")[1]
+    rc = main(["bench", "serve", "--base-url", server.base_url, "--model", MODEL, "--dataset-name", "random",
+               "--random-input-len", "8", "--random-output-len", "6", "--num-prompts", "6", "--request-rate", "50",
+               "--burstiness", "1", "--max-concurrency", "3", "--goodput", "ttft:60000", "tpot:60000",
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--ignore-eos",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert (r["completed"], r["failed"], r["total_input_tokens"], r["total_output_tokens"]) == (6, 0, 48, 36)
+    assert r["output_lens"] == [6] * 6 and r["request_goodput"] == pytest.approx(r["request_throughput"])
+    assert r["max_concurrent_requests"] <= 3 and r["num_prompts"] == 6 and r["max_concurrency"] == 3
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert all(f"{k}_{m}_ms" in r for k in ("mean", "median", "std", "p50", "p90", "p99"))
+    # the server saw the same requests: six first tokens and 6 x 5 inter-token gaps more than before
+    after = _get(server, "/metrics")[1]
+    for name, n in (("workbench:time_to_first_token_seconds", 6), ("workbench:inter_token_latency_seconds", 30)):
+        assert histogram_buckets(after, name)[-1][1] - histogram_buckets(before, name)[-1][1] == n
+    assert sum(len(x) for x in r["itls"]) == 30
+
+
 def test_sigterm_drains_the_requests_in_flight_and_exits_0(server):
     """Last in the module: it stops the shared server."""
     result = {}

@@ -116,3 +116,20 @@ def test_parser_accepts_vllm_bench_serve_payload():
     req = parse_completion(body, "m", codec=None, vocab_size=256, max_model_len=64)
     assert req.stream and req.include_usage and req.sampling.ignore_eos and req.sampling.max_tokens == 5
     assert req.sampling.top_k == 0 and req.sampling.temperature == 0.0
+
+
+def test_chat_needs_a_tokenizer_with_a_chat_template():
+    from workbench.config import ModelConfig
+    from workbench.model.tokenizer import TextCodec, train_tokenizer
+    from workbench.serve.protocol import parse_chat
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = TextCodec(train_tokenizer(ModelConfig.resolve("tiny-gqa"), chat_template=None))
+    for codec, what in ((None, "no tokenizer"), (plain, "without a chat template")):
+        with pytest.raises(ProtocolError, match=what) as info:
+            parse_chat(body, "m", codec, max_model_len=64)
+        assert info.value.status == 400
+    with_template = TextCodec(train_tokenizer(ModelConfig.resolve("tiny-gqa")))
+    req = parse_chat(body, "m", with_template, max_model_len=64)
+    assert with_template.decode(req.prompt_ids) == "user: hi\nassistant:"
+    assert req.sampling.max_tokens == 64 - len(req.prompt_ids)  # chat's default: the rest of the context

@@ -105,3 +105,10 @@ def test_checkpoint_without_tokenizer(tmp_path, capsys):
     assert main(["checkpoint", "--preset", "tiny-mha", "--out", str(tmp_path / "c"), "--no-tokenizer"]) == 0
     assert json.loads(capsys.readouterr().out)["tokenizer"] is False
     assert not (tmp_path / "c" / "tokenizer.json").exists() and (tmp_path / "c" / "config.json").exists()
+
+
+def test_a_256_token_vocabulary_holds_printable_ascii():
+    codec = TextCodec(train_tokenizer(ModelConfig.resolve("tiny-gqa")))
+    text = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+    assert codec.decode(codec.encode(text)) == text
+    assert codec.decode(codec.encode("café")) == "caf"  # 'é' is two bytes outside the alphabet: <unk>, skipped

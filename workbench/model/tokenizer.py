@@ -8,7 +8,7 @@ It is saved the way transformers saves a fast tokenizer (``tokenizer.json``, ``t
 
 Ids fit the model: the special tokens sit at the config's ``bos_token_id`` / ``eos_token_id`` and every other id is
 below ``vocab_size``. A vocabulary of 256 + specials or more holds all 256 bytes (any text encodes); a smaller one
-(the tiny test presets have 256) holds only the training text's characters, and others encode as ``<unk>``. Ids the
+(the tiny test presets have 256) holds printable ASCII, tab and newline, and other characters encode as ``<unk>``. Ids the
 BPE never assigned (a few KB of text learn a few thousand merges, not 32,000) decode to nothing.
 
 The chat template is plain text (``role: content`` lines, then ``assistant:``), so it needs no extra tokens.
@@ -56,12 +56,15 @@ def train_tokenizer(cfg: ModelConfig, text: str | None = None, chat_template: st
     if free_ids < 2:
         raise CheckpointError(f"{cfg.name}: vocab_size {cfg.vocab_size} is too small for a tokenizer")
 
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # a small vocabulary still holds every printable ASCII character, tab and newline (chat templates need ':')
+    ascii_alphabet = [byte_level.pre_tokenize_str(chr(b))[0][0] for b in (9, 10, *range(32, 127))]
     trainer = trainers.BpeTrainer(
         vocab_size=free_ids, show_progress=False, special_tokens=[],
-        initial_alphabet=byte_alphabet if all_bytes else [],
+        initial_alphabet=byte_alphabet if all_bytes else ascii_alphabet,
     )  # fmt: skip
     draft = Tokenizer(models.BPE())
-    draft.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    draft.pre_tokenizer = byte_level
     draft.train_from_iterator([text], trainer=trainer)
     trained = json.loads(draft.to_str())["model"]
     # the trained tokens, in their own id order, placed at the ids the special tokens leave free

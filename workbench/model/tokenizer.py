@@ -8,8 +8,8 @@ It is saved the way transformers saves a fast tokenizer (``tokenizer.json``, ``t
 
 Ids fit the model: the special tokens sit at the config's ``bos_token_id`` / ``eos_token_id`` and every other id is
 below ``vocab_size``. A vocabulary of 256 + specials or more holds all 256 bytes (any text encodes); a smaller one
-(the tiny test presets have 256) holds printable ASCII, tab and newline, and other characters encode as ``<unk>``. Ids the
-BPE never assigned (a few KB of text learn a few thousand merges, not 32,000) decode to nothing.
+(the tiny test presets have 256) holds printable ASCII, tab and newline, and other characters encode as
+``<unk>``. Ids the BPE never assigned (a few KB of text learn a few thousand merges, not 32,000) decode to nothing.
 
 The chat template is plain text (``role: content`` lines, then ``assistant:``), so it needs no extra tokens.
 """

@@ -114,6 +114,17 @@ def test_streamed_chunks_concatenate_to_the_non_streamed_text(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
 
 
+def test_continuous_usage_stats_count_the_tokens_chunk_by_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): usage in every chunk, one token per step."""
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=[4, 5, 6], max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    ))  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == [1, 2, 3, 4, 5, 5]  # five token chunks, then the usage chunk
+    assert all(c.usage.prompt_tokens == 3 for c in chunks)
+
+
 def test_chat_completion_uses_the_chat_template_and_streams_the_same_text(client, ckpt, capsys):
     messages = [{"role": "user", "content": "Four score"}]
     prompt_ids = TextCodec.from_dir(ckpt).encode_chat(messages)

@@ -119,7 +119,7 @@ class _Completion:
             "model": self.model,
             "choices": choices,
         }
-        if not self.req.stream or self.req.include_usage:
+        if not self.req.stream or self.req.include_usage or self.req.continuous_usage:
             obj["usage"] = usage
         if self.req.return_token_ids and not self.req.stream:
             obj["prompt_token_ids"] = self.req.prompt_ids
@@ -129,7 +129,8 @@ class _Completion:
         return self._object([self._choice(self.text, finish_reason, self.token_ids, True)], self.usage())
 
     def chunk(self, text: str, finish_reason: str | None, token_ids: list[int], first: bool) -> dict[str, Any]:
-        return self._object([self._choice(text, finish_reason, token_ids, first)], None)
+        usage = self.usage() if self.req.continuous_usage else None  # vLLM's continuous_usage_stats
+        return self._object([self._choice(text, finish_reason, token_ids, first)], usage)
 
     def usage_chunk(self) -> dict[str, Any]:
         return self._object([], self.usage())

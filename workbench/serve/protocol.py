@@ -6,10 +6,10 @@ message and the offending field, which ``error_body`` writes the way OpenAI does
 ``{"error": {"message", "type", "param", "code"}}``.
 
 Accepted fields: OpenAI's, plus vLLM's extensions that benchmark clients send (``top_k``, ``ignore_eos``,
-``min_tokens``, ``repetition_penalty``, ``min_p``, ``return_token_ids``). Fields this engine does not implement
-(``n``, ``best_of``, ``logprobs``, ``echo``, penalties, ``logit_bias``, ``suffix``) are accepted only at their
-no-op value; any other value, and any unknown field, is a 400 naming it. Defaults follow OpenAI: temperature 1,
-``max_tokens`` 16 for completions and the rest of the context for chat.
+``min_tokens``, ``repetition_penalty``, ``min_p``, ``return_token_ids``, ``stream_options.continuous_usage_stats``).
+Fields this engine does not implement (``n``, ``best_of``, ``logprobs``, ``echo``, penalties, ``logit_bias``,
+``suffix``) are accepted only at their no-op value; any other value, and any unknown field, is a 400 naming it.
+Defaults follow OpenAI: temperature 1, ``max_tokens`` 16 for completions and the rest of the context for chat.
 
 Pure Python (no torch, no aiohttp): the tokenizer is passed in.
 """
@@ -70,6 +70,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     return_token_ids: bool = False
     prompt_text: str | None = None
 
@@ -156,25 +157,33 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, prompt_len: int, max
         raise ProtocolError(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of ``stream_options``."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise ProtocolError("stream_options is only allowed when stream is true", param="stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ProtocolError(f"stream_options accepts only include_usage, got {options!r}", param="stream_options")
-    return _bool(options, "include_usage")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise ProtocolError(
+            f"stream_options accepts include_usage and continuous_usage_stats, got {options!r}", param="stream_options"
+        )
+    try:
+        return _bool(options, "include_usage"), _bool(options, "continuous_usage_stats")
+    except ProtocolError as exc:
+        raise ProtocolError(str(exc), param="stream_options") from None
 
 
 def _finish(body: dict[str, Any], prompt_ids: list[int], max_tokens: int | None, max_model_len: int, text: str | None):  # noqa: ANN202
     stream = _bool(body, "stream")
+    include_usage, continuous_usage = _stream_options(body, stream)
     return GenerationRequest(
         prompt_ids=prompt_ids,
         sampling=_sampling(body, max_tokens, len(prompt_ids), max_model_len),
         stop=_stop(body),
         stream=stream,
-        include_usage=_stream_options(body, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         return_token_ids=_bool(body, "return_token_ids"),
         prompt_text=text,
     )

@@ -6,8 +6,10 @@
 1. Load: one server (a tiny-gqa checkpoint with its tokenizer, written to a temporary directory), ``--clients``
    streaming requests at once, each with its own token-id prompt; every tenth one (``--disconnect-share``) closes
    its connection after its third chunk. The others must return exactly the tokens the engine produces for the
-   same prompt offline, one prompt at a time (``Engine.generate``, the same checkpoint and threads). Then the
-   server must hold no KV block and run no request, and its abort count must equal the disconnects.
+   same prompt offline, one prompt at a time (``Engine.generate``, the same checkpoint and threads). The server's
+   pool (160 blocks of 16 tokens) is smaller than the 64 requests need at once, so some are preempted and
+   recomputed on the way. Then the server must hold no KV block and run no request, and its abort count must equal
+   the disconnects.
 2. Measurement: ``workbench.serve.benchmark`` (the client of ``workbench bench serve``) sends ``--bench-prompts``
    random prompts at ``--request-rate`` with ``--max-concurrency``; its TTFT and ITL percentiles are set beside the
    quantiles of the server's ``/metrics`` histograms over the same requests (difference of two scrapes).
@@ -32,7 +34,7 @@ from workbench.serve.benchmark import BenchRequest, compute_result, random_reque
 from workbench.serve.launch import ServerProcess
 from workbench.serve.prom import bucket_delta, histogram_buckets, histogram_quantile
 
-ENGINE_ARGS = ["--block-size", "16", "--num-blocks", "1024", "--max-num-seqs", "64", "--threads", "1"]
+ENGINE_ARGS = ["--block-size", "16", "--num-blocks", "160", "--max-num-seqs", "64", "--threads", "1"]
 
 
 def scrape(base_url: str) -> str:

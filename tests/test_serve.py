@@ -137,7 +137,15 @@ def test_chat_completion_uses_the_chat_template_and_streams_the_same_text(client
     assert "".join(c.choices[0].delta.content or "" for c in stream) == ref["text"]
 
 
-def test_stop_string_cuts_the_text_streamed_or_not(client):
+def _finished(text, reason):
+    for line in text.splitlines():
+        if line.startswith("workbench:request_success_total{") and f'finished_reason="{reason}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_stop_string_cuts_the_text_streamed_or_not(server, client):
+    stops_before = _finished(_get(server, "/metrics")[1], "stop")
     kwargs = dict(model=MODEL, prompt="Liberty", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kwargs).choices[0].text
     stop = full[10:12]
@@ -147,6 +155,8 @@ def test_stop_string_cuts_the_text_streamed_or_not(client):
     streamed = list(client.completions.create(**kwargs, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == expected
     assert streamed[-1].choices[0].finish_reason == "stop"
+    # both ended by their stop string count as finished requests, not as aborts
+    _wait_for(server, lambda t: _finished(t, "stop") == stops_before + 2)
 
 
 def test_seeded_sampling_is_reproducible(client):
@@ -242,10 +252,7 @@ def _wait_for(server, predicate, timeout_s=20.0):
 
 
 def _aborted(text):
-    for line in text.splitlines():
-        if line.startswith("workbench:request_success_total{") and 'finished_reason="abort"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return _finished(text, "abort")
 
 
 def test_a_client_disconnect_aborts_the_request_and_frees_its_blocks(server, client):

@@ -133,3 +133,34 @@ def test_chat_needs_a_tokenizer_with_a_chat_template():
     req = parse_chat(body, "m", with_template, max_model_len=64)
     assert with_template.decode(req.prompt_ids) == "user: hi\nassistant:"
     assert req.sampling.max_tokens == 64 - len(req.prompt_ids)  # chat's default: the rest of the context
+
+
+def test_sharegpt_and_trace_datasets(tmp_path, tiny_checkpoint):
+    import json
+
+    from workbench.model.tokenizer import TextCodec
+    from workbench.serve.benchmark import sharegpt_requests, trace_requests
+    from workbench.workloads import load_workload
+
+    ckpt = tiny_checkpoint("tiny-gqa")
+    convs = [{"conversations": [{"from": "human", "value": f"We hold these truths {i}"},
+                                {"from": "gpt", "value": "to be self-evident"}]} for i in range(3)]  # fmt: skip
+    convs.append({"conversations": [{"from": "human", "value": "alone"}]})  # one turn: skipped
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    reqs = sharegpt_requests(str(path), 3, str(ckpt), None, seed=0)
+    codec = TextCodec.from_dir(ckpt)
+    assert sorted(r.prompt for r in reqs) == [f"We hold these truths {i}" for i in range(3)]
+    assert all(r.prompt_len == len(codec.encode(r.prompt)) for r in reqs)
+    assert all(r.output_len == len(codec.encode("to be self-evident")) for r in reqs)
+    with pytest.raises(ConfigError, match="only 3 usable"):
+        sharegpt_requests(str(path), 4, str(ckpt), None, seed=0)
+    with pytest.raises(ConfigError, match="--tokenizer"):
+        sharegpt_requests(str(path), 3, None, None, seed=0)
+
+    trace = load_workload("azure-conv", limit=5)
+    reqs = trace_requests("azure-conv", 5, None, 256, seed=0)
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [(t.prompt_len, t.output_len) for t in trace]
+    assert all(len(r.prompt) == r.prompt_len for r in reqs)
+    clipped = trace_requests("azure-conv", 5, 256, 256, seed=0)
+    assert all(r.prompt_len + r.output_len <= 256 for r in clipped)

@@ -176,7 +176,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         while True:
             comp.push(out)
             if comp.stopped:
-                state.engine.abort(handle)
+                state.engine.abort(handle, "stop")
                 break
             if out.finish_reason is not None:
                 break
@@ -222,7 +222,7 @@ async def _write_events(
             out = await _next(handle)
             continue
         if comp.stopped:
-            state.engine.abort(handle)
+            state.engine.abort(handle, "stop")
         if reason == "error":
             await send(error_body(out.error or "engine failure", 500))
         else:

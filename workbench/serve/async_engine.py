@@ -54,7 +54,7 @@ class AsyncEngine:
         self.metrics.blocks_total.set(engine.block_manager.num_blocks)
         self._ids = itertools.count()
         self._to_add: list[RequestHandle] = []
-        self._to_abort: list[int] = []
+        self._to_abort: list[tuple[int, str]] = []
         self._live: dict[int, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._stopping = False
@@ -80,11 +80,12 @@ class AsyncEngine:
         self._wake.set()
         return handle
 
-    def abort(self, handle: RequestHandle) -> None:
-        """Abort a request that has not finished (a client went away, or a stop string ended it)."""
+    def abort(self, handle: RequestHandle, reason: str = "abort") -> None:
+        """End a request that has not finished: ``abort`` (its client went away) or ``stop`` (a stop string ended
+        its text; it then counts as a finished request in the metrics)."""
         if not handle.finished:
             handle.finished = True
-            self._to_abort.append(handle.request_id)
+            self._to_abort.append((handle.request_id, reason))
             self._wake.set()
 
     def stop(self) -> None:
@@ -137,12 +138,16 @@ class AsyncEngine:
             self._live[handle.request_id] = handle
             self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
         to_abort, self._to_abort = self._to_abort, []
-        for rid in to_abort:
+        for rid, reason in to_abort:
             handle = self._live.pop(rid, None)
-            if handle is not None and self.engine.abort(rid) is not None:
-                self.engine.sequences.pop(rid, None)
-                self.metrics.finished.labels(self.metrics.model_name, "abort").inc()
-                handle.queue.put_nowait(Output([], "abort"))
+            seq = self.engine.abort(rid) if handle is not None else None
+            if seq is None:
+                continue
+            self.engine.sequences.pop(rid, None)
+            self.metrics.finished.labels(self.metrics.model_name, reason).inc()
+            if reason == "stop" and seq.token_times:
+                self.metrics.e2e.observe(seq.token_times[-1] - seq.arrival_time)
+            handle.queue.put_nowait(Output([], reason))
 
     def _dispatch(self, finished: list[Sequence]) -> None:
         done = {seq.seq_id for seq in finished}

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "roofline": ("workbench.commands.roofline", "per-operation roofline of prefill and decode on a hardware"),
     "hardware": ("workbench.commands.hardware", "accelerator table and this machine's measured ceilings"),
     "bench": ("workbench.commands.bench", "benchmark decode, prefill, an offline set and HF transformers"),
+    "serve": ("workbench.commands.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "report": ("workbench.commands.report", "run the experiment notebooks into a report (reports/<run-id>/)"),
 }
 

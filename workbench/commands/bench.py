@@ -4,6 +4,7 @@
     workbench bench prefill [--model ...] [--prompt-len 128 512 1024] [--json]
     workbench bench offline [--model ...] [--num-requests 64] [--context 256] [--max-num-seqs 32] [--json]
     workbench bench hf      [--model ...] [--prompt-len 32] [--new-tokens 32] [--no-offline] [--json]
+    workbench bench serve   --base-url URL --model NAME [vllm bench serve's flags]   (workbench.commands.bench_serve)
 
 ``--model`` defaults to the CPU benchmark preset ``bench-300m`` (random weights, ~300M parameters); a directory
 loads a real checkpoint. ``--threads`` sets torch's intra-op threads (default: every usable core) and is
@@ -21,7 +22,7 @@ import argparse
 import json
 from typing import Any
 
-KINDS = ("decode", "prefill", "offline", "hf")
+KINDS = ("decode", "prefill", "offline", "hf", "serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cached-ceilings", action="store_true",
                    help="reuse this machine's cached ceilings instead of measuring them again in this run")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from workbench.commands.bench_serve import add_serve_arguments
+
+    add_serve_arguments(p)  # ``bench serve``: a client of an OpenAI-compatible server (vLLM's flags)
 
 
 def _progress(items: list[Any], desc: str, unit: str) -> Any:
@@ -76,6 +80,10 @@ def _machine(hw: Any, threads: int, device: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kind == "serve":
+        from workbench.commands.bench_serve import run_serve
+
+        return run_serve(args)
     from workbench import bench
     from workbench.device import resolve_device
     from workbench.hardware import measured_spec

@@ -1,4 +1,5 @@
-"""``workbench checkpoint --preset NAME --out DIR [--seed S] [--dtype D]``: a random HF checkpoint of a preset."""
+"""``workbench checkpoint --preset NAME --out DIR [--seed S] [--dtype D] [--no-tokenizer]``: a random HF checkpoint
+of a preset (config, weights and a byte-level BPE tokenizer trained on ``data/text/``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output directory (config.json + safetensors)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation (default 0)")
     p.add_argument("--dtype", default="fp32", help="fp32 | fp16 | bf16 (default fp32)")
+    p.add_argument("--no-tokenizer", action="store_true", help="write config and weights only (no tokenizer.json)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out")
     hf_logging.disable_progress_bar()  # transformers' shard bars say nothing useful for a one-file checkpoint
     cfg = ModelConfig.resolve(args.preset)
-    out = save_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype)
-    print(json.dumps({"checkpoint": str(out), "preset": cfg.name, "params": cfg.num_params(), "dtype": args.dtype}))
+    out = save_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype, tokenizer=not args.no_tokenizer)
+    summary = {"checkpoint": str(out), "preset": cfg.name, "params": cfg.num_params(), "dtype": args.dtype}
+    print(json.dumps(summary | {"tokenizer": not args.no_tokenizer}))
     return 0

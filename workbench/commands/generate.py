@@ -1,6 +1,7 @@
-"""``workbench generate``: generate tokens for prompts given as token ids, through the serving engine.
+"""``workbench generate``: generate tokens for prompts given as token ids or text, through the serving engine.
 
-    workbench generate --model DIR_OR_PRESET --prompt-ids 1,2,3 [--prompt-ids ...] --max-new-tokens N
+    workbench generate --model DIR_OR_PRESET --prompt-ids 1,2,3 [--prompt-ids ...] [--prompt TEXT ...]
+        --max-new-tokens N
         [--temperature T --top-k K --top-p P --seed S] [--ignore-eos] [--dtype] [--device] [--json]
         [--policy P] [--cache paged|contiguous] [--block-size B] [--num-blocks N] [--max-num-seqs S]
         [--token-budget T] [--chunk-size C] [--prefix-caching] [--attention-backend torch|triton]
@@ -8,9 +9,11 @@
 
 Greedy unless a temperature is given. With ``--json``: one object with a list ``requests``, each holding
 ``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies), plus
-``finish_reason`` and, for a rejected request, ``reject_reason``. A rejected request does not stop the others; the
-exit code is then 1. A preset name gives random weights (seeded by ``--model-seed``); a directory loads a real HF
-checkpoint.
+``finish_reason`` and, for a rejected request, ``reject_reason``. ``--prompt TEXT`` (repeatable; served after the
+``--prompt-ids`` prompts) needs a checkpoint directory with a tokenizer (``tokenizer.json``); whenever the model has
+one, each request also carries ``text``, the decoded output (special tokens skipped). A rejected request does not
+stop the others; the exit code is then 1. A preset name gives random weights (seeded by ``--model-seed``); a
+directory loads a real HF checkpoint.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineC
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_engine_arguments(p)
-    p.add_argument("--prompt-ids", action="append", required=True, help="comma-separated token ids; repeatable")
+    p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids; repeatable")
+    p.add_argument("--prompt", action="append", default=[], help="a text prompt (needs a tokenizer); repeatable")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -91,9 +95,18 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from workbench.engine.engine import Engine
+    from workbench.errors import CheckpointError
+    from workbench.model.tokenizer import TextCodec, has_tokenizer
     from workbench.request import SEED_LIMIT, SamplingParams
 
-    prompts = [parse_prompt_ids(t) for t in args.prompt_ids]
+    if not args.prompt_ids and not args.prompt:
+        raise RequestError("give at least one prompt: --prompt-ids 1,2,3 or --prompt TEXT")
+    codec = TextCodec.from_dir(args.model) if has_tokenizer(args.model) else None
+    if args.prompt and codec is None:
+        raise CheckpointError(
+            f"--prompt needs a tokenizer, and {args.model} has none (no tokenizer.json); pass --prompt-ids instead"
+        )
+    prompts = [parse_prompt_ids(t) for t in args.prompt_ids] + [codec.encode(t) for t in args.prompt]
     if args.seed is not None:
         SamplingParams(seed=args.seed)  # validates --seed itself before per-request seeds wrap around 2**64
     params = [
@@ -118,13 +131,18 @@ def run(args: argparse.Namespace) -> int:
         results = engine.generate(prompts, params).requests
         engine.shutdown()
     if args.json:
-        print(json.dumps({"model": str(args.model), "requests": [r.to_dict() for r in results]}))
+        dicts = [r.to_dict() for r in results]
+        if codec is not None:
+            for d, r in zip(dicts, results):
+                d["text"] = codec.decode(r.tokens)
+        print(json.dumps({"model": str(args.model), "requests": dicts}))
     else:
         for i, r in enumerate(results):
             if r.finish_reason == "rejected":
                 continue
             itl = sum(r.itl_s) / len(r.itl_s) * 1e3 if r.itl_s else float("nan")
-            print(f"[{i}] {r.tokens}  ttft={r.ttft_s * 1e3:.1f} ms  mean itl={itl:.1f} ms  ({r.finish_reason})")
+            text = "" if codec is None else f"  {codec.decode(r.tokens)!r}"
+            print(f"[{i}] {r.tokens}{text}  ttft={r.ttft_s * 1e3:.1f} ms  mean itl={itl:.1f} ms  ({r.finish_reason})")
     rejected = [(i, r.reject_reason) for i, r in enumerate(results) if r.finish_reason == "rejected"]
     for i, reason in rejected:
         print(f"workbench generate: request {i} rejected: {reason}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
     Request -> Scheduler.schedule() -> StepPlan -> ModelRunner.execute() -> Scheduler.update() -> metrics
 
-``add_request`` queues a request (an invalid one is rejected with its reason, the others keep running); ``step``
+``add_request`` queues a request (an invalid one is rejected with its reason, the others keep running), ``abort``
+drops one between steps (the server does when a client goes away); ``step``
 runs one scheduler step; ``generate`` serves a list of prompts offline (all arrive at once); ``replay`` serves a
 workload online, admitting each request when its arrival time comes on the wall clock. Every timestamp is seconds
 since the engine's clock was started (``reset_clock``), and each step's measured duration is what advances it.
@@ -255,16 +256,6 @@ class Engine:
             self.scheduler.add(seq)
         return rid
 
-    def abort(self, request_id: int) -> bool:
-        """Stop an unfinished request now (finish_reason 'abort'), freeing its KV blocks and its sampler state;
-        False when the id is unknown or already finished."""
-        seq = self.scheduler.abort(request_id)
-        if seq is None:
-            return False
-        seq.finish_time = self.now()
-        self.runner.release(request_id)
-        return True
-
     def _check_tokens(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) == 0:
             raise RequestError("empty prompt: at least one token id is needed")
@@ -272,6 +263,16 @@ class Engine:
         bad = [t for t in prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+
+    def abort(self, request_id: int) -> Sequence | None:
+        """Drop an unfinished request between steps (finish_reason 'abort'): its KV blocks go back to the pool and
+        its sampler state is released. None when it is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        seq.finish_time = self.now()
+        self.runner.release(request_id)
+        return seq
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._early_finished)

@@ -6,7 +6,8 @@ LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM. Our model fuses q/k/v in
 ``gate_up_proj``; the loader concatenates the HF tensors into them (rows in q, k, v and gate, up order).
 
 No weights can be downloaded where this workbench is tested, so ``save_random_checkpoint`` builds a randomly
-initialised model of a preset's architecture *through transformers* and saves it as a real HF checkpoint.
+initialised model of a preset's architecture *through transformers* and saves it as a real HF checkpoint, with a
+tokenizer trained offline (``workbench.model.tokenizer``).
 """
 
 from __future__ import annotations
@@ -222,8 +223,11 @@ def save_random_checkpoint(
     seed: int = 0,
     dtype: str = "fp32",
     max_shard_size: str = "2GB",
+    tokenizer: bool = True,
 ) -> Path:
-    """Build a randomly initialised HF model of ``cfg``'s architecture with transformers and save it to ``out_dir``."""
+    """Build a randomly initialised HF model of ``cfg``'s architecture with transformers and save it to ``out_dir``,
+    with a byte-level BPE tokenizer trained on the shipped public-domain text (``workbench.model.tokenizer``)
+    unless ``tokenizer`` is False."""
     if isinstance(cfg, str):
         cfg = ModelConfig.resolve(cfg)
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:
@@ -239,6 +243,10 @@ def save_random_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), max_shard_size=max_shard_size)
+    if tokenizer:
+        from workbench.model.tokenizer import save_tokenizer
+
+        save_tokenizer(cfg, out)
     return out
 
 

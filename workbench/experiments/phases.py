@@ -7,39 +7,16 @@ work (weights read once, L keys and values read per sequence) does not depend on
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from workbench.device import synchronize
 from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec
 from workbench.model.transformer import Transformer
 from workbench.roofline import get_model
-
-
-def median_time(fn: Callable[[], Any], device: torch.device, warmup: int = 1, repeats: int = 3) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup`` runs, synchronised."""
-    if repeats < 1 or warmup < 0:
-        raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _prompts(model: Transformer, batch: int, length: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (batch, length), generator=g).tolist()
+from workbench.timing import median_time, random_prompts
 
 
 def measure_prefill(
@@ -49,7 +26,7 @@ def measure_prefill(
     rows = []
     for n in prompt_lens:
         cache = model.new_cache(batch, n)
-        prompts = _prompts(model, batch, n)
+        prompts = random_prompts(batch, n, model.config.vocab_size)
         slots = list(range(batch))
         t = median_time(lambda: model.prefill(prompts, cache, slots), model.device, warmup, repeats)  # noqa: B023
         rows.append({"phase": "prefill", "batch": batch, "prompt_len": n, "context_len": n, "time_s": t})

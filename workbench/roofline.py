@@ -282,6 +282,11 @@ class RooflineModel:
             assert fc[0] == 0 and bytes_coef[3] == 0, name
 
     # ---- step statistics -------------------------------------------------------------------------------
+    @property
+    def stat_coefficients(self) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+        """Per operation, its compute and memory times (s) as coefficients on (1, tokens, seqs, pairs, context)."""
+        return self._fast
+
     @staticmethod
     def batch_stats(
         prefill_chunks: Iterable[tuple[int, int]] = (), decode_contexts: Iterable[int] = ()
@@ -295,7 +300,7 @@ class RooflineModel:
                 raise ConfigError(f"prefill chunk {tuple(chunk)!r}: need num_new >= 1 and num_cached >= 0")
             tokens += n
             seqs += 1
-            pairs += n * p + n * (n + 1) // 2
+            pairs += attended_pairs(n, p)
             context += n + p
         decode = list(decode_contexts)
         if decode:
@@ -541,7 +546,7 @@ def reference_step_cost(
             add("kv_write", kvb=2 * kv * n * c, actb=2 * kv * n * a)
             add("act_mul", flops=ACT_MUL_FLOPS_PER_ELEMENT * inter * n, actb=3 * inter * n * a)
             # attention: new token i (0-based) sees keys 0 .. p + i
-            num_pairs = sum(p + i + 1 for i in range(n))
+            num_pairs = attended_pairs(n, p)
             for head in range(cfg.num_heads):
                 add("attn_scores", flops=2 * cfg.head_dim * num_pairs)
                 add("attn_value", flops=2 * cfg.head_dim * num_pairs)

@@ -41,7 +41,7 @@ from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec, measured_spec
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
-from workbench.roofline import RooflineModel
+from workbench.roofline import step_work
 from workbench.timing import median, random_prompts, timed
 
 DEFAULT_MODEL = "bench-300m"
@@ -80,18 +80,13 @@ def decode_step_bytes(cfg: ModelConfig, dtype: str, context_lens: Sequence[int])
 
     ``context_lens``: each sequence's length after the step (it attends to that many keys).
     """
-    cost = RooflineModel(cfg, _ACCOUNTING_HW, dtype=canonical_dtype(dtype)).decode(list(context_lens), detailed=False)
-    return {"weight_bytes": cost.weight_bytes, "kv_bytes": cost.kv_bytes, "bytes": cost.weight_bytes + cost.kv_bytes}
+    work = step_work(cfg, dtype, decode_contexts=list(context_lens))
+    return {"weight_bytes": work.weight_bytes, "kv_bytes": work.kv_bytes, "bytes": work.weight_bytes + work.kv_bytes}
 
 
 def prefill_flops(cfg: ModelConfig, dtype: str, prompt_len: int) -> float:
     """FLOPs of prefilling one fresh prompt per the roofline (causal pairs only, LM head on the last token)."""
-    return RooflineModel(cfg, _ACCOUNTING_HW, dtype=canonical_dtype(dtype)).prefill([prompt_len], detailed=False).flops
-
-
-# FLOPs and bytes do not depend on the hardware; a fixed spec keeps the accounting free of any measurement
-_ACCOUNTING_HW = HardwareSpec(name="accounting", peak_flops={"fp32": 1.0}, mem_bandwidth=1.0, mem_capacity=1.0,
-                              source="placeholder for FLOP and byte counts")  # fmt: skip
+    return step_work(cfg, dtype, prefill_chunks=[(prompt_len, 0)]).flops
 
 
 class LinearSweep:

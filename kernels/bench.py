@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.parsing import make_parser
+from workbench.roofline import attended_pairs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIM = 128
@@ -51,14 +52,9 @@ def decode_bytes(batch: int, kv_len: int, num_heads: int, num_kv_heads: int, hea
     return kv + 2 * batch * num_heads * head_dim * elt
 
 
-def causal_pairs(query_len: int, ctx_len: int) -> int:
-    """Visible (query, key) pairs of a chunk of ``query_len`` queries after ``ctx_len`` cached tokens."""
-    return query_len * ctx_len + query_len * (query_len + 1) // 2
-
-
 def prefill_flops(num_seqs: int, query_len: int, ctx_len: int, num_heads: int, head_dim: int) -> int:
     """2 FLOPs per multiply-add, two matmuls (QK^T and PV) per visible pair and head."""
-    return 4 * head_dim * num_heads * num_seqs * causal_pairs(query_len, ctx_len)
+    return 4 * head_dim * num_heads * num_seqs * attended_pairs(query_len, ctx_len)
 
 
 # ---- the PyTorch peers --------------------------------------------------------------------------------------

@@ -1,16 +1,22 @@
-"""The kernels' GPU check: the kernel tests on CUDA (bf16 and the >2**31-element pool included), then the benchmark.
+"""The GPU check, in one run of under 5 minutes on an H100/H200:
+
+1. the decode executor (``workbench.engine.decode_step``): its CUDA-graph decode in bf16 (and fp32) against the
+   same static step run eagerly, the eager decode mode, and transformers' greedy tokens, for both attention
+   backends (``decode_check.json``);
+2. the kernel tests on CUDA (bf16 and the >2**31-element pool included): pytest when importable, else the
+   built-in checks below (the same comparisons against ``kernels.reference`` on a smaller grid);
+3. ``python -m kernels.bench`` (``--quick`` unless enough time is left);
+4. the engine benchmarks on TinyLlama-1.1B-shaped random bf16 weights: ``workbench bench decode`` (torch and
+   Triton backends, CUDA graphs), ``bench prefill`` and ``bench hf`` (against transformers), each with its own
+   time limit; ``summary.txt`` states the targets (MBU >= 0.7 at batch 1, >= 2x transformers' decode tokens/s).
 
     python scripts/gpu_check.py OUTDIR        (normally through scripts/gpu_check.sh OUTDIR)
+    python scripts/gpu_check.py OUTDIR --dry-run    (CPU: step 1 on a tiny model, the rest only listed)
 
-Needs only torch, triton and transformers (no package registry, nothing installed): the repository root goes on
-PYTHONPATH. The tests run with pytest when it is importable, else through the built-in checks below (the same
-comparisons against ``kernels.reference`` on a smaller grid). Everything must finish within ``--budget-s``
-(default 450 s, under the 8 minutes the check is allowed): the tests get at most ``--tests-budget-s``, and the
-benchmark runs its full grid only when enough time is left (else ``--quick``).
-
-Writes to OUTDIR: ``gpu_check.json`` (summary), ``tests.log`` and ``tests.xml`` or ``builtin_checks.json``,
-``bench.json`` and ``bench.log``. Exit status 0 when every test passed and the benchmark ran; timings never
-decide it.
+Needs only torch, triton and transformers (no package registry, nothing installed, no notebook stack): the
+repository root goes on PYTHONPATH. Everything must finish within ``--budget-s`` (default 285 s); each step gets
+what is left, capped. Exit status 0 when the decode check and every test passed and the benchmarks ran; timings
+never decide it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -32,6 +39,8 @@ from workbench.parsing import make_parser
 REPO = Path(__file__).resolve().parents[1]
 TEST_GLOB = "tests/test_kernels_*.py"
 FULL_BENCH_MIN_S = 200  # the full benchmark grid takes ~2-3 minutes on an H100/H200 (autotuning included)
+ENGINE_MODEL = "TinyLlama-1.1B"  # the engine benchmarks' random checkpoint (bf16)
+PROMPTS = [[5, 6, 7], list(range(10, 43)), [99] * 17, [1], [(7 * i) % 250 for i in range(100)]]  # batch 5: bucket 8
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -218,15 +227,183 @@ def builtin_checks(
     }
 
 
+# ---- 1. the decode executor ------------------------------------------------------------------------------------
+def decode_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", new_tokens: int = 24) -> dict[str, Any]:
+    """Greedy tokens of ``PROMPTS`` through the engine with CUDA graphs (``capture`` on CUDA), the same static
+    step run eagerly, and the eager decode mode, per backend and dtype, against transformers' ``generate`` (one
+    prompt at a time: unpadded). Pass: graphs give the static-eager tokens exactly; in fp32 every mode gives
+    transformers' tokens; in bf16 the first decode step's logits of graph and eager modes agree within the bf16
+    tolerance (later tokens may part: bf16 rounding differs between kernels), the agreement is reported."""
+    import tempfile
+
+    import torch
+
+    from kernels.testing import TOLERANCES
+    from workbench import bench
+    from workbench.engine.config import EngineConfig
+    from workbench.engine.decode_step import DecodeStep
+    from workbench.engine.engine import Engine
+    from workbench.model import load_checkpoint, save_random_checkpoint
+    from workbench.request import SamplingParams
+
+    on_cuda = device == "cuda"
+    backends = ("torch", "triton") if on_cuda else ("torch",)
+    dtypes = ("bf16", "fp32") if on_cuda else ("fp32",)
+    preset = preset if on_cuda else "tiny-gqa"
+    sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    rows: list[dict[str, Any]] = []
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in dtypes:
+            path = save_random_checkpoint(preset, Path(tmp) / dtype, seed=0, dtype=dtype)
+            hf = bench.load_hf_model(path, dtype, torch.device(device))
+            expected = [bench.hf_generate(hf, [p], new_tokens)[0] for p in PROMPTS]
+            del hf
+            model = load_checkpoint(path, dtype=dtype, device=device)
+            for backend in backends:
+                got, first_logits = {}, {}
+                for mode, capture in (("graph", on_cuda), ("static-eager", False), ("eager", False)):
+                    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, dtype=dtype, device=device,
+                                       attention_backend=backend)  # fmt: skip
+                    engine = Engine(model, cfg)
+                    step = DecodeStep(model, engine.cache, engine.backend, "eager" if mode == "eager" else "graph",
+                                      8, 256, capture=capture)  # fmt: skip
+                    engine.runner.decode = engine.decode = step
+                    seen: list[torch.Tensor] = []
+                    run = step.run
+
+                    def spy(*args, run=run, seen=seen):  # noqa: ANN002, ANN202
+                        out = run(*args)
+                        if not seen:
+                            seen.append(out.float().clone())
+                        return out
+
+                    step.run = spy
+                    got[mode] = [r.tokens for r in engine.generate(PROMPTS, sampling).requests]
+                    first_logits[mode] = seen[0] if seen else None
+                    if mode == "graph" and on_cuda and step.num_graphs == 0:
+                        ok = False
+                same = {m: sum(a == b for a, b in zip(t, expected)) for m, t in got.items()}
+                row = {"dtype": dtype, "backend": backend, "prompts": len(PROMPTS), "tokens": new_tokens,
+                       "graph_equals_static_eager": got["graph"] == got["static-eager"],
+                       "prompts_matching_transformers": same}  # fmt: skip
+                if first_logits["graph"] is not None and first_logits["eager"] is not None:
+                    diff = (first_logits["graph"] - first_logits["eager"]).abs().max().item()
+                    row["first_step_max_abs_logit_diff_graph_vs_eager"] = diff
+                    tol = TOLERANCES[torch.bfloat16 if dtype == "bf16" else torch.float32]
+                    limit = tol["atol"] + tol["rtol"] * first_logits["eager"].abs().max().item()
+                    row["first_step_within_tolerance"] = diff <= limit
+                    ok &= diff <= limit
+                ok &= row["graph_equals_static_eager"]
+                if dtype == "fp32":
+                    ok &= all(v == len(PROMPTS) for v in same.values())
+                rows.append(row)
+                print(f"[gpu_check] decode {dtype} {backend}: {row}", flush=True)
+    result = {"ok": bool(ok), "preset": preset, "device": device, "rows": rows}
+    (outdir / "decode_check.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+# ---- 4. the engine benchmarks -----------------------------------------------------------------------------------
+def engine_bench_commands(ckpt: Path) -> list[tuple[str, float, list[str]]]:
+    """(name, time limit in s, ``workbench`` arguments) of each engine benchmark, trimmed to ~2 minutes in all."""
+    common = ["--model", str(ckpt), "--dtype", "bf16", "--device", "cuda", "--json"]
+    decode = ["bench", "decode", *common, "--batch", "1", "32", "--prompt-len", "512", "--steps", "8",
+              "--warmup", "2"]  # fmt: skip
+    return [
+        ("decode_torch", 30, decode),
+        ("decode_triton", 30, [*decode, "--attention-backend", "triton"]),
+        ("prefill", 20, ["bench", "prefill", *common, "--prompt-len", "512", "2048", "--repeats", "3"]),
+        ("hf", 35, ["bench", "hf", *common, "--prompt-len", "128", "--new-tokens", "64", "--repeats", "1",
+                    "--num-requests", "16", "--context", "512", "--max-num-seqs", "16"]),
+    ]  # fmt: skip
+
+
+def engine_bench(outdir: Path, budget_s: float) -> dict[str, Any]:
+    """Run ``engine_bench_commands`` within ``budget_s`` (a step that does not fit is skipped, and says so)."""
+    start = time.monotonic()
+    ckpt = outdir / "engine-ckpt"
+    make = [sys.executable, "-c", f"from workbench.model import save_random_checkpoint; "
+            f"save_random_checkpoint({ENGINE_MODEL!r}, {str(ckpt)!r}, seed=0, dtype='bf16')"]  # fmt: skip
+    rc, _ = run_logged(make, outdir / "engine-ckpt.log", min(45.0, budget_s), child_env())
+    steps: dict[str, Any] = {}
+    if rc != 0:
+        return {"returncode": rc, "error": "checkpoint failed; see engine-ckpt.log"}
+    for name, limit, args in engine_bench_commands(ckpt):
+        left = budget_s - (time.monotonic() - start)
+        if left < 10:
+            steps[name] = {"skipped": "out of time"}
+            continue
+        log = outdir / f"{name}.log"
+        rc, secs = run_logged([sys.executable, "-m", "workbench.cli", *args], log, min(limit, left), child_env())
+        text = log.read_text()
+        try:  # the JSON object is the command's stdout; warnings may precede it in the log
+            result = json.loads(text[text.index("{") :])
+            (outdir / f"{name}.json").write_text(json.dumps(result, indent=2))
+        except ValueError:
+            result = None
+        steps[name] = {"returncode": rc, "seconds": secs, "result": result is not None}
+    shutil.rmtree(ckpt, ignore_errors=True)
+    (outdir / "summary.txt").write_text(engine_summary(outdir))
+    failed = [n for n, st in steps.items() if st.get("returncode", 0) != 0 or not st.get("result", True)]
+    return {"returncode": 1 if failed else 0, "steps": steps, "failed": failed}
+
+
+def engine_summary(outdir: Path) -> str:
+    """The engine benchmarks' figures and targets, as text."""
+
+    def load(name: str) -> Any:
+        try:
+            return json.loads((outdir / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    lines = []
+    for name in ("decode_torch", "decode_triton"):
+        d = load(name)
+        if d is None:
+            lines.append(f"{name}: no result")
+            continue
+        lines.append(f"{name} (read bandwidth {d['machine']['read_bandwidth'] / 1e9:.0f} GB/s):")
+        for r in d["results"]:
+            lines.append(f"  batch {r['batch']:>3}: {r['step_s'] * 1e3:7.3f} ms/step  {r['tokens_per_s']:9.1f} tok/s  "
+                         f"mbu {r['mbu']:.3f}  gemv_ratio {r['gemv_ratio']:.3f}  overhead {r['overhead_share']:.1%}  "
+                         f"cuda_graphs {r['cuda_graphs']}")  # fmt: skip
+        b1 = d["results"][0]
+        lines.append(f"  target MBU >= 0.7 at batch 1: {'met' if b1['mbu'] >= 0.7 else 'NOT met'} ({b1['mbu']:.3f})")
+    p = load("prefill")
+    for r in p["results"] if p else []:
+        lines.append(f"prefill {r['prompt_len']:>5}: {r['time_s'] * 1e3:8.2f} ms  mfu {r['mfu']:.3f}")
+    h = load("hf") or {}
+    for key in ("decode", "offline"):
+        if key in h:
+            r = h[key]
+            lines.append(f"hf {key}: ours {r['ours_tokens_per_s']:.1f} tok/s, transformers {r['hf_tokens_per_s']:.1f} "
+                         f"tok/s, ratio {r['ratio']:.2f}, identical tokens {r['identical_tokens']}")  # fmt: skip
+    if "decode" in h:
+        lines.append(f"target >= 2x transformers' decode tokens/s: {'met' if h['decode']['ratio'] >= 2 else 'NOT met'}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("outdir", type=Path)
-    parser.add_argument("--budget-s", type=float, default=450.0, help="the whole check's time budget")
-    parser.add_argument("--tests-budget-s", type=float, default=270.0, help="at most this much for the tests")
+    parser.add_argument("--budget-s", type=float, default=285.0, help="the whole check's time budget")
+    parser.add_argument("--decode-budget-s", type=float, default=70.0, help="at most this much for step 1")
+    parser.add_argument("--tests-budget-s", type=float, default=50.0, help="at most this much for the kernel tests")
+    parser.add_argument("--kernel-bench-budget-s", type=float, default=25.0, help="at most this for kernels.bench")
+    parser.add_argument("--dry-run", action="store_true", help="CPU: the decode check on a tiny model; list the rest")
     args = parser.parse_args(argv)
     start = time.monotonic()
     outdir = args.outdir.resolve()
     outdir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    if args.dry_run:
+        result = decode_check(outdir, "cpu")
+        for _, limit, cmd in engine_bench_commands(outdir / "engine-ckpt"):
+            print(f"[gpu_check] would run ({limit} s): workbench {' '.join(cmd)}")
+        print(f"[gpu_check] dry run: decode check {'OK' if result['ok'] else 'FAILED'}")
+        return 0 if result["ok"] else 1
     summary: dict[str, Any] = {"python": sys.version.split()[0]}
     try:
         import torch
@@ -250,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     print(f"[gpu_check] {summary['device']}: torch {summary['torch']}, triton {summary['triton']}", flush=True)
+    t0 = time.monotonic()
+    # in a child process, so that a hang is bounded and the GPU memory is returned
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(outdir), "--decode-only"]
+    rc, secs = run_logged(cmd, outdir / "decode_check.log", args.decode_budget_s, child_env())
+    try:
+        summary["decode"] = json.loads((outdir / "decode_check.json").read_text())
+    except (OSError, ValueError):
+        summary["decode"] = {"ok": False, "error": f"no result (exit {rc}); see decode_check.log"}
+    summary["decode"]["seconds"] = time.monotonic() - t0
     if importlib.util.find_spec("pytest") is not None:
         summary["tests"] = run_pytest(outdir, args.tests_budget_s)
     else:
@@ -265,20 +451,27 @@ def main(argv: list[str] | None = None) -> int:
 
     left = args.budget_s - (time.monotonic() - start)
     bench_cmd = [sys.executable, "-m", "kernels.bench", "--out", str(outdir / "bench.json")]
-    if left < FULL_BENCH_MIN_S:
+    if min(left, args.kernel_bench_budget_s) < FULL_BENCH_MIN_S:
         bench_cmd.append("--quick")
-    rc, secs = run_logged(bench_cmd, outdir / "bench.log", max(left - 5, 30), child_env())
+    rc, secs = run_logged(bench_cmd, outdir / "bench.log", max(min(left - 5, args.kernel_bench_budget_s), 10),
+                          child_env())  # fmt: skip
     summary["bench"] = {"returncode": rc, "seconds": secs, "quick": "--quick" in bench_cmd}
     if rc == 0 and (outdir / "bench.json").exists():
         bench = json.loads((outdir / "bench.json").read_text())
         summary["bench"]["copy_bandwidth_gbps"] = bench.get("copy_bandwidth_gbps")
         summary["bench"]["targets"] = bench.get("targets")
+    summary["engine_bench"] = engine_bench(outdir, args.budget_s - (time.monotonic() - start) - 5)
     summary["seconds"] = time.monotonic() - start
     (outdir / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+    print((outdir / "summary.txt").read_text() if (outdir / "summary.txt").exists() else "", flush=True)
     ok = tests["returncode"] == 0 and tests["failed"] == 0 and tests["errors"] == 0 and rc == 0
+    ok = ok and summary["decode"].get("ok", False) and summary["engine_bench"]["returncode"] == 0
     print(f"[gpu_check] {'OK' if ok else 'FAILED'} in {summary['seconds']:.0f} s; summary in {outdir}/gpu_check.json")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
+    if "--decode-only" in sys.argv:  # step 1 in its own process (see main)
+        sys.path.insert(0, str(REPO))
+        sys.exit(0 if decode_check(Path(sys.argv[1]).resolve(), "cuda")["ok"] else 1)
     sys.exit(main())

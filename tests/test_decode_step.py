@@ -178,3 +178,17 @@ def test_cli_generate_compile_decode_gives_the_same_tokens(capsys):
     assert main([*args, "--compile-decode"]) == 0
     compiled = [r["tokens"] for r in json.loads(capsys.readouterr().out)["requests"]]
     assert compiled == eager and len(eager[0]) == 6
+
+
+def test_decodes_past_the_gather_limit_take_the_ragged_path(tiny_checkpoint, monkeypatch):
+    """With the limit at 32 key slots, a batch of 3 (width 16 or more each) no longer gathers: the ragged
+    ``forward`` serves it, with transformers' tokens all the same."""
+    import workbench.engine.decode_step as decode_step
+
+    path = tiny_checkpoint("tiny-gqa")
+    expected = _hf_tokens(path, PROMPTS, 6)
+    monkeypatch.setattr(decode_step, "MAX_GATHER_KEY_SLOTS", 32)
+    engine = Engine(load_checkpoint(path), EngineConfig(max_num_seqs=3, max_model_len=64))
+    assert not engine.decode.supports([40, 20, 18]) and engine.decode.supports([9])
+    got = [r.tokens for r in engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True)).requests]
+    assert got == expected

@@ -6,7 +6,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # bottom to top; a module may import from its own layer or below
 LAYERS = {
-    1: ("config", "errors", "device", "request", "atomic", "parsing"),
+    1: ("config", "errors", "device", "request", "timing", "atomic", "parsing"),
     2: ("kv", "model", "roofline", "hardware"),
     3: ("engine", "dist", "workloads", "bench"),  # dist: the engine starts its own tensor-parallel ranks
     4: ("sim", "serve"),

@@ -12,9 +12,10 @@ import torch
 
 from kernels import bench
 from kernels._common import INTERPRET
-from kernels.bench import causal_pairs, decode_bytes, main, prefill_flops, sdpa_dense_decode, torch_paged_decode
+from kernels.bench import decode_bytes, main, prefill_flops, sdpa_dense_decode, torch_paged_decode
 from kernels.reference import paged_decode_attention_reference
 from kernels.testing import random_paged_batch
+from workbench.roofline import attended_pairs
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -23,8 +24,8 @@ DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 def test_cost_formulas_by_hand():
     # batch 2, 10 tokens, 1 KV head of 4 dims, fp16: K and V 2*2*10*1*4*2 = 320 bytes; q and out 2*2*3*4*2 = 96
     assert decode_bytes(2, 10, 3, 1, 4, 2) == 320 + 96
-    assert causal_pairs(2, 0) == 3  # query 0 sees 1 key, query 1 sees 2
-    assert causal_pairs(2, 3) == 4 + 5  # after 3 cached tokens: 4 and 5 keys
+    assert attended_pairs(2, 0) == 3  # query 0 sees 1 key, query 1 sees 2
+    assert attended_pairs(2, 3) == 4 + 5  # after 3 cached tokens: 4 and 5 keys
     assert prefill_flops(2, 2, 3, 5, 8) == 4 * 8 * 5 * 2 * 9
 
 

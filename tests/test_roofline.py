@@ -275,3 +275,20 @@ def test_time_is_finite_and_positive_on_every_table_hardware() -> None:
             continue
         cost = step_cost("tiny-gqa", get_hardware(name), [(32, 0)], [16, 40], dtype="bf16")
         assert math.isfinite(cost.time_s) and cost.time_s > 0
+
+
+def test_step_work_counts_without_a_hardware_spec() -> None:
+    """The counts of ``step_work`` are the priced model's on any spec, and a decode reads every weight once."""
+    from workbench.roofline import RooflineModel, step_work
+
+    cfg = ModelConfig.from_name("Llama-3.1-8B")
+    for chunks, decodes in (([(512, 0), (64, 100)], [40, 7]), ([], [1024] * 8)):
+        work = step_work(cfg, "bf16", chunks, decodes)
+        for hw in ("h100-sxm", "a100-80gb"):
+            cost = RooflineModel(cfg, hw, dtype="bf16").step_cost(chunks, decodes, detailed=False)
+            assert (work.flops, work.weight_bytes, work.kv_bytes, work.act_bytes) == pytest.approx(
+                (cost.flops, cost.weight_bytes, cost.kv_bytes, cost.act_bytes)
+            )
+    # a batch-1 decode reads every weight once but only one row of the (untied) embedding table, in bf16
+    decode = step_work(cfg, "bf16", decode_contexts=[1])
+    assert decode.weight_bytes == cfg.weight_bytes("bf16") - (cfg.vocab_size - 1) * cfg.hidden_size * 2

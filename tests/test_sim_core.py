@@ -151,11 +151,16 @@ def test_profile_round_trip_and_v1_files(tmp_path) -> None:
 def test_nnls_by_hand_and_curve_fit_recovers_its_generator() -> None:
     import numpy as np
 
-    from workbench.sim.costmodel import _nnls_active_set, token_knots
+    from workbench.sim.costmodel import nnls, token_knots
 
     # min (x1 - 1)^2 + (x2 + 1)^2 + (x1 + x2)^2 with x >= 0: x2 = 0, then x1 = 1/2
-    x = _nnls_active_set(np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), np.array([1.0, -1.0, 0.0]))
+    x = nnls(np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), np.array([1.0, -1.0, 0.0]))
     assert x.tolist() == pytest.approx([0.5, 0.0])
+    # a free constant: the line through (0, 2), (1, 1), (2, 0) has slope -1 < 0, so the slope is 0 and the
+    # constant the mean, 1; a constant may go negative (-1) where a constrained column could not
+    line = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]])
+    assert nnls(line, np.array([2.0, 1.0, 0.0]), free=1).tolist() == pytest.approx([1.0, 0.0])
+    assert nnls(line, np.array([-1.0, -1.0, -1.0]), free=1).tolist() == pytest.approx([-1.0, 0.0])
     rule = (4, 2048)
     truth = ProfiledCostModel({"prefill_pairs": 1e-7, "decode_context": 2e-6, "decode_looped_seqs": 1e-3},
                               batched_decode=rule, token_curve=([1, 2, 4, 8, 16, 32, 64],

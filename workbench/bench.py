@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,8 @@ from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec, measured_spec
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
-from workbench.roofline import RooflineModel
+from workbench.roofline import step_work
+from workbench.timing import median, random_prompts, timed
 
 DEFAULT_MODEL = "bench-300m"
 OFFLINE_TRACE = "azure-conv"
@@ -57,19 +57,6 @@ def set_threads(num_threads: int | None = None) -> int:
         raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
     torch.set_num_threads(num_threads)
     return torch.get_num_threads()
-
-
-def median(values: Sequence[float]) -> float:
-    if not values:
-        raise ConfigError("no measurements to take a median of")
-    return float(statistics.median(values))
-
-
-def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    """``num`` prompts of ``length`` token ids drawn uniformly from [3, vocab) (clear of the usual special ids)."""
-    rng = random.Random(seed)
-    low = 3 if vocab_size > 3 else 0
-    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
 def read_bandwidth(hw: HardwareSpec) -> float:
@@ -93,18 +80,13 @@ def decode_step_bytes(cfg: ModelConfig, dtype: str, context_lens: Sequence[int])
 
     ``context_lens``: each sequence's length after the step (it attends to that many keys).
     """
-    cost = RooflineModel(cfg, _ACCOUNTING_HW, dtype=canonical_dtype(dtype)).decode(list(context_lens), detailed=False)
-    return {"weight_bytes": cost.weight_bytes, "kv_bytes": cost.kv_bytes, "bytes": cost.weight_bytes + cost.kv_bytes}
+    work = step_work(cfg, dtype, decode_contexts=list(context_lens))
+    return {"weight_bytes": work.weight_bytes, "kv_bytes": work.kv_bytes, "bytes": work.weight_bytes + work.kv_bytes}
 
 
 def prefill_flops(cfg: ModelConfig, dtype: str, prompt_len: int) -> float:
     """FLOPs of prefilling one fresh prompt per the roofline (causal pairs only, LM head on the last token)."""
-    return RooflineModel(cfg, _ACCOUNTING_HW, dtype=canonical_dtype(dtype)).prefill([prompt_len], detailed=False).flops
-
-
-# FLOPs and bytes do not depend on the hardware; a fixed spec keeps the accounting free of any measurement
-_ACCOUNTING_HW = HardwareSpec(name="accounting", peak_flops={"fp32": 1.0}, mem_bandwidth=1.0, mem_capacity=1.0,
-                              source="placeholder for FLOP and byte counts")  # fmt: skip
+    return step_work(cfg, dtype, prefill_chunks=[(prompt_len, 0)]).flops
 
 
 class LinearSweep:
@@ -426,14 +408,6 @@ def hf_generate(hf_model: Any, prompts: list[list[int]], max_new_tokens: int, pa
     return out[:, width:].tolist()
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
-    synchronize(device)
-    t0 = time.perf_counter()
-    value = fn()
-    synchronize(device)
-    return time.perf_counter() - t0, value
-
-
 def compare_decode(
     model: Transformer,
     hf_model: Any,
@@ -467,8 +441,8 @@ def compare_decode(
     tokens: dict[str, list[int]] = {}
     for _ in range(repeats):
         for name, fn in (("ours", ours), ("hf", theirs)):
-            t1, _ = _timed(lambda fn=fn: fn(1), device)
-            tn, toks = _timed(lambda fn=fn: fn(new_tokens), device)
+            t1, _ = timed(lambda fn=fn: fn(1), device)
+            tn, toks = timed(lambda fn=fn: fn(new_tokens), device)
             rates[name].append((new_tokens - 1) / max(tn - t1, 1e-9))
             tokens[name] = toks
     ours_rate, hf_rate = median(rates["ours"]), median(rates["hf"])
@@ -512,7 +486,7 @@ def compare_offline(
         return outs
 
     t_ours, ours_tokens = run_engine_offline(model, requests, max_num_seqs, engine)
-    t_hf, hf_tokens = _timed(hf_all, device)
+    t_hf, hf_tokens = timed(hf_all, device)
     out_tokens = sum(n for _, n in requests)
     mismatched = [i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b]
     return {

@@ -31,6 +31,7 @@ from typing import Any
 
 from workbench.config import DATA_DIR, canonical_dtype
 from workbench.errors import ConfigError
+from workbench.timing import median_time
 
 HARDWARE_FILE = DATA_DIR / "hardware" / "accelerators.yaml"
 MEASURED = "measured"
@@ -217,20 +218,6 @@ def get_hardware(name: str | HardwareSpec, device: str = "auto") -> HardwareSpec
 _MEASURED: dict[str, HardwareSpec] = {}
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, warmup: int, sync: Callable[[], None]) -> float:
-    """Median wall time of ``fn`` over ``repeats`` calls after ``warmup`` calls, synchronising around each."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def cpu_model_name() -> str:
     """The CPU model string (from /proc/cpuinfo on Linux), or platform.processor() elsewhere."""
     try:
@@ -286,7 +273,7 @@ def measure_cpu(
             gen = torch.Generator().manual_seed(0)
             a = torch.randn(matmul_n, matmul_n, generator=gen).to(tdtype)  # (n, n)
             b = torch.randn(matmul_n, matmul_n, generator=gen).to(tdtype)  # (n, n)
-            t = _median_time(lambda a=a, b=b: torch.mm(a, b), repeats, warmup, sync)
+            t = median_time(lambda a=a, b=b: torch.mm(a, b), warmup=warmup, repeats=repeats, sync=sync)
         except RuntimeError:
             continue
         peak[canonical_dtype(dtype)] = 2.0 * matmul_n**3 / t
@@ -297,12 +284,12 @@ def measure_cpu(
     x = torch.ones(numel, dtype=torch.float32)  # (numel,)
     y = torch.empty_like(x)  # (numel,)
     nbytes = numel * 4
-    t_sum = _median_time(lambda x=x: x.sum(), repeats, warmup, sync)
+    t_sum = median_time(lambda x=x: x.sum(), warmup=warmup, repeats=repeats, sync=sync)
     cols = min(GEMV_PROBE_COLS, numel)
     rows, vec = x[: numel - numel % cols].view(-1, cols), torch.ones(cols, dtype=torch.float32)
-    t_gemv = _median_time(lambda rows=rows, vec=vec: torch.mv(rows, vec), repeats, warmup, sync)
+    t_gemv = median_time(lambda rows=rows, vec=vec: torch.mv(rows, vec), warmup=warmup, repeats=repeats, sync=sync)
     gemv_bw = rows.numel() * 4 / t_gemv
-    t_copy = _median_time(lambda x=x, y=y: y.copy_(x), repeats, warmup, sync)
+    t_copy = median_time(lambda x=x, y=y: y.copy_(x), warmup=warmup, repeats=repeats, sync=sync)
     del x, y, rows
     read_bw = max(nbytes / t_sum, gemv_bw)
     copy_bw = 2 * nbytes / t_copy

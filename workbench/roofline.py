@@ -239,6 +239,50 @@ def _dot(coef: tuple[float, ...], x: tuple[float, ...]) -> float:
     return coef[0] * x[0] + coef[1] * x[1] + coef[2] * x[2] + coef[3] * x[3] + coef[4] * x[4]
 
 
+def _dtypes(dtype: str, act_dtype: str | None, kv_dtype: str | None) -> tuple[str, str, str]:
+    """(weights, activations, KV) dtypes: activations default to the weights' (bf16 under a quantized format),
+    the KV cache to the activations'."""
+    dtype = canonical_dtype(dtype)
+    act = canonical_dtype(act_dtype) if act_dtype is not None else (dtype if dtype in ("fp32", "fp16", "bf16")
+                                                                    else "bf16")  # fmt: skip
+    return dtype, act, canonical_dtype(kv_dtype) if kv_dtype is not None else act
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What a step computes and moves, whatever the hardware: FLOPs and bytes by kind."""
+
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+    act_bytes: float
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes + self.act_bytes
+
+
+def step_work(
+    cfg: ModelConfig,
+    dtype: str = "bf16",
+    prefill_chunks: Iterable[tuple[int, int]] = (),
+    decode_contexts: Sequence[int] = (),
+    kv_dtype: str | None = None,
+    act_dtype: str | None = None,
+) -> StepWork:
+    """FLOPs and bytes of a step (prefill chunks ``(num_new, num_cached)``, decodes at context lengths), counted
+    without any hardware spec: the same operation table ``RooflineModel`` prices."""
+    w, a, c = (dtype_bytes(d) for d in _dtypes(dtype, act_dtype, kv_dtype))
+    x = (1.0, *(float(v) for v in RooflineModel.batch_stats(prefill_chunks, decode_contexts)))
+    totals = [0.0, 0.0, 0.0, 0.0]
+    if x[1] > 0:
+        for name, coefs in _op_coefficients(cfg, w, a, c).items():
+            count = cfg.num_layers if name in LAYER_OPS else 1
+            for i, coef in enumerate(coefs):
+                totals[i] += count * _dot(coef, x)
+    return StepWork(*totals)
+
+
 class RooflineModel:
     """Precomputed per-operation costs of one model on one hardware with given dtypes.
 
@@ -256,11 +300,7 @@ class RooflineModel:
     ) -> None:
         self.cfg = cfg
         self.hw = get_hardware(hw)
-        self.dtype = canonical_dtype(dtype)
-        if act_dtype is None:
-            act_dtype = self.dtype if self.dtype in ("fp32", "fp16", "bf16") else "bf16"
-        self.act_dtype = canonical_dtype(act_dtype)
-        self.kv_dtype = canonical_dtype(kv_dtype) if kv_dtype is not None else self.act_dtype
+        self.dtype, self.act_dtype, self.kv_dtype = _dtypes(dtype, act_dtype, kv_dtype)
         self.matmul_peak = self.hw.peak(self.act_dtype)
         self.vector_peak = self.hw.vector_flops
         self.bandwidth = self.hw.mem_bandwidth
@@ -282,6 +322,11 @@ class RooflineModel:
             assert fc[0] == 0 and bytes_coef[3] == 0, name
 
     # ---- step statistics -------------------------------------------------------------------------------
+    @property
+    def stat_coefficients(self) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
+        """Per operation, its compute and memory times (s) as coefficients on (1, tokens, seqs, pairs, context)."""
+        return self._fast
+
     @staticmethod
     def batch_stats(
         prefill_chunks: Iterable[tuple[int, int]] = (), decode_contexts: Iterable[int] = ()
@@ -295,7 +340,7 @@ class RooflineModel:
                 raise ConfigError(f"prefill chunk {tuple(chunk)!r}: need num_new >= 1 and num_cached >= 0")
             tokens += n
             seqs += 1
-            pairs += n * p + n * (n + 1) // 2
+            pairs += attended_pairs(n, p)
             context += n + p
         decode = list(decode_contexts)
         if decode:
@@ -541,7 +586,7 @@ def reference_step_cost(
             add("kv_write", kvb=2 * kv * n * c, actb=2 * kv * n * a)
             add("act_mul", flops=ACT_MUL_FLOPS_PER_ELEMENT * inter * n, actb=3 * inter * n * a)
             # attention: new token i (0-based) sees keys 0 .. p + i
-            num_pairs = sum(p + i + 1 for i in range(n))
+            num_pairs = attended_pairs(n, p)
             for head in range(cfg.num_heads):
                 add("attn_scores", flops=2 * cfg.head_dim * num_pairs)
                 add("attn_value", flops=2 * cfg.head_dim * num_pairs)
@@ -564,12 +609,14 @@ __all__ = [
     "MODEL_OPS",
     "OpCost",
     "StepCost",
+    "StepWork",
     "Utilization",
     "RooflineModel",
     "linear_flops",
     "attended_pairs",
     "get_model",
     "step_cost",
+    "step_work",
     "phase_report",
     "utilization",
     "reference_step_cost",

@@ -26,11 +26,12 @@ thread, while one thread only shares its core.
 from __future__ import annotations
 
 import os
-import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from workbench.timing import time_stats
 
 NUM_THREADS_ENV = "WORKBENCH_NUM_THREADS"
 UTILIZATION_TOLERANCE = 0.10  # MFU/MBU up to 1.10 is measurement noise of the ceiling probes; above is an error
@@ -38,28 +39,6 @@ DRIFT_THRESHOLD = 0.25  # reference step median changed by more than 25% between
 CEILING_THRESHOLD = 0.25  # a ceiling changed by more than 25% between start and end
 REFERENCE_PREFILL_TOKENS = 64
 REFERENCE_DECODE_CONTEXT = 128
-
-
-# ---------------------------------------------------------------- timing with spread
-
-
-def time_stats(fn: Callable[[], Any], sync: Callable[[], None], warmup: int = 1, repeats: int = 3) -> dict[str, Any]:
-    """Wall times of ``fn()`` over ``repeats`` runs after ``warmup``: ``min_s``, ``median_s``, ``max_s``,
-    ``times_s``."""
-    from workbench.errors import ConfigError
-
-    if repeats < 1 or warmup < 0:
-        raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return {"min_s": min(times), "median_s": statistics.median(times), "max_s": max(times), "times_s": times}
 
 
 # ---------------------------------------------------------------- the machine's state
@@ -162,7 +141,7 @@ def reference_step(model: Any, repeats: int = 5) -> dict[str, Any]:
 
     out = {}
     for name, fn in (("prefill", prefill), ("decode", decode)):
-        stats = time_stats(fn, sync, warmup=1, repeats=repeats)
+        stats = time_stats(fn, warmup=1, repeats=repeats, sync=sync)
         stats.pop("times_s")
         out[name] = stats
     return out
@@ -323,7 +302,6 @@ def check_ceilings(change: Mapping[str, float], threshold: float = CEILING_THRES
 
 
 __all__ = [
-    "time_stats",
     "machine_state",
     "configure_threads",
     "measure_ceilings_now",

@@ -12,29 +12,17 @@ from typing import Any
 
 import torch
 
-from workbench.device import synchronize
 from workbench.errors import ConfigError
-from workbench.experiments.hygiene import time_stats
 from workbench.hardware import HardwareSpec
 from workbench.model.transformer import Transformer
 from workbench.roofline import get_model
+from workbench.timing import random_prompts, time_stats
 
 
-def timed(fn: Callable[[], Any], device: torch.device, warmup: int = 1, repeats: int = 3) -> dict[str, float]:
-    """Wall time of ``fn()`` over ``repeats`` synchronised runs after ``warmup``: the row fields ``time_s``
-    (median), ``time_min_s`` and ``time_max_s``, so every table and plot can show the spread."""
-    s = time_stats(fn, lambda: synchronize(device), warmup, repeats)
+def time_row(fn: Callable[[], Any], device: torch.device, warmup: int = 1, repeats: int = 3) -> dict[str, float]:
+    """A table row's timing of ``fn()``: ``time_s`` (median), ``time_min_s`` and ``time_max_s`` (the spread)."""
+    s = time_stats(fn, device, warmup, repeats)
     return {"time_s": s["median_s"], "time_min_s": s["min_s"], "time_max_s": s["max_s"]}
-
-
-def median_time(fn: Callable[[], Any], device: torch.device, warmup: int = 1, repeats: int = 3) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` runs after ``warmup`` runs, synchronised."""
-    return timed(fn, device, warmup, repeats)["time_s"]
-
-
-def _prompts(model: Transformer, batch: int, length: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (batch, length), generator=g).tolist()
 
 
 def measure_prefill(
@@ -45,9 +33,9 @@ def measure_prefill(
     rows = []
     for n in prompt_lens:
         cache = model.new_cache(batch, n)
-        prompts = _prompts(model, batch, n)
+        prompts = random_prompts(batch, n, model.config.vocab_size)
         slots = list(range(batch))
-        t = timed(lambda: model.prefill(prompts, cache, slots), model.device, warmup, repeats)  # noqa: B023
+        t = time_row(lambda: model.prefill(prompts, cache, slots), model.device, warmup, repeats)  # noqa: B023
         rows.append({"phase": "prefill", "batch": batch, "prompt_len": n, "context_len": n, **t})
     return rows
 
@@ -71,7 +59,7 @@ def measure_decode(
                     cache.lengths[s] = kv_len - 1  # noqa: B023
                 model.decode(tokens, cache, slots)  # noqa: B023
 
-            t = timed(step, model.device, warmup, repeats)
+            t = time_row(step, model.device, warmup, repeats)
             rows.append({"phase": "decode", "batch": b, "prompt_len": 0, "context_len": kv_len, **t})
     return rows
 
@@ -130,7 +118,7 @@ def measure_decode_paged(
             meta = build_metadata([1] * batch, [kv_len] * batch, tables, block_size, model.device)  # noqa: B023
             model.compute_logits(model.forward(ids, meta, cache))  # noqa: B023
 
-        t = timed(step, model.device, warmup, repeats)
+        t = time_row(step, model.device, warmup, repeats)
         rows.append({"phase": "decode", "batch": batch, "prompt_len": 0, "context_len": kv_len, **t})
     return rows
 

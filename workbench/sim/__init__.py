@@ -1,6 +1,8 @@
 """The serving simulator: cost models and a discrete-event loop over the engine's own scheduler.
 
-- ``workbench.sim.costmodel``: ``CostModel`` and its ``roofline``, ``profiled`` and ``trace`` models;
+- ``workbench.sim.stats``: ``StepStats`` (what a step computes) and the ``CostModel`` interface;
+- ``workbench.sim.roofline_cost``, ``profiled``, ``trace_cost``: the cost models, one per file; ``fit``: the one
+  NNLS solver and ``fit_profile``; ``costmodel``: the factory ``make_cost_model`` (and every name above);
 - ``workbench.sim.cluster``: ``SimConfig``, replicas, router, prefill/decode disaggregation, ``simulate``;
 - ``workbench.sim.capacity``: ``capacity_search`` (bisection on the request rate), ``rate_scaled``, ``sweep``;
 - ``workbench.sim.measure``: measuring the real engine's steps and fitting the ``profiled`` model.

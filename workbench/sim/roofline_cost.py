@@ -1,0 +1,134 @@
+"""``RooflineCostModel``: the roofline prediction of ``workbench.roofline`` divided by a per-phase efficiency.
+
+A mixed step blends the efficiencies in proportion to each phase's own roofline time. Pure decode runs use an
+exact piecewise-linear form of the roofline in the context length (cached per batch size), evaluated in
+O(log ops) per step; ``step_time`` is the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import TYPE_CHECKING, Any
+
+from workbench.config import ModelConfig
+from workbench.errors import ConfigError
+from workbench.sim.stats import CostModel, StepStats, check_gap
+
+if TYPE_CHECKING:
+    from workbench.roofline import RooflineModel
+
+
+class RooflineCostModel(CostModel):
+    """The roofline prediction of ``workbench.roofline`` divided by a per-phase efficiency (1.0: the floor)."""
+
+    name = "roofline"
+
+    def __init__(
+        self,
+        model: ModelConfig | str,
+        hardware: Any,
+        dtype: str = "bf16",
+        prefill_efficiency: float = 1.0,
+        decode_efficiency: float = 1.0,
+        host_gap_s: float = 0.0,
+    ) -> None:
+        from workbench.roofline import get_model
+
+        for fname, value in (("prefill_efficiency", prefill_efficiency), ("decode_efficiency", decode_efficiency)):
+            if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+                raise ConfigError(f"{fname} must be in (0, 1], got {value!r}")
+        check_gap(host_gap_s)
+        self.roofline: RooflineModel = get_model(model, hardware, dtype=dtype)
+        self.prefill_efficiency = float(prefill_efficiency)
+        self.decode_efficiency = float(decode_efficiency)
+        self.host_gap_s = float(host_gap_s)
+        self._segments: dict[int, tuple[list[float], list[float], list[float]]] = {}
+
+    def step_time(self, stats: StepStats) -> float:
+        pt, ps, pp, pc, ds, dc = stats[:6]
+        time_from_stats = self.roofline.time_from_stats
+        t = time_from_stats(pt + ds, ps + ds, pp + dc, pc + dc)
+        ep, ed = self.prefill_efficiency, self.decode_efficiency
+        if ep == 1.0 and ed == 1.0:
+            return t
+        if not ds:
+            return t / ep
+        if not pt:
+            return t / ed
+        tp, td = time_from_stats(pt, ps, pp, pc), time_from_stats(ds, ds, dc, dc)
+        return t * (tp / ep + td / ed) / (tp + td)
+
+    def _decode_segments(self, n: int) -> tuple[list[float], list[float], list[float]]:
+        """The roofline time of a decode step of ``n`` sequences as a piecewise-linear function of the context
+        C (pairs = context = C): per op ``max(a_c + b_c C, a_m + b_m C)``; returns (breakpoints, alpha, beta)
+        with ``time = alpha[i] + beta[i] * C`` for ``C`` in segment ``i = bisect(breakpoints, C)``."""
+        seg = self._segments.get(n)
+        if seg is not None:
+            return seg
+        lines = []
+        breaks: set[float] = set()
+        for fc, bc in self.roofline.stat_coefficients:
+            a_c, b_c = (fc[1] + fc[2]) * n, fc[3]
+            a_m, b_m = bc[0] + (bc[1] + bc[2]) * n, bc[4]
+            lines.append((a_c, b_c, a_m, b_m))
+            if b_c != b_m:
+                x = (a_m - a_c) / (b_c - b_m)
+                if x > 0:
+                    breaks.add(x)
+        points = sorted(breaks)
+        alphas, betas = [], []
+        for i in range(len(points) + 1):
+            lo = points[i - 1] if i > 0 else 0.0
+            hi = points[i] if i < len(points) else 2.0 * lo + 1.0
+            mid = (lo + hi) / 2
+            alpha = beta = 0.0
+            for a_c, b_c, a_m, b_m in lines:
+                if a_c + b_c * mid > a_m + b_m * mid:
+                    alpha, beta = alpha + a_c, beta + b_c
+                else:
+                    alpha, beta = alpha + a_m, beta + b_m
+            alphas.append(alpha / self.decode_efficiency)
+            betas.append(beta / self.decode_efficiency)
+        seg = self._segments[n] = (points, alphas, betas)
+        return seg
+
+    def decode_time(self, num_seqs: int, context: int) -> float:
+        """The fast path's time of one pure-decode step (equal to ``step_time`` up to rounding)."""
+        points, alphas, betas = self._decode_segments(num_seqs)
+        i = bisect.bisect_right(points, context)
+        return alphas[i] + betas[i] * context
+
+    def decode_run(
+        self, now: float, num_seqs: int, context: int, max_steps: int, before: float
+    ) -> tuple[list[float], list[float]]:
+        points, alphas, betas = self._decode_segments(num_seqs)
+        gap = self.host_gap_s
+        starts: list[float] = []
+        ends: list[float] = []
+        t = now
+        i = bisect.bisect_right(points, context)
+        limit = points[i] if i < len(points) else math.inf
+        for _ in range(max_steps):
+            s = t + gap
+            if s >= before:
+                break
+            while context >= limit:
+                i += 1
+                limit = points[i] if i < len(points) else math.inf
+            t = s + alphas[i] + betas[i] * context
+            starts.append(s)
+            ends.append(t)
+            context += num_seqs
+        return starts, ends
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "model": self.roofline.cfg.name,
+            "hardware": self.roofline.hw.name,
+            "dtype": self.roofline.dtype,
+            "prefill_efficiency": self.prefill_efficiency,
+            "decode_efficiency": self.decode_efficiency,
+            "host_gap_s": self.host_gap_s,
+        }

@@ -1,0 +1,130 @@
+"""What a step computes, as the cost models see it (``StepStats``), and the ``CostModel`` interface that prices it.
+
+A step is reduced to ``StepStats``: prefill tokens, prefill sequences, the (query, key) pairs and context tokens
+of the prefill chunks, decode sequences and the context tokens the decodes read (a decode at context length L
+attends to L keys, the new one included, as in ``workbench.roofline``). A ``CostModel`` turns that into a
+duration and owns the clock's advance across a step:
+
+- ``start_time(now)``: when the next step starts if the replica is free at ``now`` (``now + host_gap_s``: the
+  host work between two steps, such as the engine's update and admission);
+- ``end_time(start, stats)``: when a step that starts at ``start`` ends (``start + step_time(stats)``);
+- ``decode_run(now, num_seqs, context, max_steps, before)``: start and end times of a run of identical
+  pure-decode steps (the context read grows by ``num_seqs`` a step), for the simulator's bulk fast path.
+
+The models, one per file: ``roofline_cost``, ``profiled`` (fitted by ``fit``), ``trace_cost``; the factory is
+``workbench.sim.costmodel.make_cost_model``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from workbench.errors import ConfigError
+from workbench.roofline import attended_pairs
+
+if TYPE_CHECKING:
+    from workbench.engine.scheduler import StepPlan
+
+FEATURES = ("const", "prefill_tokens", "prefill_seqs", "prefill_pairs", "decode_seqs", "decode_context",
+            "decode_looped_seqs")  # fmt: skip
+
+
+class StepStats(NamedTuple):
+    """What a step computes, as the cost models see it."""
+
+    prefill_tokens: int = 0
+    prefill_seqs: int = 0
+    prefill_pairs: int = 0  # causal (query, key) pairs of the prefill chunks
+    prefill_context: int = 0  # cached + new tokens whose K/V the prefill chunks read
+    decode_seqs: int = 0
+    decode_context: int = 0  # sum of the decodes' context lengths (keys read, the new one included)
+    decode_max_context: int = 0  # the longest decode context (0: unknown)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+    def looped_decodes(self, batched_decode: tuple[int, int] | None) -> int:
+        """Decode sequences that attend one at a time: all of them unless the step is decode-only with at least
+        ``min_seqs`` sequences and ``num_seqs * longest context <= max_key_slots`` (``batched_decode``, the
+        engine's rule for one padded gather); 0 when ``batched_decode`` is None (the distinction is not modelled)."""
+        if batched_decode is None or not self.decode_seqs:
+            return 0
+        min_seqs, max_key_slots = batched_decode
+        ds = self.decode_seqs
+        batched = not self.prefill_tokens and ds >= min_seqs and 0 < ds * self.decode_max_context <= max_key_slots
+        return 0 if batched else ds
+
+    def features(self, batched_decode: tuple[int, int] | None = None) -> tuple[float, ...]:
+        """The ``FEATURES`` vector of the profiled model."""
+        return (1.0, self.prefill_tokens, self.prefill_seqs, self.prefill_pairs, self.decode_seqs, self.decode_context,
+                self.looped_decodes(batched_decode))  # fmt: skip
+
+
+def plan_stats(plan: StepPlan) -> StepStats:
+    """``StepStats`` of a scheduler ``StepPlan`` (chunk ``n`` new tokens after ``start`` computed ones)."""
+    pt = ps = pp = pc = ds = dc = dm = 0
+    for c in plan.chunks:
+        n, p = c.num_new_tokens, c.start
+        if c.is_prefill:
+            pt += n
+            ps += 1
+            pp += attended_pairs(n, p)
+            pc += n + p
+        else:
+            ds += n
+            dc += p + n
+            dm = max(dm, p + n)
+    return StepStats(pt, ps, pp, pc, ds, dc, dm)
+
+
+def decode_stats(num_seqs: int, context: int) -> StepStats:
+    """A pure-decode step of ``num_seqs`` sequences reading ``context`` tokens in all."""
+    return StepStats(0, 0, 0, 0, num_seqs, context)
+
+
+class CostModel:
+    """Base class: subclasses give ``step_time``; ``host_gap_s`` is the idle host time between two steps."""
+
+    name = "cost"
+    host_gap_s: float = 0.0
+
+    def step_time(self, stats: StepStats) -> float:
+        """Seconds the device spends on a step."""
+        raise NotImplementedError
+
+    def start_time(self, now: float) -> float:
+        """When the next step starts if the replica became free at ``now``."""
+        return now + self.host_gap_s
+
+    def end_time(self, start: float, stats: StepStats) -> float:
+        """When a step that starts at ``start`` ends."""
+        return start + self.step_time(stats)
+
+    def decode_run(
+        self, now: float, num_seqs: int, context: int, max_steps: int, before: float
+    ) -> tuple[list[float], list[float]]:
+        """(starts, ends) of up to ``max_steps`` consecutive pure-decode steps, the first reading ``context``
+        tokens, each starting strictly before ``before`` (a step starting at an arrival must admit it first)."""
+        starts: list[float] = []
+        ends: list[float] = []
+        t = now
+        for _ in range(max_steps):
+            s = self.start_time(t)
+            if s >= before:
+                break
+            t = self.end_time(s, decode_stats(num_seqs, context))
+            starts.append(s)
+            ends.append(t)
+            context += num_seqs
+        return starts, ends
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able description (name and parameters) for reports."""
+        return {"name": self.name, "host_gap_s": self.host_gap_s}
+
+
+def check_gap(host_gap_s: float) -> None:
+    if not isinstance(host_gap_s, (int, float)) or not (host_gap_s >= 0 and math.isfinite(host_gap_s)):
+        raise ConfigError(f"host_gap_s must be a number >= 0, got {host_gap_s!r}")

@@ -171,9 +171,10 @@ def _next_run(engine: Any, inbox: mp.Queue) -> tuple[float, Faults] | None:
         message = inbox.get()
         if message[0] == "exit":
             return None
-        if message[0] == "start":
+        if message[0] == "start":  # a new run: its own clock, step log and request ids
             engine.reset_clock(message[1])
             engine.step_log = StepLog()
+            engine.sequences.clear()  # the previous run's requests are all finished
             return message[1], message[2]
 
 

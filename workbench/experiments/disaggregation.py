@@ -53,6 +53,7 @@ def _metrics_row(label: str, summary: Mapping[str, Any], num_steps: int) -> dict
 
 def real_comparison(
     source: str,
+    model: Any,
     workloads: Mapping[str, Sequence[Request]],
     engine_config: EngineConfig,
     chunk_budget: int,
@@ -60,9 +61,12 @@ def real_comparison(
     seed: int = 0,
     slos: Mapping[str, float | None] | None = None,
 ) -> pd.DataFrame:
-    """Each workload through colocated ``continuous`` and ``chunked`` engines (one process, ``threads`` threads)
-    and through one disaggregated 1:1 pair (two processes, ``threads // 2`` each, started once for all workloads);
-    one row per workload and setup, with ``kv_bytes`` and ``kv_transfer_ms`` for the disaggregated ones."""
+    """Each workload through colocated ``continuous`` and ``chunked`` engines on ``model`` (the loaded
+    ``source``; one process, ``threads`` threads) and through one disaggregated 1:1 pair (two processes loading
+    ``source``, ``threads // 2`` threads each, started once for all workloads); one row per workload and setup, with
+    ``kv_bytes`` and ``kv_transfer_ms`` for the disaggregated ones. Every engine gets the pool ``engine_config``
+    sizes, so give it a ``num_blocks`` the workload needs rather than the default (which reserves
+    ``max_num_seqs x max_model_len`` tokens per engine)."""
     import dataclasses
 
     import torch
@@ -80,16 +84,14 @@ def real_comparison(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        engines = {label: Engine.from_model(source, cfg, seed=seed) for label, cfg in setups.items()}
         for name, requests in workloads.items():
             for label, cfg in setups.items():
-                engine = Engine(engines[label].model, cfg)  # a fresh pool and clock per run, the same weights
-                result = engine.replay(list(requests), seed=seed)
+                result = Engine(model, cfg).replay(list(requests), seed=seed)  # a fresh pool per run, same weights
                 rows.append({"workload": name} | summary_row(label, result, **slos) | {"processes": 1,
                             "threads_each": threads})  # fmt: skip
     finally:
         torch.set_num_threads(before)
-    vocab = engines["colocated continuous"].model.config.vocab_size
+    vocab = model.config.vocab_size
     cfg = DisaggConfig(prefill=engine_config, decode=engine_config, threads_per_engine=max(1, threads // 2))
     with DisaggCluster(source, cfg, seed) as cluster:
         for name, requests in workloads.items():

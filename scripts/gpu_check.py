@@ -8,10 +8,14 @@
 3. ``python -m kernels.bench`` (``--quick`` unless enough time is left);
 4. the engine benchmarks on TinyLlama-1.1B-shaped random bf16 weights: ``workbench bench decode`` (torch and
    Triton backends, CUDA graphs), ``bench prefill`` and ``bench hf`` (against transformers), each with its own
-   time limit; ``summary.txt`` states the targets (MBU >= 0.7 at batch 1, >= 2x transformers' decode tokens/s).
+   time limit; ``summary.txt`` states the targets (MBU >= 0.7 at batch 1, >= 2x transformers' decode tokens/s);
+5. beyond one device, on the one GPU (``dist_check.json``): the tensor-parallel path over NCCL at
+   ``tensor_parallel_size=1`` against the plain engine (same greedy tokens; the per-step overhead of the worker
+   group), and a disaggregated 1:1 pair of engine processes sharing the GPU (KV over NCCL, else over gloo staged
+   through the host: NCCL refuses two ranks on one device), tokens against colocated and the transfer bandwidth.
 
     python scripts/gpu_check.py OUTDIR        (normally through scripts/gpu_check.sh OUTDIR)
-    python scripts/gpu_check.py OUTDIR --dry-run    (CPU: step 1 on a tiny model, the rest only listed)
+    python scripts/gpu_check.py OUTDIR --dry-run    (CPU: steps 1 and 5 on a tiny model, the rest only listed)
 
 Needs only torch, triton and transformers (no package registry, nothing installed, no notebook stack): the
 repository root goes on PYTHONPATH. Everything must finish within ``--budget-s`` (default 285 s); each step gets
@@ -304,6 +308,68 @@ def decode_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", new_to
     return result
 
 
+# ---- 5. beyond one device ----------------------------------------------------------------------------------------
+def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: int = 16) -> dict[str, Any]:
+    """TP over the worker group at size 1 (NCCL on CUDA) against the plain engine, and a disaggregated pair."""
+    import statistics
+
+    import torch
+
+    from workbench.dist.disagg import DisaggCluster, DisaggConfig
+    from workbench.engine.config import EngineConfig
+    from workbench.engine.engine import Engine
+    from workbench.engine.tp_runner import start_workers
+    from workbench.request import SamplingParams
+
+    dtype = "bf16" if device == "cuda" else "fp32"
+    greedy = SamplingParams(max_tokens=steps, ignore_eos=True)
+    config = EngineConfig(device=device, dtype=dtype, max_model_len=256, num_blocks=128, max_num_seqs=8)
+    out: dict[str, Any] = {"preset": preset, "device": device, "dtype": dtype}
+
+    def step_times(engine: Any) -> tuple[list[list[int]], float]:
+        for p in PROMPTS:
+            engine.add_request(p, greedy)
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        tokens = [s.output_token_ids for s in sorted(engine.sequences.values(), key=lambda s: s.seq_id)]
+        return tokens, statistics.median(times[2:] or times)
+
+    plain_tokens, plain_step = step_times(Engine.from_model(preset, config))
+    group = start_workers(preset, 1, dtype, device, 0)
+    try:
+        tp_engine = Engine(group.worker.model, EngineConfig(**{**vars(config), "tensor_parallel_size": 1}), group)
+        tp_tokens, tp_step = step_times(tp_engine)
+        out["tp1"] = {"backend": group.backend, "identical_tokens": tp_tokens == plain_tokens,
+                      "plain_step_ms": plain_step * 1e3, "worker_group_step_ms": tp_step * 1e3,
+                      "overhead_ms": (tp_step - plain_step) * 1e3}  # fmt: skip
+    finally:
+        group.shutdown()
+    print(f"[gpu_check] TP=1 over {out['tp1']['backend']}: {out['tp1']}", flush=True)
+    work = [(p, greedy, 0.0) for p in PROMPTS]
+    out["disaggregated"] = {}
+    for backend in ("nccl", "gloo") if device == "cuda" else ("gloo",):
+        try:
+            with DisaggCluster(preset, DisaggConfig(prefill=config, decode=config, backend=backend)) as cluster:
+                result = cluster.run(work, online=False)
+            kv = result.kv_transfer()
+            got = [r.tokens for r in result.requests]
+            rate = kv["bytes"] / kv["seconds"] / 1e9 if kv["seconds"] else None
+            out["disaggregated"][backend] = {"identical_tokens": got == plain_tokens, "kv_bytes": kv["bytes"],
+                                             "kv_seconds": kv["seconds"], "gb_per_s": rate}  # fmt: skip
+        except Exception as exc:  # a backend that cannot run here is a finding, not a crash
+            out["disaggregated"][backend] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        print(f"[gpu_check] disaggregated over {backend}: {out['disaggregated'][backend]}", flush=True)
+    ran = [d for d in out["disaggregated"].values() if "error" not in d]
+    out["ok"] = bool(out["tp1"]["identical_tokens"] and ran and all(d["identical_tokens"] for d in ran))
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    (outdir / "dist_check.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
 # ---- 4. the engine benchmarks -----------------------------------------------------------------------------------
 def engine_bench_commands(ckpt: Path) -> list[tuple[str, float, list[str]]]:
     """(name, time limit in s, ``workbench`` arguments) of each engine benchmark, trimmed to ~2 minutes in all."""
@@ -389,9 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--budget-s", type=float, default=285.0, help="the whole check's time budget")
-    parser.add_argument("--decode-budget-s", type=float, default=70.0, help="at most this much for step 1")
-    parser.add_argument("--tests-budget-s", type=float, default=50.0, help="at most this much for the kernel tests")
+    parser.add_argument("--decode-budget-s", type=float, default=60.0, help="at most this much for step 1")
+    parser.add_argument("--tests-budget-s", type=float, default=45.0, help="at most this much for the kernel tests")
     parser.add_argument("--kernel-bench-budget-s", type=float, default=25.0, help="at most this for kernels.bench")
+    parser.add_argument("--dist-budget-s", type=float, default=40.0, help="at most this for step 5")
     parser.add_argument("--dry-run", action="store_true", help="CPU: the decode check on a tiny model; list the rest")
     args = parser.parse_args(argv)
     start = time.monotonic()
@@ -399,11 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
     if args.dry_run:
+        dist = dist_check(outdir, "cpu", preset="tiny-gqa", steps=4)
+        print(f"[gpu_check] dry run: dist check {'OK' if dist['ok'] else 'FAILED'}")
         result = decode_check(outdir, "cpu")
         for _, limit, cmd in engine_bench_commands(outdir / "engine-ckpt"):
             print(f"[gpu_check] would run ({limit} s): workbench {' '.join(cmd)}")
         print(f"[gpu_check] dry run: decode check {'OK' if result['ok'] else 'FAILED'}")
-        return 0 if result["ok"] else 1
+        return 0 if result["ok"] and dist["ok"] else 1
     summary: dict[str, Any] = {"python": sys.version.split()[0]}
     try:
         import torch
@@ -460,12 +529,22 @@ def main(argv: list[str] | None = None) -> int:
         bench = json.loads((outdir / "bench.json").read_text())
         summary["bench"]["copy_bandwidth_gbps"] = bench.get("copy_bandwidth_gbps")
         summary["bench"]["targets"] = bench.get("targets")
-    summary["engine_bench"] = engine_bench(outdir, args.budget_s - (time.monotonic() - start) - 5)
+    summary["engine_bench"] = engine_bench(outdir, args.budget_s - (time.monotonic() - start) - 5 - args.dist_budget_s)
+    t0 = time.monotonic()
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(outdir), "--dist-only"]
+    left = args.budget_s - (time.monotonic() - start) - 3
+    rc_dist, _ = run_logged(cmd, outdir / "dist_check.log", max(10.0, min(left, args.dist_budget_s)), child_env())
+    try:
+        summary["dist"] = json.loads((outdir / "dist_check.json").read_text())
+    except (OSError, ValueError):
+        summary["dist"] = {"ok": False, "error": f"no result (exit {rc_dist}); see dist_check.log"}
+    summary["dist"]["seconds"] = time.monotonic() - t0
     summary["seconds"] = time.monotonic() - start
     (outdir / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     print((outdir / "summary.txt").read_text() if (outdir / "summary.txt").exists() else "", flush=True)
     ok = tests["returncode"] == 0 and tests["failed"] == 0 and tests["errors"] == 0 and rc == 0
     ok = ok and summary["decode"].get("ok", False) and summary["engine_bench"]["returncode"] == 0
+    ok = ok and summary["dist"].get("ok", False)
     print(f"[gpu_check] {'OK' if ok else 'FAILED'} in {summary['seconds']:.0f} s; summary in {outdir}/gpu_check.json")
     return 0 if ok else 1
 
@@ -474,4 +553,7 @@ if __name__ == "__main__":
     if "--decode-only" in sys.argv:  # step 1 in its own process (see main)
         sys.path.insert(0, str(REPO))
         sys.exit(0 if decode_check(Path(sys.argv[1]).resolve(), "cuda")["ok"] else 1)
+    if "--dist-only" in sys.argv:  # step 5 in its own process (see main)
+        sys.path.insert(0, str(REPO))
+        sys.exit(0 if dist_check(Path(sys.argv[1]).resolve(), "cuda")["ok"] else 1)
     sys.exit(main())

@@ -69,6 +69,7 @@ class DisaggConfig:
     transfer_timeout_s: float = 30.0
     max_retries: int = 1
     stall_timeout_s: float = 300.0  # no message from any engine for this long ends the run
+    backend: str = "auto"  # of the KV transfers: NCCL with CUDA, gloo otherwise (a CUDA pool staged through the host)
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "threads_per_engine"):
@@ -368,7 +369,7 @@ class DisaggCluster:
         def name(rank: int) -> str:
             return f"workbench-prefill{rank}" if rank < self.num_p else f"workbench-decode{rank - self.num_p}"
 
-        backend = DistConfig(world).resolved_backend()
+        backend = DistConfig(world, backend=cfg.backend).resolved_backend()
         init = f"tcp://127.0.0.1:{free_port()}"
         self.processes = ProcessSet(
             list(range(world)), world, backend, init, cfg.transfer_timeout_s + 60, _rank_entry, args, name

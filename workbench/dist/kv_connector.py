@@ -102,7 +102,7 @@ class KVSender:
         if (attempt == 0 and request_id in self.corrupt_once) or request_id in self.corrupt_always:
             wire = buffer.clone()
             wire.view(-1)[0] += 1.0  # the bytes on the wire differ from the announced checksum
-        work = dist.isend(wire, dst, tag=meta.tag)
+        work = dist.isend(_on_wire_device(wire), dst, tag=meta.tag)
         self.in_flight[request_id] = (buffer, work, dst, num_tokens)
         return meta
 
@@ -123,7 +123,8 @@ class KVReceiver:
         timeout (the caller retries or recomputes)."""
         k_flat, v_flat = _flat_pool(self.cache)
         layers, _, kv_heads, head_dim = k_flat.shape
-        buffer = torch.empty((2, layers, meta.num_tokens, kv_heads, head_dim), dtype=k_flat.dtype, device=k_flat.device)
+        wire = _wire_device(k_flat.device)
+        buffer = torch.empty((2, layers, meta.num_tokens, kv_heads, head_dim), dtype=k_flat.dtype, device=wire)
         expected = buffer.numel() * buffer.element_size()
         if expected != meta.num_bytes:
             return False, f"announced {meta.num_bytes} bytes where this pool's layout holds {expected}"
@@ -135,9 +136,21 @@ class KVReceiver:
         if checksum(buffer) != meta.checksum:
             return False, "checksum mismatch"
         slots = token_slots(block_table, meta.num_tokens, self.cache.block_size).to(k_flat.device)
+        buffer = buffer.to(k_flat.device)
         k_flat[:, slots] = buffer[0]
         v_flat[:, slots] = buffer[1]
         return True, ""
+
+
+def _wire_device(device: torch.device) -> torch.device:
+    """Where a transfer's bytes travel from: the pool's device under NCCL, host memory under gloo (which sends
+    CPU tensors only: a CUDA pool is staged through the host, as when two processes share one GPU, which NCCL
+    refuses)."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _on_wire_device(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(_wire_device(tensor.device))
 
 
 def wall_clock(t0: float) -> Callable[[], float]:

@@ -72,6 +72,23 @@ def test_bench_decode_reports_the_all_reduces_of_a_tp_step(capsys):
         assert 0 < row["all_reduce_share"] < 1 and row["all_reduce_bytes_per_s"] > 0
 
 
+def test_the_notebooks_engine_helpers_take_a_tensor_parallel_config():
+    # before the module's shared ranks start: it starts its own (one group per process)
+    from workbench.experiments.serving import compare_policies
+    from workbench.model.checkpoint import load_model
+    from workbench.workloads import Request
+
+    model = load_model("tiny-gqa", seed=0)
+    configs = {
+        "tp1": EngineConfig(device="cpu", max_model_len=96),
+        "tp2": EngineConfig(device="cpu", max_model_len=96, tensor_parallel_size=2),
+    }
+    requests = [Request(i, 0.01 * i, len(p), 4, prompt_token_ids=p) for i, p in enumerate(PROMPTS[:3])]
+    table, results = compare_policies(model, configs, requests)
+    assert [r.tokens for r in results["tp2"].requests] == [r.tokens for r in results["tp1"].requests]
+    assert table.num_finished.tolist() == [3, 3]
+
+
 @pytest.fixture(scope="module")
 def workers():
     group = start_workers("tiny-gqa", 2, "fp32", "cpu", 0, num_threads=1)

@@ -43,16 +43,32 @@ def summary_row(label: str, result: RunResult, **slos: float | None) -> dict[str
     return row
 
 
+def engine_for(model: Transformer, config: EngineConfig, source: str | None = None, seed: int = 0) -> Engine:
+    """An engine with ``config`` on ``model``; with ``config.tensor_parallel_size > 1``, an engine on that many ranks,
+    each loading its shard of ``source`` (the checkpoint directory or preset ``model`` was loaded from; default: the
+    preset named by its config, with ``seed``, which gives the same weights). Call ``shutdown()`` when done."""
+    if config.tensor_parallel_size == 1:
+        return Engine(model, config)
+    return Engine.from_model(source or model.config.name, config, seed=seed)
+
+
 def compare_policies(
     model: Transformer,
     configs: Mapping[str, EngineConfig],
     requests: Sequence[Request],
     slos: Mapping[str, float | None] | None = None,
+    source: str | None = None,
+    seed: int = 0,
 ) -> tuple[pd.DataFrame, dict[str, RunResult]]:
-    """Replay the same workload in real time under each configuration; one summary row per label."""
+    """Replay the same workload in real time under each configuration; one summary row per label. A configuration
+    with ``tensor_parallel_size > 1`` runs on that many ranks (``engine_for``: ``source`` and ``seed``)."""
     rows, results = [], {}
     for label, cfg in configs.items():
-        result = Engine(model, cfg).replay(list(requests))
+        engine = engine_for(model, cfg, source, seed)
+        try:
+            result = engine.replay(list(requests))
+        finally:
+            engine.shutdown()
         results[label] = result
         rows.append(summary_row(label, result, **(slos or {})))
     return pd.DataFrame(rows), results
@@ -67,15 +83,17 @@ def long_prompt_among_decodes(
     long_prompt_len: int = 512,
     inject_after_steps: int = 8,
     seed: int = 0,
+    source: str | None = None,
 ) -> dict[str, Any]:
     """Start ``num_decodes`` short requests, let them decode, then a ``long_prompt_len`` prompt arrives.
 
     Returns the step log (DataFrame), the per-request table, the TTFT of the long prompt, and the inter-token
-    latencies of the running decodes while it was being prefilled (the stall that chunking removes).
+    latencies of the running decodes while it was being prefilled (the stall that chunking removes). A ``config``
+    with ``tensor_parallel_size > 1`` runs on that many ranks (``engine_for``).
     """
     import torch
 
-    engine = Engine(model, config)
+    engine = engine_for(model, config, source)
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     decode_params = SamplingParams(max_tokens=decode_output_len, ignore_eos=True)
@@ -90,6 +108,7 @@ def long_prompt_among_decodes(
     )
     while engine.has_unfinished():
         engine.step()
+    engine.shutdown()
     long_seq = engine.sequences[long_id]
     shorts = [engine.sequences[i] for i in short_ids]
     # gaps between decode tokens that straddle the long prompt's arrival .. first token

@@ -260,7 +260,7 @@ def test_repository_spec_parses() -> None:
     for profile in ("smoke", "cpu", "gpu"):
         plan = runner.plan_run(spec, profile=profile, probe=lambda r: None)
         assert [p.name for p in plan.experiments] == [
-            "prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill",
+            "prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill", "disaggregation",
         ]  # fmt: skip
 
 

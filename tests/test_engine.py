@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import transformers
 
+from tests.conftest import hf_greedy_tokens
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
@@ -26,18 +26,7 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 def setup(tiny_checkpoint):
     path = tiny_checkpoint("tiny-gqa")
     model = load_checkpoint(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    expected = []
-    for p in PROMPTS:
-        out = hf.generate(
-            torch.tensor([p]),
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            min_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        expected.append(out[0, len(p) :].tolist())
+    expected = hf_greedy_tokens(path, PROMPTS, MAX_TOKENS)
     return model, expected
 
 

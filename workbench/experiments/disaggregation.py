@@ -26,31 +26,12 @@ from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.engine.metrics import summarize
 from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED, make_claim, order_single
-from workbench.experiments.serving import SUMMARY_KEYS, summary_row
+from workbench.experiments.serving import metrics_row, summary_row
 from workbench.request import SamplingParams
 from workbench.workloads import Request, prompt_token_ids
 
 
 # ---- real: colocated against disaggregated --------------------------------------------------------------------
-def _metrics_row(label: str, summary: Mapping[str, Any], num_steps: int) -> dict[str, Any]:
-    m = summary["metrics"]
-    row: dict[str, Any] = {"label": label}
-    for key in SUMMARY_KEYS:
-        name = key.removesuffix("_s")
-        row[f"{name}_median_ms"] = m[key]["median"] * 1e3
-        row[f"{name}_p99_ms"] = m[key]["p99"] * 1e3
-    row.update(
-        request_throughput=m["request_throughput"],
-        output_throughput=m["output_throughput"],
-        goodput=m["goodput"],
-        slo_attainment=m["slo_attainment"],
-        num_finished=summary["num_finished"],
-        num_steps=num_steps,
-        duration_s=summary["duration_s"],
-    )
-    return row
-
-
 def real_comparison(
     source: str,
     model: Any,
@@ -109,7 +90,7 @@ def real_comparison(
             steps = sum(p["num_steps"] for p in result.pools.values())
             rows.append(
                 {"workload": name}
-                | _metrics_row("disaggregated 1:1", summary, steps)
+                | metrics_row("disaggregated 1:1", summary, steps)
                 | {
                     "processes": 2,
                     "threads_each": cfg.threads_per_engine,

@@ -21,10 +21,10 @@ from workbench.workloads import Request
 SUMMARY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2el_s")
 
 
-def summary_row(label: str, result: RunResult, **slos: float | None) -> dict[str, Any]:
-    """One flat row of the contract summary: medians and p99s in ms, throughputs, goodput, SLO attainment."""
-    s = result.summary(**slos)
-    m = s["metrics"]
+def metrics_row(label: str, summary: Mapping[str, Any], num_steps: int) -> dict[str, Any]:
+    """One flat row of a contract summary (``summarize``'s JSON): medians and p99s in ms, throughputs, goodput,
+    SLO attainment, finished requests, steps and duration."""
+    m = summary["metrics"]
     row: dict[str, Any] = {"label": label}
     for key in SUMMARY_KEYS:
         name = key.removesuffix("_s")
@@ -35,12 +35,17 @@ def summary_row(label: str, result: RunResult, **slos: float | None) -> dict[str
         output_throughput=m["output_throughput"],
         goodput=m["goodput"],
         slo_attainment=m["slo_attainment"],
-        num_finished=s["num_finished"],
-        num_preemptions=s["num_preemptions"],
-        num_steps=len(result.step_log),
-        duration_s=s["duration_s"],
+        num_finished=summary["num_finished"],
+        num_preemptions=summary["num_preemptions"],
+        num_steps=num_steps,
+        duration_s=summary["duration_s"],
     )
     return row
+
+
+def summary_row(label: str, result: RunResult, **slos: float | None) -> dict[str, Any]:
+    """``metrics_row`` of an engine run."""
+    return metrics_row(label, result.summary(**slos), len(result.step_log))
 
 
 def engine_for(model: Transformer, config: EngineConfig, source: str | None = None, seed: int = 0) -> Engine:

@@ -145,3 +145,18 @@ def test_each_rank_holds_half_the_kv_heads(tiny_checkpoint, workers):
     engine = tp_engine(workers, tiny_checkpoint("tiny-gqa"), num_blocks=10, block_size=4)
     # tiny-gqa has 2 KV heads of 16: each of the 2 ranks keeps one of them, in a pool of the same 10 blocks
     assert tuple(engine.cache.k.shape) == (2, 10, 4, 1, 16)
+
+
+def test_under_torchrun_the_ranks_are_torchruns_and_the_tokens_the_same():
+    import subprocess
+    import sys
+
+    gen = ["-m", "workbench.cli", "generate", "--model", "tiny-gqa", "--prompt-ids", "1,2,3", "--prompt-ids", "9,8",
+           "--max-new-tokens", "5", "--device", "cpu", "--json"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    out = subprocess.run([*torchrun, *gen, "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]  # rank 0 alone prints the result
+    alone = subprocess.run([sys.executable, *gen], capture_output=True, text=True, timeout=120, check=True)
+    tokens = [[r["tokens"] for r in json.loads(text)["requests"]] for text in (line, alone.stdout)]
+    assert tokens[0] == tokens[1]

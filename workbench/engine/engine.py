@@ -23,7 +23,7 @@ import torch
 
 from workbench.config import ModelConfig
 from workbench.device import dtype_name, resolve_device, synchronize, torch_dtype
-from workbench.dist.group import WorkerGroup
+from workbench.dist.group import WorkerGroup, launched_by_torchrun
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.metrics import StepLog, StepRecord, summarize
@@ -176,7 +176,7 @@ class Engine:
         if tp > 1:
             check_tensor_parallel_size(ModelConfig.resolve(name_or_path), tp)
             available = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
-            if tp > available:
+            if tp > available and not launched_by_torchrun():  # under torchrun the ranks may span nodes
                 kind = "CUDA devices" if device.type == "cuda" else "CPU cores"
                 raise ConfigError(f"tensor_parallel_size {tp} exceeds the {available} {kind} of this machine")
             workers = start_workers(str(name_or_path), tp, config.dtype, config.device, seed, torch.get_num_threads())

@@ -19,17 +19,19 @@ spent communicating.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import torch
 
 from workbench.device import resolve_device, synchronize, torch_dtype
-from workbench.dist.group import DistConfig, WorkerGroup
+from workbench.dist.group import DistConfig, WorkerGroup, launched_by_torchrun, run_worker
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import StepPlan
+from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import TORCH_BACKEND, build_metadata
 from workbench.model.sharding import all_reduce, gather_logits
@@ -139,6 +141,20 @@ class TensorParallelRunner(ModelRunner):
 def start_workers(
     source: str, tensor_parallel_size: int, dtype: str, device: str, seed: int, num_threads: int | None = None
 ) -> WorkerGroup:
-    """Spawn the ranks of a tensor-parallel engine and load every shard (rank 0 in this process)."""
-    config = DistConfig(tensor_parallel_size, timeout_s=120.0)
-    return WorkerGroup(config, ShardWorker, (str(source), dtype, device, seed, num_threads))
+    """Spawn the ranks of a tensor-parallel engine and load every shard (rank 0 in this process).
+
+    Under ``torchrun`` (multi-node use) nothing is spawned: every process torchrun started runs this, rank 0 becomes
+    the driver and returns its group, and every other rank serves it until the run ends, then exits (0).
+    """
+    args = (str(source), dtype, device, seed, num_threads)
+    if launched_by_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tensor_parallel_size:
+            raise ConfigError(
+                f"tensor_parallel_size {tensor_parallel_size}, but torchrun started {world} processes; they must match"
+            )
+        if int(os.environ["RANK"]) != 0:
+            run_worker(ShardWorker, *args, timeout_s=120.0)
+            raise SystemExit(0)  # a worker rank's whole life is serving the driver
+        return WorkerGroup.from_env(ShardWorker, args, timeout_s=120.0)
+    return WorkerGroup(DistConfig(tensor_parallel_size, timeout_s=120.0), ShardWorker, args)

@@ -22,6 +22,7 @@ from workbench.dist.collective_bench import AllReduceTimer
 from workbench.dist.group import DistConfig, WorkerGroup
 from workbench.hardware import cpu_model_name
 from workbench.sim.comm import CollectiveProfile, bus_bandwidth
+from workbench.timing import median
 
 
 def main() -> int:
@@ -54,7 +55,7 @@ def main() -> int:
             repeats = max(5, args.repeats if size <= (1 << 20) else args.repeats // 4)
             times = group.call("time_all_reduce", size, repeats, 3)
             samples[size] = times
-            med = sorted(times)[len(times) // 2]
+            med = median(times)
             print(
                 f"{size:>10} {med * 1e6:>11.1f} {min(times) * 1e6:>9.1f} {max(times) * 1e6:>9.1f} "
                 f"{size / med / 1e9:>11.3f} {bus_bandwidth(size, med, args.world_size) / 1e9:>11.3f}"

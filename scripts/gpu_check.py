@@ -311,8 +311,6 @@ def decode_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", new_to
 # ---- 5. beyond one device ----------------------------------------------------------------------------------------
 def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: int = 16) -> dict[str, Any]:
     """TP over the worker group at size 1 (NCCL on CUDA) against the plain engine, and a disaggregated pair."""
-    import statistics
-
     import torch
 
     from workbench.dist.disagg import DisaggCluster, DisaggConfig
@@ -320,6 +318,7 @@ def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: i
     from workbench.engine.engine import Engine
     from workbench.engine.tp_runner import start_workers
     from workbench.request import SamplingParams
+    from workbench.timing import median
 
     dtype = "bf16" if device == "cuda" else "fp32"
     greedy = SamplingParams(max_tokens=steps, ignore_eos=True)
@@ -335,7 +334,7 @@ def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: i
             engine.step()
             times.append(time.perf_counter() - t0)
         tokens = [s.output_token_ids for s in sorted(engine.sequences.values(), key=lambda s: s.seq_id)]
-        return tokens, statistics.median(times[2:] or times)
+        return tokens, median(times[2:] or times)
 
     plain_tokens, plain_step = step_times(Engine.from_model(preset, config))
     group = start_workers(preset, 1, dtype, device, 0)

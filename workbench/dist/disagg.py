@@ -285,8 +285,7 @@ def _decode_run(
             seq = Sequence(rid, spec.prompt_ids, spec.sampling, spec.arrival_time, eos_token_ids=eos)
             seq.output_token_ids = [first]  # its KV is the prompt's, to be received; the first token's comes next
             if not engine.scheduler.admit_prefilled(seq):
-                if rid not in waited:
-                    waited.add(rid)
+                waited.add(rid)
                 break  # backpressure: the KV stays on the prefill side until blocks free up here
             arrived.popleft()
             recv_start = clock()

@@ -93,7 +93,8 @@ class KVSender:
             slots = token_slots(block_table, num_tokens, self.cache.block_size).to(k_flat.device)
             buffer = torch.stack((k_flat[:, slots], v_flat[:, slots]))  # (2, layers, n, kv_heads, d)
         else:
-            buffer = self.in_flight[request_id][0]
+            buffer, previous, _, _ = self.in_flight[request_id]
+            previous.wait()  # the damaged attempt was received: complete it before sending the copy again
         meta = KVTransfer(
             request_id, dist.get_rank(), num_tokens, buffer.numel() * buffer.element_size(), checksum(buffer),
             attempt, self.clock(),

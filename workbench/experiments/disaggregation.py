@@ -212,8 +212,8 @@ def removes_interference(itl_p99_colocated_ms: float, itl_p99_disaggregated_ms: 
     o = order_single(itl_p99_colocated_ms, itl_p99_disaggregated_ms)
     verdict = {1: CONFIRMED, -1: NOT_CONFIRMED, 0: INCONCLUSIVE}[o]
     detail = (
-        f"p99 ITL {itl_p99_disaggregated_ms:.1f} ms disaggregated against {itl_p99_colocated_ms:.1f} ms colocated"
-        + {1: "", -1: ": the colocated tail is lower", 0: " (within 10%: noise)"}[o]
+        f"p99 ITL {itl_p99_disaggregated_ms:.1f} ms disaggregated against {itl_p99_colocated_ms:.1f} ms on the "
+        "colocated prefill-first engine" + {1: "", -1: ": the colocated tail is lower", 0: " (within 10%: noise)"}[o]
     )
     evidence = {"itl_p99_ms_colocated": itl_p99_colocated_ms, "itl_p99_ms_disaggregated": itl_p99_disaggregated_ms}
     return make_claim("Disaggregation removes prefill-decode interference from ITL", verdict, evidence, detail)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from workbench.atomic import atomic_write_text
 from workbench.errors import ConfigError, read_json_file
+from workbench.timing import median
 
 PROFILE_KIND = "collective-profile"
 
@@ -94,7 +94,7 @@ class CollectiveProfile:
     ) -> CollectiveProfile:
         """A profile from repeated timings per message size (the median is the figure; min and max its spread)."""
         sizes = sorted(samples)
-        med = tuple(statistics.median(samples[n]) for n in sizes)
+        med = tuple(median(samples[n]) for n in sizes)
         latency, bandwidth = fit_latency_bandwidth(list(zip(sizes, med)))
         return cls(
             collective,

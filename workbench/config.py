@@ -52,6 +52,58 @@ def dtype_bytes(name: str) -> int:
     return DTYPE_BYTES[canonical_dtype(name)]
 
 
+# ---- quantization: one meaning of --quantization and --kv-cache-dtype everywhere (vLLM's flag names) ---------
+QUANTIZATIONS = ("int8", "int4", "fp8")  # weight-only formats of the linear layers; None = unquantized
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # 'auto' = the activation dtype
+DEFAULT_GROUP_SIZE = 128  # int4: input elements sharing one (scale, zero) pair
+KV_INT8_SCALE_BYTES = 4  # int8 KV: one fp32 scale per (token, KV head), for K and for V
+# fp8 (e4m3) KV keeps one fp32 scale per layer for K and one for V: 8 bytes per layer for the whole pool, not per
+# token, so it is left out of per-token sizes.
+
+
+def canonical_quantization(name: str | None) -> str | None:
+    """None/'none' -> None; 'int8' | 'int4' | 'fp8' unchanged; anything else a ``ConfigError``."""
+    if name is None or str(name).lower() in ("none", ""):
+        return None
+    key = str(name).lower()
+    if key not in QUANTIZATIONS:
+        raise ConfigError(f"unknown quantization {name!r}; expected one of none, {', '.join(QUANTIZATIONS)}")
+    return key
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str | None, dtype: str) -> str:
+    """The KV cache's element dtype: 'auto' (or None) is the activation ``dtype``; 'int8' and 'fp8' as given."""
+    if kv_cache_dtype is None or str(kv_cache_dtype).lower() == "auto":
+        return canonical_dtype(dtype)
+    key = str(kv_cache_dtype).lower()
+    if key not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown kv cache dtype {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+    return key
+
+
+def quantized_matrix_bytes(
+    out_features: int, in_features: int, quantization: str | None, dtype: str, group_size: int = DEFAULT_GROUP_SIZE
+) -> int:
+    """Bytes of one ``out x in`` weight matrix stored under ``quantization``, scales included.
+
+    - None: ``out * in * bytes(dtype)``;
+    - int8, per output channel: ``out * in`` bytes + one scale per row in ``dtype``;
+    - int4, group-wise along the input: ``out * in / 2`` bytes + a (scale, zero) pair in ``dtype`` per group per row;
+    - fp8 (e4m3), per tensor: ``out * in`` bytes + one fp32 scale.
+    """
+    q = canonical_quantization(quantization)
+    s = dtype_bytes(dtype)
+    if q is None:
+        return out_features * in_features * s
+    if q == "int8":
+        return out_features * in_features + out_features * s
+    if q == "fp8":
+        return out_features * in_features + 4
+    if in_features % group_size:
+        raise ConfigError(f"int4 group size {group_size} does not divide the input size {in_features}")
+    return out_features * in_features // 2 + out_features * (in_features // group_size) * 2 * s
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder. Field names follow the workbench, not HF (see ``from_hf_config``).
@@ -166,11 +218,65 @@ class ModelConfig:
         return total
 
     def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
-        """Bytes of K and V cached per token over all layers: 2 * layers * kv_heads * head_dim * bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(kv_dtype)
+        """Bytes of K and V cached per token over all layers: 2 * layers * kv_heads * (head_dim * bytes + scale).
 
-    def weight_bytes(self, dtype: str = "bf16") -> int:
-        return self.num_params() * dtype_bytes(dtype)
+        The scale term is ``KV_INT8_SCALE_BYTES`` for an int8 cache (one fp32 scale per token and KV head) and 0
+        otherwise (fp8 keeps per-layer scales, not per-token ones).
+        """
+        scale = KV_INT8_SCALE_BYTES if canonical_dtype(kv_dtype) == "int8" else 0
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes(kv_dtype) + scale)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each weight matrix a quantization applies to, per layer: q, k, v, o, gate, up, down.
+
+        The LM head is quantized with them only when it has its own weights; a tied head shares the embedding
+        table, which stays in the activation dtype (a lookup table, read one row per token).
+        """
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (self.q_size, h),
+            "k_proj": (self.kv_size, h),
+            "v_proj": (self.kv_size, h),
+            "o_proj": (h, self.q_size),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }
+
+    def check_quantization(self, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+        """A ``ConfigError`` naming the matrix when ``quantization`` cannot apply to this shape (before any load)."""
+        q = canonical_quantization(quantization)
+        if q != "int4":
+            return
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+            raise ConfigError(f"int4 group size must be a positive integer, got {group_size!r}")
+        shapes = dict(self.linear_shapes())
+        if not self.tie_word_embeddings:
+            shapes["lm_head"] = (self.vocab_size, self.hidden_size)
+        for name, (_, fan_in) in shapes.items():
+            if fan_in % group_size:
+                raise ConfigError(
+                    f"{self.name}: int4 group size {group_size} does not divide {name}'s input size {fan_in}"
+                )
+
+    def weight_bytes(
+        self, dtype: str = "bf16", quantization: str | None = None, group_size: int = DEFAULT_GROUP_SIZE
+    ) -> int:
+        """Bytes of all weights: the linear layers (and an untied LM head) under ``quantization`` with their
+        scales, everything else (embedding, norms, biases) in ``dtype``."""
+        q = canonical_quantization(quantization)
+        if q is None:
+            return self.num_params() * dtype_bytes(dtype)
+        self.check_quantization(q, group_size)
+        shapes = self.linear_shapes()
+        quantized = self.num_layers * sum(
+            quantized_matrix_bytes(o, i, q, dtype, group_size) for o, i in shapes.values()
+        )
+        plain = self.num_params() - self.num_layers * sum(o * i for o, i in shapes.values())
+        if not self.tie_word_embeddings:
+            quantized += quantized_matrix_bytes(self.vocab_size, self.hidden_size, q, dtype, group_size)
+            plain -= self.vocab_size * self.hidden_size
+        return quantized + plain * dtype_bytes(dtype)
 
     def with_overrides(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again), e.g. ``num_kv_heads=1`` for an MQA variant."""
@@ -358,6 +464,12 @@ __all__ = [
     "preset_names",
     "ceil_div",
     "DTYPE_BYTES",
+    "QUANTIZATIONS",
+    "KV_CACHE_DTYPES",
+    "DEFAULT_GROUP_SIZE",
+    "canonical_quantization",
+    "resolve_kv_cache_dtype",
+    "quantized_matrix_bytes",
 ]
 
 

@@ -49,6 +49,150 @@ PEAK_FALLBACKS: dict[str, tuple[str, ...]] = {
 }
 
 
+# ---- collectives: the analytic costs every room uses (sim.comm compares them with measured profiles) --------
+def ring_all_reduce_time(
+    num_bytes: float, world_size: int, bandwidth: float, step_latency_s: float = 0.0, base_latency_s: float = 0.0
+) -> float:
+    """Seconds of a ring all-reduce of ``num_bytes`` over ``world_size`` ranks: a reduce-scatter and an all-gather,
+    each ``n - 1`` steps moving ``num_bytes / n`` per link per step, so
+
+        base_latency_s + 2 (n - 1) * step_latency_s + 2 (n - 1) / n * num_bytes / bandwidth
+
+    (``bandwidth``: one direction of one GPU's link, bytes/s; ``base_latency_s``: launching and synchronising the
+    collective once; ``step_latency_s``: each of the ring's ``2 (n - 1)`` hops). Zero for a single rank."""
+    if world_size < 1:
+        raise ConfigError(f"world_size must be at least 1, got {world_size}")
+    if world_size == 1:
+        return 0.0
+    steps = 2 * (world_size - 1)
+    return base_latency_s + steps * step_latency_s + steps / world_size * num_bytes / bandwidth
+
+
+def ring_all_gather_time(
+    num_bytes: float, world_size: int, bandwidth: float, step_latency_s: float = 0.0, base_latency_s: float = 0.0
+) -> float:
+    """Seconds of a ring all-gather whose result is ``num_bytes`` (each rank contributes ``num_bytes / n``):
+    ``base + (n - 1) * step_latency + (n - 1) / n * num_bytes / bandwidth``. Zero for a single rank."""
+    if world_size < 1:
+        raise ConfigError(f"world_size must be at least 1, got {world_size}")
+    if world_size == 1:
+        return 0.0
+    steps = world_size - 1
+    return base_latency_s + steps * step_latency_s + steps / world_size * num_bytes / bandwidth
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The links between the GPUs of one server and between servers, per GPU and per direction (SI units).
+
+    ``intra_node_bandwidth``: NVLink (or PCIe, or AMD Infinity Fabric) bytes/s one GPU can send while receiving as
+    much; ``inter_node_bandwidth``: its share of the InfiniBand NICs (one NIC per GPU in DGX/HGX servers);
+    ``base_latency_s``: the fixed cost of one collective (launch and synchronisation, what a message of a few bytes
+    takes); ``step_latency_s``: each hop of a ring. ``gpus_per_node``: beyond it a group crosses servers.
+    """
+
+    name: str
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    base_latency_s: float
+    step_latency_s: float
+    inter_node_latency_s: float
+    gpus_per_node: int
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for fname in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            value = getattr(self, fname)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"interconnect {self.name!r}: {fname} must be a positive number, got {value!r}")
+        for fname in ("base_latency_s", "step_latency_s", "inter_node_latency_s"):
+            value = getattr(self, fname)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"interconnect {self.name!r}: {fname} must be a number >= 0, got {value!r}")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ConfigError(f"interconnect {self.name!r}: gpus_per_node must be a positive integer")
+
+    def link(self, group_size: int) -> tuple[float, float]:
+        """(bandwidth, step latency) of a group of ``group_size`` GPUs: intra-node while it fits in a server."""
+        if group_size <= self.gpus_per_node:
+            return self.intra_node_bandwidth, self.step_latency_s
+        return self.inter_node_bandwidth, self.inter_node_latency_s
+
+    def all_reduce_s(self, num_bytes: float, world_size: int) -> float:
+        """A ring all-reduce of ``num_bytes`` over ``world_size`` GPUs (``ring_all_reduce_time``)."""
+        bw, lat = self.link(world_size)
+        return ring_all_reduce_time(num_bytes, world_size, bw, lat, self.base_latency_s)
+
+    def all_gather_s(self, num_bytes: float, world_size: int) -> float:
+        """A ring all-gather whose result is ``num_bytes`` over ``world_size`` GPUs."""
+        bw, lat = self.link(world_size)
+        return ring_all_gather_time(num_bytes, world_size, bw, lat, self.base_latency_s)
+
+    def send_s(self, num_bytes: float, cross_node: bool = False) -> float:
+        """One point-to-point send: ``base_latency + bytes / bandwidth`` (plus the inter-node hop latency across
+        servers)."""
+        if cross_node:
+            return self.base_latency_s + self.inter_node_latency_s + num_bytes / self.inter_node_bandwidth
+        return self.base_latency_s + num_bytes / self.intra_node_bandwidth
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How far real kernels stay from the roofline, per operation class (1.0 and 0.0: the ideal roofline).
+
+    - a matrix product over ``M`` rows (tokens; sequences for the LM head) reaches ``max * M / (M + half_tokens)``
+      of the matmul peak: a saturating curve, so small products (tile and wave quantisation, the GPU not filled)
+      are slow and large ones approach ``max``; separately for the linear layers and for attention, and with
+      ``fp8_max`` in place of ``linear_max`` for FP8 products;
+    - every operation streams memory at ``memory_efficiency`` of the bandwidth;
+    - no kernel takes less than ``kernel_floor_s`` (launch and tail: norms, rotary, SiLU, adds at small token
+      counts are this, not their bytes);
+    - ``step_overhead_s``: host time per scheduler step (scheduling, input preparation, sampling) that the
+      device does not hide.
+    """
+
+    linear_max: float = 1.0
+    linear_half_tokens: float = 0.0
+    attention_max: float = 1.0
+    attention_half_tokens: float = 0.0
+    fp8_max: float = 1.0
+    memory_efficiency: float = 1.0
+    kernel_floor_s: float = 0.0
+    step_overhead_s: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for fname in ("linear_max", "attention_max", "fp8_max", "memory_efficiency"):
+            value = getattr(self, fname)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                raise ConfigError(f"calibration {fname} must be in (0, 1], got {value!r}")
+        for fname in ("linear_half_tokens", "attention_half_tokens", "kernel_floor_s", "step_overhead_s"):
+            value = getattr(self, fname)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"calibration {fname} must be a number >= 0, got {value!r}")
+
+    @property
+    def is_ideal(self) -> bool:
+        """True when every figure is the ideal roofline's (whatever the source says)."""
+        return self.replace(source="") == IDEAL
+
+    def replace(self, **changes: Any) -> Calibration:
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+    @staticmethod
+    def efficiency(rows: float, top: float, half: float) -> float:
+        """``top * rows / (rows + half)``: the share of the peak a product over ``rows`` rows reaches."""
+        return top * rows / (rows + half) if rows > 0 else top
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+IDEAL = Calibration()
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     """The ceilings of one machine, in SI units (FLOP/s, bytes/s, bytes).
@@ -67,6 +211,8 @@ class HardwareSpec:
     display_name: str = ""
     notes: str = ""
     details: dict[str, Any] = field(default_factory=dict, compare=False)
+    interconnect: Interconnect | None = field(default=None, compare=False)
+    calibration: Calibration = field(default=IDEAL, compare=False)
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -118,6 +264,8 @@ class HardwareSpec:
             "source": self.source,
             "notes": self.notes,
             "details": dict(self.details),
+            "interconnect": dict(self.interconnect.__dict__) if self.interconnect else None,
+            "calibration": self.calibration.to_dict(),
         }
 
     @classmethod
@@ -174,13 +322,56 @@ def load_table(path: str | Path = HARDWARE_FILE) -> dict[str, HardwareSpec]:
                 source=str(row["source"]),
                 display_name=str(row.get("display_name", name)),
                 notes=str(row.get("notes", "")),
+                interconnect=_interconnect(row.get("interconnect"), where),
+                calibration=_calibration(row.get("calibration"), where),
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError) as exc:
             if isinstance(exc, ConfigError):
                 raise ConfigError(f"{path}: {exc}") from None
+            if isinstance(exc, KeyError):
+                raise ConfigError(f"{where}: missing key {exc}") from None
             raise ConfigError(f"{where}: non-numeric figure ({exc})") from None
         table[spec.name] = spec
     return table
+
+
+INTERCONNECT_KEYS = ("name", "intra_node_gbs", "inter_node_gbps", "base_latency_us", "step_latency_us",
+                     "inter_node_latency_us", "gpus_per_node", "source")  # fmt: skip
+CALIBRATION_KEYS = ("linear_max", "linear_half_tokens", "attention_max", "attention_half_tokens", "fp8_max",
+                    "memory_efficiency", "kernel_floor_us", "step_overhead_us", "source")  # fmt: skip
+
+
+def _interconnect(row: Any, where: str) -> Interconnect | None:
+    """An ``interconnect:`` mapping of the table (GB/s within a server, Gb/s between servers, microseconds)."""
+    if row is None:
+        return None
+    if not isinstance(row, dict) or set(row) - set(INTERCONNECT_KEYS):
+        raise ConfigError(f"{where}: interconnect must be a mapping with keys among {', '.join(INTERCONNECT_KEYS)}")
+    return Interconnect(
+        name=str(row.get("name", "")),
+        intra_node_bandwidth=float(row["intra_node_gbs"]) * 1e9,
+        inter_node_bandwidth=float(row["inter_node_gbps"]) * 1e9 / 8,
+        base_latency_s=float(row.get("base_latency_us", 0.0)) * 1e-6,
+        step_latency_s=float(row.get("step_latency_us", 0.0)) * 1e-6,
+        inter_node_latency_s=float(row.get("inter_node_latency_us", 0.0)) * 1e-6,
+        gpus_per_node=int(row.get("gpus_per_node", 8)),
+        source=str(row.get("source", "")),
+    )
+
+
+def _calibration(row: Any, where: str) -> Calibration:
+    """A ``calibration:`` mapping of the table (efficiencies, tokens, microseconds); absent: the ideal roofline."""
+    if row is None:
+        return IDEAL
+    if not isinstance(row, dict) or set(row) - set(CALIBRATION_KEYS):
+        raise ConfigError(f"{where}: calibration must be a mapping with keys among {', '.join(CALIBRATION_KEYS)}")
+    values = {k: float(v) for k, v in row.items() if k not in ("source", "kernel_floor_us", "step_overhead_us")}
+    return Calibration(
+        **values,
+        kernel_floor_s=float(row.get("kernel_floor_us", 0.0)) * 1e-6,
+        step_overhead_s=float(row.get("step_overhead_us", 0.0)) * 1e-6,
+        source=str(row.get("source", "")),
+    )
 
 
 def hardware_names() -> list[str]:
@@ -465,6 +656,11 @@ def measured_spec(
 
 
 __all__ = [
+    "Calibration",
+    "IDEAL",
+    "Interconnect",
+    "ring_all_reduce_time",
+    "ring_all_gather_time",
     "HardwareSpec",
     "HARDWARE_FILE",
     "MEASURED",

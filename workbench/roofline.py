@@ -47,9 +47,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.config import ModelConfig, canonical_dtype, dtype_bytes
+from workbench.config import (
+    DEFAULT_GROUP_SIZE,
+    KV_CACHE_DTYPES,
+    ModelConfig,
+    canonical_dtype,
+    canonical_quantization,
+    ceil_div,
+    dtype_bytes,
+    quantized_matrix_bytes,
+    resolve_kv_cache_dtype,
+)
 from workbench.errors import ConfigError
-from workbench.hardware import HardwareSpec, get_hardware
+from workbench.hardware import IDEAL, Calibration, HardwareSpec, get_hardware
 
 LAYER_OPS = (
     "attn_norm", "q_proj", "k_proj", "v_proj", "rope", "kv_write", "attn_scores", "softmax", "attn_value",
@@ -89,8 +99,9 @@ class OpCost:
     kv_bytes: float
     act_bytes: float
     time_s: float
-    bound: str  # "compute" or "memory"
+    bound: str  # "compute", "memory", "floor" (the kernel floor), "link" (communication), "idle", "host"
     count: int = 1
+    link_bytes: float = 0.0  # bytes this GPU sends over its interconnect (communication ops)
 
     @property
     def bytes(self) -> float:
@@ -113,6 +124,7 @@ class OpCost:
             "kv_bytes": self.kv_bytes,
             "act_bytes": self.act_bytes,
             "count": self.count,
+            "link_bytes": self.link_bytes,
         }
 
 
@@ -130,6 +142,9 @@ class StepCost:
     num_tokens: int
     num_seqs: int
     ops: tuple[OpCost, ...] | None = None
+    link_bytes: float = 0.0  # bytes one GPU sends over its interconnect in the step
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @property
     def bytes(self) -> float:
@@ -163,6 +178,9 @@ class StepCost:
             "act_bytes": self.act_bytes,
             "num_tokens": self.num_tokens,
             "num_seqs": self.num_seqs,
+            "link_bytes": self.link_bytes,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
             "ops": [op.to_dict() for op in self.ops or ()],
         }
 
@@ -182,15 +200,126 @@ class Utilization:
         return dict(self.__dict__)
 
 
-def _op_coefficients(cfg: ModelConfig, w: int, a: int, c: int) -> dict[str, tuple[tuple[float, ...], ...]]:
-    """Per operation, for ONE layer (or once per model): coefficients on (1, tokens, seqs, pairs, context)
-    of (flops, weight_bytes, kv_bytes, act_bytes).
+@dataclass(frozen=True)
+class Shard:
+    """What one GPU of a tensor-parallel x pipeline-parallel group holds and computes (vLLM's sharding).
+
+    Megatron-style tensor parallelism over ``tensor_parallel_size`` GPUs: Q, K, V, gate and up are split by output
+    (column-parallel), O and down by input (row-parallel, one all-reduce after each); query heads are divided
+    evenly, KV heads too, or replicated one per GPU when there are fewer KV heads than GPUs (vLLM's rule); the
+    intermediate size is divided evenly; the LM head and the embedding table are split by vocabulary (vLLM's
+    ``VocabParallelEmbedding`` / ``ParallelLMHead``, the vocabulary padded to a multiple of the group), and the
+    logits are gathered. Pipeline parallelism over ``pipeline_parallel_size`` stages: consecutive layers per stage,
+    ``ceil(layers / stages)`` on the largest, which paces the pipeline; the embedding on the first stage, the final
+    norm and the LM head on the last (a tied head keeps its own copy there).
+    """
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    num_heads: int  # query heads per GPU
+    num_kv_heads: int  # KV heads per GPU (replicated when the model has fewer than the group)
+    head_dim: int
+    intermediate_size: int  # per GPU
+    vocab_size: int  # vocabulary rows per GPU
+    num_layers: int  # layers of the largest stage
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Shard:
+        """The shard of ``cfg``; a ``ConfigError`` naming the dimension a group size does not divide."""
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        for fname, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{fname} must be a positive integer, got {value!r}")
+        if cfg.num_heads % tp:
+            raise ConfigError(f"{cfg.name}: tensor_parallel_size {tp} does not divide its {cfg.num_heads} attention "
+                              "heads")  # fmt: skip
+        if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+            raise ConfigError(f"{cfg.name}: tensor_parallel_size {tp} and its {cfg.num_kv_heads} KV heads: one must "
+                              "divide the other")  # fmt: skip
+        if cfg.intermediate_size % tp:
+            raise ConfigError(f"{cfg.name}: tensor_parallel_size {tp} does not divide its intermediate size "
+                              f"{cfg.intermediate_size}")  # fmt: skip
+        if pp > cfg.num_layers:
+            raise ConfigError(f"{cfg.name}: pipeline_parallel_size {pp} exceeds its {cfg.num_layers} layers")
+        return cls(tp, pp, cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp), cfg.head_dim,
+                   cfg.intermediate_size // tp, ceil_div(cfg.vocab_size, tp), ceil_div(cfg.num_layers, pp))  # fmt: skip
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def linear_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """(out, in) of each of a layer's weight matrices on one GPU."""
+        h = cfg.hidden_size
+        return {"q_proj": (self.q_size, h), "k_proj": (self.kv_size, h), "v_proj": (self.kv_size, h),
+                "o_proj": (h, self.q_size), "gate_proj": (self.intermediate_size, h),
+                "up_proj": (self.intermediate_size, h), "down_proj": (h, self.intermediate_size)}  # fmt: skip
+
+    def layer_weight_bytes(
+        self, cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE
+    ) -> dict[str, float]:
+        """Bytes of each weight-reading operation of one layer on one GPU: the matrices under ``quantization``
+        (scales included), biases and norm weights in ``dtype``."""
+        a = dtype_bytes(dtype)
+        bias = a if cfg.attention_bias else 0
+        out: dict[str, float] = {"attn_norm": cfg.hidden_size * a, "mlp_norm": cfg.hidden_size * a}
+        for name, (o, i) in self.linear_shapes(cfg).items():
+            if canonical_quantization(quantization) == "int4" and i % group_size:
+                raise ConfigError(f"{cfg.name}: int4 group size {group_size} does not divide {name}'s input size {i} "
+                                  f"on one of {self.tensor_parallel_size} GPUs")  # fmt: skip
+            out[name] = quantized_matrix_bytes(o, i, quantization, dtype, group_size)
+            if name in ("q_proj", "k_proj", "v_proj"):
+                out[name] += o * bias
+        return out
+
+    def lm_head_bytes(self, cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int) -> float:
+        """The LM head's rows on one GPU: under ``quantization`` when untied, the (tied) table in ``dtype``."""
+        if cfg.tie_word_embeddings:
+            return self.vocab_size * cfg.hidden_size * dtype_bytes(dtype)
+        return quantized_matrix_bytes(self.vocab_size, cfg.hidden_size, quantization, dtype, group_size)
+
+    def weight_bytes(
+        self, cfg: ModelConfig, dtype: str = "bf16", quantization: str | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+    ) -> int:  # fmt: skip
+        """Weight bytes of the most loaded GPU (equal to ``cfg.weight_bytes`` for one GPU)."""
+        a = dtype_bytes(dtype)
+        layer = sum(self.layer_weight_bytes(cfg, dtype, quantization, group_size).values())
+        embedding = self.vocab_size * cfg.hidden_size * a
+        head = self.lm_head_bytes(cfg, dtype, quantization, group_size)
+        last = cfg.hidden_size * a + head  # final norm + LM head
+        if self.pipeline_parallel_size == 1:
+            ends = embedding + last - (head if cfg.tie_word_embeddings else 0)
+        else:
+            ends = max(embedding, last)
+        return int(self.num_layers * layer + ends)
+
+    def kv_bytes_per_token(self, cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
+        """KV bytes one GPU caches per token: its layers x its KV heads (int8 scales included)."""
+        per_head_layer = cfg.kv_bytes_per_token(kv_dtype) // (2 * cfg.num_layers * cfg.num_kv_heads)
+        return 2 * self.num_layers * self.num_kv_heads * per_head_layer
+
+
+def _op_coefficients(
+    cfg: ModelConfig, shard: Shard, weights: dict[str, float], head_bytes: float, a: int, kv_token: float
+) -> dict[str, tuple[tuple[float, ...], ...]]:
+    """Per operation on ONE GPU, for ONE layer (or once per model): coefficients on (1, tokens, seqs, pairs,
+    context) of (flops, weight_bytes, kv_bytes, act_bytes).
 
     tokens: new tokens in the step; seqs: sequences; pairs: attended (query, key) pairs;
-    context: tokens whose K and V are read (cached + new, per sequence).
+    context: tokens whose K and V are read (cached + new, per sequence). ``weights``: bytes of each weight-reading
+    op of a layer; ``head_bytes``: the LM head's; ``kv_token``: bytes of one token's K (or V) in one layer.
     """
-    h, q, kv, inter, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
-    nh = cfg.num_heads
+    h, q, kv, inter, v = cfg.hidden_size, shard.q_size, shard.kv_size, shard.intermediate_size, shard.vocab_size
+    nh = shard.num_heads
     bias = 1 if cfg.attention_bias else 0
     zero = (0, 0, 0, 0, 0)
 
@@ -200,37 +329,38 @@ def _op_coefficients(cfg: ModelConfig, w: int, a: int, c: int) -> dict[str, tupl
     def const(x: float) -> tuple[float, ...]:
         return (x, 0, 0, 0, 0)
 
-    def proj(in_f: int, out_f: int, has_bias: int) -> tuple[tuple[float, ...], ...]:
+    def proj(name: str, in_f: int, out_f: int, has_bias: int) -> tuple[tuple[float, ...], ...]:
         flops = per_token(2 * in_f * out_f + has_bias * out_f)
-        weights = const((in_f * out_f + has_bias * out_f) * w)
-        return flops, weights, zero, per_token((in_f + out_f) * a)
+        return flops, const(weights[name]), zero, per_token((in_f + out_f) * a)
 
-    norm = (per_token(NORM_FLOPS_PER_ELEMENT * h), const(h * w), zero, per_token(2 * h * a))
+    def norm(name: str) -> tuple[tuple[float, ...], ...]:
+        return per_token(NORM_FLOPS_PER_ELEMENT * h), const(weights[name]), zero, per_token(2 * h * a)
+
     residual = (per_token(RESIDUAL_FLOPS_PER_ELEMENT * h), zero, zero, per_token(3 * h * a))
     layer = {
-        "attn_norm": norm,
-        "q_proj": proj(h, q, bias),
-        "k_proj": proj(h, kv, bias),
-        "v_proj": proj(h, kv, bias),
+        "attn_norm": norm("attn_norm"),
+        "q_proj": proj("q_proj", h, q, bias),
+        "k_proj": proj("k_proj", h, kv, bias),
+        "v_proj": proj("v_proj", h, kv, bias),
         "rope": (per_token(ROPE_FLOPS_PER_ELEMENT * (q + kv)), zero, zero, per_token(2 * (q + kv) * a)),
-        "kv_write": (zero, zero, per_token(2 * kv * c), per_token(2 * kv * a)),
-        "attn_scores": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv * c), per_token(q * a)),
+        "kv_write": (zero, zero, per_token(2 * kv_token), per_token(2 * kv * a)),
+        "attn_scores": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv_token), per_token(q * a)),
         "softmax": ((0, 0, 0, SOFTMAX_FLOPS_PER_SCORE * nh, 0), zero, zero, per_token(LSE_BYTES * nh)),
-        "attn_value": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv * c), per_token(q * a)),
-        "o_proj": proj(q, h, 0),
+        "attn_value": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv_token), per_token(q * a)),
+        "o_proj": proj("o_proj", q, h, 0),
         "attn_residual": residual,
-        "mlp_norm": norm,
-        "gate_proj": proj(h, inter, 0),
-        "up_proj": proj(h, inter, 0),
+        "mlp_norm": norm("mlp_norm"),
+        "gate_proj": proj("gate_proj", h, inter, 0),
+        "up_proj": proj("up_proj", h, inter, 0),
         "act_mul": (per_token(ACT_MUL_FLOPS_PER_ELEMENT * inter), zero, zero, per_token(3 * inter * a)),
-        "down_proj": proj(inter, h, 0),
+        "down_proj": proj("down_proj", inter, h, 0),
         "mlp_residual": residual,
     }
     per_seq = lambda x: (0, 0, x, 0, 0)
     model = {
-        "embedding": (zero, per_token(h * w), zero, per_token(h * a)),
-        "final_norm": (per_seq(NORM_FLOPS_PER_ELEMENT * h), const(h * w), zero, per_seq(2 * h * a)),
-        "lm_head": (per_seq(2 * h * v), const(h * v * w), zero, per_seq((h + v) * a)),
+        "embedding": (zero, per_token(h * a), zero, per_token(h * a)),
+        "final_norm": (per_seq(NORM_FLOPS_PER_ELEMENT * h), const(h * a), zero, per_seq(2 * h * a)),
+        "lm_head": (per_seq(2 * h * v), const(head_bytes), zero, per_seq((h + v) * a)),
     }
     return {**layer, **model}
 
@@ -239,13 +369,31 @@ def _dot(coef: tuple[float, ...], x: tuple[float, ...]) -> float:
     return coef[0] * x[0] + coef[1] * x[1] + coef[2] * x[2] + coef[3] * x[3] + coef[4] * x[4]
 
 
-def _dtypes(dtype: str, act_dtype: str | None, kv_dtype: str | None) -> tuple[str, str, str]:
-    """(weights, activations, KV) dtypes: activations default to the weights' (bf16 under a quantized format),
-    the KV cache to the activations'."""
-    dtype = canonical_dtype(dtype)
-    act = canonical_dtype(act_dtype) if act_dtype is not None else (dtype if dtype in ("fp32", "fp16", "bf16")
-                                                                    else "bf16")  # fmt: skip
-    return dtype, act, canonical_dtype(kv_dtype) if kv_dtype is not None else act
+def resolve_dtypes(
+    dtype: str, act_dtype: str | None = None, kv_dtype: str | None = None, quantization: str | None = None
+) -> tuple[str, str, str | None]:
+    """(activations, KV cache, weight quantization) of a roofline.
+
+    ``dtype`` is the activations' (vLLM's ``--dtype``): fp32, fp16 or bf16. For the older calls that named the
+    weights' format there, ``dtype='fp8'`` or ``'int8'`` means that ``quantization`` with bf16 activations (or
+    ``act_dtype``). ``kv_dtype``: 'auto'/None (the activations'), 'fp8', 'int8' (``resolve_kv_cache_dtype``) or an
+    explicit float dtype.
+    """
+    name = canonical_dtype(dtype)
+    quant = canonical_quantization(quantization)
+    if name in ("fp8", "int8"):
+        if quant is not None and quant != name:
+            raise ConfigError(f"dtype {dtype!r} names a weight format and quantization says {quantization!r}")
+        quant, name = name, "bf16"
+    act = canonical_dtype(act_dtype) if act_dtype is not None else name
+    if act in ("fp8", "int8"):
+        raise ConfigError(f"activation dtype must be fp32, fp16 or bf16, got {act_dtype!r}: FP8 compute is "
+                          "--quantization fp8")  # fmt: skip
+    if kv_dtype is None or str(kv_dtype).lower() in KV_CACHE_DTYPES:
+        kv = resolve_kv_cache_dtype(kv_dtype, act)
+    else:
+        kv = canonical_dtype(kv_dtype)
+    return act, kv, quant
 
 
 @dataclass(frozen=True)
@@ -262,6 +410,15 @@ class StepWork:
         return self.weight_bytes + self.kv_bytes + self.act_bytes
 
 
+def _shard_coefficients(
+    cfg: ModelConfig, shard: Shard, act: str, kv: str, quant: str | None, group_size: int
+) -> dict[str, tuple[tuple[float, ...], ...]]:
+    weights = shard.layer_weight_bytes(cfg, act, quant, group_size)
+    head = shard.lm_head_bytes(cfg, act, quant, group_size)
+    kv_token = shard.kv_bytes_per_token(cfg, kv) / (2 * shard.num_layers)
+    return _op_coefficients(cfg, shard, weights, head, dtype_bytes(act), kv_token)
+
+
 def step_work(
     cfg: ModelConfig,
     dtype: str = "bf16",
@@ -269,25 +426,44 @@ def step_work(
     decode_contexts: Sequence[int] = (),
     kv_dtype: str | None = None,
     act_dtype: str | None = None,
+    quantization: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> StepWork:
-    """FLOPs and bytes of a step (prefill chunks ``(num_new, num_cached)``, decodes at context lengths), counted
-    without any hardware spec: the same operation table ``RooflineModel`` prices."""
-    w, a, c = (dtype_bytes(d) for d in _dtypes(dtype, act_dtype, kv_dtype))
+    """FLOPs and bytes of a step (prefill chunks ``(num_new, num_cached)``, decodes at context lengths) on one
+    GPU, counted without any hardware spec: the same operation table ``RooflineModel`` prices."""
+    act, kv, quant = resolve_dtypes(dtype, act_dtype, kv_dtype, quantization)
+    shard = Shard.of(cfg)
     x = (1.0, *(float(v) for v in RooflineModel.batch_stats(prefill_chunks, decode_contexts)))
     totals = [0.0, 0.0, 0.0, 0.0]
     if x[1] > 0:
-        for name, coefs in _op_coefficients(cfg, w, a, c).items():
+        for name, coefs in _shard_coefficients(cfg, shard, act, kv, quant, group_size).items():
             count = cfg.num_layers if name in LAYER_OPS else 1
             for i, coef in enumerate(coefs):
                 totals[i] += count * _dot(coef, x)
     return StepWork(*totals)
 
 
-class RooflineModel:
-    """Precomputed per-operation costs of one model on one hardware with given dtypes.
+# rows of a matrix product, for its efficiency: 0 none (vector ops, communication), 1 tokens (linear), 2 sequences
+# (LM head), 3 tokens (attention)
+_ROWS = {name: 1 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+_ROWS.update({"lm_head": 2, "attn_scores": 3, "attn_value": 3})
+COMM_OPS = ("tp_all_reduce", "lm_head_gather", "pp_send")
 
-    ``dtype``: weights; ``act_dtype``: activations and matmul compute (default: ``dtype``, or bf16 when the
-    weights are fp8/int8); ``kv_dtype``: the KV cache (default: the activation dtype).
+
+class RooflineModel:
+    """Precomputed per-operation costs of one model on one GPU of a TP x PP group, with given dtypes.
+
+    ``dtype``: activations (vLLM's ``--dtype``; 'fp8'/'int8' there are read as ``quantization`` for older callers);
+    ``quantization``: the linear layers' weights (None, 'int8' or 'int4': weight-only, products at the activation
+    peak; 'fp8': FP8 weights and products at the FP8 peak, an error on hardware without one); ``kv_dtype``: the KV
+    cache ('auto' = activations, 'fp8', 'int8' with its per-token scales). ``calibration``: None or ``IDEAL`` is the
+    ideal roofline, 'hardware' the spec's own (``accelerators.yaml``), or a ``Calibration``.
+
+    A step's ``time_s`` is its wall time on the whole group: each operation of one GPU of the largest stage
+    (sharded FLOPs and bytes), the tensor-parallel all-reduces after O and after down (ring, ``Interconnect``), the
+    gather of the vocabulary-split logits, the activation sends between stages, and ``pipeline_bubble``: the time
+    this GPU waits while the step's other stages run (a step is one batch through every stage in turn), plus the
+    calibration's per-step host overhead.
     """
 
     def __init__(
@@ -297,35 +473,113 @@ class RooflineModel:
         dtype: str = "bf16",
         kv_dtype: str | None = None,
         act_dtype: str | None = None,
+        quantization: str | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        calibration: Calibration | str | None = None,
     ) -> None:
         self.cfg = cfg
         self.hw = get_hardware(hw)
-        self.dtype, self.act_dtype, self.kv_dtype = _dtypes(dtype, act_dtype, kv_dtype)
-        self.matmul_peak = self.hw.peak(self.act_dtype)
+        self.act_dtype, self.kv_dtype, self.quantization = resolve_dtypes(dtype, act_dtype, kv_dtype, quantization)
+        self.dtype = self.quantization or self.act_dtype  # the weights' format, for reports
+        self.group_size = group_size
+        if self.quantization is not None:
+            cfg.check_quantization(self.quantization, group_size)
+        self.shard = shard = Shard.of(cfg, tensor_parallel_size, pipeline_parallel_size)
+        self.tensor_parallel_size = shard.tensor_parallel_size
+        self.pipeline_parallel_size = shard.pipeline_parallel_size
+        if calibration is None:
+            calibration = IDEAL
+        elif isinstance(calibration, str):
+            if calibration != "hardware":
+                raise ConfigError(f"calibration must be None, 'hardware' or a Calibration, got {calibration!r}")
+            calibration = self.hw.calibration
+        self.calibration: Calibration = calibration
+        if self.quantization == "fp8":
+            if "fp8" not in self.hw.peak_flops:
+                raise ConfigError(f"--quantization fp8 computes in FP8, and {self.hw.display_name or self.hw.name} has "
+                                  "no FP8 tensor cores; use int8 or int4 (weight-only) there, or an FP8 part "
+                                  "(h100-sxm, h200, l40s, ...)")  # fmt: skip
+            self.matmul_peak = self.hw.peak_flops["fp8"]
+        else:
+            self.matmul_peak = self.hw.peak(self.act_dtype)
         self.vector_peak = self.hw.vector_flops
         self.bandwidth = self.hw.mem_bandwidth
-        w, a, c = dtype_bytes(self.dtype), dtype_bytes(self.act_dtype), dtype_bytes(self.kv_dtype)
-        per_op = _op_coefficients(cfg, w, a, c)
+        cal = self.calibration
+        linear_max = cal.fp8_max if self.quantization == "fp8" else cal.linear_max
+        self._curves = ((linear_max, cal.linear_half_tokens), (cal.attention_max, cal.attention_half_tokens))
+        a = dtype_bytes(self.act_dtype)
+        per_op = _shard_coefficients(cfg, shard, self.act_dtype, self.kv_dtype, self.quantization, group_size)
         self.op_names: tuple[str, ...] = LAYER_OPS + MODEL_OPS
-        # (name, count, peak, flops coef, weight coef, kv coef, act coef), coefficients already x count
+        layers, stage = cfg.num_layers, shard.num_layers
+        self.stage_repeat = layers / stage  # wall time of a step = this many times a stage's layers
+        bw = self.bandwidth * cal.memory_efficiency
+        # (name, count, peak, flops coef, weight coef, kv coef, act coef), coefficients already x count (ideal)
         self._ops: list[tuple[str, int, float, tuple[float, ...], ...]] = []
-        # fast path: per op, time coefficients (flops/peak on the 5 stats, bytes/bandwidth on the 5 stats)
-        self._fast: list[tuple[tuple[float, ...], tuple[float, ...]]] = []
+        # per term: (name, wall multiple, rows kind, flops/peak on the 5 stats, bytes/bandwidth on the 5 stats,
+        # floor); a term's time is max(flops time x 1/efficiency(rows), bytes time, floor), and the step's
+        # wall time the sum of multiple x time
+        self._terms: list[tuple[str, float, int, tuple[float, ...], tuple[float, ...], float]] = []
         for name in self.op_names:
-            count = cfg.num_layers if name in LAYER_OPS else 1
+            count = stage if name in LAYER_OPS else 1
             peak = self.matmul_peak if name in MATMUL_OPS else self.vector_peak
             fc, wc, kc, ac = (tuple(count * x for x in coef) for coef in per_op[name])
             self._ops.append((name, count, peak, fc, wc, kc, ac))
             bytes_coef = tuple(wc[i] + kc[i] + ac[i] for i in range(5))
-            self._fast.append((tuple(x / peak for x in fc), tuple(x / self.bandwidth for x in bytes_coef)))
             # no op's flops have a constant term and no op's bytes depend on pairs (see _op_coefficients)
             assert fc[0] == 0 and bytes_coef[3] == 0, name
+            mult = self.stage_repeat if name in LAYER_OPS else 1.0
+            self._terms.append((name, mult, _ROWS.get(name, 0), tuple(x / peak for x in fc),
+                                tuple(x / bw for x in bytes_coef), count * cal.kernel_floor_s))  # fmt: skip
+        # communication: times affine in the step's statistics (seconds on (1, tokens, seqs, pairs, context))
+        self._comm: dict[str, tuple[int, float, tuple[float, ...], tuple[float, ...]]] = {}
+        tp, pp = shard.tensor_parallel_size, shard.pipeline_parallel_size
+        ic = self.hw.interconnect
+        if (tp > 1 or pp > 1) and ic is None:
+            raise ConfigError(f"hardware {self.hw.name!r} has no interconnect in accelerators.yaml: it cannot run "
+                              "tensor or pipeline parallelism here")  # fmt: skip
+        h = cfg.hidden_size
+        if tp > 1:
+            c0 = ic.all_reduce_s(0.0, tp)
+            c1 = ic.all_reduce_s(1.0, tp) - c0  # seconds per byte
+            count = 2 * stage  # after O and after down in each layer of the stage
+            self._add_comm("tp_all_reduce", count, self.stage_repeat, (count * c0, count * c1 * h * a, 0, 0, 0),
+                           (0, h * a * count, 0, 0, 0))  # fmt: skip
+            g0 = ic.all_gather_s(0.0, tp)
+            g1 = ic.all_gather_s(1.0, tp) - g0
+            vocab = cfg.vocab_size * a
+            self._add_comm("lm_head_gather", 1, 1.0, (g0, 0, g1 * vocab, 0, 0), (0, 0, vocab * (tp - 1) / tp, 0, 0))
+        if pp > 1:
+            cross = tp * pp > ic.gpus_per_node
+            s0 = ic.send_s(0.0, cross)
+            s1 = ic.send_s(1.0, cross) - s0
+            self._add_comm("pp_send", pp - 1, 1.0, ((pp - 1) * s0, (pp - 1) * s1 * h * a, 0, 0, 0),
+                           (0, (pp - 1) * h * a, 0, 0, 0))  # fmt: skip
+        for name, (_count, mult, times, _bytes) in self._comm.items():
+            self._terms.append((name, mult, 0, (0.0,) * 5, times, 0.0))
+        if cal.step_overhead_s > 0:
+            self._terms.append(("step_overhead", 1.0, 0, (0.0,) * 5, (cal.step_overhead_s, 0, 0, 0, 0), 0.0))
+        self._fast = [(m, r, f[1], f[2], f[3], b[0], b[1], b[2], b[4], fl) for _n, m, r, f, b, fl in self._terms]
+
+    def _add_comm(
+        self, name: str, count: int, mult: float, times: tuple[float, ...], link_bytes: tuple[float, ...]
+    ) -> None:
+        self._comm[name] = (count, mult, tuple(float(x) for x in times), tuple(float(x) for x in link_bytes))
 
     # ---- step statistics -------------------------------------------------------------------------------
     @property
     def stat_coefficients(self) -> list[tuple[tuple[float, ...], tuple[float, ...]]]:
-        """Per operation, its compute and memory times (s) as coefficients on (1, tokens, seqs, pairs, context)."""
-        return self._fast
+        """Per operation of one GPU, its ideal compute and memory times (s) as coefficients on (1, tokens, seqs,
+        pairs, context), no calibration and no communication (the ideal single-GPU roofline)."""
+        return [(tuple(x / peak for x in fc), tuple((w + k + c) / self.bandwidth for w, k, c in zip(wc, kc, ac)))
+                for _n, _c, peak, fc, wc, kc, ac in self._ops]  # fmt: skip
+
+    def _factors(self, tokens: float, seqs: float) -> tuple[float, float, float, float]:
+        """1 / efficiency of the products of a step, by rows kind (see ``_ROWS``)."""
+        (lm, lh), (am, ah) = self._curves
+        eff = Calibration.efficiency
+        return (1.0, 1.0 / eff(tokens, lm, lh), 1.0 / eff(seqs, lm, lh), 1.0 / eff(tokens, am, ah))
 
     @staticmethod
     def batch_stats(
@@ -354,15 +608,30 @@ class RooflineModel:
         return tokens, seqs, pairs, context
 
     def time_from_stats(self, tokens: float, seqs: float, pairs: float, context: float) -> float:
-        """Predicted step time from the four sums (the fast path: no per-op objects)."""
+        """Predicted wall time of a step on the group from the four sums (the fast path: no per-op objects)."""
         if tokens <= 0:
             return 0.0
+        factors = self._factors(tokens, seqs)
         total = 0.0
-        for fc, bc in self._fast:
-            tc = fc[1] * tokens + fc[2] * seqs + fc[3] * pairs
-            tb = bc[0] + bc[1] * tokens + bc[2] * seqs + bc[4] * context
-            total += tc if tc > tb else tb
+        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor in self._fast:
+            tc = (f1 * tokens + f2 * seqs + f3 * pairs) * factors[rows]
+            tb = b0 + b1 * tokens + b2 * seqs + b4 * context
+            t = tc if tc > tb else tb
+            total += mult * (t if t > floor else floor)
         return total
+
+    def decode_lines(self, num_seqs: int) -> list[tuple[float, tuple[tuple[float, float], ...]]]:
+        """A pure-decode step of ``num_seqs`` sequences as a function of the context C it reads (pairs = context
+        = C): per term ``(multiple, lines)`` with time ``multiple * max(a + b C for (a, b) in lines)``."""
+        n = float(num_seqs)
+        factors = self._factors(n, n)
+        out = []
+        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor in self._fast:
+            lines = [((f1 + f2) * n * factors[rows], f3 * factors[rows]), (b0 + (b1 + b2) * n, b4)]
+            if floor > 0:
+                lines.append((floor, 0.0))
+            out.append((mult, tuple(lines)))
+        return out
 
     def step_time(self, prefill_chunks: Iterable[tuple[int, int]] = (), decode_contexts: Sequence[int] = ()) -> float:
         """Predicted time of a (possibly mixed) step, in seconds."""
@@ -378,19 +647,41 @@ class RooflineModel:
         return self.cost_from_stats(*self.batch_stats(prefill_chunks, decode_contexts), detailed=detailed)
 
     def cost_from_stats(self, tokens: int, seqs: int, pairs: int, context: int, detailed: bool = True) -> StepCost:
+        """One GPU's FLOPs and bytes (its stage, its shard) and the group's wall time, op by op."""
         x = (1.0, float(tokens), float(seqs), float(pairs), float(context))
         ops = []
-        flops = wb = kb = ab = time_s = compute_s = 0.0
-        for name, count, peak, fc, wc, kc, ac in self._ops:
-            if tokens <= 0:
-                break
-            f, w_, k_, a_ = _dot(fc, x), _dot(wc, x), _dot(kc, x), _dot(ac, x)
-            tc, tb = f / peak, (w_ + k_ + a_) / self.bandwidth
-            flops, wb, kb, ab = flops + f, wb + w_, kb + k_, ab + a_
-            time_s += max(tc, tb)
-            compute_s += tc
-            if detailed:
-                ops.append(OpCost(name, f, w_, k_, a_, max(tc, tb), "compute" if tc >= tb else "memory", count))
+        flops = wb = kb = ab = time_s = compute_s = bubble = link = 0.0
+        if tokens > 0:
+            factors = self._factors(tokens, seqs)
+            for (name, count, _peak, fc, wc, kc, ac), term in zip(self._ops, self._terms):
+                _n, mult, rows, ft, bt, floor = term
+                f, w_, k_, a_ = _dot(fc, x), _dot(wc, x), _dot(kc, x), _dot(ac, x)
+                tc, tb = _dot(ft, x) * factors[rows], _dot(bt, x)
+                t = max(tc, tb, floor)
+                bound = "floor" if floor > max(tc, tb) else ("compute" if tc >= tb else "memory")
+                flops, wb, kb, ab = flops + f, wb + w_, kb + k_, ab + a_
+                time_s += t
+                bubble += (mult - 1.0) * t
+                compute_s += f / _peak
+                if detailed:
+                    ops.append(OpCost(name, f, w_, k_, a_, t, bound, count))
+            for name, (count, mult, times, link_bytes) in self._comm.items():
+                t, lb = _dot(times, x), _dot(link_bytes, x)
+                time_s += t
+                bubble += (mult - 1.0) * t
+                link += lb
+                if detailed:
+                    ops.append(OpCost(name, 0.0, 0.0, 0.0, 0.0, t, "link", count, link_bytes=lb))
+            if self.pipeline_parallel_size > 1:
+                time_s += bubble
+                if detailed:
+                    ops.append(OpCost("pipeline_bubble", 0.0, 0.0, 0.0, 0.0, bubble, "idle",
+                                      self.pipeline_parallel_size - 1))  # fmt: skip
+            overhead = self.calibration.step_overhead_s
+            if overhead > 0:
+                time_s += overhead
+                if detailed:
+                    ops.append(OpCost("step_overhead", 0.0, 0.0, 0.0, 0.0, overhead, "host"))
         return StepCost(
             flops=flops,
             weight_bytes=wb,
@@ -402,7 +693,49 @@ class RooflineModel:
             num_tokens=int(tokens),
             num_seqs=int(seqs),
             ops=tuple(ops) if detailed else None,
+            link_bytes=link,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
+
+    # ---- memory -------------------------------------------------------------------------------------------
+    def weight_bytes_per_gpu(self) -> int:
+        """Weight bytes of the most loaded GPU of the group."""
+        return self.shard.weight_bytes(self.cfg, self.act_dtype, self.quantization, self.group_size)
+
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        """KV bytes one GPU caches per token (its layers, its KV heads, in the KV dtype)."""
+        return self.shard.kv_bytes_per_token(self.cfg, self.kv_dtype)
+
+    def check_memory(self, num_kv_tokens: int = 0, memory_utilization: float = 1.0) -> dict[str, float]:
+        """Per-GPU weights + the KV of ``num_kv_tokens`` tokens against the GPU's memory; a ``ConfigError`` that
+        names a tensor-parallel size that would fit when they do not."""
+        weights = self.weight_bytes_per_gpu()
+        kv = num_kv_tokens * self.kv_bytes_per_token_per_gpu()
+        capacity = self.hw.mem_capacity * memory_utilization
+        report = {"weight_bytes_per_gpu": float(weights), "kv_bytes_per_gpu": float(kv),
+                  "capacity_bytes": float(capacity), "free_bytes": float(capacity - weights - kv)}  # fmt: skip
+        if weights + kv > capacity:
+            gib = 2**30
+            hint = ""
+            for tp in (2, 4, 8, 16):
+                if tp <= self.tensor_parallel_size:
+                    continue
+                try:
+                    shard = Shard.of(self.cfg, tp, self.pipeline_parallel_size)
+                except ConfigError:
+                    continue
+                need = (shard.weight_bytes(self.cfg, self.act_dtype, self.quantization, self.group_size)
+                        + num_kv_tokens * shard.kv_bytes_per_token(self.cfg, self.kv_dtype))  # fmt: skip
+                if need <= capacity:
+                    hint = f"; --tensor-parallel-size {tp} would fit"
+                    break
+            raise ConfigError(
+                f"{self.cfg.name} does not fit on {self.hw.name} at tensor_parallel_size {self.tensor_parallel_size},"
+                f" pipeline_parallel_size {self.pipeline_parallel_size}: {weights / gib:.1f} GiB of weights "
+                f"({self.dtype}) + {kv / gib:.2f} GiB of KV per GPU > {capacity / gib:.1f} GiB{hint}"
+            )
+        return report
 
     # ---- phases ---------------------------------------------------------------------------------------------
     def prefill(self, prompt_lens: Sequence[int], detailed: bool = True) -> StepCost:
@@ -414,9 +747,9 @@ class RooflineModel:
         return self.step_cost((), context_lens, detailed=detailed)
 
     def decode_compute_bound_batch(self, context_len: int) -> int | None:
-        """Smallest batch at which a decode step at ``context_len`` is compute-bound in aggregate
-        (sum over ops of flops / peak >= total bytes / bandwidth); None if it never is (KV reads grow as
-        fast as FLOPs, as happens with long contexts)."""
+        """Smallest batch at which a decode step at ``context_len`` is compute-bound in aggregate on one GPU
+        (sum over ops of flops / peak >= total bytes / bandwidth, ideal ceilings); None if it never is (KV reads
+        grow as fast as FLOPs, as happens with long contexts)."""
         if context_len < 1:
             raise ConfigError(f"context_len must be >= 1, got {context_len}")
         # per-sequence costs are linear in the batch: tokens = seqs = B, pairs = context = B * L
@@ -468,16 +801,27 @@ def get_model(
     dtype: str = "bf16",
     kv_dtype: str | None = None,
     act_dtype: str | None = None,
+    quantization: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    calibration: Calibration | str | None = None,
 ) -> RooflineModel:
     """A cached ``RooflineModel`` (model given as config or preset name/path, hardware as spec or name)."""
     if not isinstance(cfg, ModelConfig):
         cfg = ModelConfig.resolve(cfg)
     hw = get_hardware(hw)
     key = (_cfg_key(cfg), hw.name, tuple(sorted(hw.peak_flops.items())), hw.mem_bandwidth, dtype, kv_dtype,
-           act_dtype)  # fmt: skip
+           act_dtype, quantization, group_size, tensor_parallel_size, pipeline_parallel_size,
+           calibration if not isinstance(calibration, str) else (calibration, hw.calibration),
+           hw.interconnect)  # fmt: skip
     model = _MODELS.get(key)
     if model is None:
-        model = _MODELS[key] = RooflineModel(cfg, hw, dtype=dtype, kv_dtype=kv_dtype, act_dtype=act_dtype)
+        model = _MODELS[key] = RooflineModel(
+            cfg, hw, dtype=dtype, kv_dtype=kv_dtype, act_dtype=act_dtype, quantization=quantization,
+            group_size=group_size, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, calibration=calibration,
+        )  # fmt: skip
     return model
 
 
@@ -490,11 +834,34 @@ def step_cost(
     kv_dtype: str | None = None,
     act_dtype: str | None = None,
     detailed: bool = True,
+    **parallel: Any,
 ) -> StepCost:
     """Cost of one (possibly mixed) step: prefill chunks ``(num_new, num_cached)`` and decodes at context
-    lengths ``L`` (attending to L keys, the new one included). See the module docstring for conventions."""
-    model = get_model(model_cfg, hw, dtype=dtype, kv_dtype=kv_dtype, act_dtype=act_dtype)
+    lengths ``L`` (attending to L keys, the new one included). See the module docstring for conventions;
+    ``parallel``: ``quantization``, ``tensor_parallel_size``, ``pipeline_parallel_size``, ``calibration``."""
+    model = get_model(model_cfg, hw, dtype=dtype, kv_dtype=kv_dtype, act_dtype=act_dtype, **parallel)
     return model.step_cost(prefill_chunks, decode_contexts, detailed=detailed)
+
+
+def kv_transfer_op(sender: RooflineModel, num_tokens: int, receiver_gpus: int = 1) -> OpCost:
+    """The KV of ``num_tokens`` prompt tokens moving from a prefill group to a decode group (disaggregation).
+
+    Each GPU of the sending group sends its own shard (its layers, its KV heads) at once, over NVLink when both
+    groups fit in one server and over its InfiniBand NIC otherwise: ``send_s(bytes per GPU)``."""
+    ic = sender.hw.interconnect
+    if ic is None:
+        raise ConfigError(f"hardware {sender.hw.name!r} has no interconnect in accelerators.yaml for a KV transfer")
+    per_gpu = num_tokens * sender.kv_bytes_per_token_per_gpu()
+    cross = sender.shard.num_gpus + receiver_gpus > ic.gpus_per_node
+    return OpCost("kv_transfer", 0.0, 0.0, 0.0, 0.0, ic.send_s(per_gpu, cross), "link", 1, link_bytes=per_gpu)
+
+
+def with_op(cost: StepCost, op: OpCost) -> StepCost:
+    """``cost`` with one more operation (its time added to the step's)."""
+    from dataclasses import replace
+
+    return replace(cost, time_s=cost.time_s + op.time_s, link_bytes=cost.link_bytes + op.link_bytes,
+                   ops=(*(cost.ops or ()), op))  # fmt: skip
 
 
 def phase_report(
@@ -505,33 +872,67 @@ def phase_report(
     context_len: int,
     dtype: str = "bf16",
     kv_dtype: str | None = None,
+    quantization: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    calibration: Calibration | str | None = None,
+    prefill_tp: int | None = None,
+    decode_tp: int | None = None,
+    disaggregate: bool = False,
+    check_memory: bool = True,
 ) -> dict[str, Any]:
     """The ``workbench roofline --json`` object: ``prefill`` (``batch`` prompts of ``prompt_len`` tokens) and
-    ``decode`` (``batch`` sequences at ``context_len`` producing one token each), plus a summary."""
+    ``decode`` (``batch`` sequences at ``context_len`` producing one token each), plus a summary.
+
+    Each phase runs on its own group: ``prefill_tp`` / ``decode_tp`` (default ``tensor_parallel_size``) x
+    ``pipeline_parallel_size``; with ``disaggregate`` the prefill phase ends with the ``kv_transfer`` of its
+    prompts' KV to the decode group. Each phase's ``time_s`` is the step's wall time on its whole group. With
+    ``check_memory``, a group whose GPUs cannot hold their weights and the batch's KV is a ``ConfigError``."""
     for fname, value in (("batch", batch), ("prompt_len", prompt_len), ("context_len", context_len)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{fname} must be a positive integer, got {value!r}")
-    model = get_model(model_cfg, hw, dtype=dtype, kv_dtype=kv_dtype)
-    prefill = model.prefill([prompt_len] * batch)
-    decode = model.decode([context_len] * batch)
-    cfg, spec = model.cfg, model.hw
+    common = dict(dtype=dtype, kv_dtype=kv_dtype, quantization=quantization, group_size=group_size,
+                  pipeline_parallel_size=pipeline_parallel_size, calibration=calibration)  # fmt: skip
+    ptp = tensor_parallel_size if prefill_tp is None else prefill_tp
+    dtp = tensor_parallel_size if decode_tp is None else decode_tp
+    pm = get_model(model_cfg, hw, tensor_parallel_size=ptp, **common)
+    dm = pm if dtp == ptp else get_model(pm.cfg, hw, tensor_parallel_size=dtp, **common)
+    memory = {}
+    if check_memory:
+        memory["prefill"] = pm.check_memory(batch * prompt_len)
+        memory["decode"] = dm.check_memory(batch * context_len)
+    prefill = pm.prefill([prompt_len] * batch)
+    if disaggregate:
+        prefill = with_op(prefill, kv_transfer_op(pm, batch * prompt_len, dm.shard.num_gpus))
+    decode = dm.decode([context_len] * batch)
+    cfg, spec = pm.cfg, pm.hw
     return {
         "model": cfg.name,
         "hardware": spec.name,
-        "dtype": model.dtype,
-        "act_dtype": model.act_dtype,
-        "kv_dtype": model.kv_dtype,
+        "dtype": pm.dtype,
+        "act_dtype": pm.act_dtype,
+        "kv_dtype": pm.kv_dtype,
+        "quantization": pm.quantization,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "prefill_tp": ptp,
+        "decode_tp": dtp,
+        "disaggregate": bool(disaggregate),
+        "calibration": pm.calibration.to_dict(),
         "batch": batch,
         "prompt_len": prompt_len,
         "context_len": context_len,
-        "peak_flops": model.matmul_peak,
+        "peak_flops": pm.matmul_peak,
         "mem_bandwidth": spec.mem_bandwidth,
-        "balance_point": spec.balance_point(model.act_dtype),
+        "balance_point": pm.matmul_peak / spec.mem_bandwidth,
         "ttft_floor_s": prefill.time_s,
         "itl_floor_s": decode.time_s,
-        "decode_compute_bound_batch": model.decode_compute_bound_batch(context_len),
-        "weight_bytes": cfg.weight_bytes(model.dtype),
-        "kv_bytes_per_token": cfg.kv_bytes_per_token(model.kv_dtype),
+        "decode_compute_bound_batch": dm.decode_compute_bound_batch(context_len),
+        "weight_bytes": cfg.weight_bytes(pm.act_dtype, pm.quantization, group_size),
+        "weight_bytes_per_gpu": {"prefill": pm.weight_bytes_per_gpu(), "decode": dm.weight_bytes_per_gpu()},
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(pm.kv_dtype),
+        "memory": memory,
         "prefill": prefill.to_dict(),
         "decode": decode.to_dict(),
     }
@@ -545,16 +946,18 @@ def reference_step_cost(
     dtype: str = "bf16",
     kv_dtype: str | None = None,
     act_dtype: str | None = None,
+    quantization: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
 ) -> dict[str, dict[str, float]]:
-    """Per-operation flops and bytes counted the long way: layer by layer, sequence by sequence, key by key.
+    """Per-operation flops and bytes on one GPU counted the long way: layer by layer, sequence by sequence, key by
+    key, each weight matrix sized by ``quantized_matrix_bytes`` and each KV token by ``kv_bytes_per_token``.
 
     Returns ``{op: {"flops", "weight_bytes", "kv_bytes", "act_bytes"}}``. A check on the fast path, not for
     production use (it loops over every attended key).
     """
-    w = dtype_bytes(dtype)
-    act = canonical_dtype(act_dtype) if act_dtype else (canonical_dtype(dtype) if w >= 2 else "bf16")
+    act, kvd, quant = resolve_dtypes(dtype, act_dtype, kv_dtype, quantization)
     a = dtype_bytes(act)
-    c = dtype_bytes(kv_dtype) if kv_dtype else a
+    kv_token_layer = cfg.kv_bytes_per_token(kvd) / (2 * cfg.num_layers)  # K (or V) of one token in one layer
     seqs = [(int(n), int(p)) for n, p in prefill_chunks] + [(1, int(L) - 1) for L in decode_contexts]
     h, q, kv, inter, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
     b = 1 if cfg.attention_bias else 0
@@ -567,12 +970,16 @@ def reference_step_cost(
         out[op]["kv_bytes"] += kvb
         out[op]["act_bytes"] += actb
 
+    def matrix(o: int, i: int) -> float:
+        return quantized_matrix_bytes(o, i, quant, act, group_size)
+
     for _layer in range(cfg.num_layers):
         # weights: read once per layer, whatever the number of tokens
-        for op, size in (("attn_norm", h), ("mlp_norm", h), ("q_proj", h * q + b * q), ("k_proj", h * kv + b * kv),
-                         ("v_proj", h * kv + b * kv), ("o_proj", q * h), ("gate_proj", h * inter),
-                         ("up_proj", h * inter), ("down_proj", inter * h)):  # fmt: skip
-            add(op, weight=size * w)
+        for op, size in (("attn_norm", h * a), ("mlp_norm", h * a), ("q_proj", matrix(q, h) + b * q * a),
+                         ("k_proj", matrix(kv, h) + b * kv * a), ("v_proj", matrix(kv, h) + b * kv * a),
+                         ("o_proj", matrix(h, q)), ("gate_proj", matrix(inter, h)), ("up_proj", matrix(inter, h)),
+                         ("down_proj", matrix(h, inter))):  # fmt: skip
+            add(op, weight=size)
         for n, p in seqs:
             for op, fin, fout, bias_n in (("q_proj", h, q, b * q), ("k_proj", h, kv, b * kv), ("v_proj", h, kv, b * kv),
                                           ("o_proj", q, h, 0), ("gate_proj", h, inter, 0), ("up_proj", h, inter, 0),
@@ -583,7 +990,7 @@ def reference_step_cost(
             for op in ("attn_residual", "mlp_residual"):
                 add(op, flops=h * n, actb=3 * h * n * a)
             add("rope", flops=ROPE_FLOPS_PER_ELEMENT * (q + kv) * n, actb=2 * (q + kv) * n * a)
-            add("kv_write", kvb=2 * kv * n * c, actb=2 * kv * n * a)
+            add("kv_write", kvb=2 * kv_token_layer * n, actb=2 * kv * n * a)
             add("act_mul", flops=ACT_MUL_FLOPS_PER_ELEMENT * inter * n, actb=3 * inter * n * a)
             # attention: new token i (0-based) sees keys 0 .. p + i
             num_pairs = attended_pairs(n, p)
@@ -592,32 +999,37 @@ def reference_step_cost(
                 add("attn_value", flops=2 * cfg.head_dim * num_pairs)
                 add("softmax", flops=SOFTMAX_FLOPS_PER_SCORE * num_pairs, actb=LSE_BYTES * n)
                 del head
-            add("attn_scores", kvb=(p + n) * kv * c, actb=n * q * a)  # K of the whole context, Q of the new
-            add("attn_value", kvb=(p + n) * kv * c, actb=n * q * a)  # V of the whole context, output
+            add("attn_scores", kvb=(p + n) * kv_token_layer, actb=n * q * a)  # K of the whole context, Q of the new
+            add("attn_value", kvb=(p + n) * kv_token_layer, actb=n * q * a)  # V of the whole context, output
     for n, _p in seqs:
-        add("embedding", weight=n * h * w, actb=n * h * a)
+        add("embedding", weight=n * h * a, actb=n * h * a)
         add("final_norm", flops=NORM_FLOPS_PER_ELEMENT * h, actb=2 * h * a)
         add("lm_head", flops=linear_flops(h, v, 1), actb=(h + v) * a)
     if seqs:
-        add("final_norm", weight=h * w)
-        add("lm_head", weight=h * v * w)
+        add("final_norm", weight=h * a)
+        add("lm_head", weight=v * h * a if cfg.tie_word_embeddings else matrix(v, h))
     return out
 
 
 __all__ = [
     "LAYER_OPS",
     "MODEL_OPS",
+    "COMM_OPS",
     "OpCost",
     "StepCost",
     "StepWork",
+    "Shard",
     "Utilization",
     "RooflineModel",
     "linear_flops",
     "attended_pairs",
     "get_model",
+    "kv_transfer_op",
+    "resolve_dtypes",
     "step_cost",
     "step_work",
     "phase_report",
     "utilization",
     "reference_step_cost",
+    "with_op",
 ]

@@ -1,4 +1,11 @@
-"""``workbench roofline``: per-operation FLOPs, bytes and bounds of prefill and decode on a hardware."""
+"""``workbench roofline``: per-operation FLOPs, bytes and bounds of prefill and decode on a hardware.
+
+With ``--tensor-parallel-size`` / ``--pipeline-parallel-size`` the table is one GPU's (its shard, its stage) and
+the communication rows (``tp_all_reduce``, ``lm_head_gather``, ``pp_send``, ``pipeline_bubble``, with
+``--disaggregate`` ``kv_transfer``) complete the step's wall time on the whole group; ``--calibration hardware``
+(the default) adds the accelerator's kernel floor, efficiencies and per-step overhead (``step_overhead``). A
+configuration whose weights and KV do not fit in a GPU's memory is an error naming a size that would fit.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,14 @@ import argparse
 import json
 import math
 
+from workbench.commands.sim_args import (
+    add_calibration_arguments,
+    add_format_arguments,
+    add_parallel_arguments,
+    calibration_of,
+    format_kwargs,
+)
+from workbench.errors import ConfigError
 from workbench.roofline import StepCost
 
 
@@ -18,8 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context-len", type=int, default=512, help="decode: context length per sequence (keys attended)"
     )
-    parser.add_argument("--dtype", default="bf16", help="weights and activations: bf16, fp16 or fp32")
-    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the activation dtype)")
+    add_format_arguments(parser)
+    add_parallel_arguments(parser, per_phase=True)
+    parser.add_argument("--disaggregate", action="store_true",
+                        help="prefill and decode on their own groups (--prefill-tp, --decode-tp); the prefill phase "
+                        "ends with the KV transfer to the decode group")  # fmt: skip
+    add_calibration_arguments(parser)
+    parser.add_argument("--ignore-memory", action="store_true",
+                        help="price a configuration whose weights and KV do not fit in memory anyway")  # fmt: skip
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="also draw both phases' operations on the roofline into FILE (.png, .svg)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object (keys prefill, decode)")
@@ -75,18 +96,26 @@ def _print_phase(title: str, cost: StepCost) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the per-operation tables and phase summaries, or the JSON object."""
-    from workbench.roofline import get_model, phase_report
+    from workbench.roofline import get_model, kv_transfer_op, phase_report, with_op
 
+    formats = format_kwargs(args)
+    if (args.prefill_tp is not None or args.decode_tp is not None) and not args.disaggregate:
+        raise ConfigError("--prefill-tp and --decode-tp need --disaggregate (one group runs both phases otherwise)")
+    cal = calibration_of(args, args.hardware)
+    kw = dict(dtype=formats["dtype"], kv_dtype=formats["kv_cache_dtype"], quantization=formats["quantization"],
+              group_size=formats["group_size"], pipeline_parallel_size=args.pipeline_parallel_size,
+              calibration=cal)  # fmt: skip
     report = phase_report(
-        args.model,
-        args.hardware,
-        batch=args.batch,
-        prompt_len=args.prompt_len,
-        context_len=args.context_len,
-        dtype=args.dtype,
-        kv_dtype=args.kv_dtype,
-    )
-    model = get_model(args.model, args.hardware, dtype=args.dtype, kv_dtype=args.kv_dtype)
+        args.model, args.hardware, batch=args.batch, prompt_len=args.prompt_len, context_len=args.context_len,
+        tensor_parallel_size=args.tensor_parallel_size, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+        disaggregate=args.disaggregate, check_memory=not args.ignore_memory, **kw,
+    )  # fmt: skip
+    pm = get_model(args.model, args.hardware, tensor_parallel_size=report["prefill_tp"], **kw)
+    dm = get_model(args.model, args.hardware, tensor_parallel_size=report["decode_tp"], **kw)
+    prefill = pm.prefill([args.prompt_len] * args.batch)
+    if args.disaggregate:
+        prefill = with_op(prefill, kv_transfer_op(pm, args.batch * args.prompt_len, dm.shard.num_gpus))
+    decode = dm.decode([args.context_len] * args.batch)
     if args.plot:
         from workbench import plots
 
@@ -94,34 +123,34 @@ def run(args: argparse.Namespace) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(10, 6.5))
-        phases = {
-            f"prefill {args.batch}x{args.prompt_len}": model.prefill([args.prompt_len] * args.batch),
-            f"decode {args.batch}@{args.context_len}": model.decode([args.context_len] * args.batch),
-        }
-        plots.plot_roofline(model.hw, phases, dtype=model.act_dtype, ax=ax)
-        ax.set_title(f"{model.cfg.name} on {ax.get_title().removeprefix('Roofline: ')}")
+        phases = {f"prefill {args.batch}x{args.prompt_len}": prefill, f"decode {args.batch}@{args.context_len}": decode}
+        plots.plot_roofline(pm.hw, phases, dtype=pm.act_dtype, ax=ax)
+        ax.set_title(f"{pm.cfg.name} on {ax.get_title().removeprefix('Roofline: ')}")
         plots.save_figure(fig, args.plot)
         report["plot"] = args.plot
     if args.json:
         print(json.dumps(report, indent=2, allow_nan=False, default=str))
         return 0
-    hw = model.hw
+    hw = pm.hw
     print(
-        f"{model.cfg.name} ({model.cfg.attention_kind}, {_count(model.cfg.num_params())} params) on "
-        f"{hw.display_name or hw.name}: weights {model.dtype}, activations {model.act_dtype}, KV {model.kv_dtype}"
+        f"{pm.cfg.name} ({pm.cfg.attention_kind}, {_count(pm.cfg.num_params())} params) on "
+        f"{hw.display_name or hw.name}: weights {pm.dtype}, activations {pm.act_dtype}, KV {pm.kv_dtype}; "
+        f"calibration {args.calibration}"
     )
     print(
-        f"ceilings: {flops_text(model.matmul_peak)} ({model.act_dtype}), "
+        f"ceilings: {flops_text(pm.matmul_peak)} ({pm.quantization if pm.quantization == 'fp8' else pm.act_dtype}), "
         f"{bandwidth_text(hw.mem_bandwidth)}; balance point {report['balance_point']:.3g} FLOP/byte"
     )
-    _print_phase(
-        f"prefill: {args.batch} x {args.prompt_len} prompt tokens",
-        model.prefill([args.prompt_len] * args.batch),
-    )
-    _print_phase(
-        f"decode: {args.batch} sequences at context {args.context_len}, one token each",
-        model.decode([args.context_len] * args.batch),
-    )
+    for phase, model in (("prefill", pm), ("decode", dm)):
+        gib = 2**30
+        mem = report["memory"].get(phase)
+        fit = f", {mem['free_bytes'] / gib:.1f} GiB free per GPU" if mem else ""
+        print(f"{phase}: TP {model.tensor_parallel_size} x PP {model.pipeline_parallel_size} "
+              f"({model.shard.num_gpus} GPU(s)), {model.weight_bytes_per_gpu() / gib:.2f} GiB of weights per GPU"
+              f"{fit}")  # fmt: skip
+    _print_phase(f"prefill: {args.batch} x {args.prompt_len} prompt tokens (per GPU; time: the group's wall time)",
+                 prefill)  # fmt: skip
+    _print_phase(f"decode: {args.batch} sequences at context {args.context_len}, one token each", decode)
     bound_batch = report["decode_compute_bound_batch"]
     print(
         f"\nTTFT floor {_fmt_time(report['ttft_floor_s']).strip()}, ITL floor "

@@ -32,7 +32,33 @@ from workbench.commands.common import (
     print_serving_metrics,
     serving_config_kwargs,
 )
+from workbench.commands.sim_args import (
+    add_calibration_arguments,
+    add_format_arguments,
+    add_parallel_arguments,
+    calibration_of,
+    format_kwargs,
+)
 from workbench.config import parse_disaggregate
+
+
+def roofline_costs(args: argparse.Namespace, cfg: object, hw: object, config: object) -> list:
+    """One roofline cost model per replica (prefill replicas first): each with its role's tensor-parallel size,
+    the options' formats and calibration."""
+    from workbench.sim.costmodel import make_cost_model
+
+    cal = calibration_of(args, hw)
+    models = {}
+    roles = (["prefill"] * config.disaggregate[0] + ["decode"] * config.disaggregate[1] if config.disaggregate
+             else ["mixed"] * config.num_replicas)  # fmt: skip
+    for role in set(roles):
+        models[role] = make_cost_model(
+            "roofline", cfg, hw, config.dtype, None, args.prefill_efficiency, args.decode_efficiency,
+            quantization=config.quantization, group_size=config.group_size, kv_cache_dtype=config.kv_cache_dtype,
+            tensor_parallel_size=config.role_tp(role), pipeline_parallel_size=config.pipeline_parallel_size,
+            calibration=cal, host_gap_s=None,
+        )  # fmt: skip
+    return [models[role] for role in roles]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,9 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None,
                    help="accelerator name (see `workbench hardware`; default h100-sxm, or with --cost-model profiled "
                    "the profile's own machine, with the pool the measured engine had)")  # fmt: skip
-    p.add_argument(
-        "--dtype", default=SimConfig.dtype, help=f"weights, activations and KV dtype (default {SimConfig.dtype})"
-    )
+    add_format_arguments(p, dtype_default=SimConfig.dtype)
     add_trace_arguments(p, num_requests_default=1000, prompt_lens_default="uniform:64:1024",
                         output_lens_default="uniform:16:256")  # fmt: skip
     g = p.add_argument_group("replica (as the engine's options)")
@@ -57,6 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--disaggregate", default=None, metavar="P:D", help="P prefill and D decode replicas")
     c.add_argument("--link-gbps", type=float, default=100.0, help="KV transfer link bandwidth, Gb/s")
     c.add_argument("--link-latency-ms", type=float, default=0.0, help="KV transfer latency, ms")
+    add_parallel_arguments(c, per_phase=True)
     m = p.add_argument_group("cost model")
     m.add_argument("--cost-model", default="roofline", choices=COST_MODELS)
     m.add_argument("--profile", default=None, help="profile JSON of the profiled cost model")
@@ -65,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profiled: use a profile fitted on another model or machine anyway")  # fmt: skip
     m.add_argument("--prefill-efficiency", type=float, default=1.0, help="roofline: achieved share in prefill")
     m.add_argument("--decode-efficiency", type=float, default=1.0, help="roofline: achieved share in decode")
+    add_calibration_arguments(m)
     add_slo_arguments(p)
     p.add_argument("--step-log", default=None, help="write every replica's per-step log to this JSON file")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -83,15 +109,23 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.step_log, "--step-log")
     cfg = ModelConfig.resolve(args.model)
     profiled = args.cost_model == "profiled"
+    if profiled and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or args.quantization != "none"):
+        from workbench.errors import ConfigError
+
+        raise ConfigError("--cost-model profiled replays one measured engine: parallelism and quantization are for "
+                          "--cost-model roofline")  # fmt: skip
     hw = get_hardware(args.hardware or "h100-sxm") if args.hardware or not profiled else None
+    formats = format_kwargs(args)
     config = SimConfig(
-        **serving_config_kwargs(args), gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
+        **serving_config_kwargs(args), gpu_memory_utilization=args.gpu_memory_utilization, **formats,
         num_replicas=args.replicas, router=args.router,
         disaggregate=None if args.disaggregate is None else parse_disaggregate(args.disaggregate),
         link_gbps=args.link_gbps, link_latency_s=args.link_latency_ms / 1e3,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
     )  # fmt: skip
-    cost = make_cost_model(args.cost_model, cfg, hw, args.dtype, args.profile, args.prefill_efficiency,
-                           args.decode_efficiency, args.profile_noise_seed)  # fmt: skip
+    cost = roofline_costs(args, cfg, hw, config) if not profiled else make_cost_model(
+        args.cost_model, cfg, hw, args.dtype, args.profile, noise_seed=args.profile_noise_seed)  # fmt: skip
     max_len = config.resolved_max_model_len(cfg)
     if profiled:
         from workbench.sim.measure import check_profile_matches, profiled_engine_num_blocks

@@ -38,7 +38,14 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from workbench.config import ModelConfig, ceil_div
+from workbench.config import (
+    DEFAULT_GROUP_SIZE,
+    ModelConfig,
+    canonical_dtype,
+    canonical_quantization,
+    ceil_div,
+    resolve_kv_cache_dtype,
+)
 from workbench.engine.config import ServingConfig
 from workbench.engine.metrics import StepLog, summarize
 from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
@@ -75,9 +82,31 @@ class SimConfig(ServingConfig):
     disaggregate: tuple[int, int] | None = None
     link_gbps: float = 100.0
     link_latency_s: float = 0.0
+    quantization: str | None = None  # the weights: None, 'int8', 'int4' (weight-only), 'fp8' (FP8 compute)
+    group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
+    kv_cache_dtype: str = "auto"  # 'auto' (= dtype), 'int8', 'fp8'
+    tensor_parallel_size: int = 1  # GPUs per replica's tensor-parallel group
+    pipeline_parallel_size: int = 1  # stages per replica
+    prefill_tp: int | None = None  # disaggregated: the prefill replicas' tensor-parallel size (default: tp)
+    decode_tp: int | None = None  # disaggregated: the decode replicas'
 
     def __post_init__(self) -> None:
+        if canonical_dtype(self.dtype) in ("fp8", "int8"):
+            raise ConfigError(f"dtype is the activations' (fp32, fp16 or bf16), got {self.dtype!r}: FP8 or int8 "
+                              "weights are quantization='fp8'/'int8' (--quantization), an FP8 or int8 KV cache "
+                              "kv_cache_dtype (--kv-cache-dtype)")  # fmt: skip
         super().__post_init__()
+        self.quantization = canonical_quantization(self.quantization)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        for name in ("group_size", "tensor_parallel_size", "pipeline_parallel_size", "prefill_tp", "decode_tp"):
+            value = getattr(self, name)
+            if value is None and name in ("prefill_tp", "decode_tp"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if (self.prefill_tp is not None or self.decode_tp is not None) and self.disaggregate is None:
+            raise ConfigError("prefill_tp and decode_tp (--prefill-tp, --decode-tp) apply to disaggregated pools "
+                              "only; without --disaggregate use --tensor-parallel-size")  # fmt: skip
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
         if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
@@ -106,25 +135,53 @@ class SimConfig(ServingConfig):
     def total_replicas(self) -> int:
         return sum(self.disaggregate) if self.disaggregate else self.num_replicas
 
-    def resolved_num_blocks(self, model: ModelConfig, hardware: Any = None) -> int:
-        """KV blocks per replica (see the class docstring)."""
+    def role_tp(self, role: str) -> int:
+        """The tensor-parallel size of a replica of ``role`` ('prefill', 'decode' or 'mixed')."""
+        if role == "prefill" and self.prefill_tp is not None:
+            return self.prefill_tp
+        if role == "decode" and self.decode_tp is not None:
+            return self.decode_tp
+        return self.tensor_parallel_size
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs of the whole cluster: every replica's TP x PP group."""
+        pp = self.pipeline_parallel_size
+        if self.disaggregate:
+            p, d = self.disaggregate
+            return pp * (p * self.role_tp("prefill") + d * self.role_tp("decode"))
+        return pp * self.num_replicas * self.tensor_parallel_size
+
+    def resolved_num_blocks(self, model: ModelConfig, hardware: Any = None, role: str = "mixed") -> int:
+        """KV blocks per replica of ``role`` (see the class docstring). With a hardware spec each GPU of the
+        replica's TP x PP group holds its shard of the weights and the blocks' KV for its layers and KV heads
+        (``workbench.roofline.Shard``), so the pool is what the most loaded GPU has left."""
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_bytes is not None:
-            return plan_num_blocks(model, self.block_size, self.dtype, self.kv_cache_bytes)
+            return plan_num_blocks(model, self.block_size, self.kv_cache_dtype, self.kv_cache_bytes)
         if hardware is None:
             raise ConfigError("num_blocks or kv_cache_bytes is needed when no hardware spec is given")
         from workbench.hardware import get_hardware
+        from workbench.roofline import Shard
 
         hw = get_hardware(hardware)
-        budget = hw.mem_capacity * self.gpu_memory_utilization - model.weight_bytes(self.dtype)
-        try:
-            return plan_num_blocks(model, self.block_size, self.dtype, budget)
-        except ConfigError:
+        tp, pp = self.role_tp(role), self.pipeline_parallel_size
+        shard = Shard.of(model, tp, pp)
+        weights = shard.weight_bytes(model, self.dtype, self.quantization, self.group_size)
+        budget = hw.mem_capacity * self.gpu_memory_utilization - weights
+        block_bytes = self.block_size * shard.kv_bytes_per_token(model, self.kv_cache_dtype)
+        num_blocks = int(max(0.0, budget) // block_bytes)
+        if num_blocks < 1:
+            fmt = self.quantization or self.dtype
             raise ConfigError(
-                f"no KV block of {self.block_size} tokens fits: the weights of {model.name} "
-                f"({model.weight_bytes(self.dtype) / 2**30:.1f} GiB in {self.dtype}) leave {budget / 2**30:.2f} GiB"
-            ) from None
+                f"{model.name} does not fit on {hw.name} at tensor_parallel_size {tp}, pipeline_parallel_size {pp}: "
+                f"the weights per GPU ({weights / 2**30:.1f} GiB in {fmt}) leave {budget / 2**30:.2f} GiB of "
+                f"{hw.mem_capacity * self.gpu_memory_utilization / 2**30:.1f} GiB (gpu_memory_utilization "
+                f"{self.gpu_memory_utilization}) for no KV block of {self.block_size} tokens; raise "
+                "--tensor-parallel-size or --pipeline-parallel-size, or quantize the weights"
+            )
+        return num_blocks
 
 
 class Replica:
@@ -337,16 +394,22 @@ def simulate(
     cfg = model if isinstance(model, ModelConfig) else ModelConfig.resolve(model)
     sched_cfg = config.scheduler_config(cfg)
     requests = list(requests)
-    capacity = num_blocks = config.resolved_num_blocks(cfg, hardware)
+    roles = ("prefill", "decode") if config.disaggregate else ("mixed",)
+    capacity = {role: config.resolved_num_blocks(cfg, hardware, role) for role in roles}
+    tracked = dict(capacity)
     if config.num_blocks is None:
-        num_blocks = min(capacity, _blocks_never_short(requests, sched_cfg, config.block_size))
+        never_short = _blocks_never_short(requests, sched_cfg, config.block_size)
+        tracked = {role: min(c, never_short) for role, c in capacity.items()}
     total = config.total_replicas
     costs = [cost_model] * total if isinstance(cost_model, CostModel) else list(cost_model)
     if len(costs) != total:
         raise ConfigError(f"{len(costs)} cost models given for {total} replicas")
     records: dict[int, RequestRecord] = {}
     transfers: list[tuple[float, int, Sequence]] = []
-    kv_bytes_per_token = cfg.kv_bytes_per_token(config.dtype)
+    # each GPU of the prefill group sends its own shard of a prompt's KV at once, over a link of link_gbps each
+    kv_bytes_per_token = cfg.kv_bytes_per_token(config.kv_cache_dtype) / (
+        config.role_tp("prefill") * config.pipeline_parallel_size
+    )
     link_bytes_per_s = config.link_gbps * 1e9 / 8
     output_len: dict[int, int] = {}
 
@@ -372,8 +435,8 @@ def simulate(
         heapq.heappush(transfers, (arrive, seq.seq_id, nxt))
 
     def replica(index: int, on_finish: Callable[[Replica, Sequence, float], None], role: str) -> Replica:
-        return Replica(index, sched_cfg, num_blocks, config.block_size, costs[index], record_steps, on_finish, role,
-                       fast)  # fmt: skip
+        return Replica(index, sched_cfg, tracked[role if role in tracked else "mixed"], config.block_size,
+                       costs[index], record_steps, on_finish, role, fast)  # fmt: skip
 
     if config.disaggregate:
         p, d = config.disaggregate
@@ -433,7 +496,9 @@ def simulate(
             "utilization": rep.busy_s / duration if duration > 0 else 0.0,
             "num_preemptions": rep.scheduler.num_preemptions,
             "num_blocks": rep.block_manager.num_blocks,
-            "num_blocks_capacity": capacity,
+            "num_blocks_capacity": capacity[rep.role if rep.role in capacity else "mixed"],
+            "tensor_parallel_size": config.role_tp(rep.role),
+            "pipeline_parallel_size": config.pipeline_parallel_size,
         }
         for rep in reps
     ]

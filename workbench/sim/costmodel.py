@@ -10,6 +10,7 @@ module is the factory, ``make_cost_model``, and the one place the simulator's ca
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
@@ -37,11 +38,14 @@ def make_cost_model(
     prefill_efficiency: float = 1.0,
     decode_efficiency: float = 1.0,
     noise_seed: int | None = None,
+    **roofline: Any,
 ) -> CostModel:
-    """A cost model by name: ``roofline`` (model on hardware) or ``profiled`` (a profile file; ``noise_seed``
-    draws its measured residuals into each step)."""
+    """A cost model by name: ``roofline`` (model on hardware; ``roofline`` keywords: ``quantization``,
+    ``group_size``, ``kv_cache_dtype``, ``tensor_parallel_size``, ``pipeline_parallel_size``, ``calibration``,
+    ``host_gap_s``, as ``RooflineCostModel``) or ``profiled`` (a profile file; ``noise_seed`` draws its measured
+    residuals into each step)."""
     if name == "roofline":
-        return RooflineCostModel(model, hardware, dtype, prefill_efficiency, decode_efficiency)
+        return RooflineCostModel(model, hardware, dtype, prefill_efficiency, decode_efficiency, **roofline)
     if name == "profiled":
         if profile is None:
             raise ConfigError("cost model 'profiled' needs a profile file (--profile PATH)")

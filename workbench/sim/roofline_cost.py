@@ -1,5 +1,9 @@
 """``RooflineCostModel``: the roofline prediction of ``workbench.roofline`` divided by a per-phase efficiency.
 
+The roofline is that of one GPU of a tensor-parallel x pipeline-parallel group, its communication included (the
+step's wall time on the group), with an optional calibration (per-kernel floor, memory efficiency, matrix-product
+efficiency against the token count); the calibration's per-step host overhead is the gap between steps.
+
 A mixed step blends the efficiencies in proportion to each phase's own roofline time. Pure decode runs use an
 exact piecewise-linear form of the roofline in the context length (cached per batch size), evaluated in
 O(log ops) per step; ``step_time`` is the reference it is tested against.
@@ -11,8 +15,9 @@ import bisect
 import math
 from typing import TYPE_CHECKING, Any
 
-from workbench.config import ModelConfig
+from workbench.config import DEFAULT_GROUP_SIZE, ModelConfig
 from workbench.errors import ConfigError
+from workbench.hardware import Calibration
 from workbench.sim.stats import CostModel, StepStats, check_gap
 
 if TYPE_CHECKING:
@@ -31,15 +36,39 @@ class RooflineCostModel(CostModel):
         dtype: str = "bf16",
         prefill_efficiency: float = 1.0,
         decode_efficiency: float = 1.0,
-        host_gap_s: float = 0.0,
+        host_gap_s: float | None = 0.0,
+        *,
+        quantization: str | None = None,
+        group_size: int = DEFAULT_GROUP_SIZE,
+        kv_cache_dtype: str | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        calibration: Calibration | str | None = None,
     ) -> None:
+        """``calibration``: None (the ideal roofline, the default), 'hardware' (the spec's own from
+        ``accelerators.yaml``) or a ``Calibration``; its per-step host overhead becomes ``host_gap_s`` unless
+        ``host_gap_s`` is given (None: take the calibration's)."""
         from workbench.roofline import get_model
 
         for fname, value in (("prefill_efficiency", prefill_efficiency), ("decode_efficiency", decode_efficiency)):
             if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
                 raise ConfigError(f"{fname} must be in (0, 1], got {value!r}")
+        full = get_model(model, hardware, dtype=dtype, kv_dtype=kv_cache_dtype, quantization=quantization,
+                         group_size=group_size, tensor_parallel_size=tensor_parallel_size,
+                         pipeline_parallel_size=pipeline_parallel_size, calibration=calibration)  # fmt: skip
+        self.calibration = full.calibration
+        if host_gap_s is None:
+            host_gap_s = full.calibration.step_overhead_s
         check_gap(host_gap_s)
-        self.roofline: RooflineModel = get_model(model, hardware, dtype=dtype)
+        # the device's time only: the host's share of a step is the gap between steps
+        self.roofline: RooflineModel = (
+            full if full.calibration.step_overhead_s == 0 else get_model(
+                model, hardware, dtype=dtype, kv_dtype=kv_cache_dtype, quantization=quantization,
+                group_size=group_size, tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                calibration=full.calibration.replace(step_overhead_s=0.0),
+            )
+        )  # fmt: skip
         self.prefill_efficiency = float(prefill_efficiency)
         self.decode_efficiency = float(decode_efficiency)
         self.host_gap_s = float(host_gap_s)
@@ -61,21 +90,21 @@ class RooflineCostModel(CostModel):
 
     def _decode_segments(self, n: int) -> tuple[list[float], list[float], list[float]]:
         """The roofline time of a decode step of ``n`` sequences as a piecewise-linear function of the context
-        C (pairs = context = C): per op ``max(a_c + b_c C, a_m + b_m C)``; returns (breakpoints, alpha, beta)
-        with ``time = alpha[i] + beta[i] * C`` for ``C`` in segment ``i = bisect(breakpoints, C)``."""
+        C (pairs = context = C): per term ``multiple * max(a_i + b_i C)`` over its lines (compute, memory, kernel
+        floor); returns (breakpoints, alpha, beta) with ``time = alpha[i] + beta[i] * C`` for ``C`` in segment
+        ``i = bisect(breakpoints, C)``."""
         seg = self._segments.get(n)
         if seg is not None:
             return seg
-        lines = []
+        terms = self.roofline.decode_lines(n)
         breaks: set[float] = set()
-        for fc, bc in self.roofline.stat_coefficients:
-            a_c, b_c = (fc[1] + fc[2]) * n, fc[3]
-            a_m, b_m = bc[0] + (bc[1] + bc[2]) * n, bc[4]
-            lines.append((a_c, b_c, a_m, b_m))
-            if b_c != b_m:
-                x = (a_m - a_c) / (b_c - b_m)
-                if x > 0:
-                    breaks.add(x)
+        for _mult, lines in terms:
+            for i, (a1, b1) in enumerate(lines):
+                for a2, b2 in lines[i + 1 :]:
+                    if b1 != b2:
+                        x = (a2 - a1) / (b1 - b2)
+                        if x > 0:
+                            breaks.add(x)
         points = sorted(breaks)
         alphas, betas = [], []
         for i in range(len(points) + 1):
@@ -83,11 +112,9 @@ class RooflineCostModel(CostModel):
             hi = points[i] if i < len(points) else 2.0 * lo + 1.0
             mid = (lo + hi) / 2
             alpha = beta = 0.0
-            for a_c, b_c, a_m, b_m in lines:
-                if a_c + b_c * mid > a_m + b_m * mid:
-                    alpha, beta = alpha + a_c, beta + b_c
-                else:
-                    alpha, beta = alpha + a_m, beta + b_m
+            for mult, lines in terms:
+                a_best, b_best = max(lines, key=lambda line: line[0] + line[1] * mid)
+                alpha, beta = alpha + mult * a_best, beta + mult * b_best
             alphas.append(alpha / self.decode_efficiency)
             betas.append(beta / self.decode_efficiency)
         seg = self._segments[n] = (points, alphas, betas)
@@ -127,7 +154,12 @@ class RooflineCostModel(CostModel):
             "name": self.name,
             "model": self.roofline.cfg.name,
             "hardware": self.roofline.hw.name,
-            "dtype": self.roofline.dtype,
+            "dtype": self.roofline.act_dtype,
+            "quantization": self.roofline.quantization,
+            "kv_cache_dtype": self.roofline.kv_dtype,
+            "tensor_parallel_size": self.roofline.tensor_parallel_size,
+            "pipeline_parallel_size": self.roofline.pipeline_parallel_size,
+            "calibration": self.calibration.to_dict(),
             "prefill_efficiency": self.prefill_efficiency,
             "decode_efficiency": self.decode_efficiency,
             "host_gap_s": self.host_gap_s,

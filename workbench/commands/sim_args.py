@@ -1,0 +1,74 @@
+"""Options shared by ``workbench roofline``, ``simulate`` and ``plan``: number formats, parallelism, calibration.
+
+vLLM's names: ``--dtype`` (activations), ``--quantization`` (weights), ``--group-size`` (int4), ``--kv-cache-dtype``,
+``--tensor-parallel-size``, ``--pipeline-parallel-size``; per phase of a disaggregated pool ``--prefill-tp`` and
+``--decode-tp``. ``--calibration hardware`` (the default) prices operations with the accelerator's calibrated
+efficiencies, kernel floor and per-step overhead from ``data/hardware/accelerators.yaml``; ``ideal`` is the bare
+roofline. ``--step-overhead-s`` overrides the per-step host overhead. Plain argparse, nothing heavy imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from workbench.commands.common import ArgumentContainer
+from workbench.config import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES, QUANTIZATIONS
+from workbench.errors import ConfigError
+
+ACT_DTYPES = ("bf16", "fp16", "fp32")
+CALIBRATIONS = ("hardware", "ideal")
+
+
+def add_format_arguments(p: ArgumentContainer, dtype_default: str = "bf16") -> None:
+    """--dtype, --quantization, --group-size, --kv-cache-dtype (and its older spelling --kv-dtype)."""
+    p.add_argument(
+        "--dtype",
+        default=dtype_default,
+        help=f"activations and unquantized weights: {', '.join(ACT_DTYPES)} (default {dtype_default})",
+    )
+    p.add_argument("--quantization", default="none", choices=("none", *QUANTIZATIONS),
+                   help="weights of the linear layers: int8/int4 weight-only, fp8 computes in FP8 (hardware with "
+                   "FP8 units only)")  # fmt: skip
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="int4: inputs per scale")
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_cache_dtype", default="auto",
+                   help=f"KV cache: {', '.join(KV_CACHE_DTYPES)} (auto: the activations' dtype)")  # fmt: skip
+
+
+def add_parallel_arguments(p: ArgumentContainer, per_phase: bool = True) -> None:
+    """--tensor-parallel-size, --pipeline-parallel-size and, with ``per_phase``, --prefill-tp / --decode-tp."""
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per tensor-parallel group")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages per replica")
+    if per_phase:
+        p.add_argument("--prefill-tp", type=int, default=None, help="with --disaggregate: the prefill side's TP")
+        p.add_argument("--decode-tp", type=int, default=None, help="with --disaggregate: the decode side's TP")
+
+
+def add_calibration_arguments(p: ArgumentContainer) -> None:
+    """--calibration hardware|ideal, --step-overhead-s."""
+    p.add_argument("--calibration", default="hardware", choices=CALIBRATIONS,
+                   help="hardware: the accelerator's calibrated efficiencies, kernel floor and step overhead "
+                   "(accelerators.yaml); ideal: the bare roofline (default hardware)")  # fmt: skip
+    p.add_argument("--step-overhead-s", type=float, default=None,
+                   help="host time per step in seconds (default: the calibration's)")  # fmt: skip
+
+
+def format_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """dtype, quantization, group_size, kv_cache_dtype from the options; an FP8/int8 --dtype is refused here."""
+    if str(args.dtype).lower() in ("fp8", "int8", "float8"):
+        raise ConfigError(f"--dtype is the activations' ({', '.join(ACT_DTYPES)}), got {args.dtype!r}: FP8 or int8 "
+                          "weights are --quantization fp8/int8, an FP8 cache --kv-cache-dtype fp8")  # fmt: skip
+    return {"dtype": args.dtype, "quantization": None if args.quantization == "none" else args.quantization,
+            "group_size": args.group_size, "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
+
+
+def calibration_of(args: argparse.Namespace, hardware: Any) -> Any:
+    """The ``Calibration`` the options ask for on ``hardware`` (a spec or a name)."""
+    from workbench.hardware import IDEAL, get_hardware
+
+    cal = IDEAL if args.calibration == "ideal" else get_hardware(hardware).calibration
+    if args.step_overhead_s is not None:
+        if not args.step_overhead_s >= 0:
+            raise ConfigError(f"--step-overhead-s must be >= 0, got {args.step_overhead_s}")
+        cal = cal.replace(step_overhead_s=float(args.step_overhead_s))
+    return cal

@@ -109,8 +109,11 @@ class OpCost:
 
     @property
     def intensity(self) -> float:
-        """FLOPs per byte moved."""
-        return self.flops / self.bytes if self.bytes else math.inf
+        """FLOPs per byte moved (0 for an operation that neither computes nor touches memory: communication,
+        waiting, host time)."""
+        if not self.bytes:
+            return math.inf if self.flops else 0.0
+        return self.flops / self.bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {

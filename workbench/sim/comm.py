@@ -1,5 +1,9 @@
 """Communication costs: a measured collective profile, and the analytic ring all-reduce it is compared with.
 
+The analytic collectives the roofline and the simulator price (ring all-reduce and all-gather, point-to-point
+sends over an accelerator's ``Interconnect``) live in ``workbench.hardware`` (layer 2, below the roofline); this
+module measures and fits real ones against them.
+
 A ``CollectiveProfile`` is what ``scripts/bench_allreduce.py`` measures on a machine: the median time of one
 all-reduce against its message size, for one backend and world size. ``time_s(num_bytes)`` interpolates between
 the measured sizes (log-log, the curve is close to a power law between neighbours) and extrapolates past them with
@@ -22,6 +26,7 @@ from typing import Any
 
 from workbench.atomic import atomic_write_text
 from workbench.errors import ConfigError, read_json_file
+from workbench.hardware import ring_all_reduce_time
 from workbench.timing import median
 
 PROFILE_KIND = "collective-profile"
@@ -30,13 +35,10 @@ PROFILE_KIND = "collective-profile"
 def ring_all_reduce_s(num_bytes: float, world_size: int, link_bandwidth: float, link_latency_s: float = 0.0) -> float:
     """Time of a ring all-reduce of ``num_bytes`` over ``world_size`` ranks: a reduce-scatter and an all-gather,
     each ``n - 1`` steps moving ``num_bytes / n`` per link per step (bandwidth term ``2 (n-1)/n * bytes / bw``,
-    latency term ``2 (n-1) * latency``). Zero for a single rank."""
-    if world_size < 1:
-        raise ConfigError(f"world_size must be at least 1, got {world_size}")
-    if world_size == 1:
-        return 0.0
-    steps = 2 * (world_size - 1)
-    return steps * link_latency_s + steps / world_size * num_bytes / link_bandwidth
+    latency term ``2 (n-1) * latency``). Zero for a single rank. The one formula is
+    ``workbench.hardware.ring_all_reduce_time`` (which the roofline prices TP all-reduces with); this is it without
+    the fixed per-collective term."""
+    return ring_all_reduce_time(num_bytes, world_size, link_bandwidth, link_latency_s)
 
 
 def bus_bandwidth(num_bytes: float, seconds: float, world_size: int) -> float:

@@ -148,7 +148,9 @@ class Calibration:
     - no kernel takes less than ``kernel_floor_s`` (launch and tail: norms, rotary, SiLU, adds at small token
       counts are this, not their bytes);
     - ``step_overhead_s``: host time per scheduler step (scheduling, input preparation, sampling) that the
-      device does not hide.
+      device does not hide;
+    - ``int8_weight_efficiency`` / ``int4_weight_efficiency``: weight-only quantized products stream their weights
+      at this share of the memory efficiency (dequantising on the fly costs bandwidth).
     """
 
     linear_max: float = 1.0
@@ -159,10 +161,13 @@ class Calibration:
     memory_efficiency: float = 1.0
     kernel_floor_s: float = 0.0
     step_overhead_s: float = 0.0
+    int8_weight_efficiency: float = 1.0
+    int4_weight_efficiency: float = 1.0
     source: str = ""
 
     def __post_init__(self) -> None:
-        for fname in ("linear_max", "attention_max", "fp8_max", "memory_efficiency"):
+        for fname in ("linear_max", "attention_max", "fp8_max", "memory_efficiency", "int8_weight_efficiency",
+                      "int4_weight_efficiency"):  # fmt: skip
             value = getattr(self, fname)
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ConfigError(f"calibration {fname} must be in (0, 1], got {value!r}")
@@ -338,7 +343,8 @@ def load_table(path: str | Path = HARDWARE_FILE) -> dict[str, HardwareSpec]:
 INTERCONNECT_KEYS = ("name", "intra_node_gbs", "inter_node_gbps", "base_latency_us", "step_latency_us",
                      "inter_node_latency_us", "gpus_per_node", "source")  # fmt: skip
 CALIBRATION_KEYS = ("linear_max", "linear_half_tokens", "attention_max", "attention_half_tokens", "fp8_max",
-                    "memory_efficiency", "kernel_floor_us", "step_overhead_us", "source")  # fmt: skip
+                    "memory_efficiency", "kernel_floor_us", "step_overhead_us", "int8_weight_efficiency",
+                    "int4_weight_efficiency", "source")  # fmt: skip
 
 
 def _interconnect(row: Any, where: str) -> Interconnect | None:

@@ -518,6 +518,10 @@ class RooflineModel:
         layers, stage = cfg.num_layers, shard.num_layers
         self.stage_repeat = layers / stage  # wall time of a step = this many times a stage's layers
         bw = self.bandwidth * cal.memory_efficiency
+        weight_eff = {"int8": cal.int8_weight_efficiency, "int4": cal.int4_weight_efficiency}.get(
+            self.quantization or "", 1.0
+        )
+        quantized_ops = set(cfg.linear_shapes()) | (set() if cfg.tie_word_embeddings else {"lm_head"})
         # (name, count, peak, flops coef, weight coef, kv coef, act coef), coefficients already x count (ideal)
         self._ops: list[tuple[str, int, float, tuple[float, ...], ...]] = []
         # per term: (name, wall multiple, rows kind, flops/peak on the 5 stats, bytes/bandwidth on the 5 stats,
@@ -533,8 +537,11 @@ class RooflineModel:
             # no op's flops have a constant term and no op's bytes depend on pairs (see _op_coefficients)
             assert fc[0] == 0 and bytes_coef[3] == 0, name
             mult = self.stage_repeat if name in LAYER_OPS else 1.0
-            self._terms.append((name, mult, _ROWS.get(name, 0), tuple(x / peak for x in fc),
-                                tuple(x / bw for x in bytes_coef), count * cal.kernel_floor_s))  # fmt: skip
+            time_coef = tuple(x / bw for x in bytes_coef)
+            if name in quantized_ops and weight_eff != 1.0:  # quantized weights stream slower
+                time_coef = tuple((w / weight_eff + k + c) / bw for w, k, c in zip(wc, kc, ac))
+            self._terms.append((name, mult, _ROWS.get(name, 0), tuple(x / peak for x in fc), time_coef,
+                                count * cal.kernel_floor_s))  # fmt: skip
         # communication: times affine in the step's statistics (seconds on (1, tokens, seqs, pairs, context))
         self._comm: dict[str, tuple[int, float, tuple[float, ...], tuple[float, ...]]] = {}
         tp, pp = shard.tensor_parallel_size, shard.pipeline_parallel_size

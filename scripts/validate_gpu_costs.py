@@ -1,0 +1,65 @@
+"""The roofline cost model against published GPU measurements (``data/validation/published_gpu.yaml``).
+
+    python scripts/validate_gpu_costs.py            # error table with accelerators.yaml's calibration
+    python scripts/validate_gpu_costs.py --ideal    # the same with the bare roofline
+    python scripts/validate_gpu_costs.py --fit      # choose a calibration per accelerator on the calibration rows
+    python scripts/validate_gpu_costs.py --json     # one JSON object
+
+Prints one line per row (measured, predicted, error = predicted / measured - 1) and, per split, the median and the
+largest absolute error. The calibration rows are what ``--fit`` sees; the held-out rows never are, so their errors
+are the cost model's. Analytic: runs in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from workbench.hardware import get_hardware
+from workbench.sim.published import error_table, fit, load_published, load_stack_overheads, summarize_errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ideal", action="store_true", help="the bare roofline (no calibration)")
+    p.add_argument("--fit", action="store_true", help="fit each accelerator's calibration on its calibration rows")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    rows = load_published()
+    calibration = None if args.ideal else "hardware"
+    specs = None
+    stacks = {} if args.ideal else load_stack_overheads()
+    fitted = {}
+    if args.fit:
+        specs, stacks, loss = fit(rows)
+        for hw, spec in specs.items():
+            cal = {k: v for k, v in spec.calibration.to_dict().items() if k != "source"}
+            fitted[hw] = {"calibration": cal, "base_latency_us": spec.interconnect.base_latency_s * 1e6}
+        fitted["loss"] = loss
+    table = error_table(rows, calibration, specs, stacks)
+    summary = {split: summarize_errors([r for r in table if r["split"] == split])
+               for split in ("calibration", "held_out")}  # fmt: skip
+    if args.json:
+        print(json.dumps({"rows": table, "summary": summary, "stack_overheads_s": stacks, "fitted": fitted}))
+        return 0
+    for hw, f in fitted.items():
+        if hw != "loss":
+            print(f"fitted {hw}: {', '.join(f'{k} {v:.3g}' for k, v in f['calibration'].items())}, "
+                  f"base_latency_us {f['base_latency_us']:.3g}")  # fmt: skip
+    print(f"{'id':28s} {'split':11s} {'metric':9s} {'measured':>10s} {'predicted':>10s} {'error':>7s}")
+    for r in table:
+        print(f"{r['id']:28s} {r['split']:11s} {r['metric']:9s} {r['measured_s'] * 1e3:8.2f}ms "
+              f"{r['predicted_s'] * 1e3:8.2f}ms {100 * r['error']:+6.1f}%")  # fmt: skip
+    for split, s in summary.items():
+        print(f"{split}: {s['n']} rows, median |error| {100 * s['median_abs_error']:.1f}%, "
+              f"max |error| {100 * s['max_abs_error']:.1f}%")  # fmt: skip
+    print("serving stacks (per step, per request): "
+          + ", ".join(f"{k} {a * 1e3:.2f} ms, {b * 1e3:.0f} ms" for k, (a, b) in stacks.items()))  # fmt: skip
+    calibrations = {hw: get_hardware(hw).calibration.source for hw in sorted({r.hardware for r in rows})}
+    print("calibration: " + ("ideal" if args.ideal else "fitted now" if args.fit else str(calibrations)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

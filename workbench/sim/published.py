@@ -207,8 +207,9 @@ def fit(
 ) -> tuple[dict[str, HardwareSpec], dict[str, tuple[float, float]], float]:
     """Every accelerator's calibration (and its interconnect's per-collective latency) and every source's stack
     overhead per step, chosen together on the calibration rows: coordinate descent over ``FIT_GRID`` and
-    ``STACK_OVERHEAD_GRID``, minimising the median absolute relative error plus ``MAX_WEIGHT`` times the largest. Attention
-    shares the linear layers' curve; the hardware's own ``step_overhead_s`` is left at 0 (the stacks carry it).
+    ``STACK_OVERHEAD_GRID``, minimising the median absolute relative error plus ``MAX_WEIGHT`` times the largest.
+    Attention shares the linear layers' curve; the hardware's own ``step_overhead_s`` is left at 0 (the stacks
+    carry it).
     Returns (specs by accelerator, stack overheads by source, loss)."""
     mine = [r for r in rows if r.split == "calibration"]
     if not mine:

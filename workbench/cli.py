@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("workbench.commands.simulate", "simulate serving a trace on replicas with the engine's scheduler"),
     "fit-profile": ("workbench.commands.fit_profile", "measure the engine's step times here and fit a cost profile"),
     "roofline": ("workbench.commands.roofline", "per-operation roofline of prefill and decode on a hardware"),
+    "plan": ("workbench.commands.plan", "search deployments (replicas, TP, PP, P:D, policy) for goodput per GPU"),
     "hardware": ("workbench.commands.hardware", "accelerator table and this machine's measured ceilings"),
     "bench": ("workbench.commands.bench", "benchmark decode, prefill, an offline set and HF transformers"),
     "serve": ("workbench.commands.serve", "serve a model over an OpenAI-compatible HTTP API"),

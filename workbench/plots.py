@@ -591,3 +591,42 @@ def plot_link_sweep(links: Any, split: str, ax: Axes | None = None) -> Axes:
            title="Goodput per GPU against the KV link, simulated")  # fmt: skip
     ax.legend(fontsize="small")
     return ax
+
+
+def plot_tp_sweep(sweep: Any, hardware: str, axes: Sequence[Axes] | None = None) -> Sequence[Axes]:
+    """TTFT and ITL (wall time on the group) against the tensor-parallel size per model, and their GPU-seconds
+    (latency x GPUs, dashed); sizes whose weights do not fit are left out."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), constrained_layout=True)
+    fits = sweep[sweep.fits]
+    for ax, (phase, label) in zip(axes, (("ttft", "TTFT (prefill)"), ("itl", "ITL (decode step)"))):
+        for name, g in fits.groupby("model", sort=False):
+            (line,) = ax.plot(g.tp, g[f"{phase}_s"] * 1e3, "o-", label=f"{name}: latency")
+            ax.plot(g.tp, g[f"{phase}_gpu_s"] * 1e3, "s--", color=line.get_color(), alpha=0.7,
+                    label=f"{name}: GPU-ms (x TP)")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        _log_ticks(ax, sorted(set(fits.tp)))
+        ax.set_yscale("log")
+        ax.set(xlabel="tensor-parallel size (GPUs)", ylabel="ms", title=f"{label} on {hardware}, roofline with comm")
+        ax.legend(fontsize="small")
+    return axes
+
+
+def plot_pareto(rows: Any, front: Any, title: str, ax: Axes | None = None) -> Axes:
+    """Every simulated deployment's goodput per GPU against its p90 TTFT, the Pareto front joined and labelled."""
+    import matplotlib.pyplot as plt
+
+    ax = _new_ax(ax)
+    sc = ax.scatter(rows.ttft_p90_s * 1e3, rows.goodput_per_gpu, c=rows.num_gpus, cmap="viridis", s=28, alpha=0.7)
+    plt.colorbar(sc, ax=ax, label="GPUs")
+    f = front.sort_values("ttft_p90_s")
+    ax.plot(f.ttft_p90_s * 1e3, f.goodput_per_gpu, "k.-", lw=1, label="Pareto front")
+    for _, r in f.iterrows():
+        ax.annotate(r["name"], (r.ttft_p90_s * 1e3, r.goodput_per_gpu), fontsize="x-small", xytext=(3, 3),
+                    textcoords="offset points")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set(xlabel="p90 TTFT (ms)", ylabel="goodput per GPU (requests/s within SLOs)", title=title)
+    ax.legend(fontsize="small")
+    return ax

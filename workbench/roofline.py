@@ -33,6 +33,23 @@ Counting conventions
 - Peaks: matmuls (projections, LM head, attention products) run at ``hw.peak(act_dtype)``; norms, rope,
   softmax, the activation and residual adds at the vector peak (``hw.vector_flops``, the fp32 figure).
 
+Parallelism, calibration and formats
+------------------------------------
+- ``tensor_parallel_size`` x ``pipeline_parallel_size``: the table is one GPU's (``Shard``: its share of the heads,
+  the intermediate size and the vocabulary; the layers of the largest stage) and the step's ``time_s`` is its wall
+  time on the whole group: communication ops ``tp_all_reduce`` (after O and after down in each layer, ring:
+  ``base + 2 (n-1) hop + 2 (n-1)/n bytes / bandwidth``, ``workbench.hardware.ring_all_reduce_time``),
+  ``lm_head_gather`` (the vocabulary-split logits, a ring all-gather), ``pp_send`` (activations between stages)
+  and ``pipeline_bubble`` (the other stages' time: a step is one batch through every stage in turn); with
+  disaggregation, ``kv_transfer`` (``kv_transfer_op``). Interconnects come from ``accelerators.yaml``.
+- ``calibration`` (``workbench.hardware.Calibration``; None = the ideal roofline above): a matrix product over
+  ``M`` rows reaches ``max * M / (M + half)`` of the peak, memory streams at ``memory_efficiency``, no kernel is
+  shorter than ``kernel_floor_s`` (its ``bound`` then reads ``floor``), and ``step_overhead`` adds the host's time.
+- ``dtype`` is the activations'; ``quantization`` the linear weights' (bytes by ``quantized_matrix_bytes``, scales
+  included; int8/int4 weight-only, fp8 computing at the FP8 peak, an error without one); ``kv_dtype`` the cache's
+  (bytes by ``ModelConfig.kv_bytes_per_token``, int8's per-token scales included), so the simulator's pool and
+  every byte count here agree.
+
 The fast path (``RooflineModel.step_time``/``time_from_stats``) reduces a step to four sums (new tokens,
 sequences, attended pairs, context tokens read) and evaluates precomputed per-operation coefficients, so the
 serving simulator can call it hundreds of thousands of times; ``step_cost(..., detailed=True)`` builds the

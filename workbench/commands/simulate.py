@@ -1,14 +1,18 @@
 """``workbench simulate``: serve a workload on simulated replicas that run the engine's own scheduler.
 
     workbench simulate --model NAME --hardware NAME --trace azure-conv|azure-code|mooncake-conversation|poisson:RATE
+        [--tensor-parallel-size N] [--pipeline-parallel-size N] [--quantization Q] [--kv-cache-dtype D]
         [--replicas N] [--router round-robin|least-outstanding|shortest-queue] [--policy P]
         [--disaggregate P:D --link-gbps X [--link-latency-ms MS]] [--cost-model roofline|profiled [--profile FILE]]
         [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--step-log FILE] [--json]
 
 Each step's duration comes from a cost model: ``roofline`` (the roofline prediction for the model on the hardware,
-with optional ``--prefill-efficiency``/``--decode-efficiency``) or ``profiled`` (a profile measured on this machine
-by ``workbench fit-profile``). Requests are clipped to ``max_model_len`` and generate exactly their trace output
-length, as in ``workbench replay``. With ``--json``: the keys of ``workbench replay --json`` (``num_requests``,
+each replica a ``--tensor-parallel-size`` x ``--pipeline-parallel-size`` group (per phase with ``--disaggregate``:
+``--prefill-tp``, ``--decode-tp``), its communication included, the KV pool what one GPU has left after its weight
+shard; ``--dtype`` (activations), ``--quantization``, ``--kv-cache-dtype``; ``--calibration hardware`` (default) or
+``ideal``, ``--step-overhead-s``; optional ``--prefill-efficiency``/``--decode-efficiency``) or ``profiled`` (a
+profile measured on this machine by ``workbench fit-profile``). Requests are clipped to ``max_model_len`` and
+generate exactly their trace output length, as in ``workbench replay``. With ``--json``: the keys of ``workbench replay --json`` (``num_requests``,
 ``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``, ``engine``, ``model``, ``trace``)
 plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``, ``us_per_step``, ``replicas``
 (per-replica steps and utilisation), ``hardware`` and ``cost_model``. A profile fitted on another model, or a

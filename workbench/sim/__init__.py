@@ -5,5 +5,8 @@
   NNLS solver and ``fit_profile``; ``costmodel``: the factory ``make_cost_model`` (and every name above);
 - ``workbench.sim.cluster``: ``SimConfig``, replicas, router, prefill/decode disaggregation, ``simulate``;
 - ``workbench.sim.capacity``: ``capacity_search`` (bisection on the request rate), ``rate_scaled``, ``sweep``;
-- ``workbench.sim.measure``: measuring the real engine's steps and fitting the ``profiled`` model.
+- ``workbench.sim.measure``: measuring the real engine's steps and fitting the ``profiled`` model;
+- ``workbench.sim.comm``: measured collective profiles (the analytic collectives are ``workbench.hardware``'s);
+- ``workbench.sim.published``: published GPU measurements, the roofline's predictions of them, the calibration fit;
+- ``workbench.sim.planner``: the capacity planner (``workbench plan``), its simulations on Ray or serially.
 """

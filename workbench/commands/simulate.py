@@ -12,12 +12,13 @@ each replica a ``--tensor-parallel-size`` x ``--pipeline-parallel-size`` group (
 shard; ``--dtype`` (activations), ``--quantization``, ``--kv-cache-dtype``; ``--calibration hardware`` (default) or
 ``ideal``, ``--step-overhead-s``; optional ``--prefill-efficiency``/``--decode-efficiency``) or ``profiled`` (a
 profile measured on this machine by ``workbench fit-profile``). Requests are clipped to ``max_model_len`` and
-generate exactly their trace output length, as in ``workbench replay``. With ``--json``: the keys of ``workbench replay --json`` (``num_requests``,
-``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``, ``engine``, ``model``, ``trace``)
-plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``, ``us_per_step``, ``replicas``
-(per-replica steps and utilisation), ``hardware`` and ``cost_model``. A profile fitted on another model, or a
-``--hardware`` accelerator other than the profile's machine, is an error unless ``--force-profile``. The exit code is
-1 when every request was rejected; ``--step-log``'s folder is checked before the simulation runs.
+generate exactly their trace output length, as in ``workbench replay``. With ``--json``: the keys of ``workbench
+replay --json`` (``num_requests``, ``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``,
+``engine``, ``model``, ``trace``) plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``,
+``us_per_step``, ``replicas`` (per-replica steps and utilisation), ``hardware`` and ``cost_model``. A profile fitted
+on another model, or a ``--hardware`` accelerator other than the profile's machine, is an error unless ``--force-
+profile``. The exit code is 1 when every request was rejected; ``--step-log``'s folder is checked before the
+simulation runs.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ generate exactly their trace output length, as in ``workbench replay``. With ``-
 replay --json`` (``num_requests``, ``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``,
 ``engine``, ``model``, ``trace``) plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``,
 ``us_per_step``, ``replicas`` (per-replica steps and utilisation), ``hardware`` and ``cost_model``. A profile fitted
-on another model, or a ``--hardware`` accelerator other than the profile's machine, is an error unless ``--force-
-profile``. The exit code is 1 when every request was rejected; ``--step-log``'s folder is checked before the
-simulation runs.
+on another model, or a ``--hardware`` accelerator other than the profile's machine, is an error unless
+``--force-profile``. The exit code is 1 when every request was rejected; ``--step-log``'s folder is checked before
+the simulation runs.
 """
 
 from __future__ import annotations

@@ -282,3 +282,15 @@ def test_tp1_ideal_equals_the_previous_roofline_step_by_step_and_in_a_simulation
     assert len(ours.records) == len(ref.records) == 30
     for a, b in zip(ours.records, ref.records):
         assert a.token_times == pytest.approx(b.token_times, rel=1e-9)
+
+
+def test_kv_transfer_by_hand() -> None:
+    from workbench.roofline import kv_transfer_op
+
+    cfg = hand_cfg(num_heads=4, num_kv_heads=2)
+    sender = RooflineModel(cfg, TOY_HW, tensor_parallel_size=2)
+    # 10 tokens; each GPU holds 1 of the 2 KV heads: 2 layers x K and V x 4 x 2 bytes = 32 bytes a token
+    op = kv_transfer_op(sender, 10, receiver_gpus=2)
+    assert op.link_bytes == 320 and op.time_s == pytest.approx(1e-5 + 320 / 1e9)  # 2 + 2 GPUs: one server
+    far = kv_transfer_op(sender, 10, receiver_gpus=4)  # 6 GPUs > 4 per server: over the NIC
+    assert far.time_s == pytest.approx(1e-5 + 2e-6 + 320 / 1e8)

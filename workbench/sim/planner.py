@@ -17,6 +17,7 @@ only when it is used.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,8 @@ from workbench.errors import ConfigError
 from workbench.workloads import Request
 
 PLAN_POLICIES = ("continuous", "chunked", "decode-first")
+# Ray's raylet must register within this many seconds; its default (10 s) is too short on a busy 2-core machine
+RAY_START_ENV = {"RAY_raylet_start_wait_time_s": "120"}
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,25 @@ def plan(
     return PlanResult(rows, settings, num_gpus, time.perf_counter() - t0, parallel, best, pareto_front(rows))
 
 
+def start_ray(address: str | None = None, num_cpus: int = 2, attempts: int = 3) -> None:
+    """``ray.init`` joining ``address``, or a local Ray of ``num_cpus`` CPUs, tried up to ``attempts`` times: Ray
+    gives its raylet a fixed 30 s to register, which a busy 2-core machine can miss (a ``ConfigError`` after the
+    last attempt)."""
+    import ray
+
+    for key, value in RAY_START_ENV.items():
+        os.environ.setdefault(key, value)
+    kwargs: dict[str, Any] = {"address": address} if address else {"num_cpus": num_cpus}
+    for attempt in range(attempts):
+        try:
+            ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True, **kwargs)
+            return
+        except Exception as exc:  # Ray raises a bare Exception when its node does not come up in time
+            ray.shutdown()
+            if attempt == attempts - 1:
+                raise ConfigError(f"Ray did not start ({exc}); try again on a quieter machine, or --serial") from None
+
+
 def _evaluate_on_ray(
     search: list[Candidate],
     requests: list[Request],
@@ -252,8 +274,7 @@ def _evaluate_on_ray(
         raise ConfigError("the planner's parallel runs need Ray (pip install ray), or use --serial") from None
     started = not ray.is_initialized()
     if started:
-        kwargs: dict[str, Any] = {"address": address} if address else {"num_cpus": num_cpus}
-        ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True, **kwargs)
+        start_ray(address, num_cpus)
     try:
         remote = ray.remote(num_cpus=1)(evaluate)
         reqs, sett = ray.put(requests), ray.put(settings)
@@ -269,4 +290,14 @@ def _evaluate_on_ray(
             ray.shutdown()
 
 
-__all__ = ["PLAN_POLICIES", "Candidate", "PlanResult", "PlanSettings", "candidates", "evaluate", "pareto_front", "plan"]
+__all__ = [
+    "PLAN_POLICIES",
+    "RAY_START_ENV",
+    "Candidate",
+    "PlanResult",
+    "PlanSettings",
+    "candidates",
+    "evaluate",
+    "pareto_front",
+    "plan",
+]

@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from workbench.bench import LinearSweep, _engine, _greedy, load_bench_model, random_prompts, set_threads
+from workbench.bench import LinearSweep, _greedy, bench_engine, load_bench_model, random_prompts, set_threads
 from workbench.model.layers import apply_rotary_rolled
 from workbench.parsing import make_parser
 
@@ -98,9 +98,9 @@ def main() -> None:
     cfg = model.config
     out: dict = {"model": args.model, "threads": threads, "cold_op_us": cold_op_us()}
 
-    engines = {"eager": _engine(model, 1, 128 + 2 * args.steps + 16)}
+    engines = {"eager": bench_engine(model, 1, 128 + 2 * args.steps + 16)}
     if not args.no_compile:
-        engines["compiled"] = _engine(model, 1, 128 + 2 * args.steps + 16, compile_decode=True)
+        engines["compiled"] = bench_engine(model, 1, 128 + 2 * args.steps + 16, compile_decode=True)
     for engine in engines.values():
         engine.add_request(random_prompts(1, 128, cfg.vocab_size)[0], _greedy(2 * args.steps + 8))
         for _ in range(4):  # prefill, then warm-up decodes (the compiled engine compiles in the first)

@@ -125,7 +125,9 @@ def test_rejections_do_not_stop_the_others(setup):
 def test_replay_honours_arrivals_and_reports_contract_metrics(setup):
     model, expected = setup
     reqs = [SimpleNamespace(arrival_time_s=0.05 * i, prompt_token_ids=p, output_len=4) for i, p in enumerate(PROMPTS)]
-    res = Engine(model, EngineConfig(max_model_len=96)).replay(reqs)
+    counter = SimpleNamespace(n=0, update=lambda k: setattr(counter, "n", counter.n + k))
+    res = Engine(model, EngineConfig(max_model_len=96)).replay(reqs, progress=counter)
+    assert counter.n == len(PROMPTS)  # the progress bar ticks once per finished request
     for r, e, req in zip(res.requests, expected, reqs):
         assert r.tokens == e[:4]
         assert r.arrival_time == req.arrival_time_s and r.first_token_time >= req.arrival_time_s

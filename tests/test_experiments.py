@@ -29,7 +29,9 @@ def test_measure_and_place_on_roofline(model):
     for r in placed:
         assert r["time_s"] > 0
         assert r["mfu"] == pytest.approx(r["flops"] / r["time_s"] / hw.peak("fp32"))
-        assert r["mbu"] == pytest.approx(r["bytes"] / r["time_s"] / hw.mem_bandwidth)
+        # the one MBU: weight + KV bytes (activations left out) over the read bandwidth
+        assert r["read_bytes"] < r["bytes"]
+        assert r["mbu"] == pytest.approx(r["read_bytes"] / r["time_s"] / hw.mem_bandwidth)
     # a batch-2 decode does twice the batch-1 matmul work (plus twice the attention): FLOPs scale with the batch
     d1, d2 = placed[2], placed[3]
     assert d2["flops"] == pytest.approx(2 * d1["flops"])

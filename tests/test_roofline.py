@@ -208,7 +208,9 @@ def test_kv_dtype_and_kv_heads_scale_kv_bytes() -> None:
 def test_utilization_by_hand() -> None:
     cost = step_cost("tiny-mha", TOY_HW, decode_contexts=[8], dtype="bf16")
     util = utilization(cost, 2e-3, TOY_HW, "bf16")
-    assert util.mbu == pytest.approx(cost.bytes / 2e-3 / 1e9)
+    # MBU counts what decode must read, weights and KV, not the activations
+    assert cost.act_bytes > 0
+    assert util.mbu == pytest.approx((cost.weight_bytes + cost.kv_bytes) / 2e-3 / 1e9)
     assert util.mfu == pytest.approx(cost.flops / 2e-3 / 1e12)
     with pytest.raises(ConfigError):
         utilization(cost, 0.0, TOY_HW)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,10 +64,3 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> Path:
     """
     text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n"
     return atomic_write_text(path, text)
-
-
-def atomic_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
-    """Copy the file ``src`` to ``dst`` atomically."""
-    with open(src, "rb") as source, atomic_open(dst, "wb") as handle:
-        shutil.copyfileobj(source, handle)
-    return Path(dst)

@@ -5,11 +5,12 @@ interleaved in the same run (this machine is shared, so absolute times drift; ra
 
 - ``bench_decode``: per batch size, decode steps of the engine. Bytes per step are the roofline's weight bytes
   plus KV-cache bytes (``workbench.roofline``: every weight read once, each sequence's K and V read once and
-  the new K/V written); ``mbu`` divides the achieved bytes/s by the machine's measured read bandwidth
-  (``workbench.hardware.measured_spec``). ``gemv_ratio`` divides it by the bandwidth that plain ``nn.Linear``
-  layers of the model's own weight shapes (qkv, o, gate_up, down per layer, and the LM head) reach on the same
-  batch, timed between the engine's steps. ``overhead_share`` is the part of a step spent outside the model's
-  forward and LM head (scheduling, batch preparation, sampling), from ``ModelRunner.time_model``.
+  the new K/V written); ``mbu`` is ``workbench.roofline.memory_bandwidth_utilization``, the one MBU: those bytes
+  per second over the machine's measured read bandwidth (``workbench.hardware.measured_spec``). ``gemv_ratio``
+  divides it by the bandwidth that plain ``nn.Linear`` layers of the model's own weight shapes (qkv, o, gate_up,
+  down per layer, and the LM head) reach on the same batch, timed between the engine's steps. ``overhead_share``
+  is the part of a step spent outside the model's forward and LM head (scheduling, batch preparation, sampling),
+  from ``ModelRunner.time_model``.
 - ``bench_prefill``: per prompt length, one engine step that prefills a fresh prompt and samples its first
   token; FLOPs from the roofline (causal attention pairs, LM head on the last position), ``mfu`` over the
   measured matmul peak of the dtype.
@@ -41,7 +42,7 @@ from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec, measured_spec
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
-from workbench.roofline import step_work
+from workbench.roofline import memory_bandwidth_utilization, step_work
 from workbench.timing import median, random_prompts, timed
 
 DEFAULT_MODEL = "bench-300m"
@@ -57,11 +58,6 @@ def set_threads(num_threads: int | None = None) -> int:
         raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
     torch.set_num_threads(num_threads)
     return torch.get_num_threads()
-
-
-def read_bandwidth(hw: HardwareSpec) -> float:
-    """The measured memory read bandwidth (bytes/s) of a measured spec; the spec's bandwidth otherwise."""
-    return float(hw.details.get("read_bandwidth", hw.mem_bandwidth))
 
 
 def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -128,7 +124,9 @@ def load_bench_model(name_or_path: str, dtype: str = "fp32", device: str = "auto
     return load_model(name_or_path, dtype=torch_dtype(dtype), device=resolve_device(device), seed=seed)
 
 
-def _engine(model: Transformer, max_num_seqs: int, max_model_len: int, workers: Any = None, **kwargs: Any) -> Engine:
+def bench_engine(
+    model: Transformer, max_num_seqs: int, max_model_len: int, workers: Any = None, **kwargs: Any
+) -> Engine:
     """An engine on ``model`` (with ``workers``: rank 0's shard of a tensor-parallel model on those ranks)."""
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
@@ -186,7 +184,7 @@ def bench_decode(
         warmup = max(warmup, 1)  # the first decode step compiles
     rows = []
     for batch in batches:
-        engine = _engine(
+        engine = bench_engine(
             model,
             batch,
             prompt_len + warmup + steps + 2,
@@ -247,7 +245,7 @@ def bench_decode(
             "bytes_per_step": mid["bytes"],
             "kv_bytes_per_step": mid["kv_bytes"],
             "achieved_bytes_per_s": achieved,
-            "mbu": achieved / read_bandwidth(hw),
+            "mbu": memory_bandwidth_utilization(achieved, 1.0, hw),
             "gemv_bytes_per_s": gemv,
             "gemv_ratio": achieved / gemv,
             "model_s": median(model_s),
@@ -283,7 +281,7 @@ def bench_prefill(
         )
     rows = []
     for n in prompt_lens:
-        engine = _engine(model, 1, n + 1, token_budget=max(n + 1, 2048))
+        engine = bench_engine(model, 1, n + 1, token_budget=max(n + 1, 2048))
         engine.runner.time_model = True
         prompts = random_prompts(warmup + repeats, n, cfg.vocab_size, seed)
         times, model_times = [], []
@@ -338,7 +336,7 @@ def run_engine_offline(
 ) -> tuple[float, list[list[int]]]:
     """Serve the requests at once through ``engine`` (default: a fresh one); (wall seconds, tokens per request)."""
     if engine is None:
-        engine = _engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
+        engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
     synchronize(model.device)
     t0 = time.perf_counter()
     result = engine.generate([p for p, _ in requests], [_greedy(n) for _, n in requests])
@@ -356,7 +354,7 @@ def bench_offline(
 ) -> dict[str, Any]:
     """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up)."""
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
-    engine = _engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
+    engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
     run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up
     times = [run_engine_offline(model, requests, max_num_seqs, engine)[0] for _ in range(repeats)]
     out_tokens = sum(n for _, n in requests)
@@ -408,6 +406,14 @@ def hf_generate(hf_model: Any, prompts: list[list[int]], max_new_tokens: int, pa
     return out[:, width:].tolist()
 
 
+def decode_rate(generate: Any, new_tokens: int, device: Any = None) -> tuple[float, list[int]]:
+    """Batch-1 decode tokens/s of ``generate(n) -> tokens``: ``(N - 1) / (t(N new tokens) - t(1 new token))``, so
+    that prefill cancels out (``scripts/vllm_worker.py`` writes the same formula); and the N tokens."""
+    t1, _ = timed(lambda: generate(1), device)
+    tn, tokens = timed(lambda: generate(new_tokens), device)
+    return (new_tokens - 1) / max(tn - t1, 1e-9), tokens
+
+
 def compare_decode(
     model: Transformer,
     hf_model: Any,
@@ -428,7 +434,7 @@ def compare_decode(
     device = model.device
 
     # one engine: its cache (and CUDA graphs or compiled step) persist
-    engine = _engine(model, 1, prompt_len + new_tokens + 1, compile_decode=compile_decode)
+    engine = bench_engine(model, 1, prompt_len + new_tokens + 1, compile_decode=compile_decode)
 
     def ours(n: int) -> list[int]:
         return engine.generate([prompt], _greedy(n)).requests[0].tokens
@@ -441,10 +447,8 @@ def compare_decode(
     tokens: dict[str, list[int]] = {}
     for _ in range(repeats):
         for name, fn in (("ours", ours), ("hf", theirs)):
-            t1, _ = timed(lambda fn=fn: fn(1), device)
-            tn, toks = timed(lambda fn=fn: fn(new_tokens), device)
-            rates[name].append((new_tokens - 1) / max(tn - t1, 1e-9))
-            tokens[name] = toks
+            rate, tokens[name] = decode_rate(fn, new_tokens, device)
+            rates[name].append(rate)
     ours_rate, hf_rate = median(rates["ours"]), median(rates["hf"])
     return {
         "prompt_len": prompt_len,
@@ -473,7 +477,7 @@ def compare_offline(
     """
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
     device = model.device
-    engine = _engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
+    engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
     run_engine_offline(model, requests[:2], max_num_seqs, engine)  # warm-up
     hf_generate(hf_model, [requests[0][0]], 2)
 

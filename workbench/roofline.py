@@ -205,15 +205,28 @@ class StepCost:
         }
 
 
+def read_bandwidth(hw: HardwareSpec) -> float:
+    """The memory read bandwidth (bytes/s) MBU divides by: a measured spec's measured read bandwidth (on CUDA the
+    spec's ceiling is the copy bandwidth, its read bandwidth is in ``details``); a datasheet's bandwidth otherwise."""
+    return float(hw.details.get("read_bandwidth", hw.mem_bandwidth))
+
+
+def memory_bandwidth_utilization(read_bytes: float, seconds: float, hw: HardwareSpec) -> float:
+    """MBU, the one definition every report uses: the bytes a step must read from memory, its weights and the KV
+    cache it attends to (activations left out: they are small and mostly stay in caches), per second, over the
+    memory read bandwidth (``read_bandwidth``)."""
+    return read_bytes / seconds / read_bandwidth(hw)
+
+
 @dataclass(frozen=True)
 class Utilization:
-    """How much of the hardware a measured step used (KV and activation bytes included, not weights alone)."""
+    """How much of the hardware a measured step used."""
 
     measured_time_s: float
     achieved_flops_per_s: float
-    achieved_bytes_per_s: float
+    achieved_bytes_per_s: float  # weight + KV bytes per second (what MBU counts)
     mfu: float  # achieved FLOP/s over the matmul peak of the dtype
-    mbu: float  # achieved bytes/s over the memory bandwidth
+    mbu: float  # memory_bandwidth_utilization: weight + KV bytes per second over the read bandwidth
     predicted_time_s: float
 
     def to_dict(self) -> dict[str, float]:
@@ -792,7 +805,7 @@ class RooflineModel:
         return max(1, math.ceil(mem_const / (compute_per_seq - mem_per_seq) - 1e-9))
 
     def utilization(self, cost: StepCost, measured_time_s: float) -> Utilization:
-        """MFU and MBU of a measured step whose work ``cost`` describes (bytes include KV and activations)."""
+        """MFU and MBU of a measured step whose work ``cost`` describes."""
         return utilization(cost, measured_time_s, self.hw, self.act_dtype)
 
 
@@ -802,13 +815,13 @@ def utilization(cost: StepCost, measured_time_s: float, hw: HardwareSpec | str, 
     if not (measured_time_s > 0 and math.isfinite(measured_time_s)):
         raise ConfigError(f"measured_time_s must be a positive number, got {measured_time_s!r}")
     flops_per_s = cost.flops / measured_time_s
-    bytes_per_s = cost.bytes / measured_time_s
+    read_bytes = cost.weight_bytes + cost.kv_bytes
     return Utilization(
         measured_time_s=measured_time_s,
         achieved_flops_per_s=flops_per_s,
-        achieved_bytes_per_s=bytes_per_s,
+        achieved_bytes_per_s=read_bytes / measured_time_s,
         mfu=flops_per_s / hw.peak(dtype),
-        mbu=bytes_per_s / hw.mem_bandwidth,
+        mbu=memory_bandwidth_utilization(read_bytes, measured_time_s, hw),
         predicted_time_s=cost.time_s,
     )
 

@@ -59,16 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _progress(items: list[Any], desc: str, unit: str) -> Any:
-    """A tqdm bar on stderr over ``items`` when stderr is a terminal (stdout keeps the table or the JSON)."""
-    import sys
+    from workbench.commands.common import progress_bar
 
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty())
+    return progress_bar(desc=desc, unit=unit, items=items)
 
 
 def _machine(hw: Any, threads: int, device: Any) -> dict[str, Any]:
-    from workbench.bench import read_bandwidth
+    from workbench.roofline import read_bandwidth
 
     return {
         "device": str(device),

@@ -23,6 +23,18 @@ from workbench.errors import ConfigError
 ArgumentContainer = argparse.ArgumentParser | argparse._ArgumentGroup
 
 
+def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", items: Any = None) -> Any:
+    """A tqdm bar on stderr (stdout keeps the table or the JSON), shown only when stderr is a terminal.
+
+    Over ``items`` when given (iterate the bar), else a bar of ``total`` steps to ``update``; close it when done.
+    """
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty())
+
+
 def add_scheduler_arguments(p: ArgumentContainer, max_num_seqs_default: int) -> None:
     """--policy, --block-size, --num-blocks, --max-num-seqs, --max-model-len, --token-budget, --chunk-size,
     --prefix-caching (on a parser or an argument group)."""

@@ -42,10 +42,10 @@ def default_profile_path(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workbench.commands.common import check_output_file
+    from workbench.commands.common import check_output_file, progress_bar
     from workbench.engine.scheduler import POLICIES
     from workbench.errors import ConfigError
-    from workbench.sim.measure import fit_engine_profile
+    from workbench.sim.measure import fit_engine_profile, training_workloads
 
     for name in ("num_requests", "threads", "max_num_seqs", "max_model_len"):
         value = getattr(args, name)
@@ -57,11 +57,13 @@ def run(args: argparse.Namespace) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         raise ConfigError(f"--policies must name some of {', '.join(POLICIES)}; got {args.policies!r}")
-    profile = fit_engine_profile(
-        args.model, policies, num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len, seed=args.seed, device=args.device, dtype=args.dtype,
-        threads=args.threads,
-    )  # fmt: skip
+    total = len(policies) * len(training_workloads(args.max_model_len, args.num_requests, args.seed))
+    with progress_bar(total=total, desc="fit-profile", unit="workload") as bar:
+        profile = fit_engine_profile(
+            args.model, policies, num_requests=args.num_requests, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, seed=args.seed, device=args.device, dtype=args.dtype,
+            threads=args.threads, progress=bar,
+        )  # fmt: skip
     path = profile.save(out)
     if args.json:
         print(json.dumps({**profile.to_dict(), "path": str(path)}))

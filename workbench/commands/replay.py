@@ -33,6 +33,7 @@ from workbench.commands.common import (
     add_trace_arguments,
     all_rejected_exit_code,
     print_serving_metrics,
+    progress_bar,
 )
 from workbench.commands.generate import add_engine_arguments, add_model_arguments, engine_config_from_args
 from workbench.errors import ConfigError
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if args.disaggregate:
         return _run_disaggregated(args, config, requests, num_clipped, max_len)
     engine = Engine.from_model(args.model, config, seed=args.model_seed)
-    result = engine.replay(requests, seed=args.trace_seed)
+    with progress_bar(total=len(requests), desc="replay", unit="request") as bar:
+        result = engine.replay(requests, seed=args.trace_seed, progress=bar)
     engine.shutdown()
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = [
@@ -135,7 +137,8 @@ def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], 
         )
         for r in trace
     ]
-    result = run_disaggregated(args.model, requests, cfg, seed=args.model_seed, online=True)
+    with progress_bar(total=len(requests), desc=f"replay {args.disaggregate}", unit="request") as bar:
+        result = run_disaggregated(args.model, requests, cfg, seed=args.model_seed, online=True, progress=bar)
     summary = summarize(
         result.requests, duration_s=result.duration_s, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         slo_e2el_s=args.slo_e2el,

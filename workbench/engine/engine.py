@@ -316,12 +316,15 @@ class Engine:
             self.step()
         return self._result(ids, self.now() - start)
 
-    def replay(self, requests: Iterable[Any], sampling: SamplingParams | None = None, seed: int = 0) -> RunResult:
+    def replay(
+        self, requests: Iterable[Any], sampling: SamplingParams | None = None, seed: int = 0, progress: Any = None
+    ) -> RunResult:
         """Online: each request joins when its ``arrival_time_s`` comes on the wall clock (the engine idles until then).
 
         Each request needs ``arrival_time_s``, ``output_len`` and ``prompt_token_ids`` or a ``prompt_len``
         (``workbench.workloads.Request``: ids are then drawn deterministically, equal Mooncake hash ids giving equal
         blocks); it is served with ``sampling`` (greedy by default) and exactly ``output_len`` tokens (EOS ignored).
+        ``progress``: a tqdm-like object updated once per finished request.
         """
         vocab = self.model.config.vocab_size
         pending = sorted(requests, key=lambda r: r.arrival_time_s)
@@ -346,7 +349,9 @@ class Engine:
                 ids.append(self.add_request(list(prompt), sp, arrival_time=r.arrival_time_s, request_id=rid))
                 i += 1
             if self.has_unfinished():
-                self.step(now)
+                done = self.step(now)
+                if progress is not None and done:
+                    progress.update(len(done))
             elif i < len(pending):
                 time.sleep(max(0.0, pending[i].arrival_time_s - self.now()))
         return self._result(ids, self.now())

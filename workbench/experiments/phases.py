@@ -83,6 +83,7 @@ def add_roofline(rows: list[dict[str, Any]], model: Transformer, hw: HardwareSpe
                 **r,
                 "flops": cost.flops,
                 "bytes": cost.bytes,
+                "read_bytes": cost.weight_bytes + cost.kv_bytes,  # what MBU counts
                 "intensity": cost.intensity,
                 "predicted_s": cost.time_s,
                 "predicted_bound": cost.bound,

@@ -37,8 +37,11 @@ class StepSamples:
         self.wakes_s += other.wakes_s
 
 
-def measure_engine_steps(engine_factory: Any, workloads: list[list[Request]], seed: int = 0) -> StepSamples:
-    """Replay each workload on a fresh engine from ``engine_factory()`` and collect its steps."""
+def measure_engine_steps(
+    engine_factory: Any, workloads: list[list[Request]], seed: int = 0, progress: Any = None
+) -> StepSamples:
+    """Replay each workload on a fresh engine from ``engine_factory()`` and collect its steps (``progress``: a
+    tqdm-like object updated once per workload)."""
     samples = StepSamples()
     for requests in workloads:
         engine = engine_factory()
@@ -54,6 +57,8 @@ def measure_engine_steps(engine_factory: Any, workloads: list[list[Request]], se
         steps = engine.step_log.steps
         if len(steps) != len(stats):
             raise RuntimeError(f"measured {len(steps)} logged steps but captured {len(stats)} plans")
+        if progress is not None:
+            progress.update(1)
         samples.stats += stats
         samples.durations_s += [s.end_s - s.start_s for s in steps]
         samples.gaps_s += [b.start_s - a.end_s for a, b, busy in zip(steps, steps[1:], busy_after) if busy]
@@ -96,12 +101,14 @@ def fit_engine_profile(
     device: str = "cpu",
     dtype: str = "fp32",
     threads: int | None = 1,
+    progress: Any = None,
 ) -> ProfiledCostModel:
     """Measure ``model`` (a preset, random weights) on the engine under each policy and fit a profile.
 
     ``threads``: torch CPU threads while measuring (1 by default: a small model gains nothing from more, and on a
     shared machine extra threads wait on each other); the simulated engine should run with the same. Each policy
-    is measured after one warm-up replay of the first workload.
+    is measured after one warm-up replay of the first workload. ``progress``: a tqdm-like object updated once per
+    measured workload (``len(policies) * len(training_workloads(...))`` in all).
     """
     import torch
 
@@ -129,7 +136,7 @@ def fit_engine_profile(
         configs.append(asdict(cfg))
         workloads = training_workloads(max_model_len, num_requests, seed)
         Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
-        samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(net, cfg), workloads, seed))
+        samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(net, cfg), workloads, seed, progress))
     meta = {
         "model": model,
         "machine": cpu_model_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev),

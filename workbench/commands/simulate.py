@@ -2,18 +2,21 @@
 
     workbench simulate --model NAME --hardware NAME --trace azure-conv|azure-code|mooncake-conversation|poisson:RATE
         [--replicas N] [--router round-robin|least-outstanding|shortest-queue] [--policy P]
-        [--disaggregate P:D --link-gbps X [--link-latency-ms MS]] [--cost-model roofline|profiled [--profile FILE]]
+        [--disaggregate P:D --link-gbps X [--link-latency-ms MS]]
+        [--cost-model roofline|profiled|op-profile [--profile FILE]]
         [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--step-log FILE] [--json]
 
 Each step's duration comes from a cost model: ``roofline`` (the roofline prediction for the model on the hardware,
-with optional ``--prefill-efficiency``/``--decode-efficiency``) or ``profiled`` (a profile measured on this machine
-by ``workbench fit-profile``). Requests are clipped to ``max_model_len`` and generate exactly their trace output
-length, as in ``workbench replay``. With ``--json``: the keys of ``workbench replay --json`` (``num_requests``,
-``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``, ``engine``, ``model``, ``trace``)
-plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``, ``us_per_step``, ``replicas``
-(per-replica steps and utilisation), ``hardware`` and ``cost_model``. A profile fitted on another model, or a
-``--hardware`` accelerator other than the profile's machine, is an error unless ``--force-profile``. The exit code is
-1 when every request was rejected; ``--step-log``'s folder is checked before the simulation runs.
+with optional ``--prefill-efficiency``/``--decode-efficiency``), ``profiled`` (a profile measured on this machine by
+``workbench fit-profile``) or ``op-profile`` (the sum of the model's operations, each measured here by ``workbench
+profile-ops``, plus the per-step overhead fitted there). Requests are clipped to ``max_model_len`` and generate
+exactly their trace output length, as in ``workbench replay``. With ``--json``: the keys of ``workbench replay
+--json`` (``num_requests``, ``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``,
+``engine``, ``model``, ``trace``) plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``,
+``us_per_step``, ``replicas`` (per-replica steps and utilisation), ``hardware`` and ``cost_model``. A profile fitted
+on another model, or a ``--hardware`` accelerator other than the profile's machine, is an error unless
+``--force-profile``. The exit code is 1 when every request was rejected; ``--step-log``'s folder is checked before the
+simulation runs.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--link-latency-ms", type=float, default=0.0, help="KV transfer latency, ms")
     m = p.add_argument_group("cost model")
     m.add_argument("--cost-model", default="roofline", choices=COST_MODELS)
-    m.add_argument("--profile", default=None, help="profile JSON of the profiled cost model")
+    m.add_argument("--profile", default=None, help="profile JSON of the profiled or op-profile cost model")
     m.add_argument("--profile-noise-seed", type=int, default=None, help="profiled: draw measured residuals")
     m.add_argument("--force-profile", action="store_true",
                    help="profiled: use a profile fitted on another model or machine anyway")  # fmt: skip
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_file(args.step_log, "--step-log")
     cfg = ModelConfig.resolve(args.model)
-    profiled = args.cost_model == "profiled"
+    profiled = args.cost_model in ("profiled", "op-profile")  # measured here: the profile's machine and pool
     hw = get_hardware(args.hardware or "h100-sxm") if args.hardware or not profiled else None
     config = SimConfig(
         **serving_config_kwargs(args), gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,

@@ -19,7 +19,7 @@ from workbench.sim.roofline_cost import RooflineCostModel
 from workbench.sim.stats import FEATURES, CostModel, StepStats, decode_stats, plan_stats
 from workbench.sim.trace_cost import TraceCostModel
 
-COST_MODELS = ("roofline", "profiled")
+COST_MODELS = ("roofline", "profiled", "op-profile")
 
 __all__ = [
     "COST_MODELS", "CURVE_FEATURES", "FEATURES", "PROFILE_FORMAT", "PROFILE_FORMATS", "CostModel", "ProfiledCostModel",
@@ -38,12 +38,18 @@ def make_cost_model(
     decode_efficiency: float = 1.0,
     noise_seed: int | None = None,
 ) -> CostModel:
-    """A cost model by name: ``roofline`` (model on hardware) or ``profiled`` (a profile file; ``noise_seed``
-    draws its measured residuals into each step)."""
+    """A cost model by name: ``roofline`` (model on hardware), ``profiled`` or ``op-profile`` (a profile file;
+    ``noise_seed`` draws its measured residuals into each step)."""
     if name == "roofline":
         return RooflineCostModel(model, hardware, dtype, prefill_efficiency, decode_efficiency)
     if name == "profiled":
         if profile is None:
             raise ConfigError("cost model 'profiled' needs a profile file (--profile PATH)")
         return ProfiledCostModel.load(profile).with_noise(noise_seed)
+    if name == "op-profile":  # workbench.sim.op_profile: the sum of profiled operations (workbench profile-ops)
+        from workbench.sim.op_profile import OpProfileCostModel
+
+        if profile is None:
+            raise ConfigError("cost model 'op-profile' needs a profile file (--profile PATH; `workbench profile-ops`)")
+        return OpProfileCostModel.load(profile).with_noise(noise_seed)
     raise ConfigError(f"unknown cost model {name!r}; expected one of {', '.join(COST_MODELS)}")

@@ -208,3 +208,98 @@ def disaggregated_fidelity(
                         name)  # fmt: skip
     link = {"latency_s": latency, "gbps": bandwidth * 8 / 1e9, "num_transfers": len(points)}
     return {"rows": rows, "link": link, "loads": loads, "repeats": repeats}
+
+
+# ---- notebook 07: the profiles of this machine, where a step's time goes, published GPU measurements ------------
+def profile_for_this_machine(
+    kind: str, model: str, path: str | None = None, max_num_seqs: int = 16, max_model_len: int = 256
+) -> tuple[Any, str]:
+    """(cost model, where it came from): ``kind`` ``op-profile`` or ``profiled``; from ``path`` when given, else
+    the committed profile of this machine (``data/profiles/``, named after the CPU model as ``workbench
+    profile-ops`` and ``workbench fit-profile`` name them) when there is one, else measured now."""
+    from pathlib import Path
+
+    from workbench.commands.fit_profile import default_profile_path
+    from workbench.commands.profile_ops import default_op_profile_path
+    from workbench.hardware import cpu_model_name
+    from workbench.sim.costmodel import ProfiledCostModel
+    from workbench.sim.op_profile import OpProfileCostModel
+
+    if kind == "op-profile":
+        found = path or default_op_profile_path(model, cpu_model_name())
+        if Path(found).is_file():
+            return OpProfileCostModel.load(found), found
+        from workbench.sim.op_timing import measure_overhead, profile_ops
+
+        profile = profile_ops(model, "cpu", "fp32", progress=False)
+        profile["overhead"] = measure_overhead(profile, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        return OpProfileCostModel.from_dict(profile, "the measured op profile"), "measured now (profile-ops)"
+    if kind == "profiled":
+        found = path or default_profile_path(model)
+        if Path(found).is_file():
+            return ProfiledCostModel.load(found), found
+        from workbench.sim.measure import fit_engine_profile
+
+        return fit_engine_profile(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len), "fitted now"
+    from workbench.errors import ConfigError
+
+    raise ConfigError(f"unknown profile kind {kind!r}; expected op-profile or profiled")
+
+
+def step_breakdown(cost: Any, steps: Mapping[str, Any]) -> list[dict]:
+    """Per named step (``StepStats``), the op-profile model's seconds per operation and its fitted overhead, in
+    ms: where a step's time goes by the profile."""
+    rows = []
+    for label, stats in steps.items():
+        ops = cost.op_times(stats)
+        total_ops = sum(ops.values())
+        for op, seconds in sorted(ops.items(), key=lambda kv: -kv[1]):
+            rows.append({"step": label, "part": op, "ms": seconds * 1e3})
+        rows.append({"step": label, "part": "overhead (fitted)", "ms": cost.overhead_time(stats, total_ops) * 1e3})
+    return rows
+
+
+def overhead_claim(overhead: Mapping[str, Any]) -> dict[str, Any]:
+    """ "The isolated operations alone underestimate an engine step here": from the op profile's overhead fit,
+    confirmed when the summed operations are more than 10% below the measured steps on average, not confirmed
+    when they are more than 10% above, inconclusive within 10%."""
+    from workbench.experiments.claims import SINGLE_RUN_TOLERANCE
+
+    fit = overhead["fit"]
+    bias = fit["ops_only_mean_signed_rel_error"]
+    evidence = {"ops_only_mean_signed_rel_error": bias, "ops_only_median_rel_error": fit["ops_only_median_rel_error"],
+                "with_overhead_median_rel_error": fit["median_rel_error"], "num_steps": fit["num_steps"],
+                "coefficients": dict(overhead["coefficients"])}  # fmt: skip
+    text = (f"over {fit['num_steps']} engine steps the summed operations are {100 * bias:+.1f}% off on average "
+            f"(median |error| {100 * fit['ops_only_median_rel_error']:.1f}%); with the fitted overhead the median "
+            f"|error| is {100 * fit['median_rel_error']:.1f}%")  # fmt: skip
+    claim = "The operations timed alone underestimate an engine step on this machine (a per-step overhead is needed)"
+    if bias < -SINGLE_RUN_TOLERANCE:
+        return make_claim(claim, CONFIRMED, evidence, text)
+    if bias > SINGLE_RUN_TOLERANCE:
+        return make_claim(claim, NOT_CONFIRMED, evidence, text)
+    return make_claim(claim, INCONCLUSIVE, evidence, text)
+
+
+def published_measurements(directory: Any) -> list[dict] | None:
+    """Every record of the YAML files in ``directory`` (``data/validation/``: published GPU measurements), each
+    with its ``source_file``; a file is a list of records or a mapping whose list values are the records. None when
+    there is no such file (the notebook then says so rather than showing anything)."""
+    from pathlib import Path
+
+    import yaml
+
+    files = sorted(Path(directory).glob("*.yaml")) if directory is not None else []
+    if not files:
+        return None
+    rows: list[dict] = []
+    for path in files:
+        data = yaml.safe_load(path.read_text())
+        lists = [data] if isinstance(data, list) else [v for v in (data or {}).values() if isinstance(v, list)]
+        for records in lists:
+            for rec in records:
+                if isinstance(rec, dict):
+                    rows.append(
+                        {"source_file": path.name, **{k: v for k, v in rec.items() if not isinstance(v, (dict, list))}}
+                    )
+    return rows

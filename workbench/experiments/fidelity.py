@@ -212,11 +212,18 @@ def disaggregated_fidelity(
 
 # ---- notebook 07: the profiles of this machine, where a step's time goes, published GPU measurements ------------
 def profile_for_this_machine(
-    kind: str, model: str, path: str | None = None, max_num_seqs: int = 16, max_model_len: int = 256
+    kind: str,
+    model: str,
+    path: str | None = None,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    max_tokens: int = 2048,
+    num_requests: int = 24,
 ) -> tuple[Any, str]:
     """(cost model, where it came from): ``kind`` ``op-profile`` or ``profiled``; from ``path`` when given, else
     the committed profile of this machine (``data/profiles/``, named after the CPU model as ``workbench
-    profile-ops`` and ``workbench fit-profile`` name them) when there is one, else measured now."""
+    profile-ops`` and ``workbench fit-profile`` name them) when there is one, else measured now (``max_tokens``:
+    the op profile's largest size; ``num_requests``: per workload of the engine runs that fit)."""
     from pathlib import Path
 
     from workbench.commands.fit_profile import default_profile_path
@@ -231,8 +238,9 @@ def profile_for_this_machine(
             return OpProfileCostModel.load(found), found
         from workbench.sim.op_timing import measure_overhead, profile_ops
 
-        profile = profile_ops(model, "cpu", "fp32", progress=False)
-        profile["overhead"] = measure_overhead(profile, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        profile = profile_ops(model, "cpu", "fp32", max_tokens=max_tokens, progress=False)
+        profile["overhead"] = measure_overhead(profile, num_requests=num_requests, max_num_seqs=max_num_seqs,
+                                               max_model_len=max_model_len)  # fmt: skip
         return OpProfileCostModel.from_dict(profile, "the measured op profile"), "measured now (profile-ops)"
     if kind == "profiled":
         found = path or default_profile_path(model)
@@ -240,7 +248,9 @@ def profile_for_this_machine(
             return ProfiledCostModel.load(found), found
         from workbench.sim.measure import fit_engine_profile
 
-        return fit_engine_profile(model, max_num_seqs=max_num_seqs, max_model_len=max_model_len), "fitted now"
+        fitted = fit_engine_profile(model, num_requests=num_requests, max_num_seqs=max_num_seqs,
+                                    max_model_len=max_model_len)  # fmt: skip
+        return fitted, "fitted now (fit-profile)"
     from workbench.errors import ConfigError
 
     raise ConfigError(f"unknown profile kind {kind!r}; expected op-profile or profiled")

@@ -1,13 +1,15 @@
 """Simulator fidelity on this machine: a cost model against the engine's measured latencies, per policy, with the
 measured runs repeated and their spread reported.
 
-    .venv/bin/python scripts/sim_fidelity.py [--model tiny-gqa] [--cost-model profiled|op-profile] [--profile FILE]
-        [--num-requests 40] [--rate 10] [--repeats 3] [--policies static,continuous,...]
+    .venv/bin/python scripts/sim_fidelity.py [--model tiny-gqa] [--cost-model op-profile,profiled]
+        [--op-profile FILE] [--fit-profile FILE] [--num-requests 40] [--rate 10] [--repeats 3] [--policies ...]
     .venv/bin/python scripts/sim_fidelity.py --disaggregate 1:1 [--repeats 3] [...]
 
-The cost model: ``profiled`` (``workbench fit-profile``'s linear model, fitted here on the training workloads of
-``workbench.sim.measure`` unless ``--profile`` is given) or ``op-profile`` (the sum of the model's operations
-measured by ``workbench profile-ops``, with its fitted per-step overhead; measured here unless ``--profile``).
+The cost models (one or several, compared on the same measured runs): ``profiled`` (``workbench fit-profile``'s
+linear model) and ``op-profile`` (the sum of the model's operations measured by ``workbench profile-ops``, with its
+fitted per-step overhead). Each is read from ``--fit-profile`` / ``--op-profile``, else from the profile committed
+for this CPU model in ``data/profiles/``, else measured here first
+(``workbench.experiments.fidelity.profile_for_this_machine``).
 Then the real engine replays a held-out Poisson workload (another seed, other lengths) under every policy,
 ``--repeats`` times, interleaved (every policy once, then again), with the load average read before and after each
 run; the simulator replays the same workload with the same scheduler settings and pool, deterministically and with
@@ -32,31 +34,12 @@ from workbench.engine.scheduler import POLICIES
 from workbench.parsing import make_parser
 
 
-def load_cost(args) -> object:  # noqa: ANN001
-    """The cost model the arguments ask for, measured here when no profile file is given."""
-    if args.cost_model == "op-profile":
-        from workbench.sim.op_profile import OpProfileCostModel
-        from workbench.sim.op_timing import measure_overhead, profile_ops
-
-        if args.profile:
-            return OpProfileCostModel.load(args.profile)
-        profile = profile_ops(args.model, "cpu", "fp32", progress=True)
-        profile["overhead"] = measure_overhead(profile, max_num_seqs=args.max_num_seqs,
-                                               max_model_len=args.max_model_len)  # fmt: skip
-        return OpProfileCostModel.from_dict(profile, "the measured profile")
-    from workbench.sim.costmodel import ProfiledCostModel
-    from workbench.sim.measure import fit_engine_profile
-
-    if args.profile:
-        return ProfiledCostModel.load(args.profile)
-    return fit_engine_profile(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-
-
 def main() -> int:
     p = make_parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-gqa")
-    p.add_argument("--cost-model", default="profiled", choices=("profiled", "op-profile"))
-    p.add_argument("--profile", default=None, help="use this profile instead of measuring one")
+    p.add_argument("--cost-model", default="op-profile,profiled", help="comma-separated: op-profile, profiled")
+    p.add_argument("--op-profile", default=None, help="op profile file (default: this CPU's in data/profiles)")
+    p.add_argument("--fit-profile", default=None, help="fit-profile file (default: this CPU's in data/profiles)")
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--rate", type=float, default=10.0)
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -77,15 +60,25 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)  # as the profile was measured (fit-profile / profile-ops --threads, 1)
     load_start = load_average()
-    cost = load_cost(args)
+    kinds = [k.strip() for k in args.cost_model.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("op-profile", "profiled")]
+    if bad or not kinds:
+        p.error(f"--cost-model takes op-profile and/or profiled, got {args.cost_model!r}")
+    costs, sources = {}, {}
+    for kind in kinds:
+        path = args.op_profile if kind == "op-profile" else args.fit_profile
+        costs[kind], sources[kind] = fidelity.profile_for_this_machine(kind, args.model, path, args.max_num_seqs,
+                                                                       args.max_model_len)  # fmt: skip
     held_out = fidelity.held_out_workload(args.num_requests, args.rate, args.seed)
-    out: dict = {"model": args.model, "cost_model": cost.describe(), "num_requests": args.num_requests,
-                 "rate": args.rate, "repeats": args.repeats, "threads": args.threads,
-                 "load_average_start": load_start}  # fmt: skip
-    label = cost.name
+    out: dict = {"model": args.model, "cost_models": {k: {"source": sources[k], **c.describe()} for k, c in
+                 costs.items()}, "num_requests": args.num_requests, "rate": args.rate, "repeats": args.repeats,
+                 "threads": args.threads, "load_average_start": load_start}  # fmt: skip
+    labels = [name for kind in kinds for name in (kind, f"{kind} noise")]
+    rows = []
     if args.disaggregate:
-        res = fidelity.disaggregated_fidelity(args.model, cost, held_out, parse_disaggregate(args.disaggregate),
-                                              args.repeats, args.threads, args.max_num_seqs, args.max_model_len,
+        split = parse_disaggregate(args.disaggregate)
+        res = fidelity.disaggregated_fidelity(args.model, list(costs.values()), held_out, split, args.repeats,
+                                              args.threads, args.max_num_seqs, args.max_model_len,
                                               args.seed)  # fmt: skip
         rows = res["rows"]
         out.update(disaggregate=args.disaggregate, link=res["link"], loads=res["loads"])
@@ -95,16 +88,16 @@ def main() -> int:
         measured = fidelity.measure_policies(net, held_out, policies, args.repeats, args.max_num_seqs,
                                              args.max_model_len, progress=True)  # fmt: skip
         cfg = ModelConfig.resolve(args.model)
-        rows = []
-        for name, seed in ((label, None), (f"{label} noise", args.seed)):
-            sim = fidelity.simulate_policies(held_out, cfg, cost, measured, args.max_num_seqs, args.max_model_len,
-                                             seed)  # fmt: skip
-            rows += fidelity.compare(measured["runs"], sim, name)
+        for kind, cost in costs.items():
+            for name, seed in ((kind, None), (f"{kind} noise", args.seed)):
+                sim = fidelity.simulate_policies(held_out, cfg, cost, measured, args.max_num_seqs,
+                                                 args.max_model_len, seed)  # fmt: skip
+                rows += fidelity.compare(measured["runs"], sim, name)
         out["loads"] = measured["loads"]
     out["rows"] = rows
-    out["claims"] = [fidelity.fidelity_claim(rows, name) for name in (label, f"{label} noise")]
+    out["claims"] = [fidelity.fidelity_claim(rows, name) for name in labels]
     out["max_abs_rel_error"] = {name: max(abs(r["rel_error"]) for r in rows if r["model"] == name)
-                                for name in (label, f"{label} noise")}  # fmt: skip
+                                for name in labels}  # fmt: skip
     out["load_average_end"] = load_average()
     for r in rows:
         print(f"{r['model']:18s} {r['policy']:18s} {r['statistic']:11s} measured {r['measured_ms']:8.2f} ms "

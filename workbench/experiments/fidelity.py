@@ -159,7 +159,7 @@ def fidelity_claim(rows: Sequence[Mapping[str, Any]], label: str) -> dict[str, A
 
 def disaggregated_fidelity(
     model: str,
-    cost: Any,
+    costs: Any,
     requests: Sequence[Request],
     split: tuple[int, int],
     repeats: int = 3,
@@ -168,9 +168,9 @@ def disaggregated_fidelity(
     max_model_len: int = 256,
     noise_seed: int | None = 7,
 ) -> dict[str, Any]:
-    """The real disaggregated run (``repeats`` times) against the simulated one, with the KV link fitted to the real
-    transfers (``workbench.sim.comm.fit_latency_bandwidth``): ``rows`` as ``compare`` (models ``label`` and
-    ``label + " noise"``), ``link``, ``loads``."""
+    """The real disaggregated run (``repeats`` times) against the simulated one on each cost model of ``costs`` (one
+    or a list), with the KV link fitted to the real transfers (``workbench.sim.comm.fit_latency_bandwidth``): ``rows``
+    as ``compare`` (models ``cost.name`` and ``cost.name + " noise"``), ``link``, ``loads``."""
     from workbench.config import ModelConfig
     from workbench.dist.disagg import DisaggCluster, DisaggConfig
     from workbench.engine.metrics import summarize
@@ -198,14 +198,14 @@ def disaggregated_fidelity(
     scfg = SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=ecfg.cache_shape(cfg_model)[0],
                      block_size=ecfg.block_size, dtype="fp32", disaggregate=split, link_gbps=bandwidth * 8 / 1e9,
                      link_latency_s=latency)  # fmt: skip
-    label = cost.name
     rows = []
     n = sum(split)
-    for name, seeds in ((label, [None] * n), (f"{label} noise", [noise_seed + i for i in range(n)])):
-        costs = [cost.with_noise(s) for s in seeds]  # stateful: one per replica
-        sim = simulate(list(requests), cfg_model, costs, scfg).summary()["metrics"]
-        rows += compare({f"disaggregated {split[0]}:{split[1]}": runs}, {f"disaggregated {split[0]}:{split[1]}": sim},
-                        name)  # fmt: skip
+    setup = f"disaggregated {split[0]}:{split[1]}"
+    for cost in costs if isinstance(costs, (list, tuple)) else [costs]:
+        for name, seeds in ((cost.name, [None] * n), (f"{cost.name} noise", [noise_seed + i for i in range(n)])):
+            replicas = [cost.with_noise(s) for s in seeds]  # stateful: one per replica
+            sim = simulate(list(requests), cfg_model, replicas, scfg).summary()["metrics"]
+            rows += compare({setup: runs}, {setup: sim}, name)
     link = {"latency_s": latency, "gbps": bandwidth * 8 / 1e9, "num_transfers": len(points)}
     return {"rows": rows, "link": link, "loads": loads, "repeats": repeats}
 

@@ -5,5 +5,8 @@
   NNLS solver and ``fit_profile``; ``costmodel``: the factory ``make_cost_model`` (and every name above);
 - ``workbench.sim.cluster``: ``SimConfig``, replicas, router, prefill/decode disaggregation, ``simulate``;
 - ``workbench.sim.capacity``: ``capacity_search`` (bisection on the request rate), ``rate_scaled``, ``sweep``;
-- ``workbench.sim.measure``: measuring the real engine's steps and fitting the ``profiled`` model.
+- ``workbench.sim.measure``: measuring the real engine's steps and fitting the ``profiled`` model;
+- ``workbench.sim.op_profile``: ``OpProfileCostModel`` (a step as the sum of its profiled operations plus a fitted
+  overhead; Vidur's approach) and its overhead fit; ``workbench.sim.op_timing``: timing every operation
+  (``workbench profile-ops``).
 """

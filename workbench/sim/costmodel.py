@@ -1,10 +1,12 @@
 """Cost models: how long one scheduler step takes, behind one interface, so the simulator never touches a device.
 
-The interface and what a step computes: ``workbench.sim.stats`` (``CostModel``, ``StepStats``). The models, one
-per file: ``RooflineCostModel`` (``roofline_cost``: the roofline on a hardware spec, with per-phase
-efficiencies), ``ProfiledCostModel`` (``profiled``: linear features and a token curve fitted to this machine's
-engine steps by ``fit.fit_profile``), ``TraceCostModel`` (``trace_cost``: replays a measured step log). This
-module is the factory, ``make_cost_model``, and the one place the simulator's callers import them from.
+The interface and what a step computes: ``workbench.sim.stats`` (``CostModel``, ``StepStats``). The models, one per
+file: ``RooflineCostModel`` (``roofline_cost``: the roofline on a hardware spec, with per-phase efficiencies),
+``ProfiledCostModel`` (``profiled``: linear features and a token curve fitted to this machine's engine steps by
+``fit.fit_profile``), ``OpProfileCostModel`` (``op_profile``: the sum of the step's operations, each measured alone by
+``workbench profile-ops``, plus a fitted per-step overhead; imported when asked for), ``TraceCostModel``
+(``trace_cost``: replays a measured step log). This module is the factory, ``make_cost_model``, and the one place the
+simulator's callers import them from.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ Times the model's own layers (``workbench.sim.op_timing.profile_ops``): the QKV,
 RMSNorm, rotary, the SiLU * up activation, the residual add and the KV write over the step's tokens; embedding and
 the rotary table once a step; the LM head, the sampler and a pure decode's KV write over the sampled rows;
 attention over prompt length (prefill), over context (a decode attended alone) and over batch x context (a pure
-decode in one gather). Each point is a median over repeats after warm-up, with min and max. Then, unless
+decode in one gather). Each point is a median over repeats after warm-up, with min and max, in each of ``--passes``
+sweeps over all points; the profile keeps the median of the passes' medians (a burst of load from another process
+moves one pass, not the profile). Then, unless
 ``--no-overhead``, it replays short workloads on the real engine and fits the per-step overhead the summed
 operations miss (``workbench.sim.op_profile``). The file records the machine (``workbench.hardware``), torch's thread
 count and the load average at the start and the end. Use it with ``workbench simulate --cost-model op-profile
@@ -34,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="prompt lengths of prefill attention")
     p.add_argument("--contexts", type=int, nargs="+", default=None, help="context lengths of decode attention")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="batch sizes of decode attention")
+    p.add_argument("--passes", type=int, default=3,
+                   help="sweeps over every point, interleaved (median of the passes' medians)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2, help="warm-up calls per point")
     p.add_argument("--max-repeats", type=int, default=15, help="timed calls per point at most (at least 3)")
     p.add_argument("--target-ms", type=float, default=50.0, help="aim of the timed calls' total per point, ms")
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import check_output_file
     from workbench.errors import ConfigError
 
-    for name in ("threads", "max_tokens", "max_repeats", "overhead_requests", "max_num_seqs", "max_model_len"):
+    counts = ("threads", "passes", "max_tokens", "max_repeats", "overhead_requests", "max_num_seqs", "max_model_len")
+    for name in counts:
         value = getattr(args, name)
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -92,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_ops(
         args.model, str(dev), args.dtype, args.attention_backend, {k: v for k, v in grids.items() if v},
         args.max_tokens, args.warmup, args.max_repeats, args.target_ms / 1e3, args.seed, not args.no_progress,
+        args.passes,
     )  # fmt: skip
     profile["model"] = cfg.name
     if not args.no_overhead:

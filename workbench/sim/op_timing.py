@@ -52,6 +52,14 @@ def _point(fn: Callable[[], Any], device: Any, warmup: int, max_repeats: int, ta
     return {"median_s": stats["median_s"], "min_s": stats["min_s"], "max_s": stats["max_s"], "repeats": repeats}
 
 
+def _combine(passes: list[dict[str, float]]) -> dict[str, float]:
+    """One point over several passes: the median of the passes' medians, the min and max of all calls."""
+    from workbench.timing import median
+
+    return {"median_s": median([p["median_s"] for p in passes]), "min_s": min(p["min_s"] for p in passes),
+            "max_s": max(p["max_s"] for p in passes), "repeats": sum(p["repeats"] for p in passes)}  # fmt: skip
+
+
 def _series(values: list[int], points: list[dict[str, float]]) -> dict[str, Any]:
     return {"values": list(values), **{k: [p[k] for p in points] for k in ("median_s", "min_s", "max_s", "repeats")}}
 
@@ -68,10 +76,12 @@ def profile_ops(
     target_s: float = 0.05,
     seed: int = 0,
     progress: bool = True,
+    passes: int = 3,
 ) -> dict[str, Any]:
     """Time every operation of ``model`` (a preset or config.json; random weights) on ``device``: the content of an
     op profile file (``OP_PROFILE_FORMAT``) without its overhead and machine facts (``workbench profile-ops``
-    adds them). ``grids``: sizes per axis (``default_grids``)."""
+    adds them). ``grids``: sizes per axis (``default_grids``). ``passes``: sweeps over every point, interleaved (each
+    point once per pass); a point's median is the median of its passes' medians."""
     import torch
     import torch.nn.functional as F
 
@@ -120,23 +130,10 @@ def profile_ops(
     greedy = SamplingParams()
 
     ops: dict[str, Any] = {}
-    total = (len(OPS_1D) - 5) * len(g["tokens"]) + 3 * len(g["rows"]) + len(g["prompt_lens"])
-    total += len(g["contexts"]) * (1 + len(g["batch_sizes"]))
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=f"profile-ops {model}", unit="point", leave=False)
+    jobs: list[tuple[Any, list[int], list[Callable[[], Any]]]] = []  # (key, sizes, one timed function per size)
 
     def measure(name: str, values: list[int], make: Callable[[int], Callable[[], Any]]) -> None:
-        points = []
-        for v in values:
-            if bar is not None:
-                bar.set_postfix_str(f"{name} {v}")
-            points.append(_point(make(v), dev, warmup, max_repeats, target_s))
-            if bar is not None:
-                bar.update(1)
-        ops[name] = {"x": OP_X[name], **_series(values, points)}
+        jobs.append((name, list(values), [make(v) for v in values]))
 
     with torch.inference_mode():
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
@@ -252,30 +249,51 @@ def profile_ops(
 
         measure("attention_decode_looped", g["contexts"], make_looped)
 
-        table: dict[str, list[list[float]]] = {"median_s": [], "min_s": [], "max_s": []}
         for b in g["batch_sizes"]:
-            line = []
-            for c in g["contexts"]:
-                if bar is not None:
-                    bar.set_postfix_str(f"attention_decode {b}x{c}")
+
+            def make_decode(c: int, b: int = b) -> Callable[[], Any]:
                 per = ceil_div(c, bs)
                 meta = build_decode_metadata([c] * b, [blocks(c, i * per) for i in range(b)], bs, dev)
                 q, k, v = randn(b, nh, d), randn(b, nkv, d), randn(b, nkv, d)
 
-                def run(meta: Any = meta, q: Any = q, k: Any = k, v: Any = v) -> Any:
+                def run() -> Any:
                     i = next_layer() % cache_layers
                     return backend.decode(i, q, k, v, cache, meta, net.layers[0].self_attn.scale)
 
-                line.append(_point(run, dev, warmup, max_repeats, target_s))
-                if bar is not None:
-                    bar.update(1)
-            for key in table:
-                table[key].append([p[key] for p in line])
+                return run
+
+            jobs.append((("attention_decode", b), list(g["contexts"]), [make_decode(c) for c in g["contexts"]]))
+
+        # every pass times every point once; a point's median is the median of its passes' medians, so a burst
+        # of load from other processes during one pass moves one of them, not the profile
+        results: dict[Any, list[list[dict[str, float]]]] = {key: [[] for _ in fns] for key, _, fns in jobs}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            total = passes * sum(len(fns) for _, _, fns in jobs)
+            bar = tqdm(total=total, desc=f"profile-ops {model}", unit="point", leave=False)
+        for n in range(passes):
+            for key, values, fns in jobs:
+                for i, (v, fn) in enumerate(zip(values, fns)):
+                    if bar is not None:
+                        bar.set_postfix_str(f"pass {n + 1}/{passes} {key} {v}")
+                    results[key][i].append(_point(fn, dev, warmup, max_repeats, target_s))
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        combined = {key: [_combine(p) for p in points] for key, points in results.items()}
+        table: dict[str, list[list[float]]] = {"median_s": [], "min_s": [], "max_s": []}
+        for key, values, _ in jobs:
+            if isinstance(key, tuple):
+                for stat in table:
+                    table[stat].append([p[stat] for p in combined[key]])
+            else:
+                ops[key] = {"x": OP_X[key], **_series(values, combined[key])}
         ops["attention_decode"] = {"x": "batch,context", "batch_sizes": list(g["batch_sizes"]),
                                    "contexts": list(g["contexts"]), **table}  # fmt: skip
         synchronize(dev)
-    if bar is not None:
-        bar.close()
     missing = [op for op in (*OPS_1D, *OPS_2D) if op not in ops]
     if missing:  # a programming error, not a user's: every operation of the cost model must be measured
         raise RuntimeError(f"profile-ops measured no {missing}")
@@ -296,6 +314,7 @@ def profile_ops(
             "max_repeats": max_repeats,
             "target_s": target_s,
             "min_repeats": 3,
+            "passes": passes,
             "cache_layers": cache_layers,
         },  # fmt: skip
         "ops": ops,

@@ -338,8 +338,9 @@ def fit_overhead(
     steps count as much as long prefills), non-negative but for ``ops_scale`` and the per-step constants; steps
     more than ``outlier_ratio`` times the first fit's prediction (the process descheduled) are left out of a second
     fit, and so are the steps after an idle wait, whose median excess is ``idle_step_s``. ``host_gap_s`` and
-    ``wake_s`` are the medians of ``gaps_s`` and ``wakes_s``. Returns the profile's ``overhead`` section, with the
-    fit's quality before (operations alone) and after."""
+    ``wake_s`` are the medians of ``gaps_s`` and ``wakes_s``; ``residual_quantiles_s`` are those of (measured -
+    fitted) over every busy step, the outliers included (the noise a loaded machine adds). Returns the profile's
+    ``overhead`` section, with the fit's quality before (operations alone) and after."""
     import numpy as np
 
     from workbench.sim.fit import nnls
@@ -383,7 +384,8 @@ def fit_overhead(
         "host_gap_s": float(np.median(gaps_s)) if gaps_s else 0.0,
         "idle_step_s": max(idle_step_s, 0.0),
         "wake_s": float(np.median(wakes_s)) if wakes_s else None,
-        "residual_quantiles_s": np.quantile(y[keep] - pred[keep], np.linspace(0.0, 1.0, 101)).tolist(),
+        # over every busy step, the outliers too: a step descheduled by another process is part of the noise
+        "residual_quantiles_s": np.quantile(y[busy] - pred[busy], np.linspace(0.0, 1.0, 101)).tolist(),
         "fit": {
             "method": "nnls-relative",
             "num_steps": len(stats),

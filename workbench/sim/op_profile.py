@@ -29,11 +29,13 @@ measured batch size, then along batch size, with the same rule on each axis.
 The per-step overhead is what the summed operations miss on this machine, fitted once per profile by non-negative
 least squares against real engine steps (``workbench.sim.op_timing.fit_overhead``): a share of the summed
 operations (``ops_scale``: the same operations run slower inside a forward pass, whose weight streams evict the
-caches the isolated timings keep warm, or faster), a constant per step and per sequence for each kind of step (the
+caches the isolated timings keep warm), a constant per step and per sequence for each kind of step (the
 scheduler, the metadata tensors, the Python between layers; ``decode_step_s``, ``decode_seq_s`` for a pure
 decode, ``ragged_step_s``, ``ragged_seq_s`` otherwise) and a per-token term. The gap between steps, the extra
 time of a step after an idle wait and the wake-up delay are measured from the same run, as ``ProfiledCostModel``
-models them (this class extends it). The model imports no torch.
+models them (this class extends it). Every term is non-negative: an engine step does at least the work of its
+operations (on a loaded machine a fit with free signs found a negative total share of the operations, which no
+step can have). The model imports no torch.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ OPS_2D = ("attention_decode",)  # x: (batch, context)
 OP_X = {**{op: "tokens" for op in TOKEN_OPS}, **{op: "rows" for op in ROW_OPS}, "attention_prefill": "prompt_len",
         "attention_decode_looped": "context", "attention_decode": "batch,context"}  # fmt: skip
 OVERHEAD_FEATURES = ("ops_scale", "decode_step_s", "ragged_step_s", "decode_seq_s", "ragged_seq_s", "token_s")
-NUM_FREE_OVERHEAD = 3  # ops_scale and the two per-step constants may be negative (isolated ops can overestimate)
+NUM_FREE_OVERHEAD = 0  # no term may be negative (see the module docstring)
 
 
 def interp1(xs: list[float], ys: list[float], x: float) -> float:
@@ -335,7 +337,7 @@ def fit_overhead(
 ) -> dict[str, Any]:
     """Fit the per-step overhead of ``cost`` (``OVERHEAD_FEATURES``) to measured engine steps: least squares of
     (measured - summed operations) on the features, weighted by 1 / measured (relative error, so short decode
-    steps count as much as long prefills), non-negative but for ``ops_scale`` and the per-step constants; steps
+    steps count as much as long prefills), every coefficient non-negative; steps
     more than ``outlier_ratio`` times the first fit's prediction (the process descheduled) are left out of a second
     fit, and so are the steps after an idle wait, whose median excess is ``idle_step_s``. ``host_gap_s`` and
     ``wake_s`` are the medians of ``gaps_s`` and ``wakes_s``; ``residual_quantiles_s`` are those of (measured -

@@ -14,7 +14,8 @@ import pytest
 from workbench import cli
 from workbench.experiments.claims import VERDICTS
 
-EXPERIMENTS = ("prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill", "disaggregation")
+EXPERIMENTS = ("prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill", "disaggregation",
+               "simulator_validation")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,12 @@ def test_recorded_ratios_follow_their_parts(smoke: dict) -> None:
     assert c["sweep_min_stall_budget"] in (16, 48)  # smoke budgets
     claim = next(x for x in c["claims"] if "TTFT" in x["claim"])
     assert claim["evidence"]["ttft_ms_one_shot"] == pytest.approx(c["long_ttft_ms_continuous"])
+    v = smoke["metrics"]["simulator_validation"]  # smoke: two policies, no disaggregated pair
+    fidelity = [x for x in v["claims"] if "reproduces" in x["claim"]]
+    assert len(fidelity) == 3 and all(x["evidence"]["num_statistics"] == 2 * 4 for x in fidelity)
+    worst = fidelity[0]["evidence"]["worst"]["rel_error"]
+    assert abs(worst) == pytest.approx(v["max_abs_rel_error_op_profile"])
+    assert v["disaggregated_max_abs_rel_error"] is None
 
 
 def test_environment_json_hygiene(smoke: dict) -> None:

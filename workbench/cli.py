@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace-stats": ("workbench.commands.trace_stats", "size, rate, lengths and prefix sharing of a trace"),
     "simulate": ("workbench.commands.simulate", "simulate serving a trace on replicas with the engine's scheduler"),
     "fit-profile": ("workbench.commands.fit_profile", "measure the engine's step times here and fit a cost profile"),
+    "profile-ops": ("workbench.commands.profile_ops", "time every operation of a model here into an op profile"),
     "roofline": ("workbench.commands.roofline", "per-operation roofline of prefill and decode on a hardware"),
     "plan": ("workbench.commands.plan", "search deployments (replicas, TP, PP, P:D, policy) for goodput per GPU"),
     "hardware": ("workbench.commands.hardware", "accelerator table and this machine's measured ceilings"),

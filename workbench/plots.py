@@ -630,3 +630,46 @@ def plot_pareto(rows: Any, front: Any, title: str, ax: Axes | None = None) -> Ax
     ax.set(xlabel="p90 TTFT (ms)", ylabel="goodput per GPU (requests/s within SLOs)", title=title)
     ax.legend(fontsize="small")
     return ax
+
+
+def plot_fidelity(rows: Any, axes: Sequence[Axes] | None = None) -> Sequence[Axes]:
+    """Notebook 07: one panel per statistic (``statistic`` column); per policy the measured median with its
+    min..max over the repeats as an error bar, and each cost model's simulated value as a marker (ms)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    stats = list(dict.fromkeys(df["statistic"]))
+    if axes is None:
+        _, axes = plt.subplots(1, len(stats), figsize=(4.2 * len(stats), 4.2), constrained_layout=True)
+    markers = ["o", "s", "^", "D", "v", "P"]
+    for ax, stat in zip(axes, stats):
+        sub = df[df["statistic"] == stat]
+        policies = list(dict.fromkeys(sub["policy"]))
+        x = range(len(policies))
+        first = sub.drop_duplicates("policy").set_index("policy").loc[policies]
+        err = [first["measured_ms"] - first["measured_min_ms"], first["measured_max_ms"] - first["measured_ms"]]
+        ax.errorbar(x, first["measured_ms"], yerr=err, fmt="_", color="black", markersize=16, capsize=4,
+                    label="measured (median, min..max)")  # fmt: skip
+        for i, (label, part) in enumerate(sub.groupby("model", sort=False)):
+            part = part.set_index("policy").loc[policies]
+            ax.scatter(x, part["simulated_ms"], marker=markers[i % len(markers)], label=f"simulated: {label}", zorder=3)
+        ax.set_xticks(list(x), policies, rotation=30, ha="right")
+        ax.set(ylabel=f"{stat} (ms)", title=stat)
+    axes[0].legend(fontsize="small")
+    return axes
+
+
+def plot_step_breakdown(rows: Any, ax: Axes | None = None) -> Axes:
+    """Notebook 07: stacked bars of where each named step's time goes by the op profile (``step``, ``part``,
+    ``ms`` rows), in ms."""
+    import pandas as pd
+
+    ax = _new_ax(ax)
+    df = pd.DataFrame(rows)
+    pivot = df.pivot_table(index="step", columns="part", values="ms", aggfunc="sum", sort=False).fillna(0.0)
+    pivot = pivot[pivot.sum().sort_values(ascending=False).index]
+    (pivot.div(pivot.sum(axis=1), axis=0) * 100).plot.barh(stacked=True, ax=ax, width=0.7, colormap="tab20")
+    ax.set(xlabel="share of the predicted step time (%)", ylabel="step", title="Where a step's time goes (op profile)")
+    ax.legend(fontsize="x-small", ncol=2, bbox_to_anchor=(1.01, 1.0), loc="upper left")
+    return ax

@@ -3,22 +3,24 @@
     workbench simulate --model NAME --hardware NAME --trace azure-conv|azure-code|mooncake-conversation|poisson:RATE
         [--tensor-parallel-size N] [--pipeline-parallel-size N] [--quantization Q] [--kv-cache-dtype D]
         [--replicas N] [--router round-robin|least-outstanding|shortest-queue] [--policy P]
-        [--disaggregate P:D --link-gbps X [--link-latency-ms MS]] [--cost-model roofline|profiled [--profile FILE]]
+        [--disaggregate P:D --link-gbps X [--link-latency-ms MS]]
+        [--cost-model roofline|profiled|op-profile [--profile FILE]]
         [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--step-log FILE] [--json]
 
 Each step's duration comes from a cost model: ``roofline`` (the roofline prediction for the model on the hardware,
 each replica a ``--tensor-parallel-size`` x ``--pipeline-parallel-size`` group (per phase with ``--disaggregate``:
 ``--prefill-tp``, ``--decode-tp``), its communication included, the KV pool what one GPU has left after its weight
 shard; ``--dtype`` (activations), ``--quantization``, ``--kv-cache-dtype``; ``--calibration hardware`` (default) or
-``ideal``, ``--step-overhead-s``; optional ``--prefill-efficiency``/``--decode-efficiency``) or ``profiled`` (a
-profile measured on this machine by ``workbench fit-profile``). Requests are clipped to ``max_model_len`` and
-generate exactly their trace output length, as in ``workbench replay``. With ``--json``: the keys of ``workbench
-replay --json`` (``num_requests``, ``num_finished``, ``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``,
-``engine``, ``model``, ``trace``) plus ``wall_s`` and ``requests_per_wall_s`` (simulation speed), ``num_steps``,
-``us_per_step``, ``replicas`` (per-replica steps and utilisation), ``hardware`` and ``cost_model``. A profile fitted
-on another model, or a ``--hardware`` accelerator other than the profile's machine, is an error unless
-``--force-profile``. The exit code is 1 when every request was rejected; ``--step-log``'s folder is checked before
-the simulation runs.
+``ideal``, ``--step-overhead-s``; optional ``--prefill-efficiency``/``--decode-efficiency``), ``profiled`` (a
+profile measured on this machine by ``workbench fit-profile``) or ``op-profile`` (the sum of the model's operations,
+each measured here by ``workbench profile-ops``, plus the per-step overhead fitted there). Requests are clipped to
+``max_model_len`` and generate exactly their trace output length, as in ``workbench replay``. With ``--json``: the
+keys of ``workbench replay --json`` (``num_requests``, ``num_finished``, ``num_preemptions``, ``duration_s``,
+``metrics``, ``rejected``, ``engine``, ``model``, ``trace``) plus ``wall_s`` and ``requests_per_wall_s``
+(simulation speed), ``num_steps``, ``us_per_step``, ``replicas`` (per-replica steps and utilisation), ``hardware``
+and ``cost_model``. A profile fitted on another model, or a ``--hardware`` accelerator other than the profile's
+machine, is an error unless ``--force-profile``. The exit code is 1 when every request was rejected;
+``--step-log``'s folder is checked before the simulation runs.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_parallel_arguments(c, per_phase=True)
     m = p.add_argument_group("cost model")
     m.add_argument("--cost-model", default="roofline", choices=COST_MODELS)
-    m.add_argument("--profile", default=None, help="profile JSON of the profiled cost model")
+    m.add_argument("--profile", default=None, help="profile JSON of the profiled or op-profile cost model")
     m.add_argument("--profile-noise-seed", type=int, default=None, help="profiled: draw measured residuals")
     m.add_argument("--force-profile", action="store_true",
                    help="profiled: use a profile fitted on another model or machine anyway")  # fmt: skip
@@ -113,12 +115,12 @@ def run(args: argparse.Namespace) -> int:
 
     check_output_file(args.step_log, "--step-log")
     cfg = ModelConfig.resolve(args.model)
-    profiled = args.cost_model == "profiled"
+    profiled = args.cost_model in ("profiled", "op-profile")  # measured here: the profile's machine and pool
     if profiled and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or args.quantization != "none"):
         from workbench.errors import ConfigError
 
-        raise ConfigError("--cost-model profiled replays one measured engine: parallelism and quantization are for "
-                          "--cost-model roofline")  # fmt: skip
+        raise ConfigError(f"--cost-model {args.cost_model} replays one measured engine: parallelism and quantization "
+                          "are for --cost-model roofline")  # fmt: skip
     hw = get_hardware(args.hardware or "h100-sxm") if args.hardware or not profiled else None
     formats = format_kwargs(args)
     config = SimConfig(

@@ -9,4 +9,7 @@
 - ``workbench.sim.comm``: measured collective profiles (the analytic collectives are ``workbench.hardware``'s);
 - ``workbench.sim.published``: published GPU measurements, the roofline's predictions of them, the calibration fit;
 - ``workbench.sim.planner``: the capacity planner (``workbench plan``), its simulations on Ray or serially.
+- ``workbench.sim.op_profile``: ``OpProfileCostModel`` (a step as the sum of its profiled operations plus a fitted
+  overhead; Vidur's approach) and its overhead fit; ``workbench.sim.op_timing``: timing every operation
+  (``workbench profile-ops``).
 """

@@ -1,0 +1,72 @@
+"""``workbench profile-ops`` end to end on tiny-gqa (small grids): the file's contract, its round trip through
+``simulate --cost-model op-profile``, and bad arguments. No test looks at how long anything took."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from workbench import cli
+from workbench.sim.op_profile import OPS_1D, OPS_2D, OpProfileCostModel
+
+SMALL = ["--tokens", "1", "4", "16", "--rows", "1", "4", "--prompt-lens", "4", "32", "--contexts", "4", "32",
+         "--batch-sizes", "1", "4", "--max-repeats", "3", "--warmup", "1", "--passes", "2",
+         "--no-progress"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("op-profile") / "op.json"
+    code = cli.main(["profile-ops", "--model", "tiny-gqa", "--device", "cpu", "--out", str(path), *SMALL,
+                     "--overhead-requests", "4"])  # fmt: skip
+    assert code == 0
+    return str(path)
+
+
+def test_the_profile_holds_every_operation_at_the_requested_sizes(profile_file: str) -> None:
+    data = json.loads(open(profile_file).read())
+    assert data["model"] == "tiny-gqa" and data["num_layers"] == 2 and data["threads"] == 1
+    assert set(data["ops"]) == set(OPS_1D) | set(OPS_2D)
+    expected = {"tokens": [1, 4, 16], "rows": [1, 4], "prompt_len": [4, 32], "context": [4, 32]}
+    for name in OPS_1D:
+        op = data["ops"][name]
+        assert op["values"] == expected[op["x"]], name
+        assert all(lo <= mid <= hi for lo, mid, hi in zip(op["min_s"], op["median_s"], op["max_s"])), name
+        assert all(r >= 2 * 3 for r in op["repeats"]), name  # two passes of at least 3 calls
+    dec = data["ops"]["attention_decode"]
+    assert dec["batch_sizes"] == [1, 4] and dec["contexts"] == [4, 32] and len(dec["median_s"]) == 2
+    assert data["machine"]["name"] and len(data["load_average_start"]) == 3 and len(data["load_average_end"]) == 3
+    over = data["overhead"]
+    assert over["fit"]["num_steps"] > 0 and over["host_gap_s"] >= 0
+    assert {c["policy"] for c in over["fit"]["engine_configs"]} == {"continuous", "chunked"}
+    assert isinstance(OpProfileCostModel.load(profile_file), OpProfileCostModel)
+
+
+def test_simulate_reads_it_back(profile_file: str, capsys: pytest.CaptureFixture) -> None:
+    args = ["simulate", "--model", "tiny-gqa", "--cost-model", "op-profile", "--profile", profile_file,
+            "--trace", "poisson:20", "--num-requests", "10", "--prompt-lens", "uniform:4:32",
+            "--output-lens", "uniform:2:8", "--max-model-len", "128", "--json"]  # fmt: skip
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_finished"] == 10 and out["cost_model"]["name"] == "op-profile"
+    assert out["hardware"].startswith("profile: ")
+    # a profile of another model is refused unless forced
+    assert cli.main([*args[:2], "tiny-mha", *args[3:]]) == 2
+    assert "was fitted on model 'tiny-gqa', not 'tiny-mha'" in capsys.readouterr().err
+    assert cli.main([*args[:2], "tiny-mha", *args[3:], "--force-profile"]) == 0
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-tokens", "0"], "--max-tokens must be a positive integer"),
+        (["--tokens", "0", "4"], "--tokens needs positive integers"),
+        (["--out", "/nonexistent-folder/op.json"], "folder /nonexistent-folder does not exist"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+    ],
+)
+def test_bad_arguments_are_clear(extra: list, message: str, capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["profile-ops", "--model", "tiny-gqa", "--no-overhead", "--no-progress", *extra]) == 2
+    assert message in capsys.readouterr().err

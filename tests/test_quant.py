@@ -161,13 +161,12 @@ def test_int8_kv_pool_bytes_and_sequences_that_fit():
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_kv_quantized_engine_paths_agree(tiny_checkpoint, kv_dtype):
-    """Eager decode (gather), ragged steps only (DequantView), a one-token-per-block pool and, for int8, the
-    dequantizing Triton decode kernel (interpreter) give the same greedy tokens."""
+    """Eager decode (gather), ragged steps only (DequantView), a one-token-per-block pool and the
+    dequantizing Triton decode kernel (under the interpreter) give the same greedy tokens."""
     path = str(tiny_checkpoint("tiny-gqa"))
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    variants = {"eager": {}, "chunked": {"policy": "chunked", "token_budget": 4}, "bs1": {"block_size": 1}}
-    if kv_dtype == "int8":  # fp8 is not a dtype the interpreter runs
-        variants["triton"] = {"attention_backend": "triton"}
+    variants = {"eager": {}, "chunked": {"policy": "chunked", "token_budget": 4}, "bs1": {"block_size": 1},
+                "triton": {"attention_backend": "triton"}}  # fmt: skip
     runs = {}
     for name, kw in variants.items():
         cfg = EngineConfig(kv_cache_dtype=kv_dtype, device="cpu", max_model_len=64, **kw)

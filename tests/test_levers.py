@@ -10,7 +10,7 @@ import torch
 from workbench import bench
 from workbench.cli import main
 from workbench.config import ModelConfig
-from workbench.experiments import levers
+from workbench.experiments import claims, levers
 from workbench.hardware import HardwareSpec
 from workbench.model.accuracy import compare_logits, logit_agreement, prompt_logits
 
@@ -119,3 +119,46 @@ def test_cli_quantization_errors_are_one_line(capsys):
     assert "does not divide q_proj" in capsys.readouterr().err
     assert main(["generate", "--model", "tiny-gqa", "--prompt-ids", "1,2", "--kv-cache-dtype", "int4"]) == 2
     assert "unknown kv cache dtype" in capsys.readouterr().err
+
+
+def _row(scheme, mb, tps, lo=None, hi=None, **kw):
+    return {"scheme": scheme, "bytes_per_step": mb * 1e6, "tokens_per_s": tps, "tokens_per_s_min": lo or tps,
+            "tokens_per_s_max": hi or tps, **kw}  # fmt: skip
+
+
+def test_claim_fewer_weight_bytes_faster_decode_each_verdict():
+    ok = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 45, 44, 46), _row("int4", 150, 60, 58, 62)]
+    assert claims.fewer_weight_bytes_faster_decode(ok)["verdict"] == "confirmed"
+    slower = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 45, 44, 46), _row("int4", 150, 30, 29, 31)]
+    assert claims.fewer_weight_bytes_faster_decode(slower)["verdict"] == "not_confirmed"
+    overlap = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 21, 20, 23)]
+    assert claims.fewer_weight_bytes_faster_decode(overlap)["verdict"] == "inconclusive"
+
+
+def test_claim_kv_quantized_long_decode_each_verdict():
+    cap = [{"kv_cache_dtype": "fp32", "sequences_that_fit": 10}, {"kv_cache_dtype": "int8", "sequences_that_fit": 30}]
+    rows = [_row("fp32", 900, 10, 9, 11, kv_cache_dtype="fp32", context_len=1024),
+            _row("fp32 kv-int8", 500, 14, 13, 15, kv_cache_dtype="int8", context_len=1024)]  # fmt: skip
+    assert claims.fewer_kv_bytes_faster_long_decode(rows, cap)["verdict"] == "confirmed"
+    rows[1].update(tokens_per_s=8, tokens_per_s_min=7.5, tokens_per_s_max=8.5)
+    assert claims.fewer_kv_bytes_faster_long_decode(rows, cap)["verdict"] == "not_confirmed"
+
+
+def test_claim_decode_not_prefill_each_verdict():
+    dec = [
+        {"scheme": "fp32", "speedup": 1.0, "bytes_ratio": 1.0},
+        {"scheme": "int8", "speedup": 2.5, "bytes_ratio": 2.8},
+    ]
+    pre = [{"scheme": "fp32", "prompt_len": 256, "time_s": 1.0, "speedup": 1.0},
+           {"scheme": "int8", "prompt_len": 256, "time_s": 1.3, "speedup": 1 / 1.3}]  # fmt: skip
+    assert claims.fewer_bytes_move_decode_not_prefill(dec, pre)["verdict"] == "confirmed"
+    pre[1].update(time_s=0.3, speedup=1 / 0.3)  # prefill gained more than decode
+    assert claims.fewer_bytes_move_decode_not_prefill(dec, pre)["verdict"] == "not_confirmed"
+
+
+def test_claim_int4_costs_more_accuracy_each_verdict():
+    acc = [{"scheme": "int8", "kl": 1e-4, "top1_agreement": 0.99}, {"scheme": "int4-g32", "kl": 1e-2,
+           "top1_agreement": 0.9}]  # fmt: skip
+    assert claims.int4_costs_more_accuracy(acc)["verdict"] == "confirmed"
+    acc[1]["kl"] = 1e-5
+    assert claims.int4_costs_more_accuracy(acc)["verdict"] == "not_confirmed"

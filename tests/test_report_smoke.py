@@ -14,7 +14,14 @@ import pytest
 from workbench import cli
 from workbench.experiments.claims import VERDICTS
 
-EXPERIMENTS = ("prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill", "disaggregation")
+EXPERIMENTS = (
+    "prefill_vs_decode",
+    "kv_cache_variants",
+    "batching",
+    "chunked_prefill",
+    "disaggregation",
+    "decode_levers",
+)
 
 
 @pytest.fixture(scope="module")

@@ -162,3 +162,10 @@ def test_claim_int4_costs_more_accuracy_each_verdict():
     assert claims.int4_costs_more_accuracy(acc)["verdict"] == "confirmed"
     acc[1]["kl"] = 1e-5
     assert claims.int4_costs_more_accuracy(acc)["verdict"] == "not_confirmed"
+
+
+def test_cli_bench_kinds_refuse_what_they_cannot_compare(capsys):
+    assert main(["bench", "prefill", "--model", "tiny-gqa", "--quantization", "int8", "int4", "--device", "cpu"]) == 2
+    assert "bench decode only" in capsys.readouterr().err
+    assert main(["bench", "offline", "--model", "tiny-gqa", "--kv-cache-dtype", "int8", "--device", "cpu"]) == 2
+    assert "applies to bench decode" in capsys.readouterr().err

@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     if compile_decode is None:  # CUDA replays CUDA graphs instead; the Triton backend is not compiled
         compile_decode = device.type == "cpu" and args.attention_backend == "torch"
     out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
+    schemes = _schemes(args)
+    _check_schemes(args, schemes)
     if args.kind == "hf":
         out |= bench.bench_hf(
             args.model, args.dtype, str(device), prompt_len=(args.prompt_len or [32])[0],
@@ -129,11 +131,11 @@ def run(args: argparse.Namespace) -> int:
             workers = start_workers(args.model, args.tensor_parallel_size, args.dtype, str(device), args.seed, threads)
             model, compile_decode = workers.worker.model, False  # TP decode runs eagerly
             out["tensor_parallel_size"] = args.tensor_parallel_size
-        elif _schemes(args) is None:
+        elif schemes is None:
             q, g = (args.quantization or ["none"])[0], (args.group_size or [128])[0]
             model = bench.load_bench_model(args.model, args.dtype, str(device), args.seed, q, g)
-        if args.kind == "decode" and workers is None and _schemes(args) is not None:
-            out |= compare_schemes(args, _schemes(args), hw, str(device), compile_decode)
+        if schemes is not None:
+            out |= compare_schemes(args, schemes, hw, str(device), compile_decode)
         elif args.kind == "decode":
             # one batch size at a time, so that the progress bar moves (the first step of each compiles: ~30 s)
             note = ", compiling its decode step" if compile_decode else ""
@@ -180,6 +182,25 @@ def _schemes(args: argparse.Namespace) -> list | None:
     return schemes if len(schemes) > 1 else None
 
 
+def _check_schemes(args: argparse.Namespace, schemes: list | None) -> None:
+    """ConfigError, before anything loads, for quantization flags a kind of benchmark does not take."""
+    from workbench.errors import ConfigError
+
+    plain = (args.quantization or ["none"]) == ["none"] and (args.kv_cache_dtype or ["auto"]) == ["auto"]
+    if args.kind in ("hf", "serve") and not plain:
+        raise ConfigError(f"bench {args.kind} runs unquantized; --quantization and --kv-cache-dtype apply to "
+                          "decode, prefill and offline")  # fmt: skip
+    if args.kind in ("prefill", "offline") and (args.kv_cache_dtype or ["auto"]) != ["auto"]:
+        raise ConfigError(f"--kv-cache-dtype applies to bench decode; bench {args.kind} takes --quantization")
+    if schemes is not None and args.kind != "decode":
+        raise ConfigError("several --quantization / --group-size / --kv-cache-dtype values are compared by "
+                          "bench decode only; give one value each")  # fmt: skip
+    if schemes is not None and args.tensor_parallel_size > 1:
+        raise ConfigError("comparing quantization schemes runs on one process; drop --tensor-parallel-size")
+    if args.tensor_parallel_size > 1 and not plain:
+        raise ConfigError("quantized weights or KV cache are not supported with --tensor-parallel-size > 1")
+
+
 def compare_schemes(args: argparse.Namespace, schemes: list, hw: Any, device: str, compile_decode: bool) -> dict:
     """Decode of every scheme interleaved in one run, the accuracy of each against the unquantized model, and the
     sequences of the run's context that fit the default KV budget under each KV dtype."""
@@ -187,10 +208,6 @@ def compare_schemes(args: argparse.Namespace, schemes: list, hw: Any, device: st
     from workbench.experiments import levers
     from workbench.timing import random_prompts
 
-    if args.tensor_parallel_size > 1:
-        from workbench.errors import ConfigError
-
-        raise ConfigError("comparing quantization schemes runs on one process; drop --tensor-parallel-size")
     prompt_len = (args.prompt_len or [128])[0]
     models = levers.load_scheme_models(args.model, schemes, device, args.seed)
     ref_scheme = levers.Scheme(args.dtype)

@@ -277,8 +277,9 @@ class TorchAttentionBackend:
         meta: DecodeMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Each row's cached K/V gathered through ``meta.key_slots`` (masked), its new K/V appended as the last
-        key: the scores and values of a write followed by attention, with the cache only read. The shapes depend
+        """Each row's cached K/V gathered through ``meta.key_slots`` (masked; dequantized from an int8 or fp8
+        pool by ``KVCache.gather``), its new K/V appended as the last key (as the pool will hold it,
+        ``KVCache.round_trip``): the scores and values of a write followed by attention, with the cache only read. The shapes depend
         only on (B, C), so the step compiles as one graph with C dynamic."""
         b, n_kv, d = k.shape
         group = q.shape[1] // n_kv

@@ -279,8 +279,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """Each row's cached K/V gathered through ``meta.key_slots`` (masked; dequantized from an int8 or fp8
         pool by ``KVCache.gather``), its new K/V appended as the last key (as the pool will hold it,
-        ``KVCache.round_trip``): the scores and values of a write followed by attention, with the cache only read. The shapes depend
-        only on (B, C), so the step compiles as one graph with C dynamic."""
+        ``KVCache.round_trip``): the scores and values of a write followed by attention, with the cache only read.
+        The shapes depend only on (B, C), so the step compiles as one graph with C dynamic."""
         b, n_kv, d = k.shape
         group = q.shape[1] // n_kv
         k_old, v_old = cache.gather(layer, meta.key_slots)  # (B, C, kv_heads, d), dequantized if the pool is

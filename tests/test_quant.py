@@ -55,11 +55,12 @@ def test_kv_int8_quantize_by_hand():
 
 
 # ---- the packed operators against a plain product of the dequantized weights ----------------------------------
+@pytest.mark.parametrize("rows", [1, 5])  # the packed operator, and the dequantize-then-GEMM path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_matches_dequantized_matmul(dtype):
+def test_int8_linear_matches_dequantized_matmul(dtype, rows):
     gen = torch.Generator().manual_seed(0)
     lin = nn.Linear(96, 40, bias=True).to(dtype)
-    x = torch.randn(5, 96, generator=gen).to(dtype)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
     layer = quant.Int8Linear(lin)
     ref = x.float() @ layer.dequantized_weight().T + lin.bias.float()
     tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]

@@ -313,7 +313,7 @@ def fewer_weight_bytes_faster_decode(rows: Sequence[Mapping[str, Any]]) -> dict[
     ordered = sorted(rows, key=lambda r: -r["bytes_per_step"])
     steps = [order(_tps_span(b), _tps_span(a)) for a, b in zip(ordered, ordered[1:])]
     text = "; ".join(
-        f"{r['scheme']}: {r['bytes_per_step'] / 1e6:.0f} MB/step, {_fmt_span(_tps_span(r))} tok/s" for r in ordered
+        f"{r['scheme']}: {r['bytes_per_step'] / 1e6:.3g} MB/step, {_fmt_span(_tps_span(r))} tok/s" for r in ordered
     )
     verdict = (
         CONFIRMED if all(o == 1 for o in steps) else NOT_CONFIRMED if any(o == -1 for o in steps) else INCONCLUSIVE

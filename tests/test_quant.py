@@ -75,8 +75,9 @@ def test_int4_linear_matches_dequantized_matmul(group_size):
         lin.weight.normal_(0.0, 0.02, generator=gen)
     layer = quant.Int4Linear(lin, group_size)
     q, scale, zero = quant.quantize_int4(lin.weight, group_size)
-    x = torch.randn(3, 256, generator=gen)
-    torch.testing.assert_close(layer(x), x @ quant.dequantize_int4(q, scale, zero).T, atol=2e-5, rtol=2e-5)
+    for rows in (3, 9):  # the packed operator, and the dequantize-then-GEMM path of many rows
+        x = torch.randn(rows, 256, generator=gen)
+        torch.testing.assert_close(layer(x), x @ quant.dequantize_int4(q, scale, zero).T, atol=2e-5, rtol=2e-5)
     # the error of the format itself: at most half a step of the group's scale per weight
     err = (quant.dequantize_int4(q, scale, zero) - lin.weight).abs()
     assert bool((err <= scale.repeat_interleave(group_size, dim=1) / 2 + 1e-7).all())

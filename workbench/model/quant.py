@@ -34,7 +34,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 operators accept
 # Above this many rows an int8 product dequantizes the weight and runs the activation dtype's GEMM instead: on this
 # 2-core AVX-512 CPU (torch 2.13), ``_weight_int8pack_mm`` took 13.6x the fp32 GEMM's time at 32 rows of a
 # 5632 x 1024 matrix (0.34 s against 0.025 s, same run), while at 1 row it was on a par with it.
-INT8_PACKED_MAX_ROWS = 4
+INT8_PACKED_MAX_ROWS = 4  # (int4 likewise, see Int4Linear)
 ENGINE_QUANTIZATIONS = ("int8", "int4")  # fp8 weights: roofline and simulator only (no CPU fp8 matmul here)
 CUDA_INT4_INNER_K_TILES = 8
 
@@ -116,16 +116,35 @@ class Int4Linear(nn.Module):
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (out, in / 2) uint8
         self.register_buffer("qweight", packed)
+        # the codes again, two per byte in plain order, for products of many rows (prefill, large batches): the
+        # packed CPU operator took 28x the fp32 GEMM's time at 32 rows (0.69 s against 0.025 s for 5632 x 1024),
+        # so those rows dequantize and run the dtype's GEMM. Decode (<= INT8_PACKED_MAX_ROWS rows) never reads it;
+        # it is the price in memory (0.5 byte per weight) of a usable prefill
+        rows = None
+        if not self.on_cuda:
+            q8 = q.to(torch.uint8)
+            rows = (q8[:, ::2] << 4 | q8[:, 1::2]).to(dev)  # (out, in / 2) uint8
+        self.register_buffer("qweight_rows", rows)
         # (in / g, out, 2): the layout both operators take, in the activation dtype
         sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", sz.to(device=dev, dtype=dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (out, in) weight these codes stand for, ``(q - 8) * scale + zero`` per group, in ``dtype``."""
+        p = self.qweight_rows
+        q = torch.stack((p >> 4, p & 15), dim=-1).view(self.out_features, -1, self.group_size)  # (out, groups, g)
+        sz = self.scales_and_zeros.transpose(0, 1)  # (out, groups, 2)
+        w = (q.to(sz.dtype) - 8) * sz[..., :1] + sz[..., 1:]
+        return w.view(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        elif x2.shape[0] > INT8_PACKED_MAX_ROWS:
+            y = torch.nn.functional.linear(x2, self.dequantized_weight(x.dtype))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
         y = y.reshape(*shape[:-1], self.out_features)
@@ -196,11 +215,12 @@ def quantize_model(model: Any, quantization: str | None, group_size: int = DEFAU
 
 
 def quantized_weight_bytes(model: Any) -> int:
-    """Bytes the model's parameters and quantized buffers hold (a tied embedding counted once): what a decode reads."""
+    """Bytes of the model's parameters and quantized buffers that a decode reads (a tied embedding counted once;
+    int4's plain-order copy of its codes, read only by products of many rows, left out)."""
     seen: set[int] = set()
     total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() in seen or t is getattr(model.rotary, "inv_freq", None):
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.data_ptr() in seen or name.endswith(("inv_freq", "qweight_rows")):
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()

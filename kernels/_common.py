@@ -61,6 +61,7 @@ def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) ->
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def check_paged_attention_inputs(
@@ -70,6 +71,7 @@ def check_paged_attention_inputs(
     block_tables: torch.Tensor,
     num_seqs: int,
     q_name: str,
+    quantized_cache: bool = False,
 ) -> tuple[int, int, int]:
     """Checks shared by the paged attention wrappers; returns (page_size, num_kv_heads, head_dim).
 
@@ -91,7 +93,12 @@ def check_paged_attention_inputs(
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise KernelInputError(f"block_tables must be ({num_seqs}, max_blocks), got {tuple(block_tables.shape)}")
     check_dtype("q", q, FLOAT_DTYPES)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if quantized_cache:  # int8 (per-token scales) or fp8 e4m3 (per-tensor scale), dequantized in the kernel
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_dtype(name, t, QUANTIZED_KV_DTYPES)
+        if k_cache.dtype != v_cache.dtype:
+            raise KernelInputError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype}, {v_cache.dtype}")
+    elif k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise KernelInputError(f"caches must have q's dtype {q.dtype}, got {k_cache.dtype}, {v_cache.dtype}")
     check_dtype("block_tables", block_tables, (torch.int32,))
     return page_size, num_kv_heads, head_dim

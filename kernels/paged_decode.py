@@ -12,6 +12,9 @@ to read each K/V byte once, at full speed:
 - Head sizes that are not powers of two are padded to the next power of two and masked.
 - Tokens of a tile are gathered through the block table one by one, so any block size (1, 16, 32, ...)
   works; offsets into the pool are int64.
+- A quantized pool (``KV_QUANT``) is dequantized as it is loaded, in fp32: int8 with one fp32 scale per (token,
+  KV head) read beside each row (``KV_QUANT = 1``), fp8 e4m3 with one scale for the layer (``KV_QUANT = 2``). The
+  kernel then reads 1 byte per cached value (plus 4 per token and head for int8's scale) instead of 2 or 4.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def _paged_decode_kernel(
     out_ptr,  # (num_seqs, num_heads, head_dim): written when WRITE_FINAL
     part_out_ptr,  # (num_seqs, num_heads, num_splits, HEAD_DIM_PAD) fp32: written when not WRITE_FINAL
     part_lse_ptr,  # (num_seqs, num_heads, num_splits) fp32, log2 domain: written when not WRITE_FINAL
+    k_scale_ptr,  # KV_QUANT 1: (num_blocks, page_size, num_kv_heads) fp32; 2: (1,) fp32; 0: unused
+    v_scale_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     split_len,  # tokens per split (a multiple of SPLIT_ALIGN)
     num_splits,
@@ -78,6 +83,8 @@ def _paged_decode_kernel(
     stride_bt_s,
     stride_o_s,
     stride_o_h,
+    stride_sc_b,  # scales (block, slot); the KV head's scale is contiguous
+    stride_sc_s,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
     HEAD_DIM: tl.constexpr,
@@ -85,6 +92,7 @@ def _paged_decode_kernel(
     PAGE_SIZE: tl.constexpr,  # tokens per cache block
     WRITE_FINAL: tl.constexpr,  # one split: write the normalised output instead of partials
     IEEE_DOT: tl.constexpr,  # fp32 inputs: full-precision dot instead of TF32
+    KV_QUANT: tl.constexpr,  # 0: caches in q's dtype; 1: int8 with per-(token, head) scales; 2: fp8 with one scale
     BLOCK_N: tl.constexpr,  # context tokens per tile
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -126,6 +134,15 @@ def _paged_decode_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_QUANT == 1:
+            sc_off = block * stride_sc_b + row * stride_sc_s + kv_head  # (BLOCK_N,)
+            k_sc = tl.load(k_scale_ptr + sc_off, mask=n_mask, other=0.0)
+            v_sc = tl.load(v_scale_ptr + sc_off, mask=n_mask, other=0.0)
+            k = (k.to(tl.float32) * k_sc[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
+        elif KV_QUANT == 2:
+            k = (k.to(tl.float32) * tl.load(k_scale_ptr)).to(q.dtype)
+            v = (v.to(tl.float32) * tl.load(v_scale_ptr)).to(q.dtype)
         if IEEE_DOT:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -209,17 +226,41 @@ def paged_decode_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim), q's dtype
     """Attention of one query per sequence over its whole paged context (the token at position seq_len - 1).
 
     ``scale`` defaults to ``1/sqrt(head_dim)``. ``num_splits`` (split-K partitions per sequence) defaults to
     ``default_num_splits``; it is capped so that no split of the longest sequence is empty. ``max_seq_len``
     (the largest of ``seq_lens``) saves a device-to-host sync when the caller knows it.
+
+    Quantized caches (``workbench.kv.cache``): int8 caches with ``k_scale``/``v_scale`` of shape
+    ``(num_blocks, block_size, num_kv_heads)`` fp32 (value = q * scale per token and head), or float8_e4m3fn caches
+    with one-element fp32 scales (value = q * scale).
     """
     num_seqs = q.shape[0] if q.dim() == 3 else -1
+    quantized = k_scale is not None or v_scale is not None
     page_size, num_kv_heads, head_dim = check_paged_attention_inputs(
-        q, k_cache, v_cache, block_tables, num_seqs, "num_seqs"
+        q, k_cache, v_cache, block_tables, num_seqs, "num_seqs", quantized_cache=quantized
     )
+    kv_quant = 0
+    if quantized:
+        if k_scale is None or v_scale is None or k_scale.dtype != torch.float32 or v_scale.dtype != torch.float32:
+            raise KernelInputError("a quantized cache needs both k_scale and v_scale, fp32")
+        if k_cache.dtype == torch.int8:
+            kv_quant = 1
+            if k_scale.shape != k_cache.shape[:3] or v_scale.shape != k_cache.shape[:3]:
+                raise KernelInputError(f"int8 caches need scales of shape {tuple(k_cache.shape[:3])}, got "
+                                       f"{tuple(k_scale.shape)}, {tuple(v_scale.shape)}")  # fmt: skip
+            check_last_dim_contiguous(k_scale=k_scale, v_scale=v_scale)
+            if k_scale.stride() != v_scale.stride():
+                raise KernelInputError("k_scale and v_scale must have the same strides")
+        else:
+            kv_quant = 2
+            if k_scale.numel() != 1 or v_scale.numel() != 1:
+                raise KernelInputError("fp8 caches take one scale each for K and V")
+        check_device(q, k_scale, v_scale)
     num_heads = q.shape[1]
     if seq_lens.shape != (num_seqs,):
         raise KernelInputError(f"seq_lens must be ({num_seqs},), got {tuple(seq_lens.shape)}")
@@ -257,11 +298,15 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
+        k_scale if quantized else out,  # unused when not quantized
+        v_scale if quantized else out,
         scale * math.log2(math.e),
         split_len,
         num_splits,
         min(max(next_pow2(split_len), 64), 8192),
         *paged_attention_strides(q, k_cache, v_cache, block_tables, out),
+        k_scale.stride(0) if kv_quant == 1 else 0,
+        k_scale.stride(1) if kv_quant == 1 else 0,
         GROUP=group,
         GROUP_PAD=next_pow2(group, 16),
         HEAD_DIM=head_dim,
@@ -269,6 +314,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         WRITE_FINAL=write_final,
         IEEE_DOT=q.dtype == torch.float32,
+        KV_QUANT=kv_quant,
     )
     if not write_final:
         _merge_splits_kernel[(num_seqs, num_heads)](

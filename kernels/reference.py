@@ -101,3 +101,31 @@ def paged_decode_attention_reference(
     num_seqs = q.shape[0]
     cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)
     return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, cu, 1, scale)
+
+
+def dequantize_paged_cache(
+    cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim) int8 or float8_e4m3fn
+    scale: torch.Tensor,  # int8: (num_blocks, block_size, num_kv_heads) fp32; fp8: one element
+) -> torch.Tensor:
+    """The fp32 values a quantized pool stands for: ``q * scale``, per token and head (int8) or for all (fp8)."""
+    if cache.dtype == torch.int8:
+        return cache.float() * scale.float()[..., None]
+    return cache.float() * scale.float().reshape(())
+
+
+def paged_decode_attention_quantized_reference(
+    q: torch.Tensor,  # (num_seqs, num_heads, head_dim)
+    k_cache: torch.Tensor,  # quantized (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dequantizing decode kernel's op: the whole pool dequantized in fp32, then the plain decode reference."""
+    k = dequantize_paged_cache(k_cache, k_scale)
+    v = dequantize_paged_cache(v_cache, v_scale)
+    return paged_decode_attention_reference(q.float(), k, v, block_tables, seq_lens, scale).to(q.dtype)

@@ -14,8 +14,16 @@ import pytest
 from workbench import cli
 from workbench.experiments.claims import VERDICTS
 
-EXPERIMENTS = ("prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill", "disaggregation",
-               "simulator_validation")  # fmt: skip
+EXPERIMENTS = (
+    "prefill_vs_decode",
+    "kv_cache_variants",
+    "batching",
+    "chunked_prefill",
+    "disaggregation",
+    "parallelism_and_capacity",
+    "simulator_validation",
+    "decode_levers",
+)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench.config import ModelConfig, canonical_dtype
+from workbench.config import (
+    DEFAULT_GROUP_SIZE,
+    ModelConfig,
+    canonical_dtype,
+    canonical_quantization,
+    resolve_kv_cache_dtype,
+)
 from workbench.device import resolve_device, synchronize, torch_dtype
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
@@ -71,13 +77,28 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     return per_layer * cfg.num_layers + [(h, cfg.vocab_size)]
 
 
-def decode_step_bytes(cfg: ModelConfig, dtype: str, context_lens: Sequence[int]) -> dict[str, float]:
+def decode_step_bytes(
+    cfg: ModelConfig,
+    dtype: str,
+    context_lens: Sequence[int],
+    quantization: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    kv_cache_dtype: str | None = "auto",
+) -> dict[str, float]:
     """Bytes a decode step moves per the roofline: weights read once, K/V read (and the new K/V written).
 
-    ``context_lens``: each sequence's length after the step (it attends to that many keys).
+    ``context_lens``: each sequence's length after the step (it attends to that many keys). Under a weight
+    ``quantization`` the roofline's unquantized weight bytes lose what ``ModelConfig.weight_bytes`` says the
+    format saves (every linear matrix is read once per step either way); a quantized KV cache scales the KV bytes
+    by ``kv_bytes_per_token`` (int8's scales included).
     """
     work = step_work(cfg, dtype, decode_contexts=list(context_lens))
-    return {"weight_bytes": work.weight_bytes, "kv_bytes": work.kv_bytes, "bytes": work.weight_bytes + work.kv_bytes}
+    weight = work.weight_bytes
+    if canonical_quantization(quantization) is not None:
+        weight -= cfg.weight_bytes(dtype) - cfg.weight_bytes(dtype, quantization, group_size)
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+    kv = work.kv_bytes * cfg.kv_bytes_per_token(kv_dtype) / cfg.kv_bytes_per_token(dtype)
+    return {"weight_bytes": weight, "kv_bytes": kv, "bytes": weight + kv}
 
 
 def prefill_flops(cfg: ModelConfig, dtype: str, prompt_len: int) -> float:
@@ -117,11 +138,25 @@ class LinearSweep:
         return time.perf_counter() - t0
 
 
-def load_bench_model(name_or_path: str, dtype: str = "fp32", device: str = "auto", seed: int = 0) -> Transformer:
-    """A checkpoint directory, or a preset with random weights (seeded), on the device in the dtype."""
+def load_bench_model(
+    name_or_path: str,
+    dtype: str = "fp32",
+    device: str = "auto",
+    seed: int = 0,
+    quantization: str | None = None,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> Transformer:
+    """A checkpoint directory, or a preset with random weights (seeded), on the device in the dtype; with
+    ``quantization``, its linear layers quantized (``workbench.model.quant``; checked before the load)."""
     from workbench.model.checkpoint import load_model
+    from workbench.model.quant import check_engine_quantization, quantize_model
 
-    return load_model(name_or_path, dtype=torch_dtype(dtype), device=resolve_device(device), seed=seed)
+    dev = resolve_device(device)
+    if canonical_quantization(quantization) is not None:
+        ModelConfig.resolve(name_or_path).check_quantization(quantization, group_size)
+        check_engine_quantization(quantization, group_size, torch_dtype(dtype), dev)
+    model = load_model(name_or_path, dtype=torch_dtype(dtype), device=dev, seed=seed)
+    return quantize_model(model, quantization, group_size)
 
 
 def bench_engine(
@@ -131,6 +166,8 @@ def bench_engine(
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_model_len=min(max_model_len, model.config.max_position_embeddings),
+        quantization=getattr(model, "quantization", None),
+        group_size=getattr(model, "group_size", DEFAULT_GROUP_SIZE),
         dtype=canonical_dtype(str(model.dtype).replace("torch.", "")),
         device=str(model.device),
         tensor_parallel_size=1 if workers is None else workers.world_size,
@@ -156,8 +193,12 @@ def bench_decode(
     attention_backend: str = "torch",
     compile_decode: bool = False,
     workers: Any = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[dict[str, Any]]:
     """Per batch size: median decode step time, tokens/s, bytes/s, MBU, gemv_ratio and engine overhead share.
+
+    A quantized ``model`` (``load_bench_model(..., quantization=...)``) and ``kv_cache_dtype`` count the bytes
+    their formats move (``decode_step_bytes``); ``gemv_ratio`` stays against the unquantized linear sweep.
 
     ``workers``: the ranks of a tensor-parallel model (``workbench.engine.tp_runner.start_workers``; ``model`` is
     rank 0's shard): each row then adds the share of a step rank 0 spent in all-reduces and their bandwidth
@@ -182,6 +223,11 @@ def bench_decode(
     sweep = sweep or LinearSweep(cfg, model.dtype, model.device, seed=seed)
     if compile_decode:
         warmup = max(warmup, 1)  # the first decode step compiles
+    quantization, group_size = getattr(model, "quantization", None), getattr(model, "group_size", DEFAULT_GROUP_SIZE)
+
+    def step_bytes(contexts: list[int]) -> dict[str, float]:
+        return decode_step_bytes(cfg, dtype, contexts, quantization, group_size, kv_cache_dtype)
+
     rows = []
     for batch in batches:
         engine = bench_engine(
@@ -191,6 +237,7 @@ def bench_decode(
             workers,
             attention_backend=attention_backend,
             compile_decode=compile_decode,
+            kv_cache_dtype=kv_cache_dtype,
         )
         for prompt in random_prompts(batch, prompt_len, cfg.vocab_size, seed):
             engine.add_request(prompt, _greedy(warmup + steps + 1))
@@ -220,7 +267,7 @@ def bench_decode(
             step_s.append(t)
             model_s.append(engine.runner.last_model_s)
             sweep_s.append(s)
-            bytes_per_s.append(decode_step_bytes(cfg, dtype, context)["bytes"] / t)
+            bytes_per_s.append(step_bytes(context)["bytes"] / t)
             contexts.append(sum(context) / len(context))
         t_step = median(step_s)
         comm: dict[str, Any] = {}
@@ -235,7 +282,7 @@ def bench_decode(
             }
         achieved = median(bytes_per_s)
         gemv = sweep.weight_bytes / median(sweep_s)
-        mid = decode_step_bytes(cfg, dtype, [round(median(contexts))] * batch)
+        mid = step_bytes([round(median(contexts))] * batch)
         rows.append({
             "batch": batch,
             "prompt_len": prompt_len,
@@ -255,6 +302,8 @@ def bench_decode(
             "cuda_graphs": engine.decode.num_graphs > 0,  # the timed steps replayed a recorded graph
             "compiled_decode": compile_decode,
             "first_step_s": first_step_s,
+            "quantization": quantization,
+            "kv_cache_dtype": resolve_kv_cache_dtype(kv_cache_dtype, dtype),
             **comm,
         })  # fmt: skip
         del engine

@@ -8,7 +8,8 @@ seaborn, when installed) are imported inside the functions, so importing the ana
 Figures here: ``plot_roofline`` (log-log roofline with the hardware's ceilings and one point per operation
 and phase), ``plot_decode_bytes`` (stacked bars of where a decode step's bytes go), and the experiments' figures:
 ``plot_phase_times`` (01), ``plot_variant_decode`` and ``plot_waste`` (02), ``plot_batch_sweep`` and
-``plot_policy_bars`` (03), ``plot_step_timelines`` and ``plot_budget_tradeoff`` (04). Every timing is drawn with
+``plot_policy_bars`` (03), ``plot_step_timelines`` and ``plot_budget_tradeoff`` (04), ``plot_decode_levers``,
+``plot_accuracy_speed`` and ``plot_phase_speedups`` (08). Every timing is drawn with
 error bars from its min..max over the repeats (rows with ``time_min_s`` / ``time_max_s``). Titles name the axes
 and the setting, never a claim: the claims and their verdicts are in each notebook's conclusion.
 """
@@ -672,4 +673,57 @@ def plot_step_breakdown(rows: Any, ax: Axes | None = None) -> Axes:
     (pivot.div(pivot.sum(axis=1), axis=0) * 100).plot.barh(stacked=True, ax=ax, width=0.7, colormap="tab20")
     ax.set(xlabel="share of the predicted step time (%)", ylabel="step", title="Where a step's time goes (op profile)")
     ax.legend(fontsize="x-small", ncol=2, bbox_to_anchor=(1.01, 1.0), loc="upper left")
+    return ax
+
+
+def plot_decode_levers(rows: Any, ax: Axes | None = None) -> Axes:
+    """Decode tokens/s against bytes read per generated token, one line per batch size, each point a storage scheme
+    (min..max bars): the fewer bytes a token needs, the faster decode runs while it is bandwidth-bound."""
+    ax = _new_ax(ax)
+    for batch, grp in rows.groupby("batch", sort=True):
+        grp = grp.sort_values("bytes_per_token")
+        err = [grp.tokens_per_s - grp.tokens_per_s_min, grp.tokens_per_s_max - grp.tokens_per_s]
+        ax.errorbar(grp.bytes_per_token / 1e6, grp.tokens_per_s, yerr=err, fmt="o-", capsize=3, label=f"batch {batch}")
+        for _, r in grp.iterrows():
+            ax.annotate(r["scheme"], (r["bytes_per_token"] / 1e6, r["tokens_per_s"]), xytext=(4, 3),
+                        textcoords="offset points", fontsize=7)  # fmt: skip
+    ax.set(xscale="log", yscale="log", xlabel="bytes read per generated token (MB)", ylabel="decode tokens/s",
+           title="Decode throughput against bytes per token, per storage scheme")  # fmt: skip
+    ax.legend(title="sequences per step")
+    return ax
+
+
+def plot_accuracy_speed(decode: Any, accuracy: Any, batch: int, ax: Axes | None = None) -> Axes:
+    """Speed-up of batch-``batch`` decode over the unquantized model against the accuracy it costs (KL divergence
+    of the logits from the unquantized model's, log scale; the unquantized point itself has KL 0 and is left out)."""
+    ax = _new_ax(ax)
+    merged = decode[decode.batch == batch].merge(accuracy, on="scheme")
+    shown = merged[merged.kl > 0]
+    ax.scatter(shown.kl, shown.speedup, s=60, color="C0")
+    for _, r in shown.iterrows():
+        ax.annotate(f"{r['scheme']} (top-1 {r['top1_agreement']:.0%})", (r["kl"], r["speedup"]), xytext=(4, 3),
+                    textcoords="offset points", fontsize=7)  # fmt: skip
+    ax.axhline(1.0, color="grey", ls=":", lw=1)
+    ax.set(xscale="log", xlabel="KL divergence from the unquantized logits (nats, mean over positions)",
+           ylabel=f"decode speed-up at batch {batch} (x)", title="Speed gained against accuracy lost")  # fmt: skip
+    return ax
+
+
+def plot_phase_speedups(decode: Any, prefill: Any, batch: int, ax: Axes | None = None) -> Axes:
+    """Per scheme, its speed-up over the unquantized model in batch-``batch`` decode and in prefill (TTFT), side
+    by side: fewer bytes move the bandwidth-bound phase, not the compute-bound one."""
+    import numpy as np
+
+    ax = _new_ax(ax)
+    dec = decode[decode.batch == batch].set_index("scheme")["speedup"]
+    pre = prefill.groupby("scheme", sort=False)["speedup"].first()
+    labels = [s for s in dec.index if s in pre.index]
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, [dec[s] for s in labels], width=0.4, label=f"decode, batch {batch}", color="#0173B2")
+    ax.bar(x + 0.2, [pre[s] for s in labels], width=0.4, label="prefill (TTFT)", color="#DE8F05")
+    ax.axhline(1.0, color="grey", ls=":", lw=1)
+    ax.set_xticks(x, labels)
+    ax.set(ylabel="speed-up over the unquantized model (x)", xlabel="storage scheme",
+           title="Fewer bytes per weight: decode against prefill")  # fmt: skip
+    ax.legend()
     return ax

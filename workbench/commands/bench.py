@@ -1,6 +1,7 @@
 """``workbench bench``: the engine's speed against this machine's ceilings and against HF transformers.
 
     workbench bench decode  [--model PRESET_OR_PATH] [--dtype fp32] [--batch 1 8 32] [--prompt-len 128] [--json]
+                            [--quantization none int8 int4] [--group-size 128] [--kv-cache-dtype auto int8]
     workbench bench prefill [--model ...] [--prompt-len 128 512 1024] [--json]
     workbench bench offline [--model ...] [--num-requests 64] [--context 256] [--max-num-seqs 32] [--json]
     workbench bench hf      [--model ...] [--prompt-len 32] [--new-tokens 32] [--no-offline] [--json]
@@ -14,6 +15,12 @@ reported. With ``--json`` one object is printed: ``results`` holds one row per b
 ``identical_tokens``. The machine's ceilings (``workbench.hardware.measured_spec``) are measured again at the start
 of each run, so that MBU and MFU divide by figures taken under the same load (``--cached-ceilings`` reuses the
 cached ones). See ``workbench.bench`` for what is measured and how.
+
+``bench decode`` with several ``--quantization`` / ``--group-size`` / ``--kv-cache-dtype`` values compares the schemes
+in one run (``workbench.experiments.levers``): their decode steps interleaved, ``results`` one row per scheme and
+batch (``tokens_per_s``, ``bytes_per_step``, ``achieved_bytes_per_s``, ``mbu``, ``speedup`` and ``bytes_ratio`` over
+the first scheme), ``accuracy`` (cosine, KL, top-1 agreement of logits against the unquantized model) and
+``kv_capacity`` (sequences of the run's context that fit the default KV budget).
 """
 
 from __future__ import annotations
@@ -53,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cached-ceilings", action="store_true",
                    help="reuse this machine's cached ceilings instead of measuring them again in this run")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    from workbench.commands.generate import add_quantization_arguments
+
+    add_quantization_arguments(p, many=True)
+    p.add_argument("--accuracy-prompts", type=int, default=4,
+                   help="decode with several schemes: random prompts of --prompt-len tokens whose logits are compared "
+                   "with the unquantized model's (default 4)")  # fmt: skip
     from workbench.commands.bench_serve import add_serve_arguments
 
     add_serve_arguments(p)  # ``bench serve``: a client of an OpenAI-compatible server (vLLM's flags)
@@ -91,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     if compile_decode is None:  # CUDA replays CUDA graphs instead; the Triton backend is not compiled
         compile_decode = device.type == "cpu" and args.attention_backend == "torch"
     out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
+    schemes = _schemes(args)
+    _check_schemes(args, schemes)
     if args.kind == "hf":
         out |= bench.bench_hf(
             args.model, args.dtype, str(device), prompt_len=(args.prompt_len or [32])[0],
@@ -113,9 +128,12 @@ def run(args: argparse.Namespace) -> int:
             workers = start_workers(args.model, args.tensor_parallel_size, args.dtype, str(device), args.seed, threads)
             model, compile_decode = workers.worker.model, False  # TP decode runs eagerly
             out["tensor_parallel_size"] = args.tensor_parallel_size
-        else:
-            model = bench.load_bench_model(args.model, args.dtype, str(device), seed=args.seed)
-        if args.kind == "decode":
+        elif schemes is None:
+            q, g = (args.quantization or ["none"])[0], (args.group_size or [128])[0]
+            model = bench.load_bench_model(args.model, args.dtype, str(device), args.seed, q, g)
+        if schemes is not None:
+            out |= compare_schemes(args, schemes, hw, str(device), compile_decode)
+        elif args.kind == "decode":
             # one batch size at a time, so that the progress bar moves (the first step of each compiles: ~30 s)
             note = ", compiling its decode step" if compile_decode else ""
             out["results"] = []
@@ -133,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
                     attention_backend=args.attention_backend,
                     compile_decode=compile_decode,
                     workers=workers,
+                    kv_cache_dtype=(args.kv_cache_dtype or ["auto"])[0],
                 )
             if workers is not None:
                 workers.shutdown()
@@ -151,13 +170,87 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schemes(args: argparse.Namespace) -> list | None:
+    """The schemes ``bench decode`` compares in one run, or None for a single one (the plain decode benchmark)."""
+    from workbench.experiments.levers import make_schemes
+
+    schemes = make_schemes(args.quantization or ["none"], args.group_size or [128], args.kv_cache_dtype or ["auto"],
+                           [args.dtype])  # fmt: skip
+    return schemes if len(schemes) > 1 else None
+
+
+def _check_schemes(args: argparse.Namespace, schemes: list | None) -> None:
+    """ConfigError, before anything loads, for quantization flags a kind of benchmark does not take."""
+    from workbench.errors import ConfigError
+
+    plain = (args.quantization or ["none"]) == ["none"] and (args.kv_cache_dtype or ["auto"]) == ["auto"]
+    if args.kind in ("hf", "serve") and not plain:
+        raise ConfigError(f"bench {args.kind} runs unquantized; --quantization and --kv-cache-dtype apply to "
+                          "decode, prefill and offline")  # fmt: skip
+    if args.kind in ("prefill", "offline") and (args.kv_cache_dtype or ["auto"]) != ["auto"]:
+        raise ConfigError(f"--kv-cache-dtype applies to bench decode; bench {args.kind} takes --quantization")
+    if schemes is not None and args.kind != "decode":
+        raise ConfigError("several --quantization / --group-size / --kv-cache-dtype values are compared by "
+                          "bench decode only; give one value each")  # fmt: skip
+    if schemes is not None and args.tensor_parallel_size > 1:
+        raise ConfigError("comparing quantization schemes runs on one process; drop --tensor-parallel-size")
+    if args.tensor_parallel_size > 1 and not plain:
+        raise ConfigError("quantized weights or KV cache are not supported with --tensor-parallel-size > 1")
+
+
+def compare_schemes(args: argparse.Namespace, schemes: list, hw: Any, device: str, compile_decode: bool) -> dict:
+    """Decode of every scheme interleaved in one run, the accuracy of each against the unquantized model, and the
+    sequences of the run's context that fit the default KV budget under each KV dtype."""
+    from workbench.engine.config import DEFAULT_KV_BUDGET_BYTES
+    from workbench.experiments import levers
+    from workbench.timing import random_prompts
+
+    prompt_len = (args.prompt_len or [128])[0]
+    models = levers.load_scheme_models(args.model, schemes, device, args.seed)
+    ref_scheme = levers.Scheme(args.dtype)
+    reference = models.get(ref_scheme.weights_key)
+    if reference is None:
+        reference = levers.load_scheme_models(args.model, [ref_scheme], device, args.seed)[ref_scheme.weights_key]
+    rows = []
+    for batch in _progress(args.batch, "decode, schemes interleaved", "batch"):
+        rows += levers.decode_schemes(models, schemes, [batch], prompt_len, hw, args.steps, args.warmup, args.seed,
+                                      compile_decode)  # fmt: skip
+    cfg = reference.config
+    prompts = random_prompts(args.accuracy_prompts, min(prompt_len, 256), cfg.vocab_size, args.seed + 1)
+    kv_dtypes = list(dict.fromkeys(s.kv_cache_dtype for s in schemes))
+    return {
+        "schemes": [s.label for s in schemes],
+        "results": rows,
+        "accuracy": levers.accuracy_schemes(reference, models, schemes, prompts),
+        "kv_capacity": levers.kv_capacity(
+            cfg, args.dtype, kv_dtypes, prompt_len + args.warmup + args.steps + 2, DEFAULT_KV_BUDGET_BYTES
+        ),  # fmt: skip
+    }
+
+
 def format_table(out: dict[str, Any]) -> str:
     """A plain-text table of a bench result (the JSON's figures, rounded, in readable units)."""
     machine = out.get("machine", {}).get("device_name")
     on = f" on {machine}" if machine else ""
     head = f"workbench bench {out['bench']}: model {out['model']} {out['dtype']}{on}, {out['num_threads']} threads"
     lines = [head]
-    if out["bench"] == "decode":
+    if out["bench"] == "decode" and "schemes" in out:
+        lines.append(f"{'scheme':>16} {'batch':>5} {'context':>7} {'step ms':>9} {'tok/s':>8} {'MB/step':>8} "
+                     f"{'GB/s':>6} {'mbu':>5} {'speedup':>7} {'fewer bytes':>11}")  # fmt: skip
+        for r in out["results"]:
+            lines.append(
+                f"{r['scheme']:>16} {r['batch']:>5} {r['context_len']:>7} {r['time_s'] * 1e3:>9.2f} "
+                f"{r['tokens_per_s']:>8.1f} {r['bytes_per_step'] / 1e6:>8.1f} {r['achieved_bytes_per_s'] / 1e9:>6.2f} "
+                f"{r['mbu']:>5.2f} {r['speedup']:>6.2f}x {r['bytes_ratio']:>10.2f}x"
+            )
+        lines.append("accuracy against the unquantized model (logits at every position of the prompts):")
+        for a in out["accuracy"]:
+            lines.append(f"{a['scheme']:>16}  cosine {a['cosine']:.5f}  KL {a['kl']:.2e} nats  top-1 agreement "
+                         f"{a['top1_agreement']:.1%} of {a['num_positions']} positions")  # fmt: skip
+        for c in out["kv_capacity"]:
+            lines.append(f"KV {c['kv_cache_dtype']:>5}: {c['bytes_per_token']} B/token, {c['sequences_that_fit']} "
+                         f"sequences of {c['context_len']} tokens fit {c['budget_bytes'] / 2**30:.0f} GiB")  # fmt: skip
+    elif out["bench"] == "decode":
         lines.append(
             f"{'batch':>5} {'step ms':>9} {'out tok/s':>9} {'GB/s':>7} {'mbu':>6} {'gemv_ratio':>10} {'overhead':>8}"
         )

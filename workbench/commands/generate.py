@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from workbench.commands.common import add_scheduler_arguments, serving_config_kwargs
+from workbench.commands.common import ArgumentContainer, add_scheduler_arguments, serving_config_kwargs
 from workbench.errors import RequestError
 
 
@@ -60,6 +60,27 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N processes (torch.distributed: gloo on the CPU, NCCL on CUDA; "
                    "default 1)")  # fmt: skip
+    add_quantization_arguments(g)
+
+
+def add_quantization_arguments(p: ArgumentContainer, many: bool = False) -> None:
+    """--quantization, --group-size, --kv-cache-dtype (vLLM's names; one meaning across the commands, from
+    ``workbench.config``). ``many``: each takes several values (``bench decode`` compares them in one run)."""
+    from workbench.config import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES, QUANTIZATIONS
+
+    nargs = "+" if many else None
+    several = "; several values are compared in one run" if many else ""
+    p.add_argument("--quantization", nargs=nargs, default=["none"] if many else None,
+                   metavar="|".join(("none", *QUANTIZATIONS)),
+                   help="weight-only quantization of the linear layers: int8 per output channel, int4 group-wise "
+                   f"(the engine runs int8 and int4; fp8 is for roofline and simulate){several}")  # fmt: skip
+    group_default = [DEFAULT_GROUP_SIZE] if many else DEFAULT_GROUP_SIZE
+    p.add_argument("--group-size", type=int, nargs=nargs, default=group_default,
+                   help=f"int4: inputs per (scale, zero) pair (default {DEFAULT_GROUP_SIZE}){several}")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", nargs=nargs, default=["auto"] if many else "auto",
+                   metavar="|".join(KV_CACHE_DTYPES),
+                   help="what the KV pool stores: auto (= --dtype), int8 (a scale per token and head), fp8 (e4m3, "
+                   f"one scale per layer){several}")  # fmt: skip
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineConfig)
@@ -73,6 +94,9 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineC
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
+        group_size=args.group_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

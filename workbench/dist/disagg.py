@@ -80,6 +80,11 @@ class DisaggConfig:
             raise ConfigError("the prefill and decode pools need the same block_size and dtype")
         if self.prefill.tensor_parallel_size != 1 or self.decode.tensor_parallel_size != 1:
             raise ConfigError("tensor parallelism inside a disaggregated pool is not supported yet: use 1 per engine")
+        if any(e.kv_cache_dtype in ("int8", "fp8") for e in (self.prefill, self.decode)):
+            raise ConfigError(
+                "a quantized KV cache (--kv-cache-dtype int8/fp8) is not sent by the KV connector yet (it moves K "
+                "and V, not their scales); use --kv-cache-dtype auto with --disaggregate"
+            )
         if self.max_retries < 0 or not self.transfer_timeout_s > 0:
             raise ConfigError("max_retries must be >= 0 and transfer_timeout_s > 0")
 

@@ -16,7 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.config import ModelConfig, canonical_dtype
+from workbench.config import (
+    DEFAULT_GROUP_SIZE,
+    ModelConfig,
+    canonical_dtype,
+    canonical_quantization,
+    resolve_kv_cache_dtype,
+)
 from workbench.engine.scheduler import DEFAULT_MAX_NUM_SEQS, SchedulerConfig, check_policy
 from workbench.errors import ConfigError
 from workbench.kv.sizing import plan_num_blocks
@@ -96,6 +102,10 @@ class EngineConfig(ServingConfig):
     ``compile_decode`` (CPU): pure-decode steps run as one ``torch.compile``d graph per batch size
     (``workbench.engine.decode_step``); each new batch size compiles at its first decode step. On CUDA, pure-decode
     steps replay CUDA graphs; otherwise they run eagerly (``decode_mode``).
+
+    ``quantization`` / ``group_size``: weight-only int8 or int4 linear layers (``workbench.model.quant``), applied
+    by ``Engine.from_model`` at load time; ``kv_cache_dtype``: what the KV pool stores (``workbench.kv.cache``), and
+    so how many blocks a byte budget buys (``plan_num_blocks`` counts int8's scales).
     """
 
     cache: str = "paged"
@@ -103,6 +113,9 @@ class EngineConfig(ServingConfig):
     device: str = "auto"
     compile_decode: bool = False
     tensor_parallel_size: int = 1  # ranks one model is sharded over (workbench.engine.tp_runner)
+    quantization: str | None = None  # weight-only: None, 'int8' (per channel), 'int4' (group-wise); model.quant
+    group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
+    kv_cache_dtype: str = "auto"  # 'auto' (= dtype), 'int8' (per token and head scales), 'fp8' (e4m3, a scale)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -117,7 +130,14 @@ class EngineConfig(ServingConfig):
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.compile_decode is not True and self.compile_decode is not False:
             raise ConfigError(f"compile_decode must be true or false, got {self.compile_decode!r}")
-        _check_positive_int(self, ("tensor_parallel_size",))
+        _check_positive_int(self, ("tensor_parallel_size", "group_size"))
+        self.quantization = canonical_quantization(self.quantization)
+        if self.quantization == "fp8":
+            raise ConfigError("quantization 'fp8' (weights) is for the roofline and the simulator; the engine runs "
+                              "int8 and int4 weights (and --kv-cache-dtype fp8 for the cache)")  # fmt: skip
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        if self.tensor_parallel_size > 1 and (self.quantization or self.kv_cache_dtype in ("int8", "fp8")):
+            raise ConfigError("quantized weights or KV cache are not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.compile_decode:
             raise ConfigError(
                 "compile_decode is not supported with tensor_parallel_size > 1 (decode runs eagerly there); "
@@ -148,6 +168,7 @@ class EngineConfig(ServingConfig):
         if self.num_blocks is not None:
             return self.num_blocks, self.block_size
         if self.kv_cache_bytes is not None:
-            return plan_num_blocks(model, self.block_size, self.dtype, self.kv_cache_bytes), self.block_size
+            return plan_num_blocks(model, self.block_size, self.kv_cache_dtype, self.kv_cache_bytes), self.block_size
         wanted = self.max_num_seqs * max_len
-        return plan_num_blocks(model, self.block_size, self.dtype, DEFAULT_KV_BUDGET_BYTES, wanted), self.block_size
+        budget = DEFAULT_KV_BUDGET_BYTES
+        return plan_num_blocks(model, self.block_size, self.kv_cache_dtype, budget, wanted), self.block_size

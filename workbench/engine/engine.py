@@ -138,10 +138,20 @@ class Engine:
         num_blocks, block_size = self.config.cache_shape(mcfg)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config(mcfg), self.block_manager)
-        allocated = dtype_name(model.dtype)  # the pool is allocated in the weights' dtype, whatever config says
+        model_q = getattr(model, "quantization", None)
+        if model_q != self.config.quantization:
+            raise ConfigError(
+                f"the engine's quantization is {self.config.quantization or 'none'} but the model's weights are "
+                f"{model_q or 'unquantized'}; quantize with workbench.model.quant.quantize_model or use "
+                "Engine.from_model"
+            )
+        # the pool stores the configured KV dtype ('auto': the weights' dtype, whatever config.dtype says)
+        kv_dtype = self.config.kv_cache_dtype if self.config.kv_cache_dtype in ("int8", "fp8") else "auto"
         self.ledger = MemoryLedger(
-            mcfg, self.block_manager, weight_dtype=dtype_name(model.dtype), kv_dtype=allocated,
-            max_model_len=self.scheduler.config.max_model_len,
+            mcfg, self.block_manager, weight_dtype=dtype_name(model.dtype),
+            kv_dtype=dtype_name(model.dtype) if kv_dtype == "auto" else kv_dtype,
+            max_model_len=self.scheduler.config.max_model_len, quantization=model_q,
+            group_size=getattr(model, "group_size", self.config.group_size),
         )  # fmt: skip
         max_len = self.scheduler.config.max_model_len
         if self.config.attention_backend == "triton":
@@ -150,7 +160,8 @@ class Engine:
             self.runner: ModelRunner = TensorParallelRunner(workers, num_blocks, block_size, self.config, max_len)
             self.cache, self.backend, self.decode = self.runner.cache, self.runner.backend, self.runner.decode
         else:
-            self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device)
+            self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device,
+                                 kv_cache_dtype=kv_dtype)  # fmt: skip
             self.backend = make_backend(self.config.attention_backend)  # the engine's, never set on the model
             self.decode = DecodeStep(
                 model, self.cache, self.backend, self.config.decode_mode(model.device.type), self.config.max_num_seqs,
@@ -181,7 +192,14 @@ class Engine:
                 raise ConfigError(f"tensor_parallel_size {tp} exceeds the {available} {kind} of this machine")
             workers = start_workers(str(name_or_path), tp, config.dtype, config.device, seed, torch.get_num_threads())
             return cls(workers.worker.model, config, workers=workers)
+        if config.quantization is not None:  # every check before a weight is read
+            from workbench.model.quant import check_engine_quantization, quantize_model
+
+            ModelConfig.resolve(name_or_path).check_quantization(config.quantization, config.group_size)
+            check_engine_quantization(config.quantization, config.group_size, torch_dtype(config.dtype), device)
         model = load_model(name_or_path, dtype=torch_dtype(config.dtype), device=device, seed=seed)
+        if config.quantization is not None:
+            quantize_model(model, config.quantization, config.group_size)
         return cls(model, config)
 
     def shutdown(self) -> None:

@@ -14,7 +14,8 @@ batch sweep); ``apply_anomalies`` turns every claim resting on something a sanit
 
 The claims are the seed's: prefill is compute-bound and sets TTFT; decode is bandwidth-bound and sets ITL;
 batching raises decode throughput; continuous beats static under load; chunking removes generation stalls at a
-TTFT price; fewer KV heads mean fewer bytes and more sequences.
+TTFT price; fewer KV heads mean fewer bytes and more sequences; fewer bytes per weight or per cached token move
+decode, not prefill (notebook 08).
 """
 
 from __future__ import annotations
@@ -297,6 +298,106 @@ def chunking_lowers_tail_itl(
 # ---------------------------------------------------------------- anomalies and text
 
 
+# ---------------------------------------------------------------- notebook 08: decode levers
+
+
+def _tps_span(row: Mapping[str, Any]) -> tuple[float, float, float]:
+    return span(row.get("tokens_per_s_min", row["tokens_per_s"]), row["tokens_per_s"],
+                row.get("tokens_per_s_max", row["tokens_per_s"]))  # fmt: skip
+
+
+def fewer_weight_bytes_faster_decode(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Fewer bytes per weight raise batch-1 decode tokens/s: each scheme with fewer bytes per step than the next
+    larger one is faster beyond the spreads. ``rows``: one batch size's decode rows (``levers.decode_schemes``),
+    each with ``scheme``, ``bytes_per_step``, ``tokens_per_s`` and its min/max."""
+    ordered = sorted(rows, key=lambda r: -r["bytes_per_step"])
+    steps = [order(_tps_span(b), _tps_span(a)) for a, b in zip(ordered, ordered[1:])]
+    text = "; ".join(
+        f"{r['scheme']}: {r['bytes_per_step'] / 1e6:.3g} MB/step, {_fmt_span(_tps_span(r))} tok/s" for r in ordered
+    )
+    verdict = (
+        CONFIRMED if all(o == 1 for o in steps) else NOT_CONFIRMED if any(o == -1 for o in steps) else INCONCLUSIVE
+    )
+    if verdict == INCONCLUSIVE:
+        text += "; some spreads overlap"
+    evidence = {
+        r["scheme"]: {"bytes_per_step": r["bytes_per_step"], "tokens_per_s": r["tokens_per_s"]} for r in ordered
+    }
+    return make_claim("Fewer bytes per weight make decode faster", verdict, evidence, text, ("timing",))
+
+
+def fewer_kv_bytes_faster_long_decode(
+    rows: Sequence[Mapping[str, Any]], capacity: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """At a long context, a quantized KV cache raises decode tokens/s (beyond the spreads) and more sequences fit.
+
+    ``rows``: decode rows at one (batch, context) with the same weights and different ``kv_cache_dtype``, the
+    unquantized cache first; ``capacity``: ``levers.kv_capacity`` rows."""
+    base, others = rows[0], rows[1:]
+    fits = {c["kv_cache_dtype"]: c["sequences_that_fit"] for c in capacity}
+    faster = [order(_tps_span(r), _tps_span(base)) for r in others]
+    more = all(fits[r["kv_cache_dtype"]] > fits[base["kv_cache_dtype"]] for r in others)
+    text = "; ".join(
+        f"KV {r['kv_cache_dtype']}: {_fmt_span(_tps_span(r))} tok/s at context {r['context_len']}, "
+        f"{fits[r['kv_cache_dtype']]} sequences fit"
+        for r in rows
+    )
+    if all(o == 1 for o in faster) and more:
+        verdict = CONFIRMED
+    elif any(o == -1 for o in faster) or not more:
+        verdict = NOT_CONFIRMED
+    else:
+        verdict, text = INCONCLUSIVE, text + "; the spreads overlap"
+    evidence = {r["kv_cache_dtype"]: {"tokens_per_s": r["tokens_per_s"], "sequences_that_fit":
+                fits[r["kv_cache_dtype"]]} for r in rows}  # fmt: skip
+    return make_claim(
+        "A quantized KV cache makes long-context decode faster and fits more sequences", verdict, evidence, text,
+        ("timing",),
+    )  # fmt: skip
+
+
+def fewer_bytes_move_decode_not_prefill(
+    decode_rows: Sequence[Mapping[str, Any]], prefill_rows: Sequence[Mapping[str, Any]],
+    tolerance: float = SINGLE_RUN_TOLERANCE,
+) -> dict[str, Any]:  # fmt: skip
+    """The seed's contrast: the scheme that speeds batch-1 decode most does not speed prefill the same way.
+
+    Both lists are per scheme, the unquantized first, with ``speedup`` over it (and time spreads for prefill).
+    Confirmed when that scheme's decode speed-up exceeds 1 + ``tolerance`` while its prefill speed-up stays
+    below it; not confirmed when prefill gains as much as decode."""
+    pre = {r["scheme"]: r for r in prefill_rows}
+    best = max((r for r in decode_rows[1:] if r["scheme"] in pre), key=lambda r: r["speedup"])
+    p, b0 = pre[best["scheme"]], pre[decode_rows[0]["scheme"]]
+    t_p, t_0 = _row_span(p), _row_span(b0)
+    text = (
+        f"{best['scheme']} against {decode_rows[0]['scheme']}: decode {best['speedup']:.2f}x the tokens/s "
+        f"({best['bytes_ratio']:.2f}x fewer bytes per step); prefill of {p['prompt_len']} tokens "
+        f"{_fmt_span(t_p, 1e3)} ms against {_fmt_span(t_0, 1e3)} ms ({p['speedup']:.2f}x)"
+    )
+    if best["speedup"] > 1 + tolerance and p["speedup"] < 1 + tolerance:
+        verdict = CONFIRMED
+    elif p["speedup"] >= best["speedup"]:
+        verdict = NOT_CONFIRMED
+    else:
+        verdict = INCONCLUSIVE
+    evidence = {"scheme": best["scheme"], "decode_speedup": best["speedup"], "prefill_speedup": p["speedup"]}
+    return make_claim("Fewer bytes move decode, not prefill", verdict, evidence, text, ("timing",))
+
+
+def int4_costs_more_accuracy(accuracy: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """int4 weights move the logits more than int8 (higher KL against the unquantized model, no better top-1
+    agreement). ``accuracy``: ``levers.accuracy_schemes`` rows with ``scheme`` labels 'int8' and 'int4-g*'."""
+    i8 = next(a for a in accuracy if a["scheme"] == "int8")
+    i4 = next(a for a in accuracy if a["scheme"].startswith("int4") and " " not in a["scheme"])
+    text = (
+        f"int8: KL {i8['kl']:.2e} nats, top-1 agreement {i8['top1_agreement']:.1%}; {i4['scheme']}: KL {i4['kl']:.2e}, "
+        f"top-1 agreement {i4['top1_agreement']:.1%} (random weights: see the notebook)"
+    )
+    verdict = CONFIRMED if i4["kl"] > i8["kl"] and i4["top1_agreement"] <= i8["top1_agreement"] else NOT_CONFIRMED
+    evidence = {a["scheme"]: {"kl": a["kl"], "top1_agreement": a["top1_agreement"]} for a in (i8, i4)}
+    return make_claim("int4 weights cost more accuracy than int8", verdict, evidence, text, ())
+
+
 def apply_anomalies(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Mapping[str, Any]]) -> list[dict]:
     """Claims with every one that rests on a flagged quantity turned *inconclusive* and marked ``unreliable``.
 
@@ -350,6 +451,10 @@ __all__ = [
     "chunking_removes_stalls",
     "chunking_costs_ttft",
     "chunking_lowers_tail_itl",
+    "fewer_weight_bytes_faster_decode",
+    "fewer_kv_bytes_faster_long_decode",
+    "fewer_bytes_move_decode_not_prefill",
+    "int4_costs_more_accuracy",
     "apply_anomalies",
     "claims_markdown",
 ]

@@ -18,8 +18,48 @@ from __future__ import annotations
 
 import torch
 
-from workbench.config import ModelConfig
+from workbench.config import KV_INT8_SCALE_BYTES, ModelConfig, resolve_kv_cache_dtype
 from workbench.errors import ConfigError
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+INT8_MAX = 127.0
+
+
+def quantize_kv_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., head_dim) float -> (q int8 (..., head_dim), scale fp32 (...)): one symmetric scale per token and head,
+    ``scale = max |x| / 127`` over the head's values (an all-zero head gets scale 1, q 0)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    return torch.round(xf / scale[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float -> float8_e4m3fn of ``x / scale``, saturated at +-448 (a value beyond the range is clipped, not inf)."""
+    return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as their bytes (uint8): CPU indexing and ``index_copy_`` have no float8 kernels; others as given."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _unbits(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype) if dtype == torch.float8_e4m3fn else t
+
+
+class DequantView:
+    """One layer of a quantized pool that indexes like the plain ``(num_blocks, block_size, kv_heads, head_dim)``
+    tensor: ``view[idx]`` dequantizes only the rows it selects, into the activation dtype."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, per_token: bool) -> None:
+        self.data, self.scale, self.dtype, self.per_token = data, scale, dtype, per_token
+        self.shape = data.shape
+
+    def __getitem__(self, idx: object) -> torch.Tensor:
+        rows = _unbits(_bits(self.data)[idx], self.data.dtype).float()
+        scale = self.scale[idx][..., None] if self.per_token else self.scale
+        return (rows * scale).to(self.dtype)
 
 
 class KVCache:
@@ -32,6 +72,7 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str | None = "auto",
     ) -> None:
         if num_blocks <= 0:
             raise ConfigError(f"num_blocks must be positive, got {num_blocks}")
@@ -42,10 +83,23 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.dtype = dtype
+        self.dtype = dtype  # what attention reads: the activation dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, str(dtype))  # what the pool stores
+        self.quantized = self.kv_cache_dtype in ("int8", "fp8")
+        storage = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(self.kv_cache_dtype, dtype)
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, num_blocks, block_size, kv_heads, head_dim)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=storage, device=device)  # (L, num_blocks, block_size, kv_heads, head_dim)
+        self.v = torch.zeros(shape, dtype=storage, device=device)
+        # int8: one fp32 scale per (token, KV head), (L, num_blocks, block_size, kv_heads); fp8: one per layer, (L,),
+        # 1.0 as in vLLM when a checkpoint brings no calibrated scales (the values are saturated at +-448)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if self.kv_cache_dtype == "int8":
+            self.k_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+        elif self.kv_cache_dtype == "fp8":
+            self.k_scale = torch.ones(cfg.num_layers, dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(cfg.num_layers, dtype=torch.float32, device=device)
 
     @property
     def num_slots(self) -> int:
@@ -53,8 +107,10 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes of one token over all layers: 2 * layers * kv_heads * head_dim * element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k.element_size()
+        """K and V bytes of one token over all layers: 2 * layers * kv_heads * (head_dim * element size + scale),
+        the scale being int8's fp32 per token and head (``ModelConfig.kv_bytes_per_token`` counts the same)."""
+        scale = KV_INT8_SCALE_BYTES if self.kv_cache_dtype == "int8" else 0
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.k.element_size() + scale)
 
     @property
     def total_bytes(self) -> int:
@@ -66,14 +122,61 @@ class KVCache:
         With ``layer``, ``k`` and ``v`` are that layer's ``(T, kv_heads, head_dim)``; without, every layer's
         ``(layers, T, kv_heads, head_dim)`` at once (what the compiled decode step returns). Used by the prefill
         path, both attention backends and every decode mode; ``kernels.kv_write`` is the same op as a kernel.
+        A quantized pool quantizes here: int8 with a scale per token and head (written beside the values), fp8
+        with the layer's scale.
         """
         rows = (self.num_kv_heads, self.head_dim)
-        if layer is None:
-            self.k.view(self.num_layers, -1, *rows).index_copy_(1, slot_mapping, k)
-            self.v.view(self.num_layers, -1, *rows).index_copy_(1, slot_mapping, v)
+        for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if self.kv_cache_dtype == "int8":
+                x, s = quantize_kv_int8(x)
+                if layer is None:
+                    scales.view(self.num_layers, -1, self.num_kv_heads).index_copy_(1, slot_mapping, s)
+                else:
+                    scales[layer].view(-1, self.num_kv_heads).index_copy_(0, slot_mapping, s)
+            elif self.kv_cache_dtype == "fp8":
+                x = quantize_kv_fp8(x, scales.view(-1, 1, 1, 1) if layer is None else scales[layer])
+            if layer is None:
+                _bits(pool).view(self.num_layers, -1, *rows).index_copy_(1, slot_mapping, _bits(x))
+            else:
+                _bits(pool[layer]).view(-1, *rows).index_copy_(0, slot_mapping, _bits(x))
+
+    def layer_views(self) -> tuple[list, list]:
+        """Per layer, what a ragged step's attention indexes: the pool's own views, or ``DequantView``s."""
+        if not self.quantized:
+            return list(self.k.unbind(0)), list(self.v.unbind(0))
+        per_token = self.kv_cache_dtype == "int8"
+        views = tuple(
+            [DequantView(pool[i], scales[i], self.dtype, per_token) for i in range(self.num_layers)]
+            for pool, scales in ((self.k, self.k_scale), (self.v, self.v_scale))
+        )
+        return views[0], views[1]
+
+    def round_trip(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What reading ``k``, ``v`` back after ``write`` gives (identity for a plain pool): a decode that attends to
+        its own new key before writing it sees the same value as one that writes first."""
+        if not self.quantized:
+            return k, v
+        out = []
+        for x, scales in ((k, self.k_scale), (v, self.v_scale)):
+            if self.kv_cache_dtype == "int8":
+                q, s = quantize_kv_int8(x)
+                out.append((q.float() * s[..., None]).to(self.dtype))
+            else:
+                out.append((quantize_kv_fp8(x, scales[layer]).float() * scales[layer]).to(self.dtype))
+        return out[0], out[1]
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``slots`` (any shape of slot ids) in one layer, dequantized: (*slots.shape, kv_heads, d)."""
+        rows = (self.num_kv_heads, self.head_dim)
+        if not self.quantized:
+            return self.k[layer].view(-1, *rows)[slots], self.v[layer].view(-1, *rows)[slots]
+        k, v = (_unbits(_bits(pool[layer]).view(-1, *rows)[slots], pool.dtype) for pool in (self.k, self.v))
+        if self.kv_cache_dtype == "int8":
+            ks = self.k_scale[layer].view(-1, self.num_kv_heads)[slots][..., None]
+            vs = self.v_scale[layer].view(-1, self.num_kv_heads)[slots][..., None]
         else:
-            self.k[layer].view(-1, *rows).index_copy_(0, slot_mapping, k)
-            self.v[layer].view(-1, *rows).index_copy_(0, slot_mapping, v)
+            ks, vs = self.k_scale[layer], self.v_scale[layer]
+        return (k.float() * ks).to(self.dtype), (v.float() * vs).to(self.dtype)
 
 
 class ContiguousKVCache(KVCache):
@@ -86,12 +189,14 @@ class ContiguousKVCache(KVCache):
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str | None = "auto",
     ) -> None:
         if max_len > cfg.max_position_embeddings:
             raise ConfigError(
                 f"max_len {max_len} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})"
             )
-        super().__init__(cfg, num_blocks=max_batch, block_size=max_len, dtype=dtype, device=device)
+        super().__init__(cfg, num_blocks=max_batch, block_size=max_len, dtype=dtype, device=device,
+                         kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         self.max_batch = max_batch
         self.max_len = max_len
         self.lengths = [0] * max_batch  # tokens cached per slot

@@ -1,8 +1,9 @@
 """Memory ledger: where the bytes of a serving engine go, and what a contiguous cache would have wasted.
 
-- weights: ``ModelConfig.num_params() * bytes(dtype)``;
-- KV per token: ``2 (K and V) * num_layers * num_kv_heads * head_dim * bytes(kv_dtype)``, so GQA and MQA
-  shrink it by ``num_heads / num_kv_heads`` against MHA;
+- weights: ``ModelConfig.weight_bytes(dtype, quantization, group_size)`` (int8/int4 linear layers with their
+  scales, the rest in ``dtype``);
+- KV per token: ``2 (K and V) * num_layers * num_kv_heads * head_dim * bytes(kv_dtype)`` (plus int8's fp32
+  scale per token and head), so GQA and MQA shrink it by ``num_heads / num_kv_heads`` against MHA;
 - the pool: ``num_blocks * block_size * kv_bytes_per_token``; blocks in use, free, and cached (prefix
   blocks kept for reuse, a subset of used + free);
 - waste: a contiguous per-slot cache (a static cache, as HF's) reserves ``max_model_len`` positions per
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.config import ModelConfig
+from workbench.config import DEFAULT_GROUP_SIZE, ModelConfig
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.sizing import PagingComparison, paged_vs_contiguous
@@ -41,10 +42,12 @@ class MemoryLedger:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     max_model_len: int | None = None
+    quantization: str | None = None
+    group_size: int = DEFAULT_GROUP_SIZE
 
     @property
     def weight_bytes(self) -> int:
-        return self.model.weight_bytes(self.weight_dtype)
+        return self.model.weight_bytes(self.weight_dtype, self.quantization, self.group_size)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -72,6 +75,7 @@ class MemoryLedger:
             "model": self.model.name,
             "attention": self.model.attention_kind,
             "weight_dtype": self.weight_dtype,
+            "quantization": self.quantization,
             "kv_dtype": self.kv_dtype,
             "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,

@@ -277,14 +277,16 @@ class TorchAttentionBackend:
         meta: DecodeMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Each row's cached K/V gathered through ``meta.key_slots`` (masked), its new K/V appended as the last
-        key: the scores and values of a write followed by attention, with the cache only read. The shapes depend
-        only on (B, C), so the step compiles as one graph with C dynamic."""
+        """Each row's cached K/V gathered through ``meta.key_slots`` (masked; dequantized from an int8 or fp8
+        pool by ``KVCache.gather``), its new K/V appended as the last key (as the pool will hold it,
+        ``KVCache.round_trip``): the scores and values of a write followed by attention, with the cache only read.
+        The shapes depend only on (B, C), so the step compiles as one graph with C dynamic."""
         b, n_kv, d = k.shape
         group = q.shape[1] // n_kv
-        k_slots, v_slots = cache.k[layer].view(-1, n_kv, d), cache.v[layer].view(-1, n_kv, d)  # (num_slots, kv, d)
-        kk = torch.cat((k_slots[meta.key_slots], k[:, None]), dim=1).transpose(1, 2)  # (B, kv_heads, C + 1, d)
-        vv = torch.cat((v_slots[meta.key_slots], v[:, None]), dim=1).transpose(1, 2)
+        k_old, v_old = cache.gather(layer, meta.key_slots)  # (B, C, kv_heads, d), dequantized if the pool is
+        k, v = cache.round_trip(layer, k, v)  # the new key as the pool will hold it (a no-op unquantized)
+        kk = torch.cat((k_old, k[:, None]), dim=1).transpose(1, 2)  # (B, kv_heads, C + 1, d)
+        vv = torch.cat((v_old, v[:, None]), dim=1).transpose(1, 2)
         qg = q.reshape(b, n_kv, group, d)  # GQA without copies: a KV head's query heads are its query rows
         out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=meta.key_mask, scale=scale)  # (B, kv, group, d)
         return out.reshape(b, n_kv * group, d)

@@ -105,6 +105,6 @@ class SwiGLU(nn.Module):
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        out = F.linear(F.silu(gate).mul_(up), self.down_proj.weight)  # row-parallel under TP
+        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)  # nn.Linear or model.quant's
+        out = self.down_proj.forward(F.silu(gate).mul_(up))  # row-parallel under TP
         return out if self.reduce is None else self.reduce(out)

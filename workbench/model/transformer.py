@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import ModelConfig
@@ -58,12 +57,12 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output (T, hidden), this step's K (T, kv_heads, d), V): ``attend`` writes or keeps the K/V."""
         t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q_size + 2 kv_size)
+        qkv = self.qkv_proj.forward(x)  # (T, q_size + 2 kv_size); nn.Linear or a quantized linear (model.quant)
         # rotary on Q and K together: their columns are adjacent, so one set of kernels serves both
         qk = apply_rotary_rolled(qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, d), cos, sin_signed)
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
         o = attend(layer, q, k, v, self.scale)  # (T, heads, d)
-        out = F.linear(o.reshape(t, self.q_size), self.o_proj.weight)  # row-parallel under TP
+        out = self.o_proj.forward(o.reshape(t, self.q_size))  # row-parallel under TP
         return (out if self.reduce is None else self.reduce(out)), k, v
 
 
@@ -163,7 +162,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """A ragged step (prefill, chunks, mixed): each layer writes its K/V into ``cache``, then attends.
         Hidden states after the final norm for every new token; input_ids: (T,) -> (T, hidden)."""
-        k_layers, v_layers = cache.k.unbind(0), cache.v.unbind(0)  # one view per layer, made once per step
+        k_layers, v_layers = cache.layer_views()  # one view per layer (dequantizing ones for int8/fp8)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             cache.write(meta.slot_mapping, k, v, layer=i)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workbench.model.attention import AttentionMetadata, DecodeMetadata
+from workbench.kv.cache import DequantView
+from workbench.model.attention import TORCH_BACKEND, AttentionMetadata, DecodeMetadata
 
 if TYPE_CHECKING:
     from workbench.kv.cache import KVCache
@@ -43,7 +44,12 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        """Attend each query to its sequence's context (the kernel handles any mix of query lengths)."""
+        """Attend each query to its sequence's context (the kernel handles any mix of query lengths).
+
+        A quantized pool (``DequantView`` layers) attends through the torch path: the prefill kernel has no
+        dequantizing variant (prefill reads each cached byte once per chunk and is compute-bound anyway)."""
+        if isinstance(k_cache, DequantView):
+            return TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale)
         return self._prefill(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.cu_seqlens_q, meta.max_query_len, scale=scale
         )
@@ -61,7 +67,12 @@ class TritonAttentionBackend:
         """Write the new K/V at their slots, then one query per sequence over its whole paged context."""
         cache.write(meta.slot_mapping, k, v, layer=layer)
         k_cache, v_cache = cache.k[layer], cache.v[layer]
+        scales = {}
+        if cache.quantized:  # the dequantizing variant of the kernel: int8 with per-token scales, fp8 with one
+            scales = {"k_scale": cache.k_scale[layer], "v_scale": cache.v_scale[layer]}
+            if cache.kv_cache_dtype == "fp8":
+                scales = {name: t.reshape(1) for name, t in scales.items()}
         return self._decode(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale=scale, num_splits=self.num_splits,
-            max_seq_len=meta.max_seq_len,
+            max_seq_len=meta.max_seq_len, **scales,
         )  # fmt: skip

@@ -1,0 +1,171 @@
+"""Decode levers (workbench.experiments.levers), logit accuracy (workbench.model.accuracy) and the byte counts
+of quantized formats in the decode benchmark: by hand or against transformers; never a timing assertion."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from workbench import bench
+from workbench.cli import main
+from workbench.config import ModelConfig
+from workbench.experiments import claims, levers
+from workbench.hardware import HardwareSpec
+from workbench.model.accuracy import compare_logits, logit_agreement, prompt_logits
+
+FAKE_HW = HardwareSpec(name="fake", peak_flops={"fp32": 1e9}, mem_bandwidth=1e9, mem_capacity=1e9, source="test",
+                       details={"read_bandwidth": 2e9})  # fmt: skip
+
+
+def test_compare_logits_by_hand():
+    # p = softmax(1, 0), q = softmax(0, 1): KL = p1 * 1 + p2 * (-1) = (e - 1) / (e + 1); orthogonal: cosine 0
+    got = compare_logits(torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]]))
+    assert got["kl"] == pytest.approx((math.e - 1) / (math.e + 1))
+    assert got["cosine"] == pytest.approx(0.0) and got["top1_agreement"] == 0.0
+    same = compare_logits(torch.tensor([[3.0, 4.0], [1.0, 2.0]]), torch.tensor([[6.0, 8.0], [2.0, 1.0]]))
+    assert same["cosine"] == pytest.approx((1 + 0.8) / 2) and same["top1_agreement"] == 0.5
+
+
+def test_prompt_logits_equal_transformers(tiny_checkpoint):
+    import transformers
+
+    from workbench.model.checkpoint import load_model
+
+    path = tiny_checkpoint("tiny-gqa")
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3]  # 18 tokens: two blocks of 16
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    ours = prompt_logits(load_model(str(path)), prompt)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_bytes_of_quantized_formats_by_hand():
+    cfg = ModelConfig.resolve("tiny-gqa")  # hidden 64, q 64, kv 32, intermediate 160, 2 layers, vocab 256, untied
+    contexts = [10, 20]
+    plain = bench.decode_step_bytes(cfg, "fp32", contexts)
+    # linear weights: per layer qkv 64x128, o 64x64, gate_up 64x320, down 160x64 = 43,008; x2 layers + head 256x64
+    linear = 2 * (64 * 128 + 64 * 64 + 64 * 320 + 160 * 64) + 256 * 64  # 102,400
+    rows = 2 * (64 + 32 + 32 + 64 + 160 + 160 + 64) + 256  # output channels: 1,408 fp32 scales
+    int8 = bench.decode_step_bytes(cfg, "fp32", contexts, "int8")
+    assert plain["weight_bytes"] - int8["weight_bytes"] == 4 * linear - (linear + 4 * rows)
+    groups = 2 * (128 * 2 + 64 * 2 + 320 * 2 + 64 * 5) + 256 * 2  # (out x in / 32) groups, a (scale, zero) each
+    int4 = bench.decode_step_bytes(cfg, "fp32", contexts, "int4", 32)
+    assert plain["weight_bytes"] - int4["weight_bytes"] == 4 * linear - (linear // 2 + 2 * 4 * groups)
+    kv8 = bench.decode_step_bytes(cfg, "fp32", contexts, kv_cache_dtype="int8")
+    assert kv8["kv_bytes"] == pytest.approx(plain["kv_bytes"] * (16 + 4) / (16 * 4))  # int8 + fp32 scale per head
+
+
+def test_kv_capacity_by_hand():
+    cfg = ModelConfig.resolve("tiny-gqa")  # KV per token: fp32 2*2*2*16*4 = 512 B; int8 2*2*2*(16+4) = 160 B
+    rows = levers.kv_capacity(cfg, "fp32", ["auto", "int8"], context_len=100, budget_bytes=1 << 20, block_size=16)
+    # 100 tokens = 7 blocks of 16; blocks in 1 MiB: 2**20 // (16 * 512) = 128 and 2**20 // (16 * 160) = 409
+    assert [(r["kv_cache_dtype"], r["sequences_that_fit"]) for r in rows] == [("fp32", 128 // 7), ("int8", 409 // 7)]
+
+
+def test_make_schemes_labels():
+    schemes = levers.make_schemes(["none", "int8", "int4"], [32, 128], ["auto", "int8"])
+    assert [s.label for s in schemes] == [
+        "fp32", "fp32 kv-int8", "int8", "int8 kv-int8", "int4-g32", "int4-g32 kv-int8", "int4-g128",
+        "int4-g128 kv-int8",
+    ]  # fmt: skip
+
+
+def test_decode_prefill_accuracy_rows_on_a_tiny_model():
+    schemes = levers.make_schemes(["none", "int8", "int4"], [32], ["auto"]) + [levers.Scheme(kv_cache_dtype="int8")]
+    models = levers.load_scheme_models("tiny-gqa", schemes, "cpu")
+    assert len(models) == 3  # the KV variant shares the fp32 weights
+    rows = levers.decode_schemes(models, schemes, [2], 8, FAKE_HW, steps=2, warmup=0)
+    assert [r["scheme"] for r in rows] == ["fp32", "int8", "int4-g32", "fp32 kv-int8"]
+    cfg = ModelConfig.resolve("tiny-gqa")
+    for r in rows:
+        s = next(s for s in schemes if s.label == r["scheme"])
+        by_format = bench.decode_step_bytes(cfg, "fp32", [r["context_len"]] * 2, s.quantization, s.group_size,
+                                            s.kv_cache_dtype)  # fmt: skip
+        assert r["bytes_per_step"] == pytest.approx(by_format["bytes"])
+        assert r["mbu"] == pytest.approx(r["achieved_bytes_per_s"] / 2e9)
+    assert rows[0]["speedup"] == 1.0 and rows[1]["bytes_ratio"] > 2.5
+    pre = levers.prefill_schemes(models, schemes[:2], [8], repeats=1, warmup=0)
+    assert [r["scheme"] for r in pre] == ["fp32", "int8"] and all(r["time_s"] > 0 for r in pre)
+    acc = levers.accuracy_schemes(models[schemes[0].weights_key], models, schemes, [[1, 2, 3, 4], [5, 6, 7]])
+    assert acc[0]["kl"] == 0.0 and acc[0]["top1_agreement"] == 1.0 and acc[0]["num_positions"] == 7
+    assert acc[2]["kl"] > acc[1]["kl"] > 0  # int4 moves the logits more than int8 does
+
+
+def test_logit_agreement_with_an_int8_cache_changes_only_through_the_cache():
+    from workbench.model.checkpoint import load_model
+
+    model = load_model("tiny-gqa")
+    got = logit_agreement(model, model, [[1, 2, 3, 4, 5, 6]], kv_cache_dtype="int8")
+    assert 0 < got["kl"] < 1e-3 and got["cosine"] > 0.999  # the first position attends to its own key only
+
+
+def test_cli_decode_compares_schemes(capsys):
+    args = ["bench", "decode", "--model", "tiny-gqa", "--batch", "1", "--prompt-len", "4", "--steps", "1", "--warmup",
+            "0", "--threads", "1", "--device", "cpu", "--no-compile-decode", "--quantization", "none", "int8",
+            "--kv-cache-dtype", "auto", "fp8", "--accuracy-prompts", "1", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schemes"] == ["fp32", "fp32 kv-fp8", "int8", "int8 kv-fp8"]
+    assert [a["scheme"] for a in out["accuracy"]] == out["schemes"]
+    assert {"tokens_per_s", "achieved_bytes_per_s", "mbu", "speedup", "bytes_ratio"} <= set(out["results"][0])
+    assert [c["kv_cache_dtype"] for c in out["kv_capacity"]] == ["fp32", "fp8"]
+
+
+def test_cli_quantization_errors_are_one_line(capsys):
+    assert main(["bench", "decode", "--model", "tiny-gqa", "--quantization", "int4", "--group-size", "128",
+                 "--device", "cpu", "--cached-ceilings"]) == 2  # fmt: skip
+    assert "does not divide q_proj" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-gqa", "--prompt-ids", "1,2", "--kv-cache-dtype", "int4"]) == 2
+    assert "unknown kv cache dtype" in capsys.readouterr().err
+
+
+def _row(scheme, mb, tps, lo=None, hi=None, **kw):
+    return {"scheme": scheme, "bytes_per_step": mb * 1e6, "tokens_per_s": tps, "tokens_per_s_min": lo or tps,
+            "tokens_per_s_max": hi or tps, **kw}  # fmt: skip
+
+
+def test_claim_fewer_weight_bytes_faster_decode_each_verdict():
+    ok = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 45, 44, 46), _row("int4", 150, 60, 58, 62)]
+    assert claims.fewer_weight_bytes_faster_decode(ok)["verdict"] == "confirmed"
+    slower = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 45, 44, 46), _row("int4", 150, 30, 29, 31)]
+    assert claims.fewer_weight_bytes_faster_decode(slower)["verdict"] == "not_confirmed"
+    overlap = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 21, 20, 23)]
+    assert claims.fewer_weight_bytes_faster_decode(overlap)["verdict"] == "inconclusive"
+
+
+def test_claim_kv_quantized_long_decode_each_verdict():
+    cap = [{"kv_cache_dtype": "fp32", "sequences_that_fit": 10}, {"kv_cache_dtype": "int8", "sequences_that_fit": 30}]
+    rows = [_row("fp32", 900, 10, 9, 11, kv_cache_dtype="fp32", context_len=1024),
+            _row("fp32 kv-int8", 500, 14, 13, 15, kv_cache_dtype="int8", context_len=1024)]  # fmt: skip
+    assert claims.fewer_kv_bytes_faster_long_decode(rows, cap)["verdict"] == "confirmed"
+    rows[1].update(tokens_per_s=8, tokens_per_s_min=7.5, tokens_per_s_max=8.5)
+    assert claims.fewer_kv_bytes_faster_long_decode(rows, cap)["verdict"] == "not_confirmed"
+
+
+def test_claim_decode_not_prefill_each_verdict():
+    dec = [
+        {"scheme": "fp32", "speedup": 1.0, "bytes_ratio": 1.0},
+        {"scheme": "int8", "speedup": 2.5, "bytes_ratio": 2.8},
+    ]
+    pre = [{"scheme": "fp32", "prompt_len": 256, "time_s": 1.0, "speedup": 1.0},
+           {"scheme": "int8", "prompt_len": 256, "time_s": 1.3, "speedup": 1 / 1.3}]  # fmt: skip
+    assert claims.fewer_bytes_move_decode_not_prefill(dec, pre)["verdict"] == "confirmed"
+    pre[1].update(time_s=0.3, speedup=1 / 0.3)  # prefill gained more than decode
+    assert claims.fewer_bytes_move_decode_not_prefill(dec, pre)["verdict"] == "not_confirmed"
+
+
+def test_claim_int4_costs_more_accuracy_each_verdict():
+    acc = [{"scheme": "int8", "kl": 1e-4, "top1_agreement": 0.99}, {"scheme": "int4-g32", "kl": 1e-2,
+           "top1_agreement": 0.9}]  # fmt: skip
+    assert claims.int4_costs_more_accuracy(acc)["verdict"] == "confirmed"
+    acc[1]["kl"] = 1e-5
+    assert claims.int4_costs_more_accuracy(acc)["verdict"] == "not_confirmed"
+
+
+def test_cli_bench_kinds_refuse_what_they_cannot_compare(capsys):
+    assert main(["bench", "prefill", "--model", "tiny-gqa", "--quantization", "int8", "int4", "--device", "cpu"]) == 2
+    assert "bench decode only" in capsys.readouterr().err
+    assert main(["bench", "offline", "--model", "tiny-gqa", "--kv-cache-dtype", "int8", "--device", "cpu"]) == 2
+    assert "applies to bench decode" in capsys.readouterr().err

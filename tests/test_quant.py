@@ -1,0 +1,212 @@
+"""Weight-only quantization (int8 per channel, int4 group-wise) and the quantized KV cache (int8, fp8).
+
+Round trips against values computed by hand; the packed operators against a plain matrix product of the
+dequantized weights; the quantized engine's greedy tokens against transformers running the same dequantized
+weights; the quantized KV pool's two read paths against attention over K/V quantized by hand; bad input.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from workbench.config import ModelConfig
+from workbench.engine.config import EngineConfig
+from workbench.engine.engine import Engine
+from workbench.errors import ConfigError
+from workbench.kv.cache import KVCache, quantize_kv_int8
+from workbench.model import quant
+from workbench.model.attention import TORCH_BACKEND, build_decode_metadata
+from workbench.request import SamplingParams
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], [42] * 11]
+
+
+# ---- round trips by hand -----------------------------------------------------------------------------------------
+def test_int8_quantize_by_hand():
+    w = torch.tensor([[1.0, -2.0, 0.5, 4.0], [0.0, 0.0, 0.0, 0.0], [-1.27, 0.635, 0.0, 0.01]])
+    q, scale = quant.quantize_int8(w)
+    # row 0: scale 4/127; 127/4 * (1, -2, 0.5, 4) = (31.75, -63.5, 15.875, 127) -> 32, -64 (half to even), 16, 127
+    # row 2: scale 0.01; (-127, 63.5, 0, 1) -> -127, 64 (half to even), 0, 1
+    assert q.tolist() == [[32, -64, 16, 127], [0, 0, 0, 0], [-127, 64, 0, 1]]
+    assert scale[0].item() == pytest.approx(4 / 127) and scale[2].item() == pytest.approx(0.01)
+    back = quant.dequantize_int8(q, scale)
+    assert back[0].tolist() == pytest.approx([32 * 4 / 127, -64 * 4 / 127, 16 * 4 / 127, 4.0])
+    assert back[1].abs().max().item() == 0.0
+
+
+def test_int4_quantize_by_hand():
+    # one row, two groups of 4: (0, 1, 2, 3) and (-1, -1, 1, 2)
+    w = torch.tensor([[0.0, 1.0, 2.0, 3.0, -1.0, -1.0, 1.0, 2.0]])
+    q, scale, zero = quant.quantize_int4(w, group_size=4)
+    # group 0: min 0, scale 3/15 = 0.2, q = w / 0.2 = 0, 5, 10, 15; zero = 0 + 8 * 0.2 = 1.6
+    # group 1: min -1, scale 3/15 = 0.2, q = (w + 1) / 0.2 = 0, 0, 10, 15; zero = -1 + 1.6 = 0.6
+    assert q.tolist() == [[0, 5, 10, 15, 0, 0, 10, 15]]
+    assert scale.tolist() == [pytest.approx([0.2, 0.2])]
+    assert zero.tolist() == [pytest.approx([1.6, 0.6])]
+    assert quant.dequantize_int4(q, scale, zero).tolist() == [pytest.approx(w[0].tolist(), abs=1e-6)]
+
+
+def test_kv_int8_quantize_by_hand():
+    x = torch.tensor([[[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]]])  # (T=1, heads=2, d=3)
+    q, scale = quantize_kv_int8(x)
+    # head 0: scale 1/127; (63.5, -127, 31.75) -> 64 (half to even), -127, 32; head 1 (all zero): scale 1, q 0
+    assert q.tolist() == [[[64, -127, 32], [0, 0, 0]]]
+    assert scale.tolist() == [[pytest.approx(1 / 127), 1.0]]
+
+
+# ---- the packed operators against a plain product of the dequantized weights ----------------------------------
+@pytest.mark.parametrize("rows", [1, 5])  # the packed operator, and the dequantize-then-GEMM path
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_matches_dequantized_matmul(dtype, rows):
+    gen = torch.Generator().manual_seed(0)
+    lin = nn.Linear(96, 40, bias=True).to(dtype)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    layer = quant.Int8Linear(lin)
+    ref = x.float() @ layer.dequantized_weight().T + lin.bias.float()
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(layer(x).float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4_linear_matches_dequantized_matmul(group_size):
+    gen = torch.Generator().manual_seed(1)
+    lin = nn.Linear(256, 48, bias=False)
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.02, generator=gen)
+    layer = quant.Int4Linear(lin, group_size)
+    q, scale, zero = quant.quantize_int4(lin.weight, group_size)
+    for rows in (3, 9):  # the packed operator, and the dequantize-then-GEMM path of many rows
+        x = torch.randn(rows, 256, generator=gen)
+        torch.testing.assert_close(layer(x), x @ quant.dequantize_int4(q, scale, zero).T, atol=2e-5, rtol=2e-5)
+    # the error of the format itself: at most half a step of the group's scale per weight
+    err = (quant.dequantize_int4(q, scale, zero) - lin.weight).abs()
+    assert bool((err <= scale.repeat_interleave(group_size, dim=1) / 2 + 1e-7).all())
+
+
+# ---- the engine against transformers on the same dequantized weights -----------------------------------------
+def _dequantize_hf(hf, scheme: str, group_size: int) -> None:
+    """Replace every linear of an HF model (and an untied LM head) by its quantize -> dequantize round trip."""
+    with torch.no_grad():
+        for name, mod in hf.named_modules():
+            if isinstance(mod, nn.Linear) and (name != "lm_head" or not hf.config.tie_word_embeddings):
+                if scheme == "int8":
+                    mod.weight.copy_(quant.dequantize_int8(*quant.quantize_int8(mod.weight)))
+                else:
+                    mod.weight.copy_(quant.dequantize_int4(*quant.quantize_int4(mod.weight, group_size)))
+
+
+@pytest.mark.parametrize("preset,scheme", [("tiny-gqa", "int8"), ("tiny-gqa", "int4"), ("tiny-qwen2", "int8")])
+def test_quantized_engine_tokens_equal_transformers_on_dequantized_weights(tiny_checkpoint, preset, scheme):
+    import transformers
+
+    path = tiny_checkpoint(preset)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    _dequantize_hf(hf, scheme, 32)
+    expected = []
+    for p in PROMPTS:
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=6,
+                          min_new_tokens=6, do_sample=False, pad_token_id=0)  # fmt: skip
+        expected.append(out[0, len(p) :].tolist())
+    cfg = EngineConfig(quantization=scheme, group_size=32, block_size=4, device="cpu", max_model_len=64)
+    engine = Engine.from_model(str(path), cfg)
+    got = [r.tokens for r in engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True)).requests]
+    assert got == expected
+    assert engine.ledger.weight_bytes == engine.model.config.weight_bytes("fp32", scheme, 32)
+    assert quant.quantized_weight_bytes(engine.model) == engine.ledger.weight_bytes  # what is held = what is counted
+
+
+# ---- the quantized KV cache ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_pool_decode_reads_equal_attention_over_hand_quantized_kv(kv_dtype):
+    cfg = ModelConfig.resolve("tiny-gqa")  # 4 query heads, 2 KV heads of 16
+    gen = torch.Generator().manual_seed(2)
+    cache = KVCache(cfg, num_blocks=6, block_size=4, kv_cache_dtype=kv_dtype)
+    n_ctx = 9  # cached keys, ending mid-block, in blocks 5, 1, 3
+    table = [5, 1, 3]
+    slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(n_ctx)])
+    k, v = torch.randn(2, n_ctx, 2, 16, generator=gen).unbind(0)
+    cache.write(slots, k, v, layer=1)
+    q, k_new, v_new = torch.randn(3, 1, 4, 16, generator=gen).unbind(0)
+    k_new, v_new = k_new[:, :2], v_new[:, :2]
+
+    def by_hand(x):  # the format's own definition, written out
+        if kv_dtype == "int8":
+            s = x.abs().amax(-1, keepdim=True) / 127
+            return torch.round(x / s).clamp(-127, 127) * s
+        return x.clamp(-448, 448).to(torch.float8_e4m3fn).float()  # scale 1.0
+
+    kk = torch.cat((by_hand(k), by_hand(k_new)))  # (n_ctx + 1, 2, 16)
+    vv = torch.cat((by_hand(v), by_hand(v_new)))
+    ref = nn.functional.scaled_dot_product_attention(  # query heads 2j, 2j+1 read KV head j
+        q.view(1, 2, 2, 16), kk.transpose(0, 1)[None], vv.transpose(0, 1)[None], scale=0.25
+    ).reshape(1, 4, 16)
+    meta = build_decode_metadata([n_ctx + 1], [table], 4)
+    out = TORCH_BACKEND.decode(1, q, k_new, v_new, cache, meta, 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the ragged path reads the pool through DequantView after writing the new token: the same attention
+    cache.write(meta.slot_mapping, k_new, v_new, layer=1)
+    k_view, v_view = (views[1] for views in cache.layer_views())
+    torch.testing.assert_close(k_view[torch.tensor(table)].reshape(-1, 2, 16)[: n_ctx + 1], kk, atol=1e-6, rtol=0)
+    torch.testing.assert_close(v_view[torch.tensor(table)].reshape(-1, 2, 16)[: n_ctx + 1], vv, atol=1e-6, rtol=0)
+
+
+def test_int8_kv_pool_bytes_and_sequences_that_fit():
+    cfg = ModelConfig.resolve("tiny-gqa")  # 2 layers, 2 KV heads of 16
+    assert KVCache(cfg, 2, 4, kv_cache_dtype="int8").bytes_per_token == 2 * 2 * 2 * (16 + 4)
+    assert KVCache(cfg, 2, 4, kv_cache_dtype="fp8").bytes_per_token == 2 * 2 * 2 * 16
+    assert KVCache(cfg, 2, 4).bytes_per_token == 2 * 2 * 2 * 16 * 4
+    budget = 1 << 20
+    plain = EngineConfig(kv_cache_bytes=budget, block_size=16).cache_shape(cfg)[0]
+    int8 = EngineConfig(kv_cache_bytes=budget, block_size=16, kv_cache_dtype="int8").cache_shape(cfg)[0]
+    assert plain == budget // (16 * 512) and int8 == budget // (16 * 160)  # 512 and 160 bytes per token
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_kv_quantized_engine_paths_agree(tiny_checkpoint, kv_dtype):
+    """Eager decode (gather), ragged steps only (DequantView), a one-token-per-block pool and the
+    dequantizing Triton decode kernel (under the interpreter) give the same greedy tokens."""
+    path = str(tiny_checkpoint("tiny-gqa"))
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    variants = {"eager": {}, "chunked": {"policy": "chunked", "token_budget": 4}, "bs1": {"block_size": 1},
+                "triton": {"attention_backend": "triton"}}  # fmt: skip
+    runs = {}
+    for name, kw in variants.items():
+        cfg = EngineConfig(kv_cache_dtype=kv_dtype, device="cpu", max_model_len=64, **kw)
+        runs[name] = [r.tokens for r in Engine.from_model(path, cfg).generate(PROMPTS, sp).requests]
+    assert all(tokens == runs["eager"] for tokens in runs.values()), runs
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"quantization": "int3"}, "unknown quantization"),
+        ({"quantization": "fp8"}, "roofline and the simulator"),
+        ({"kv_cache_dtype": "int4"}, "unknown kv cache dtype"),
+        ({"quantization": "int4", "group_size": 0}, "group_size must be a positive integer"),
+    ],
+)
+def test_engine_config_quantization_errors(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_group_size_errors_come_before_any_weight_is_loaded(monkeypatch):
+    import workbench.model.checkpoint as ckpt
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded before the check")
+
+    monkeypatch.setattr(ckpt, "load_model", no_load)
+    with pytest.raises(ConfigError, match="group size 128 does not divide q_proj"):
+        Engine.from_model("tiny-gqa", EngineConfig(quantization="int4", group_size=128, device="cpu"))
+    with pytest.raises(ConfigError, match="one of 32, 64, 128, 256"):
+        Engine.from_model("tiny-mqa", EngineConfig(quantization="int4", group_size=48, device="cpu"))
+
+
+def test_engine_refuses_a_model_quantized_otherwise():
+    from workbench.model.checkpoint import load_model
+
+    model = load_model("tiny-gqa")
+    with pytest.raises(ConfigError, match="quantize_model"):
+        Engine(model, EngineConfig(quantization="int8", device="cpu"))

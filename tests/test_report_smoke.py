@@ -14,7 +14,8 @@ import pytest
 from workbench import cli
 from workbench.experiments.claims import VERDICTS
 
-EXPERIMENTS = ("prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill", "disaggregation")
+EXPERIMENTS = ("prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill", "disaggregation",
+               "parallelism_and_capacity")  # fmt: skip
 
 
 @pytest.fixture(scope="module")

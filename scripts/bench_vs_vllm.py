@@ -15,8 +15,14 @@ What it does:
    ``VLLM_CPU_KVCACHE_SPACE`` its pool), then the workbench in this process with the same formulas
    (``workbench.bench.run_engine_offline`` and ``decode_rate``: offline wall time, median of ``--repeats`` after a
    warm-up; batch-1 decode ``(N - 1) / (t(N) - t(1))``);
-4. prints one table with both engines, the ratios, the token comparison, the CPU model and the load average
+4. measures the fp32 GEMM ceiling of the model's matrices (512 rows, best of 5) and divides the offline set's FLOPs
+   by it: the FLOP floor no engine computing in fp32 on these cores can beat, and each engine's time over it;
+5. prints one table with both engines, the ratios, the token comparison, the CPU model and the load average
    before and after (``--json``: one object).
+
+Prefix caching is off in both engines unless ``--enable-prefix-caching``: vLLM v1 turns it on by default, and its
+repeats of the offline set would then reuse the previous repeat's prompt KV (its runs after the first took 9.4 and
+11.0 s against 16.9 s for the first, before this was set).
 
 vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, ... and block sizes that are multiples of 32;
 the tiny presets (head size 16 or 24) cannot run there, ``bench-300m`` (64) can.
@@ -79,6 +85,52 @@ def run_vllm(python: Path, job: Path, out: Path, threads: int, timeout_s: float)
     return json.loads(out.read_text())
 
 
+def offline_flops(cfg, requests: list[tuple[list[int], int]]) -> float:  # noqa: ANN001
+    """FLOPs the offline set needs whatever the engine: every prompt's prefill (causal pairs, LM head on its last
+    token) and every later token's decode at its context (weights, attention, LM head), per ``step_work``."""
+    from workbench.bench import prefill_flops
+    from workbench.roofline import step_work
+
+    total = 0.0
+    for prompt, n in requests:
+        total += prefill_flops(cfg, "fp32", len(prompt))
+        total += sum(step_work(cfg, "fp32", decode_contexts=[len(prompt) + i]).flops for i in range(1, n))
+    return total
+
+
+def gemm_peak(cfg, threads: int, rows: int = 512, repeats: int = 5) -> float:  # noqa: ANN001
+    """FLOP/s of the model's own weight matrices multiplied by ``rows`` rows in fp32 (best of ``repeats`` of the
+    whole set, plain ``F.linear`` or the oneDNN-packed weight, whichever is faster): the compute ceiling of a
+    prefill on this CPU, measured in the same run as both engines."""
+    import torch
+
+    from workbench.bench import linear_shapes, set_threads
+
+    set_threads(threads)
+    shapes = sorted(set(linear_shapes(cfg)))
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(o, i, generator=gen) * 0.02 for i, o in shapes]
+    xs = {i: torch.randn(rows, i, generator=gen) for i, _ in shapes}
+    onednn = torch.backends.mkldnn.is_available()
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws] if onednn else []
+    flops = sum(2.0 * rows * i * o for i, o in shapes)
+
+    def best(run) -> float:  # noqa: ANN001
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    plain = best(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws])
+    fastest = plain
+    if packed:
+        fastest = min(plain, best(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                           for w, p in zip(ws, packed)]))  # fmt: skip
+    return flops / fastest
+
+
 def run_workbench(checkpoint: Path, job: dict, threads: int) -> dict:
     """The workbench on the job's requests: the engine ``workbench bench offline`` and ``bench hf`` use."""
     from workbench.bench import bench_engine, decode_rate, run_engine_offline, set_threads
@@ -89,7 +141,8 @@ def run_workbench(checkpoint: Path, job: dict, threads: int) -> dict:
     set_threads(threads)
     model = load_checkpoint(checkpoint, dtype="fp32", device="cpu")
     requests = [(list(p), n) for p, n in job["offline"]]
-    engine = bench_engine(model, job["max_num_seqs"], max(len(p) + n for p, n in requests))
+    engine = bench_engine(model, job["max_num_seqs"], max(len(p) + n for p, n in requests),
+                          enable_prefix_caching=job["enable_prefix_caching"])  # fmt: skip
     run_engine_offline(model, requests[:4], job["max_num_seqs"], engine)  # warm-up
     times, tokens = [], []
     for _ in range(job["repeats"]):
@@ -130,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32, help="batch-1 tokens generated (N)")
     p.add_argument("--vllm-venv", default=str(Path.home() / ".cache" / "llm-workbench" / f"vllm-cpu-{VLLM_VERSION}"),
                    help="vLLM-CPU's own virtual environment (created when missing)")  # fmt: skip
+    p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="both engines cache prompt prefixes (vLLM's default; off: every repeat recomputes its prefill)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the vLLM worker may take")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -162,6 +220,7 @@ def _run(args) -> int:  # noqa: ANN001
             "max_num_seqs": args.max_num_seqs,
             "block_size": 32,  # vLLM CPU: a multiple of 32
             "repeats": args.repeats,
+            "enable_prefix_caching": args.enable_prefix_caching,
             "offline": offline,
             "decode_prompt": random_prompts(1, args.prompt_len, cfg.vocab_size, args.seed)[0],
             "decode_new_tokens": args.new_tokens,
@@ -173,7 +232,9 @@ def _run(args) -> int:  # noqa: ANN001
         vllm_wall = time.perf_counter() - t0
         load_mid = loadavg()
         ours = run_workbench(ckpt, job, args.threads)
+    peak = gemm_peak(cfg, args.threads)
     load_end = loadavg()
+    floor_s = offline_flops(cfg, offline) / peak
     out_tokens = sum(n for _, n in offline)
     same = sum(a == b for a, b in zip(ours["offline_tokens"], theirs["offline_tokens"]))
     same_tok = sum(x == y for a, b in zip(ours["offline_tokens"], theirs["offline_tokens"]) for x, y in zip(a, b))
@@ -197,6 +258,12 @@ def _run(args) -> int:  # noqa: ANN001
             "ratio": theirs["offline_time_s"] / ours["offline_time_s"],
             "identical_requests": same,
             "identical_tokens": same_tok,
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "flops": offline_flops(cfg, offline),
+            "gemm_peak_flops_per_s": peak,
+            "flop_floor_s": floor_s,
+            "workbench_over_floor": ours["offline_time_s"] / floor_s,
+            "vllm_over_floor": theirs["offline_time_s"] / floor_s,
         },
         "decode_batch1": {
             "prompt_len": args.prompt_len,
@@ -224,6 +291,9 @@ def _run(args) -> int:  # noqa: ANN001
           f"{off['vllm_output_tokens_per_s']:12.1f} {off['ratio']:7.2f}x")  # fmt: skip
     print(f"{'batch-1 decode tok/s (N-1)/(t(N)-t(1))':34s} {dec['workbench_tokens_per_s']:12.1f} "
           f"{dec['vllm_tokens_per_s']:12.1f} {dec['ratio']:7.2f}x")  # fmt: skip
+    print(f"{'offline set, s over the FLOP floor':34s} {off['workbench_over_floor']:12.2f} "
+          f"{off['vllm_over_floor']:12.2f}   floor {off['flop_floor_s']:.1f} s = {off['flops'] / 1e12:.2f} TFLOP "
+          f"at {off['gemm_peak_flops_per_s'] / 1e9:.0f} GFLOP/s (fp32 GEMM, 512 rows, best)")  # fmt: skip
     print(f"tokens: offline {off['identical_requests']}/{off['num_requests']} requests and {off['identical_tokens']}/"
           f"{off['output_tokens']} tokens identical; batch-1 identical: {dec['identical_tokens']}")  # fmt: skip
     print(f"load average: start {load_start[0]:.2f}, between {load_mid[0]:.2f}, end {load_end[0]:.2f}")

@@ -4,6 +4,7 @@ This file imports only the standard library and vLLM, because it runs in vLLM's 
 the project's. It reads a JSON job written by ``bench_vs_vllm.py``::
 
     {"checkpoint": DIR, "max_model_len": N, "max_num_seqs": S, "block_size": B, "repeats": R,
+     "enable_prefix_caching": false,
      "offline": [[prompt ids, output length], ...], "decode_prompt": [ids], "decode_new_tokens": N}
 
 and writes a JSON result with the same formulas as ``workbench.bench``: the offline set's wall time (all requests
@@ -34,6 +35,9 @@ def main(job_path: str, out_path: str) -> int:
         max_model_len=job["max_model_len"],
         max_num_seqs=job["max_num_seqs"],
         block_size=job["block_size"],
+        # vLLM v1 caches prompt prefixes by default: a repeat of the offline set would then skip the prefill its
+        # previous run did, which the workbench's engine (prefix caching off by default) recomputes
+        enable_prefix_caching=job.get("enable_prefix_caching", False),
         seed=0,
     )
     startup_s = time.perf_counter() - t0

@@ -106,6 +106,10 @@ class EngineConfig(ServingConfig):
     ``quantization`` / ``group_size``: weight-only int8 or int4 linear layers (``workbench.model.quant``), applied
     by ``Engine.from_model`` at load time; ``kv_cache_dtype``: what the KV pool stores (``workbench.kv.cache``), and
     so how many blocks a byte budget buys (``plan_num_blocks`` counts int8's scales).
+
+    ``packed_linears`` (CPU, fp32 or bf16, one process): the model's plain linear layers also hold oneDNN's packed
+    layout of their weights, used for products of 2 to 256 rows (``workbench.model.packed``): a second copy of the
+    weights in memory for faster decode batches and short chunks. The engine applies it to the model it is given.
     """
 
     cache: str = "paged"
@@ -116,6 +120,7 @@ class EngineConfig(ServingConfig):
     quantization: str | None = None  # weight-only: None, 'int8' (per channel), 'int4' (group-wise); model.quant
     group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
     kv_cache_dtype: str = "auto"  # 'auto' (= dtype), 'int8' (per token and head scales), 'fp8' (e4m3, a scale)
+    packed_linears: bool = True  # CPU fp32/bf16: oneDNN-packed copies of the weights for 2-256 rows (model.packed)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -128,8 +133,9 @@ class EngineConfig(ServingConfig):
             raise ConfigError(f"cache must be one of {CACHE_LAYOUTS}, got {self.cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.compile_decode is not True and self.compile_decode is not False:
-            raise ConfigError(f"compile_decode must be true or false, got {self.compile_decode!r}")
+        for flag in ("compile_decode", "packed_linears"):
+            if getattr(self, flag) is not True and getattr(self, flag) is not False:
+                raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         _check_positive_int(self, ("tensor_parallel_size", "group_size"))
         self.quantization = canonical_quantization(self.quantization)
         if self.quantization == "fp8":

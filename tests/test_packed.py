@@ -1,0 +1,74 @@
+"""oneDNN-packed linear layers (``workbench.model.packed``): the same products as a float64 matrix product, the
+same weights (tied ones stay tied), only plain linears packed, and the engine's tokens with and without them."""
+
+import pytest
+import torch
+from torch import nn
+
+from kernels.testing import TOLERANCES
+from workbench.engine.config import EngineConfig
+from workbench.engine.engine import Engine
+from workbench.errors import ConfigError
+from workbench.model import quant
+from workbench.model.checkpoint import load_model
+from workbench.model.packed import PACKED_MAX_ROWS, PackedLinear, pack_linears, packing_available
+from workbench.request import SamplingParams
+
+needs_onednn = pytest.mark.skipif(
+    not packing_available(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_float64_product(rows, bias):
+    gen = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(192, 80, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.05, generator=gen)
+        if bias:
+            lin.bias.normal_(0.0, 0.05, generator=gen)
+    packed = PackedLinear.wrap(lin)
+    x = torch.randn(rows, 192, generator=gen)
+    want = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0.0)
+    torch.testing.assert_close(packed(x).double(), want, **TOLERANCES[torch.float32])
+    # leading dimensions are kept, as nn.Linear keeps them
+    x3 = x.reshape(1, rows, 192)
+    assert packed(x3).shape == (1, rows, 80)
+
+
+@needs_onednn
+def test_pack_linears_shares_weights_keeps_tie_and_skips_quantized():
+    model = load_model("tiny-qwen2", dtype=torch.float32, device="cpu", seed=0)
+    assert model.config.tie_word_embeddings
+    attn = model.layers[0].self_attn
+    attn.o_proj = quant.quantize_linear(attn.o_proj, "int8")
+    weight = model.layers[0].mlp.down_proj.weight
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert pack_linears(model) == n_linear  # every plain linear (the LM head too), not the int8 one
+    assert isinstance(model.layers[0].mlp.down_proj, PackedLinear)
+    assert model.layers[0].mlp.down_proj.weight is weight  # the same parameter, not a copy
+    assert isinstance(attn.o_proj, quant.Int8Linear)
+    assert model.lm_head.weight is model.embed_tokens.weight  # a tied head stays tied
+    assert pack_linears(model) == 0  # idempotent
+    assert not packing_available(torch.device("cpu"), torch.float16)
+    assert not packing_available(torch.device("meta"), torch.float32)
+
+
+@needs_onednn
+def test_engine_tokens_with_and_without_packed_linears():
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [42] * 11, [5] * 3]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for packed in (False, True):
+        model = load_model("tiny-gqa", dtype=torch.float32, device="cpu", seed=0)
+        engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, packed_linears=packed))
+        tokens[packed] = [r.tokens for r in engine.generate(prompts, params).requests]
+        assert any(isinstance(m, PackedLinear) for m in model.modules()) is packed
+    assert tokens[True] == tokens[False]
+
+
+def test_packed_linears_flag_is_a_bool():
+    with pytest.raises(ConfigError, match="packed_linears must be true or false"):
+        EngineConfig(packed_linears="yes")

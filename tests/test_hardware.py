@@ -139,3 +139,31 @@ def test_hardware_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     monkeypatch.setattr(hardware, "measured_spec", lambda device, refresh=False: tiny)
     assert main(["hardware", "--measure", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["measured"]["details"]["matmul_n"] == 64
+
+
+# ---- the emulated-dtype warning ----------------------------------------------------------------------------------
+def test_emulated_dtype_note_thresholds():
+    from workbench.hardware import EMULATED_RATIO, emulated_dtype_note
+
+    # issue 15's AMD EPYC: bf16 about 1 GFLOP/s against 170 for fp32
+    note = emulated_dtype_note("bf16", 1e9, 170e9)
+    assert note is not None and "bf16" in note and "170x slower" in note and "--dtype fp32" in note
+    assert emulated_dtype_note("bf16", 3 * 170e9, 170e9) is None  # units (AMX) make it faster than fp32
+    assert emulated_dtype_note("fp16", EMULATED_RATIO * 100e9, 100e9) is None  # at the threshold: not emulated
+    assert emulated_dtype_note("fp32", 1.0, 100e9) is None  # fp32 is the reference, never emulated
+
+
+def test_warn_if_emulated_measures_only_reduced_precision_on_a_cpu(capsys, monkeypatch):
+    from workbench import hardware
+
+    assert hardware.warn_if_emulated("fp32", "cpu") is None and "fp32" not in hardware._DTYPE_RATES
+    assert hardware.warn_if_emulated("bf16", "cuda") is None
+    bf16, fp32 = hardware.cpu_matmul_rates("bf16")  # this CPU, measured
+    assert bf16 > 0 and fp32 > 0 and hardware.cpu_matmul_rates("bf16") == (bf16, fp32)  # once per process
+    # an emulating CPU (rates as issue 15 measured them): one line on stderr, once
+    monkeypatch.setitem(hardware._DTYPE_RATES, "fp16", (1e9, 170e9))
+    monkeypatch.setattr(hardware, "_WARNED", set())
+    assert "emulated" in hardware.warn_if_emulated("fp16", "cpu")
+    assert hardware.warn_if_emulated("fp16", "cpu") is not None
+    err = capsys.readouterr().err
+    assert err.count("warning: fp16 matrix products are emulated") == 1

@@ -438,6 +438,61 @@ def _physical_memory_bytes() -> float:
     return float(physical_memory_bytes() or GIB)
 
 
+# a dtype whose CPU matrix products run below this fraction of fp32's is emulated (converted element by element):
+# on a 2-core AMD EPYC without bf16 units, bf16 reached about 1 GFLOP/s against 170 for fp32 (issue 15's figures)
+EMULATED_RATIO = 0.25
+_DTYPE_RATES: dict[str, tuple[float, float]] = {}
+_WARNED: set[str] = set()
+
+
+def cpu_matmul_rates(dtype: str, n: int = 256, repeats: int = 3) -> tuple[float, float]:
+    """(FLOP/s of ``dtype``, FLOP/s of fp32) of an ``n`` x ``n`` x ``n`` matrix product on this CPU, best of
+    ``repeats`` after one warm-up, measured once per process and dtype (a fraction of a second)."""
+    dtype = canonical_dtype(dtype)
+    if dtype not in _DTYPE_RATES:
+        import torch
+
+        from workbench.device import torch_dtype
+
+        def rate(dt: Any) -> float:
+            a = torch.randn(n, n).to(dt)
+            b = torch.randn(n, n).to(dt)
+            torch.mm(a, b)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                torch.mm(a, b)
+                best = min(best, time.perf_counter() - t0)
+            return 2.0 * n**3 / max(best, 1e-9)
+
+        _DTYPE_RATES[dtype] = (rate(torch_dtype(dtype)), rate(torch.float32))
+    return _DTYPE_RATES[dtype]
+
+
+def emulated_dtype_note(dtype: str, dtype_rate: float, fp32_rate: float) -> str | None:
+    """The warning for ``dtype`` when its matrix products run below ``EMULATED_RATIO`` of fp32's, else None."""
+    if canonical_dtype(dtype) == "fp32" or dtype_rate >= EMULATED_RATIO * fp32_rate:
+        return None
+    return (
+        f"{canonical_dtype(dtype)} matrix products are emulated on this CPU ({dtype_rate / 1e9:.1f} GFLOP/s against "
+        f"{fp32_rate / 1e9:.1f} for fp32, {fp32_rate / max(dtype_rate, 1.0):.0f}x slower): its timings measure the "
+        "emulation, not the bytes it saves; use --dtype fp32 here"
+    )
+
+
+def warn_if_emulated(dtype: str, device: Any) -> str | None:
+    """On a CPU, print (once per process and dtype) and return the emulation warning for ``dtype``, else None."""
+    if str(getattr(device, "type", device)) != "cpu" or canonical_dtype(dtype) == "fp32":
+        return None
+    note = emulated_dtype_note(dtype, *cpu_matmul_rates(dtype))
+    if note and canonical_dtype(dtype) not in _WARNED:
+        import sys
+
+        _WARNED.add(canonical_dtype(dtype))
+        print(f"warning: {note}", file=sys.stderr)
+    return note
+
+
 PROBE_VERSION = 2  # bumped when the probes change (2: the CPU read ceiling also tries a gemv); older caches are stale
 GEMV_PROBE_COLS = 4096  # row length of the matrix-vector read probe (16 KiB rows in fp32)
 

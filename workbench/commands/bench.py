@@ -96,14 +96,17 @@ def run(args: argparse.Namespace) -> int:
         return run_serve(args)
     from workbench import bench
     from workbench.device import resolve_device
-    from workbench.hardware import measured_spec
+    from workbench.hardware import measured_spec, warn_if_emulated
 
     threads = bench.set_threads(args.threads)
     device = resolve_device(args.device)
+    emulated = warn_if_emulated(args.dtype, device)
     compile_decode = args.compile_decode
     if compile_decode is None:  # CUDA replays CUDA graphs instead; the Triton backend is not compiled
         compile_decode = device.type == "cpu" and args.attention_backend == "torch"
     out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
+    if emulated:
+        out["warning"] = emulated
     schemes = _schemes(args)
     _check_schemes(args, schemes)
     if args.kind == "hf":

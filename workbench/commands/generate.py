@@ -144,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
         )
         for i in range(len(prompts))
     ]
+    from workbench.device import resolve_device
+    from workbench.hardware import warn_if_emulated
+
+    warn_if_emulated(args.dtype, resolve_device(args.device))  # a line on stderr where bf16/fp16 is emulated
     if args.disaggregate:
         from workbench.dist.disagg import disagg_config_from_args, run_disaggregated
 

@@ -1,6 +1,7 @@
 """Where the offline set's time goes: the engine's steps by kind, model against engine overhead, and the top ops.
 
     .venv/bin/python scripts/offline_breakdown.py [--model bench-300m] [--threads 2] [--compile-decode] [--json]
+        [--no-packed-linears] [--policy continuous]
 
 The same 64-request set as ``workbench bench offline`` (``workbench.bench.offline_requests``), served at once by the
 engine ``bench offline`` builds (``workbench.bench.bench_engine``), after a 4-request warm-up. Pass 1 times every
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=256, help="longest prompt + output")
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch limit")
     p.add_argument("--compile-decode", action="store_true", help="the engine's compiled decode step")
+    p.add_argument("--no-packed-linears", action="store_true", help="plain F.linear only (EngineConfig.packed_linears)")
+    p.add_argument("--policy", default="continuous", help="scheduler policy of the engine")
     p.add_argument("--top", type=int, default=12, help="operators listed from the profiler")
     p.add_argument("--no-profiler", action="store_true", help="skip pass 2")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     model = load_bench_model(args.model, "fp32", "cpu")
     requests = offline_requests(model.config.vocab_size, args.num_requests, args.context, 0)
     engine = bench_engine(model, args.max_num_seqs, max(len(q) + n for q, n in requests),
-                          compile_decode=args.compile_decode)  # fmt: skip
+                          compile_decode=args.compile_decode, packed_linears=not args.no_packed_linears,
+                          policy=args.policy)  # fmt: skip
     run_engine_offline(model, requests[:4], args.max_num_seqs, engine)  # warm-up
     engine.runner.time_model = True
     rows: list[tuple[str, float, float]] = []
@@ -81,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "threads": torch.get_num_threads(),
         "compile_decode": args.compile_decode,
+        "packed_linears": not args.no_packed_linears,
+        "policy": args.policy,
         "wall_s": wall,
         "output_tokens": sum(n for _, n in requests),
         "steps": len(rows),
@@ -103,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"offline set: {result['output_tokens']} output tokens in {wall:.2f} s "
           f"({result['output_tokens'] / wall:.1f} tok/s), {len(rows)} steps, {args.threads} threads, "
-          f"compiled decode {'on' if args.compile_decode else 'off'}")  # fmt: skip
+          f"compiled decode {'on' if args.compile_decode else 'off'}, packed linears "
+          f"{'off' if args.no_packed_linears else 'on'}, policy {args.policy}")  # fmt: skip
     print(f"{'step kind':14s} {'steps':>6s} {'wall s':>8s} {'share':>6s} {'model s':>8s} {'overhead s':>10s}")
     for kind, v in table.items():
         print(f"{kind:14s} {v['steps']:6d} {v['wall_s']:8.2f} {100 * v['share']:5.1f}% {v['model_s']:8.2f} "

@@ -11,7 +11,7 @@ from workbench.engine.engine import Engine
 from workbench.errors import ConfigError
 from workbench.model import quant
 from workbench.model.checkpoint import load_model
-from workbench.model.packed import PACKED_MAX_ROWS, PackedLinear, pack_linears, packing_available
+from workbench.model.packed import PACKED_MAX_ROWS, PackedLinear, pack_linears, packing_available, unpack_linears
 from workbench.request import SamplingParams
 
 needs_onednn = pytest.mark.skipif(
@@ -52,6 +52,8 @@ def test_pack_linears_shares_weights_keeps_tie_and_skips_quantized():
     assert isinstance(attn.o_proj, quant.Int8Linear)
     assert model.lm_head.weight is model.embed_tokens.weight  # a tied head stays tied
     assert pack_linears(model) == 0  # idempotent
+    assert unpack_linears(model) == n_linear and type(model.layers[0].mlp.down_proj) is nn.Linear
+    assert model.layers[0].mlp.down_proj.weight is weight and model.lm_head.weight is model.embed_tokens.weight
     assert not packing_available(torch.device("cpu"), torch.float16)
     assert not packing_available(torch.device("meta"), torch.float32)
 
@@ -61,8 +63,8 @@ def test_engine_tokens_with_and_without_packed_linears():
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [42] * 11, [5] * 3]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens = {}
-    for packed in (False, True):
-        model = load_model("tiny-gqa", dtype=torch.float32, device="cpu", seed=0)
+    model = load_model("tiny-gqa", dtype=torch.float32, device="cpu", seed=0)
+    for packed in (True, False):  # one model: the second engine unpacks what the first packed
         engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, packed_linears=packed))
         tokens[packed] = [r.tokens for r in engine.generate(prompts, params).requests]
         assert any(isinstance(m, PackedLinear) for m in model.modules()) is packed

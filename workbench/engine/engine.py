@@ -35,7 +35,7 @@ from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
 from workbench.kv.ledger import MemoryLedger
 from workbench.model.attention import AttentionBackend, TorchAttentionBackend
-from workbench.model.packed import pack_linears
+from workbench.model.packed import pack_linears, unpack_linears
 from workbench.model.sharding import check_tensor_parallel_size
 from workbench.model.transformer import Transformer
 from workbench.request import RequestRecord, SamplingParams, Sequence, SequenceStatus
@@ -161,8 +161,7 @@ class Engine:
             self.runner: ModelRunner = TensorParallelRunner(workers, num_blocks, block_size, self.config, max_len)
             self.cache, self.backend, self.decode = self.runner.cache, self.runner.backend, self.runner.decode
         else:
-            if self.config.packed_linears:
-                pack_linears(model)
+            (pack_linears if self.config.packed_linears else unpack_linears)(model)
             self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device,
                                  kv_cache_dtype=kv_dtype)  # fmt: skip
             self.backend = make_backend(self.config.attention_backend)  # the engine's, never set on the model

@@ -48,7 +48,8 @@ class PackedLinear(nn.Linear):
         new.weight, new.bias = linear.weight, linear.bias
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 32)
-        new.register_buffer("packed_weight", packed, persistent=False)
+        # a plain attribute, not a buffer: it is no state (state_dict, .to(), byte counts over buffers skip it)
+        new.packed_weight = packed
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,5 +76,21 @@ def pack_linears(model: Any) -> int:
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
                 setattr(module, name, PackedLinear.wrap(child))
+                count += 1
+    return count
+
+
+def unpack_linears(model: Any) -> int:
+    """Undo ``pack_linears``: each ``PackedLinear`` back to an ``nn.Linear`` with the same weight and bias (the
+    engine calls it when ``packed_linears`` is off, since a model may have been packed by an earlier engine)."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, PackedLinear):
+                plain = nn.Linear.__new__(nn.Linear)
+                nn.Module.__init__(plain)
+                plain.in_features, plain.out_features = child.in_features, child.out_features
+                plain.weight, plain.bias = child.weight, child.bias
+                setattr(module, name, plain)
                 count += 1
     return count

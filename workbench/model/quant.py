@@ -3,21 +3,27 @@
 Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 
 - **int8**, symmetric per output channel: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)`` in
-  [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)``.
+  [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)`` on CUDA;
+  on the CPU ``int8_rows`` (decode) or the GEMM of ``q`` cast to the activation dtype (many rows).
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
-  ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm_for_cpu`` on the
-  CPU, ``_weight_int4pack_mm`` (bf16 only) on CUDA, each over its own packed layout.
+  ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
+  on CUDA over its packed layout; on the CPU ``int4_rows`` over the group-halves layout (decode) or the GEMM of
+  the dequantized weight (many rows).
 
 What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and an untied
 LM head. A tied LM head shares the embedding table, which stays in the activation dtype: it is also a lookup
 table read one row per token, and quantizing it would change the embeddings as well as the logits. Norms and
 biases stay in the activation dtype (``ModelConfig.weight_bytes`` counts the same split).
 
-Why torch's own operators and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its
-weight-only int8/int4 paths on the CPU end in these same ``aten`` operators; calling them directly keeps the
-engine's dependencies to what the GPU machine has (torch, triton, transformers), keeps the packed layout in one
-visible place, and lets ``torch.compile`` see plain operators. Nothing here is a kernel of our own.
+Why these paths and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its weight-only
+int8/int4 paths on the CPU end in the ``aten`` packed operators, and on this CPU (2 threads, torch 2.13) those are
+no decode kernels: ``_weight_int8pack_mm`` took 5x the fp32 GEMV's time on a 1 x 1024 by 5632 x 1024 product,
+and inductor's C++ GEMM template for it needs max-autotune with frozen weights. The CPU decode products are
+therefore plain tensor expressions (``int8_rows``, ``int4_rows``) that inductor compiles into one vectorized
+dequantize-multiply-reduce loop per matrix (checked with ``TORCH_LOGS=output_code``: ``at::vec`` loads of the codes,
+converts and one accumulator per output row); inside the engine's compiled decode step they fuse into its graph,
+eagerly each compiles once per shape at its first call. Nothing here is a hand-written kernel.
 """
 
 from __future__ import annotations
@@ -85,14 +91,14 @@ def int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``x @ W^T`` for (rows, in) ``x`` and int4 codes in the group-halves layout of ``Int4Linear``: ``codes`` (out,
     groups, g/2) uint8, byte j of a group holding code j (low nibble) and code j + g/2 (high nibble); the weight is
-    ``code * scale + offset`` per group (``offset = zero - 8 * scale``). Both nibbles of a byte meet the
+    ``code * scale + offset`` per group (``scale``, ``offset`` (out, groups, 1); ``offset = zero - 8 * scale``). Both nibbles of a byte meet the
     contiguous halves of the group's inputs, so the compiled loop reads the codes and ``x`` without gathers."""
     rows = x.shape[0]
     out_f, groups, half = codes.shape
     xg = x.view(rows, 1, groups, 2, half)
-    s, o = scale[..., None], offset[..., None]  # (out, groups, 1)
-    lo = (codes & 15).to(x.dtype) * s + o
-    hi = (codes >> 4).to(x.dtype) * s + o
+    # no view of the buffers here: inductor's tracing of a view of an inference-mode buffer fails
+    lo = (codes & 15).to(x.dtype) * scale + offset
+    hi = (codes >> 4).to(x.dtype) * scale + offset
     return (xg[:, :, :, 0] * lo + xg[:, :, :, 1] * hi).sum((-2, -1))
 
 
@@ -155,7 +161,7 @@ class Int4Linear(nn.Module):
 
     On CUDA the tinygemm operator ``aten._weight_int4pack_mm`` over its packed layout (``qweight``) and
     ``scales_and_zeros``. On the CPU ``qweight`` is the group-halves layout of ``int4_rows`` (out, groups, g/2)
-    with ``scale`` and ``offset`` (out, groups): products of at most ``INT8_PACKED_MAX_ROWS`` rows run
+    with ``scale`` and ``offset`` (out, groups, 1): products of at most ``INT8_PACKED_MAX_ROWS`` rows run
     ``int4_rows`` compiled by inductor, more rows dequantize and run the dtype's GEMM (the packed CPU operator,
     ``_weight_int4pack_mm_for_cpu``, took 28x the fp32 GEMM's time at 32 rows).
     """
@@ -178,8 +184,8 @@ class Int4Linear(nn.Module):
             g = q8.view(self.out_features, -1, group_size)
             half = group_size // 2
             self.register_buffer("qweight", (g[..., :half] | g[..., half:] << 4).contiguous().to(dev))
-            self.register_buffer("scale", scale.to(device=dev, dtype=dtype))  # (out, groups)
-            self.register_buffer("offset", (zero - 8.0 * scale).to(device=dev, dtype=dtype))  # (out, groups)
+            self.register_buffer("scale", scale[..., None].to(device=dev, dtype=dtype))  # (out, groups, 1)
+            self.register_buffer("offset", (zero - 8.0 * scale)[..., None].to(device=dev, dtype=dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -190,7 +196,7 @@ class Int4Linear(nn.Module):
             return wt.t().to(dtype)
         p = self.qweight
         codes = torch.cat((p & 15, p >> 4), dim=-1).to(self.scale.dtype)  # (out, groups, g)
-        w = codes * self.scale[..., None] + self.offset[..., None]
+        w = codes * self.scale + self.offset
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -91,8 +91,9 @@ def int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """``x @ W^T`` for (rows, in) ``x`` and int4 codes in the group-halves layout of ``Int4Linear``: ``codes`` (out,
     groups, g/2) uint8, byte j of a group holding code j (low nibble) and code j + g/2 (high nibble); the weight is
-    ``code * scale + offset`` per group (``scale``, ``offset`` (out, groups, 1); ``offset = zero - 8 * scale``). Both nibbles of a byte meet the
-    contiguous halves of the group's inputs, so the compiled loop reads the codes and ``x`` without gathers."""
+    ``code * scale + offset`` per group (``scale``, ``offset``: (out, groups, 1), ``offset = zero - 8 * scale``).
+    Both nibbles of a byte meet contiguous halves of the group's inputs, so the compiled loop reads the codes and
+    ``x`` without gathers."""
     rows = x.shape[0]
     out_f, groups, half = codes.shape
     xg = x.view(rows, 1, groups, 2, half)

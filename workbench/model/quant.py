@@ -42,6 +42,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 operators accept
 # activation dtype's GEMM runs, which reuses each weight over the rows (``_weight_int8pack_mm`` took 13.6x the fp32
 # GEMM's time at 32 rows of a 5632 x 1024 matrix on this 2-core AVX-512 CPU, torch 2.13).
 INT8_PACKED_MAX_ROWS = 4
+INT8_SPLIT = 4  # products added per accumulation in int8_rows
 ENGINE_QUANTIZATIONS = ("int8", "int4")  # fp8 weights: roofline and simulator only (no CPU fp8 matmul here)
 CUDA_INT4_INNER_K_TILES = 8
 
@@ -84,8 +85,19 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
 def int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x @ (q * scale)^T`` for (rows, in) ``x`` as one fused dequantize-multiply-reduce: ``y[r, n] = scale[n] *
     sum_k x[r, k] * q[n, k]``. Compiled, this is one loop over the int8 rows (no float copy of the weight);
-    eagerly it would materialize (rows, out, in), so eager callers use ``_compiled``."""
-    return (x[:, None, :] * q.to(x.dtype)).sum(-1) * scale
+    eagerly it would materialize (rows, out, in), so eager callers use ``_compiled``.
+
+    The inputs are cut into ``INT8_SPLIT`` quarters whose products are added before they meet the accumulator:
+    inductor keeps one vector accumulator per output row, so the loop runs at the latency of its adds, and four
+    products per add ran the 1 x 1024 by 5632 x 1024 product 1.39x faster than one (in cache, one thread)."""
+    rows, k = x.shape
+    split = INT8_SPLIT if k % (16 * INT8_SPLIT) == 0 else 1
+    xs = x.view(rows, 1, split, k // split)
+    qs = q.to(x.dtype).view(q.shape[0], split, k // split)  # a view of the graph's cast, not of the buffer
+    acc = xs[:, :, 0] * qs[:, 0]
+    for i in range(1, split):
+        acc = acc + xs[:, :, i] * qs[:, i]
+    return acc.sum(-1) * scale
 
 
 def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -93,14 +105,19 @@ def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset:
     groups, g/2) uint8, byte j of a group holding code j (low nibble) and code j + g/2 (high nibble); the weight is
     ``code * scale + offset`` per group (``scale``, ``offset``: (out, groups, 1), ``offset = zero - 8 * scale``).
     Both nibbles of a byte meet contiguous halves of the group's inputs, so the compiled loop reads the codes and
-    ``x`` without gathers."""
+    ``x`` without gathers; two groups' products are added per accumulation when the number of groups is even (as
+    in ``int8_rows``, 1.11x faster than one)."""
     rows = x.shape[0]
     out_f, groups, half = codes.shape
-    xg = x.view(rows, 1, groups, 2, half)
-    # no view of the buffers here: inductor's tracing of a view of an inference-mode buffer fails
-    lo = (codes & 15).to(x.dtype) * scale + offset
-    hi = (codes >> 4).to(x.dtype) * scale + offset
-    return (xg[:, :, :, 0] * lo + xg[:, :, :, 1] * hi).sum((-2, -1))
+    pair = 2 if groups % 2 == 0 else 1
+    xg = x.view(rows, 1, groups // pair, pair, 2, half)
+    # no view of the buffers themselves: inductor's tracing of a view of an inference-mode buffer fails
+    lo = ((codes & 15).to(x.dtype) * scale + offset).view(out_f, groups // pair, pair, half)
+    hi = ((codes >> 4).to(x.dtype) * scale + offset).view(out_f, groups // pair, pair, half)
+    acc = xg[:, :, :, 0, 0] * lo[:, :, 0] + xg[:, :, :, 0, 1] * hi[:, :, 0]
+    for i in range(1, pair):
+        acc = acc + xg[:, :, :, i, 0] * lo[:, :, i] + xg[:, :, :, i, 1] * hi[:, :, i]
+    return acc.sum((-2, -1))
 
 
 _COMPILED: dict[str, Any] = {}

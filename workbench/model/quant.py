@@ -14,7 +14,13 @@ Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and an untied
 LM head. A tied LM head shares the embedding table, which stays in the activation dtype: it is also a lookup
 table read one row per token, and quantizing it would change the embeddings as well as the logits. Norms and
-biases stay in the activation dtype (``ModelConfig.weight_bytes`` counts the same split).
+biases stay in the activation dtype (``ModelConfig.weight_bytes`` counts the same split). A quantized *copy* of a
+tied head for the logits product alone (the lookup keeping the table) is not made: it would cut ``bench-300m``'s
+per-step read from 403 to 305 MB under int8 (the fp32 head is 131 MB, a third of the int8 scheme's bytes) at the
+price of 33 MB more memory and a second weight count (memory: table + copy; decode: the copy) through
+``ModelConfig.weight_bytes``, the roofline and the simulator. ``scripts/bench_quant_ops.py`` measures what it would
+buy: the sweep's speed-up with the head in fp32 and with it in the scheme (``speedup_head_fp32``,
+``speedup_head_quantized``).
 
 Why these paths and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its weight-only
 int8/int4 paths on the CPU end in the ``aten`` packed operators, and on this CPU (2 threads, torch 2.13) those are

@@ -1,12 +1,15 @@
-"""The weight kernels alone: one sweep of a model's linear layers (qkv, o, gate_up, down per layer, and an untied
-LM head) in fp32, bf16, int8 (``aten._weight_int8pack_mm``) and int4 (``aten._weight_int4pack_mm_for_cpu``),
-interleaved (A, B, C, D, A, B, ...), at each batch size: median sweep time, bytes read per sweep, GB/s, and
-the speed-up over fp32. Says whether the packed operators turn fewer bytes into speed on this CPU, before any
-engine is involved.
+"""The weight kernels alone: one sweep of a model's matrices (qkv, o, gate_up, down per layer, and the LM head) in
+fp32, bf16, int8 and int4 (``workbench.model.quant``: on the CPU its fused dequantize-reduce loops compiled by
+inductor for few rows, or the GEMM of the dequantized weight for many), interleaved (A, B, C, D, A, B, ...), at
+each batch size. Per scheme and kind of matrix: median time per sweep, bytes read, GB/s; per scheme the sweep of
+the decoder layers, the LM head in that scheme, and the speed-up over fp32 with the head in fp32 (what a tied
+head costs today) or in the scheme (what a quantized copy of it would cost). The sweep is ~1.2 GB in fp32 for
+``bench-300m``, larger than any cache, so every matrix streams from memory as in a decode step.
 
     .venv/bin/python scripts/bench_quant_ops.py [--model bench-300m] [--threads 2] [--batch 1 32] [--repeats 10]
 
-Prints one JSON object (``rows``: scheme, batch, sweep_ms, bytes, gb_per_s, speedup; ``load_average``).
+Prints one JSON object (``rows``: scheme, batch, per-kind ms and GB/s, layers_ms, head_ms, speedup with either
+head; ``load_average`` before and after).
 """
 
 from __future__ import annotations
@@ -24,30 +27,31 @@ from workbench.config import ModelConfig
 from workbench.model.quant import Int4Linear, Int8Linear
 from workbench.parsing import make_parser
 
+KINDS = ("qkv", "o", "gate_up", "down")
 
-def _layers(cfg: ModelConfig, scheme: str, group_size: int) -> list[nn.Module]:
+
+def _layers(cfg: ModelConfig, scheme: str, group_size: int) -> list[tuple[str, nn.Module]]:
     gen = torch.Generator().manual_seed(0)
     shapes = linear_shapes(cfg)
-    if cfg.tie_word_embeddings:
-        shapes = shapes[:-1]  # a tied head stays unquantized: the sweep measures only what the scheme changes
-    out: list[nn.Module] = []
-    for fan_in, fan_out in shapes:
+    kinds = [*KINDS * cfg.num_layers, "head"]
+    out: list[tuple[str, nn.Module]] = []
+    for kind, (fan_in, fan_out) in zip(kinds, shapes):
         lin = nn.Linear(fan_in, fan_out, bias=False)
         with torch.no_grad():
             lin.weight.normal_(0.0, 0.02, generator=gen)
         if scheme == "bf16":
-            out.append(lin.to(torch.bfloat16))
+            out.append((kind, lin.to(torch.bfloat16)))
         elif scheme == "int8":
-            out.append(Int8Linear(lin))
+            out.append((kind, Int8Linear(lin)))
         elif scheme == "int4":
-            out.append(Int4Linear(lin, group_size))
+            out.append((kind, Int4Linear(lin, group_size)))
         else:
-            out.append(lin)
+            out.append((kind, lin))
     return out
 
 
-def _bytes(layers: list[nn.Module]) -> int:
-    return sum(t.numel() * t.element_size() for m in layers for t in [*m.parameters(), *m.buffers()])
+def _bytes(m: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
 
 
 @torch.inference_mode()
@@ -60,32 +64,46 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--schemes", nargs="+", default=["fp32", "bf16", "int8", "int4"])
     args = p.parse_args()
+    load_before = os.getloadavg()
     set_threads(args.threads)
     cfg = ModelConfig.resolve(args.model)
     sweeps = {s: _layers(cfg, s, args.group_size) for s in args.schemes}
     rows = []
     for batch in args.batch:
-        xs = {s: {} for s in sweeps}
-        times: dict[str, list[float]] = {s: [] for s in sweeps}
-        for i in range(args.repeats + 2):
+        xs: dict[tuple[str, int], torch.Tensor] = {}
+        times = {s: {k: [] for k in (*KINDS, "head")} for s in sweeps}
+        for i in range(args.repeats + 2):  # the first two sweeps warm up (and compile the fused loops)
             for s, layers in sweeps.items():
                 dtype = torch.bfloat16 if s == "bf16" else torch.float32
-                t0 = time.perf_counter()
-                for m in layers:
+                spent = dict.fromkeys(times[s], 0.0)
+                for kind, m in layers:
                     n = m.in_features
-                    if n not in xs[s]:
-                        xs[s][n] = torch.randn(batch, n).to(dtype)
-                    m(xs[s][n])
+                    x = xs.setdefault((s, n), torch.randn(batch, n).to(dtype))
+                    t0 = time.perf_counter()
+                    m(x)
+                    spent[kind] += time.perf_counter() - t0
                 if i >= 2:
-                    times[s].append(time.perf_counter() - t0)
-        base = None
+                    for kind, t in spent.items():
+                        times[s][kind].append(t)
         for s, layers in sweeps.items():
-            t = statistics.median(times[s])
-            moved = _bytes(layers)
-            base = base or t
-            rows.append({"scheme": s, "batch": batch, "sweep_ms": t * 1e3, "sweep_min_ms": min(times[s]) * 1e3,
-                         "bytes": moved, "gb_per_s": moved / t / 1e9, "speedup": base / t})  # fmt: skip
-    print(json.dumps({"model": cfg.name, "threads": args.threads, "rows": rows, "load_average": os.getloadavg()}))
+            row: dict = {"scheme": s, "batch": batch}
+            for kind in times[s]:
+                moved = sum(_bytes(m) for k, m in layers if k == kind)
+                t = statistics.median(times[s][kind])
+                row[f"{kind}_ms"], row[f"{kind}_gb_per_s"] = t * 1e3, moved / t / 1e9
+            row["layers_ms"] = sum(row[f"{k}_ms"] for k in KINDS)
+            row["layers_bytes"] = sum(_bytes(m) for k, m in layers if k != "head")
+            row["layers_gb_per_s"] = row["layers_bytes"] / row["layers_ms"] / 1e6
+            row["head_ms"] = row["head_ms"]
+            rows.append(row)
+        base = next(r for r in rows if r["batch"] == batch and r["scheme"] == args.schemes[0])
+        for r in rows:
+            if r["batch"] == batch:
+                total = base["layers_ms"] + base["head_ms"]
+                r["speedup_head_fp32"] = total / (r["layers_ms"] + base["head_ms"])  # a tied head kept unquantized
+                r["speedup_head_quantized"] = total / (r["layers_ms"] + r["head_ms"])  # a quantized copy of it
+    print(json.dumps({"model": cfg.name, "threads": args.threads, "rows": rows,
+                      "load_average": [load_before, os.getloadavg()]}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from kernels.testing import TOLERANCES
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
@@ -54,8 +55,8 @@ def test_kv_int8_quantize_by_hand():
     assert scale.tolist() == [[pytest.approx(1 / 127), 1.0]]
 
 
-# ---- the packed operators against a plain product of the dequantized weights ----------------------------------
-@pytest.mark.parametrize("rows", [1, 5])  # the packed operator, and the dequantize-then-GEMM path
+# ---- the products against a plain product of the dequantized weights -------------------------------------------
+@pytest.mark.parametrize("rows", [1, 4, 5])  # the fused dequantize-reduce loop (<= 4 rows), and the GEMM path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_matches_dequantized_matmul(dtype, rows):
     gen = torch.Generator().manual_seed(0)
@@ -63,24 +64,40 @@ def test_int8_linear_matches_dequantized_matmul(dtype, rows):
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     layer = quant.Int8Linear(lin)
     ref = x.float() @ layer.dequantized_weight().T + lin.bias.float()
-    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
-    torch.testing.assert_close(layer(x).float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(layer(x).float(), ref, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_int4_linear_matches_dequantized_matmul(group_size):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_matches_dequantized_matmul(group_size, dtype):
     gen = torch.Generator().manual_seed(1)
     lin = nn.Linear(256, 48, bias=False)
     with torch.no_grad():
         lin.weight.normal_(0.0, 0.02, generator=gen)
-    layer = quant.Int4Linear(lin, group_size)
+    layer = quant.Int4Linear(lin.to(dtype), group_size)
     q, scale, zero = quant.quantize_int4(lin.weight, group_size)
-    for rows in (3, 9):  # the packed operator, and the dequantize-then-GEMM path of many rows
-        x = torch.randn(rows, 256, generator=gen)
-        torch.testing.assert_close(layer(x), x @ quant.dequantize_int4(q, scale, zero).T, atol=2e-5, rtol=2e-5)
+    w = quant.dequantize_int4(q, scale, zero)  # from the hand-checked reference functions, not the layer's layout
+    torch.testing.assert_close(layer.dequantized_weight(), w, **TOLERANCES[dtype])
+    for rows in (1, 3, 9):  # the fused loop of few rows, and the dequantize-then-GEMM path of many
+        x = torch.randn(rows, 256, generator=gen).to(dtype)
+        torch.testing.assert_close(layer(x).float(), x.float() @ w.T, **TOLERANCES[dtype])
     # the error of the format itself: at most half a step of the group's scale per weight
-    err = (quant.dequantize_int4(q, scale, zero) - lin.weight).abs()
+    err = (w - lin.weight.float()).abs()
     assert bool((err <= scale.repeat_interleave(group_size, dim=1) / 2 + 1e-7).all())
+
+
+def test_int4_group_halves_layout_by_hand():
+    # one row, one group of 32 codes: (3, 10, 15, 0) x 4 then (1, 2, 0, 15) x 4; byte j holds code j (low nibble)
+    # and code j + 16 (high nibble)
+    lin = nn.Linear(32, 1, bias=False)
+    codes = torch.tensor([3, 10, 15, 0] * 4 + [1, 2, 0, 15] * 4, dtype=torch.float32)
+    with torch.no_grad():
+        lin.weight.copy_(codes[None] * 0.1)  # every group of 32 spans 0 .. 1.5: scale 0.1, codes as given
+    layer = quant.Int4Linear(lin, group_size=32)
+    assert layer.qweight.shape == (1, 1, 16)
+    assert layer.qweight[0, 0, :4].tolist() == [3 | 1 << 4, 10 | 2 << 4, 15 | 0 << 4, 0 | 15 << 4]
+    x = torch.ones(1, 32)
+    assert layer(x).item() == pytest.approx(codes.sum().item() * 0.1, rel=1e-5)
 
 
 # ---- the engine against transformers on the same dequantized weights -----------------------------------------
@@ -95,8 +112,12 @@ def _dequantize_hf(hf, scheme: str, group_size: int) -> None:
                     mod.weight.copy_(quant.dequantize_int4(*quant.quantize_int4(mod.weight, group_size)))
 
 
-@pytest.mark.parametrize("preset,scheme", [("tiny-gqa", "int8"), ("tiny-gqa", "int4"), ("tiny-qwen2", "int8")])
-def test_quantized_engine_tokens_equal_transformers_on_dequantized_weights(tiny_checkpoint, preset, scheme):
+@pytest.mark.parametrize(
+    "preset,scheme,compiled",  # compiled: the engine's compiled decode step, the fused loops inside its graph
+    [("tiny-gqa", "int8", False), ("tiny-gqa", "int4", False), ("tiny-qwen2", "int8", False),
+     ("tiny-gqa", "int8", True), ("tiny-gqa", "int4", True)],
+)  # fmt: skip
+def test_quantized_engine_tokens_equal_transformers_on_dequantized_weights(tiny_checkpoint, preset, scheme, compiled):
     import transformers
 
     path = tiny_checkpoint(preset)
@@ -107,10 +128,13 @@ def test_quantized_engine_tokens_equal_transformers_on_dequantized_weights(tiny_
         out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=6,
                           min_new_tokens=6, do_sample=False, pad_token_id=0)  # fmt: skip
         expected.append(out[0, len(p) :].tolist())
-    cfg = EngineConfig(quantization=scheme, group_size=32, block_size=4, device="cpu", max_model_len=64)
+    cfg = EngineConfig(quantization=scheme, group_size=32, block_size=4, device="cpu", max_model_len=64,
+                       compile_decode=compiled)  # fmt: skip
     engine = Engine.from_model(str(path), cfg)
     got = [r.tokens for r in engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True)).requests]
     assert got == expected
+    if compiled:
+        assert engine.decode.compiled_sizes  # pure decodes went through the compiled step
     assert engine.ledger.weight_bytes == engine.model.config.weight_bytes("fp32", scheme, 32)
     assert quant.quantized_weight_bytes(engine.model) == engine.ledger.weight_bytes  # what is held = what is counted
 

@@ -3,21 +3,33 @@
 Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 
 - **int8**, symmetric per output channel: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)`` in
-  [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)``.
+  [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)`` on CUDA;
+  on the CPU ``int8_rows`` (decode) or the GEMM of ``q`` cast to the activation dtype (many rows).
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
-  ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm_for_cpu`` on the
-  CPU, ``_weight_int4pack_mm`` (bf16 only) on CUDA, each over its own packed layout.
+  ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
+  on CUDA over its packed layout; on the CPU ``int4_rows`` over the group-halves layout (decode) or the GEMM of
+  the dequantized weight (many rows).
 
 What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and an untied
 LM head. A tied LM head shares the embedding table, which stays in the activation dtype: it is also a lookup
 table read one row per token, and quantizing it would change the embeddings as well as the logits. Norms and
-biases stay in the activation dtype (``ModelConfig.weight_bytes`` counts the same split).
+biases stay in the activation dtype (``ModelConfig.weight_bytes`` counts the same split). A quantized *copy* of a
+tied head for the logits product alone (the lookup keeping the table) is not made: it would cut ``bench-300m``'s
+per-step read from 403 to 305 MB under int8 (the fp32 head is 131 MB, a third of the int8 scheme's bytes) at the
+price of 33 MB more memory and a second weight count (memory: table + copy; decode: the copy) through
+``ModelConfig.weight_bytes``, the roofline and the simulator. ``scripts/bench_quant_ops.py`` measures what it would
+buy: the sweep's speed-up with the head in fp32 and with it in the scheme (``speedup_head_fp32``,
+``speedup_head_quantized``).
 
-Why torch's own operators and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its
-weight-only int8/int4 paths on the CPU end in these same ``aten`` operators; calling them directly keeps the
-engine's dependencies to what the GPU machine has (torch, triton, transformers), keeps the packed layout in one
-visible place, and lets ``torch.compile`` see plain operators. Nothing here is a kernel of our own.
+Why these paths and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its weight-only
+int8/int4 paths on the CPU end in the ``aten`` packed operators, and on this CPU (2 threads, torch 2.13) those are
+no decode kernels: ``_weight_int8pack_mm`` took 5x the fp32 GEMV's time on a 1 x 1024 by 5632 x 1024 product,
+and inductor's C++ GEMM template for it needs max-autotune with frozen weights. The CPU decode products are
+therefore plain tensor expressions (``int8_rows``, ``int4_rows``) that inductor compiles into one vectorized
+dequantize-multiply-reduce loop per matrix (checked with ``TORCH_LOGS=output_code``: ``at::vec`` loads of the codes,
+converts and one accumulator per output row); inside the engine's compiled decode step they fuse into its graph,
+eagerly each compiles once per shape at its first call. Nothing here is a hand-written kernel.
 """
 
 from __future__ import annotations
@@ -31,10 +43,12 @@ from workbench.config import DEFAULT_GROUP_SIZE, canonical_quantization
 from workbench.errors import ConfigError
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 operators accept
-# Above this many rows an int8 product dequantizes the weight and runs the activation dtype's GEMM instead: on this
-# 2-core AVX-512 CPU (torch 2.13), ``_weight_int8pack_mm`` took 13.6x the fp32 GEMM's time at 32 rows of a
-# 5632 x 1024 matrix (0.34 s against 0.025 s, same run), while at 1 row it was on a par with it.
-INT8_PACKED_MAX_ROWS = 4  # (int4 likewise, see Int4Linear)
+# Up to this many rows a CPU product is the fused dequantize-reduce loop (``int8_rows``, ``int4_rows``): it reads each
+# weight byte once per row, so it is a decode kernel; above it the weight is dequantized (int4) or cast (int8) and the
+# activation dtype's GEMM runs, which reuses each weight over the rows (``_weight_int8pack_mm`` took 13.6x the fp32
+# GEMM's time at 32 rows of a 5632 x 1024 matrix on this 2-core AVX-512 CPU, torch 2.13).
+INT8_PACKED_MAX_ROWS = 4
+INT8_SPLIT = 4  # products added per accumulation in int8_rows
 ENGINE_QUANTIZATIONS = ("int8", "int4")  # fp8 weights: roofline and simulator only (no CPU fp8 matmul here)
 CUDA_INT4_INNER_K_TILES = 8
 
@@ -73,9 +87,73 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return ((qg - 8.0) * scale[..., None] + zero[..., None]).reshape(out_f, in_f)
 
 
+# ---- the CPU products of few rows: dequantize and reduce in one loop, compiled by inductor ----------------------
+def int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (q * scale)^T`` for (rows, in) ``x`` as one fused dequantize-multiply-reduce: ``y[r, n] = scale[n] *
+    sum_k x[r, k] * q[n, k]``. Compiled, this is one loop over the int8 rows (no float copy of the weight);
+    eagerly it would materialize (rows, out, in), so eager callers use ``_compiled``.
+
+    The inputs are cut into ``INT8_SPLIT`` quarters whose products are added before they meet the accumulator:
+    inductor keeps one vector accumulator per output row, so the loop runs at the latency of its adds, and four
+    products per add ran the 1 x 1024 by 5632 x 1024 product 1.39x faster than one (in cache, one thread)."""
+    rows, k = x.shape
+    split = INT8_SPLIT if k % (16 * INT8_SPLIT) == 0 else 1
+    xs = x.view(rows, 1, split, k // split)
+    qs = q.to(x.dtype).view(q.shape[0], split, k // split)  # a view of the graph's cast, not of the buffer
+    acc = xs[:, :, 0] * qs[:, 0]
+    for i in range(1, split):
+        acc = acc + xs[:, :, i] * qs[:, i]
+    return acc.sum(-1) * scale
+
+
+def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` for (rows, in) ``x`` and int4 codes in the group-halves layout of ``Int4Linear``: ``codes`` (out,
+    groups, g/2) uint8, byte j of a group holding code j (low nibble) and code j + g/2 (high nibble); the weight is
+    ``code * scale + offset`` per group (``scale``, ``offset``: (out, groups, 1), ``offset = zero - 8 * scale``).
+    Both nibbles of a byte meet contiguous halves of the group's inputs, so the compiled loop reads the codes and
+    ``x`` without gathers; two groups' products are added per accumulation when the number of groups is even (as
+    in ``int8_rows``, 1.11x faster than one)."""
+    rows = x.shape[0]
+    out_f, groups, half = codes.shape
+    pair = 2 if groups % 2 == 0 else 1
+    xg = x.view(rows, 1, groups // pair, pair, 2, half)
+    # no view of the buffers themselves: inductor's tracing of a view of an inference-mode buffer fails
+    lo = ((codes & 15).to(x.dtype) * scale + offset).view(out_f, groups // pair, pair, half)
+    hi = ((codes >> 4).to(x.dtype) * scale + offset).view(out_f, groups // pair, pair, half)
+    acc = xg[:, :, :, 0, 0] * lo[:, :, 0] + xg[:, :, :, 0, 1] * hi[:, :, 0]
+    for i in range(1, pair):
+        acc = acc + xg[:, :, :, i, 0] * lo[:, :, i] + xg[:, :, :, i, 1] * hi[:, :, i]
+    return acc.sum((-2, -1))
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _compiled(fn: Any) -> Any:
+    """``fn`` compiled by inductor for eager callers, once per process; inside a compiled graph (the engine's
+    compiled decode step) ``fn`` itself, which inductor fuses into the step. One compilation per shape
+    (``dynamic=False``: the matrix sizes are constants of the loop), at its first call."""
+    if torch.compiler.is_compiling():
+        return fn
+    compiled = _COMPILED.get(fn.__name__)
+    if compiled is None:
+        import torch._dynamo as dynamo  # imported when used: it costs a second at import
+
+        # every (rows, matrix shape, dtype) is a recompilation of the same code object: 4 row counts x the model's
+        # 5 matrix shapes must not hit dynamo's default limit of 8 and fall back to eager
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
+        compiled = _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False)
+    return compiled
+
+
 # ---- the quantized linear layers ---------------------------------------------------------------------------------
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale)^T (+ bias) through ``aten._weight_int8pack_mm``: 1 byte per weight read."""
+    """y = x @ (q * scale)^T (+ bias): 1 byte per weight read.
+
+    On CUDA ``aten._weight_int8pack_mm``. On the CPU, products of at most ``INT8_PACKED_MAX_ROWS`` rows (decode)
+    run ``int8_rows`` compiled by inductor (the aten operator took 5x the fp32 GEMV's time on this CPU); more rows
+    run the activation dtype's GEMM on ``q`` and scale the result.
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -92,8 +170,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] <= INT8_PACKED_MAX_ROWS or x.device.type != "cpu":
+        if x.device.type != "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+        elif x2.shape[0] <= INT8_PACKED_MAX_ROWS:
+            y = _compiled(int8_rows)(x2, self.qweight, self.scale)
         else:  # many rows (prefill, large decode batches): (x @ q^T) * scale with the dtype's own GEMM
             y = torch.nn.functional.linear(x2, self.qweight.to(x.dtype)) * self.scale
         y = y.reshape(*shape[:-1], self.out_features)
@@ -101,7 +181,14 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W^T (+ bias) with W int4 group-wise, packed for the device's int4 operator: half a byte per weight."""
+    """y = x @ W^T (+ bias) with W int4 group-wise: half a byte per weight.
+
+    On CUDA the tinygemm operator ``aten._weight_int4pack_mm`` over its packed layout (``qweight``) and
+    ``scales_and_zeros``. On the CPU ``qweight`` is the group-halves layout of ``int4_rows`` (out, groups, g/2)
+    with ``scale`` and ``offset`` (out, groups, 1): products of at most ``INT8_PACKED_MAX_ROWS`` rows run
+    ``int4_rows`` compiled by inductor, more rows dequantize and run the dtype's GEMM (the packed CPU operator,
+    ``_weight_int4pack_mm_for_cpu``, took 28x the fp32 GEMM's time at 32 rows).
+    """
 
     def __init__(self, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         super().__init__()
@@ -109,34 +196,32 @@ class Int4Linear(nn.Module):
         dev, dtype = linear.weight.device, linear.weight.dtype
         self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
         self.on_cuda = dev.type == "cuda"
+        q8 = q.to(torch.uint8)
         if self.on_cuda:  # two values per byte, high nibble first, then tinygemm's tiled layout
-            q8 = q.to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack((q8[:, ::2] << 4 | q8[:, 1::2]).to(dev),
                                                                 CUDA_INT4_INNER_K_TILES)  # fmt: skip
+            self.register_buffer("qweight", packed)
+            # (in / g, out, 2): the layout the operator takes, in the activation dtype
+            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+            self.register_buffer("scales_and_zeros", sz.to(device=dev, dtype=dtype))
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # (out, in / 2) uint8
-        self.register_buffer("qweight", packed)
-        # the codes again, two per byte in plain order, for products of many rows (prefill, large batches): the
-        # packed CPU operator took 28x the fp32 GEMM's time at 32 rows (0.69 s against 0.025 s for 5632 x 1024),
-        # so those rows dequantize and run the dtype's GEMM. Decode (<= INT8_PACKED_MAX_ROWS rows) never reads it;
-        # it is the price in memory (0.5 byte per weight) of a usable prefill
-        rows = None
-        if not self.on_cuda:
-            q8 = q.to(torch.uint8)
-            rows = (q8[:, ::2] << 4 | q8[:, 1::2]).to(dev)  # (out, in / 2) uint8
-        self.register_buffer("qweight_rows", rows)
-        # (in / g, out, 2): the layout both operators take, in the activation dtype
-        sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_and_zeros", sz.to(device=dev, dtype=dtype))
+            g = q8.view(self.out_features, -1, group_size)
+            half = group_size // 2
+            self.register_buffer("qweight", (g[..., :half] | g[..., half:] << 4).contiguous().to(dev))
+            self.register_buffer("scale", scale[..., None].to(device=dev, dtype=dtype))  # (out, groups, 1)
+            self.register_buffer("offset", (zero - 8.0 * scale)[..., None].to(device=dev, dtype=dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (out, in) weight these codes stand for, ``(q - 8) * scale + zero`` per group, in ``dtype``."""
-        p = self.qweight_rows
-        q = torch.stack((p >> 4, p & 15), dim=-1).view(self.out_features, -1, self.group_size)  # (out, groups, g)
-        sz = self.scales_and_zeros.transpose(0, 1)  # (out, groups, 2)
-        w = (q.to(sz.dtype) - 8) * sz[..., :1] + sz[..., 1:]
-        return w.view(self.out_features, self.in_features).to(dtype)
+        if self.on_cuda:  # the operator's own product with the identity: I @ W^T
+            eye = torch.eye(self.in_features, device=self.qweight.device, dtype=self.scales_and_zeros.dtype)
+            wt = torch.ops.aten._weight_int4pack_mm(eye, self.qweight, self.group_size, self.scales_and_zeros)
+            return wt.t().to(dtype)
+        p = self.qweight
+        codes = torch.cat((p & 15, p >> 4), dim=-1).to(self.scale.dtype)  # (out, groups, g)
+        w = codes * self.scale + self.offset
+        return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -146,7 +231,7 @@ class Int4Linear(nn.Module):
         elif x2.shape[0] > INT8_PACKED_MAX_ROWS:
             y = torch.nn.functional.linear(x2, self.dequantized_weight(x.dtype))
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size, self.scales_and_zeros)
+            y = _compiled(int4_rows)(x2, self.qweight, self.scale, self.offset)
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -174,6 +259,8 @@ def check_engine_quantization(
             )
         if device.type == "cuda" and dtype != torch.bfloat16:
             raise ConfigError("int4 weights on CUDA need dtype bf16 (the tinygemm int4 kernel); use --dtype bf16")
+    if device.type == "cpu":  # the CPU paths are plain tensor operations (compiled at first use): nothing to probe
+        return q
     probe = nn.Linear(group_size if q == "int4" else 32, 16, bias=False, device=device, dtype=dtype)
     try:
         layer = quantize_linear(probe, q, group_size)
@@ -215,12 +302,11 @@ def quantize_model(model: Any, quantization: str | None, group_size: int = DEFAU
 
 
 def quantized_weight_bytes(model: Any) -> int:
-    """Bytes of the model's parameters and quantized buffers that a decode reads (a tied embedding counted once;
-    int4's plain-order copy of its codes, read only by products of many rows, left out)."""
+    """Bytes of the model's parameters and quantized buffers that a decode reads (a tied embedding counted once)."""
     seen: set[int] = set()
     total = 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.data_ptr() in seen or name.endswith(("inv_freq", "qweight_rows")):
+        if t.data_ptr() in seen or name.endswith("inv_freq"):
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()

@@ -133,9 +133,12 @@ def main() -> int:
               f"{100 * r['rel_error']:+6.1f}% (tol {100 * r['tolerance']:.0f}%){'' if r['within'] else '  OUTSIDE'}",
               file=sys.stderr)  # fmt: skip
     loads = [x for run in out.get("loads", []) for x in (run["load_before"], run["load_after"]) if x]
+    out["measured_runs_loaded"] = bool(loads) and max(x[0] for x in loads) > (os.cpu_count() or 1)
     if loads:
+        warn = "  LOADED: other processes shared the CPUs, the errors are not the simulator's"
         print(f"load average (1 min) over the measured runs: {min(x[0] for x in loads):.2f}.."
-              f"{max(x[0] for x in loads):.2f} on {os.cpu_count()} CPUs", file=sys.stderr)  # fmt: skip
+              f"{max(x[0] for x in loads):.2f} on {os.cpu_count()} CPUs{warn if out['measured_runs_loaded'] else ''}",
+              file=sys.stderr)  # fmt: skip
     for name in labels:
         n_in = sum(r["within"] for r in rows if r["model"] == name)
         print(f"{name}: {n_in} of {sum(r['model'] == name for r in rows)} statistics within 10% or the spread",

@@ -130,8 +130,8 @@ def main() -> int:
     for r in rows:
         print(f"{r['model']:18s} {r['policy']:18s} {r['statistic']:11s} measured {r['measured_ms']:8.2f} ms "
               f"[{r['measured_min_ms']:.2f}..{r['measured_max_ms']:.2f}] simulated {r['simulated_ms']:8.2f} ms "
-              f"{100 * r['rel_error']:+6.1f}% (tol {100 * r['tolerance']:.0f}%){'' if r['within'] else '  OUTSIDE'}",
-              file=sys.stderr)  # fmt: skip
+              f"{100 * r['rel_error']:+6.1f}% (spread {100 * r['spread']:.0f}%, tol {100 * r['tolerance']:.0f}%)"
+              f"{'' if r['within'] else '  OUTSIDE'}", file=sys.stderr)  # fmt: skip
     loads = [x for run in out.get("loads", []) for x in (run["load_before"], run["load_after"]) if x]
     out["measured_runs_loaded"] = bool(loads) and max(x[0] for x in loads) > (os.cpu_count() or 1)
     if loads:

@@ -5,10 +5,13 @@ A row is one batch-1 figure from a cited source: ``ttft_s`` (the prefill of ``pr
 token), ``decode_s`` (one decode step at ``context_len``) or ``e2e_s`` (the prefill of ``prompt_len`` and
 ``output_len - 1`` decode steps after it: a whole request). ``predict`` prices a row with ``RooflineModel`` on the
 row's hardware, formats and tensor-parallel size: every step is the roofline's wall time of the group, its step
-overhead included (a batch-1 request waits for the host between its steps). ``error_table`` compares them;
-``fit`` chooses each accelerator's calibration and each source's serving-stack overhead per step from the
-calibration rows by a coarse grid search (coordinate descent on the median absolute relative error plus a tenth of
-the worst), for ``scripts/validate_gpu_costs.py``.
+overhead included (a batch-1 request waits for the host between its steps), on the hardware as the row's source ran
+it (``Stack``: its serving stack's host time per step, per request and per collective, and its setup's bandwidth
+where the source states one). ``error_table`` compares them; ``fit`` chooses each accelerator's calibration (one
+kernel floor shared by all: at batch 1 a floor per accelerator cannot be told from a host time per step) and each
+source's stack overheads from the calibration rows by a coarse grid search (coordinate descent on the median
+absolute relative error plus a quarter of the worst), for ``scripts/validate_gpu_costs.py``. The collectives' own
+latencies are not fitted: they are NCCL's tuning model, in ``accelerators.yaml``.
 """
 
 from __future__ import annotations

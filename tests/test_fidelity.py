@@ -78,3 +78,14 @@ def test_the_training_workloads_include_one_of_steps_after_idle_waits() -> None:
     gaps = [b.arrival_time_s - a.arrival_time_s for a, b in zip(sparse, sparse[1:])]
     assert len(sparse) == 12 and max(r.output_len for r in sparse) <= 8
     assert 0.3 < sum(gaps) / len(gaps) < 0.7 and min(gaps) > 0.1  # near-regular arrivals 0.5 s apart
+
+
+def test_the_published_claim_holds_the_issues_bar() -> None:
+    from workbench.experiments.fidelity import published_claim
+
+    def summary(med: float, top: float) -> dict:
+        return {"held_out": {"n": 17, "median_abs_error": med, "max_abs_error": top}}
+
+    assert published_claim(summary(0.08, 0.27))["verdict"] == CONFIRMED
+    assert published_claim(summary(0.08, 0.31))["verdict"] == NOT_CONFIRMED  # one case beyond 30%
+    assert published_claim(summary(0.16, 0.20))["verdict"] == NOT_CONFIRMED  # the median beyond 15%

@@ -3,6 +3,7 @@ measured runs repeated and their spread reported.
 
     .venv/bin/python scripts/sim_fidelity.py [--model tiny-gqa] [--cost-model op-profile,profiled]
         [--op-profile FILE] [--fit-profile FILE] [--num-requests 40] [--rate 10] [--repeats 3] [--policies ...]
+        [--measure-profiles] [--measure-max-tokens 1024]
     .venv/bin/python scripts/sim_fidelity.py --disaggregate 1:1 [--repeats 3] [...]
 
 The cost models (one or several, compared on the same measured runs): ``profiled`` (``workbench fit-profile``'s
@@ -20,6 +21,12 @@ value, its relative error against the median, the tolerance (10% or the spread, 
 is within; the claim's verdict per model; the load averages. A report, not a test: CPU timings on a shared machine
 are noisy, which is why the spread is measured rather than assumed.
 
+``--measure-profiles``: measure both profiles now, on this machine and in this run's conditions, instead of reading
+the committed ones (a committed profile is used only when it records this machine: CPU model, number of CPUs and
+torch's instruction set). Each cost model's provenance (its machine, the load average while it was measured and
+whether that load exceeded the CPUs) is printed and kept in the JSON; so are the load averages of the measured runs
+and the wall time.
+
 ``--disaggregate P:D``: the real disaggregated engines instead (``workbench.dist.disagg``, one thread per engine
 process, as the profile was measured), ``--repeats`` times, against the simulator's disaggregated model with the
 same profile on every replica and a KV link fitted to the real transfers.
@@ -28,7 +35,9 @@ same profile on every replica and a KV link fitted to the real transfers.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 from workbench.engine.scheduler import POLICIES
 from workbench.parsing import make_parser
@@ -49,6 +58,13 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument("--repeats", type=int, default=3, help="measured runs per policy (interleaved)")
     p.add_argument("--disaggregate", default=None, metavar="P:D", help="the real disaggregated engines instead")
+    p.add_argument(
+        "--measure-profiles",
+        action="store_true",
+        help="measure both profiles now, on this machine, before the runs (not the committed ones)",
+    )
+    p.add_argument("--measure-max-tokens", type=int, default=1024,
+                   help="largest size the op profile measures when measured now (default 1024)")  # fmt: skip
     args = p.parse_args()
 
     import torch
@@ -60,6 +76,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)  # as the profile was measured (fit-profile / profile-ops --threads, 1)
     load_start = load_average()
+    t_start = time.perf_counter()
     kinds = [k.strip() for k in args.cost_model.split(",") if k.strip()]
     bad = [k for k in kinds if k not in ("op-profile", "profiled")]
     if bad or not kinds:
@@ -67,12 +84,22 @@ def main() -> int:
     costs, sources = {}, {}
     for kind in kinds:
         path = args.op_profile if kind == "op-profile" else args.fit_profile
-        costs[kind], sources[kind] = fidelity.profile_for_this_machine(kind, args.model, path, args.max_num_seqs,
-                                                                       args.max_model_len)  # fmt: skip
+        costs[kind], sources[kind] = fidelity.profile_for_this_machine(
+            kind, args.model, path, args.max_num_seqs, args.max_model_len, args.measure_max_tokens,
+            measure=args.measure_profiles,
+        )  # fmt: skip
+        prov = fidelity.profile_provenance(kind, costs[kind])
+        print(
+            f"{kind}: {sources[kind]}; load average while measured {prov['load_average_1min']}"
+            f"{'  LOADED: its times hold other processes' if prov['loaded'] else ''}",
+            file=sys.stderr,
+        )
+    profile_s = time.perf_counter() - t_start
     held_out = fidelity.held_out_workload(args.num_requests, args.rate, args.seed)
-    out: dict = {"model": args.model, "cost_models": {k: {"source": sources[k], **c.describe()} for k, c in
-                 costs.items()}, "num_requests": args.num_requests, "rate": args.rate, "repeats": args.repeats,
-                 "threads": args.threads, "load_average_start": load_start}  # fmt: skip
+    models = {k: {"source": sources[k], **c.describe(), "provenance": fidelity.profile_provenance(k, c)}
+              for k, c in costs.items()}  # fmt: skip
+    out: dict = {"model": args.model, "cost_models": models, "num_requests": args.num_requests, "rate": args.rate,
+                 "repeats": args.repeats, "threads": args.threads, "load_average_start": load_start}  # fmt: skip
     labels = [name for kind in kinds for name in (kind, f"{kind} noise")]
     rows = []
     if args.disaggregate:
@@ -99,11 +126,24 @@ def main() -> int:
     out["max_abs_rel_error"] = {name: max(abs(r["rel_error"]) for r in rows if r["model"] == name)
                                 for name in labels}  # fmt: skip
     out["load_average_end"] = load_average()
+    out["wall_s"] = {"profiles": profile_s, "total": time.perf_counter() - t_start}
     for r in rows:
         print(f"{r['model']:18s} {r['policy']:18s} {r['statistic']:11s} measured {r['measured_ms']:8.2f} ms "
               f"[{r['measured_min_ms']:.2f}..{r['measured_max_ms']:.2f}] simulated {r['simulated_ms']:8.2f} ms "
-              f"{100 * r['rel_error']:+6.1f}% (tol {100 * r['tolerance']:.0f}%){'' if r['within'] else '  OUTSIDE'}",
+              f"{100 * r['rel_error']:+6.1f}% (spread {100 * r['spread']:.0f}%, tol {100 * r['tolerance']:.0f}%)"
+              f"{'' if r['within'] else '  OUTSIDE'}", file=sys.stderr)  # fmt: skip
+    loads = [x for run in out.get("loads", []) for x in (run["load_before"], run["load_after"]) if x]
+    out["measured_runs_loaded"] = bool(loads) and max(x[0] for x in loads) > (os.cpu_count() or 1)
+    if loads:
+        warn = "  LOADED: other processes shared the CPUs, the errors are not the simulator's"
+        print(f"load average (1 min) over the measured runs: {min(x[0] for x in loads):.2f}.."
+              f"{max(x[0] for x in loads):.2f} on {os.cpu_count()} CPUs{warn if out['measured_runs_loaded'] else ''}",
               file=sys.stderr)  # fmt: skip
+    for name in labels:
+        n_in = sum(r["within"] for r in rows if r["model"] == name)
+        print(f"{name}: {n_in} of {sum(r['model'] == name for r in rows)} statistics within 10% or the spread",
+              file=sys.stderr)  # fmt: skip
+    print(f"wall time {out['wall_s']['total']:.0f} s (profiles {profile_s:.0f} s)", file=sys.stderr)
     print(json.dumps(out))
     return 0
 

@@ -13,6 +13,7 @@ are the cost model's. Analytic: runs in a second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -29,24 +30,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_published()
     calibration = None if args.ideal else "hardware"
     specs = None
-    stacks = {} if args.ideal else load_stack_overheads()
+    stacks = load_stack_overheads()
+    if args.ideal:  # the bare roofline, but each source's published setup (its bandwidth) as it was
+        stacks = {k: dataclasses.replace(v, per_step_s=0.0, per_request_s=0.0, per_collective_s=0.0)
+                  for k, v in load_stack_overheads().items()}  # fmt: skip
     fitted = {}
     if args.fit:
         specs, stacks, loss = fit(rows)
         for hw, spec in specs.items():
             cal = {k: v for k, v in spec.calibration.to_dict().items() if k != "source"}
-            fitted[hw] = {"calibration": cal, "base_latency_us": spec.interconnect.base_latency_s * 1e6}
+            fitted[hw] = {"calibration": cal}
         fitted["loss"] = loss
     table = error_table(rows, calibration, specs, stacks)
     summary = {split: summarize_errors([r for r in table if r["split"] == split])
                for split in ("calibration", "held_out")}  # fmt: skip
     if args.json:
-        print(json.dumps({"rows": table, "summary": summary, "stack_overheads_s": stacks, "fitted": fitted}))
+        stacks_json = {k: dataclasses.asdict(v) for k, v in stacks.items()}
+        print(json.dumps({"rows": table, "summary": summary, "stacks": stacks_json, "fitted": fitted}))
         return 0
     for hw, f in fitted.items():
         if hw != "loss":
-            print(f"fitted {hw}: {', '.join(f'{k} {v:.3g}' for k, v in f['calibration'].items())}, "
-                  f"base_latency_us {f['base_latency_us']:.3g}")  # fmt: skip
+            print(f"fitted {hw}: {', '.join(f'{k} {v:.3g}' for k, v in f['calibration'].items())}")
     print(f"{'id':28s} {'split':11s} {'metric':9s} {'measured':>10s} {'predicted':>10s} {'error':>7s}")
     for r in table:
         print(f"{r['id']:28s} {r['split']:11s} {r['metric']:9s} {r['measured_s'] * 1e3:8.2f}ms "
@@ -54,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     for split, s in summary.items():
         print(f"{split}: {s['n']} rows, median |error| {100 * s['median_abs_error']:.1f}%, "
               f"max |error| {100 * s['max_abs_error']:.1f}%")  # fmt: skip
-    print("serving stacks (per step, per request): "
-          + ", ".join(f"{k} {a * 1e3:.2f} ms, {b * 1e3:.0f} ms" for k, (a, b) in stacks.items()))  # fmt: skip
+    print("serving stacks (per step, per request, per collective; bandwidth): "
+          + ", ".join(f"{k} {v.per_step_s * 1e3:.2f} ms, {v.per_request_s * 1e3:.0f} ms, "
+                      f"{v.per_collective_s * 1e6:.0f} us; "
+                      f"{'datasheet' if v.mem_bandwidth is None else f'{v.mem_bandwidth / 1e12:.2f} TB/s'}"
+                      for k, v in stacks.items()))  # fmt: skip
     calibrations = {hw: get_hardware(hw).calibration.source for hw in sorted({r.hardware for r in rows})}
     print("calibration: " + ("ideal" if args.ideal else "fitted now" if args.fit else str(calibrations)))
     return 0

@@ -43,3 +43,49 @@ def test_every_statistic_within_ten_percent_is_confirmed() -> None:
     rows = compare(runs, {"chunked": metrics(0.109, 0.0091), "static": metrics(0.19, 0.021)}, "m")
     assert all(r["within"] for r in rows) and len(rows) == 8
     assert fidelity_claim(rows, "m")["verdict"] == CONFIRMED
+
+
+def test_a_profile_is_of_this_machine_only_when_every_fact_it_recorded_matches() -> None:
+    from workbench.sim.measure import identity_mismatch
+
+    here = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_count": 2, "cpu_capability": "AVX512"}
+    # the same generic CPU name on a part of another kind (AVX2): not this machine's profile
+    other = {**here, "cpu_capability": "AVX2"}
+    (why,) = identity_mismatch(other, here)
+    assert why.startswith("cpu_capability 'AVX2'") and "AVX512" in why
+    assert identity_mismatch({"cpu": "Intel(R) Xeon(R) Processor"}, here) == []  # an older file: what it recorded
+    assert len(identity_mismatch({"cpu": "AMD EPYC 7B13", "cpu_count": 4}, here)) == 2
+
+
+def test_a_profile_measured_beyond_its_cpus_load_is_marked_loaded() -> None:
+    from workbench.experiments.fidelity import profile_provenance
+    from workbench.sim.costmodel import ProfiledCostModel
+
+    def profiled(meta: dict) -> ProfiledCostModel:
+        return ProfiledCostModel({"const": 1e-3}, meta=meta)
+
+    busy = profile_provenance("profiled", profiled({"machine": "x", "cpu_count": 2, "load_average_1min": [1.5, 3.2]}))
+    assert busy["loaded"] is True and busy["load_average_1min"] == [1.5, 3.2]
+    quiet = profile_provenance("profiled", profiled({"machine": "x", "cpu_count": 2, "load_average_1min": [0.4, 1.1]}))
+    assert quiet["loaded"] is False
+    assert profile_provenance("profiled", profiled({"machine": "x"}))["loaded"] is None  # not recorded: unknown
+
+
+def test_the_training_workloads_include_one_of_steps_after_idle_waits() -> None:
+    from workbench.sim.measure import training_workloads
+
+    sparse = training_workloads(256, num_requests=24, seed=1000)[-1]
+    gaps = [b.arrival_time_s - a.arrival_time_s for a, b in zip(sparse, sparse[1:])]
+    assert len(sparse) == 12 and max(r.output_len for r in sparse) <= 8
+    assert 0.3 < sum(gaps) / len(gaps) < 0.7 and min(gaps) > 0.1  # near-regular arrivals 0.5 s apart
+
+
+def test_the_published_claim_holds_the_issues_bar() -> None:
+    from workbench.experiments.fidelity import published_claim
+
+    def summary(med: float, top: float) -> dict:
+        return {"held_out": {"n": 17, "median_abs_error": med, "max_abs_error": top}}
+
+    assert published_claim(summary(0.08, 0.27))["verdict"] == CONFIRMED
+    assert published_claim(summary(0.08, 0.31))["verdict"] == NOT_CONFIRMED  # one case beyond 30%
+    assert published_claim(summary(0.16, 0.20))["verdict"] == NOT_CONFIRMED  # the median beyond 15%

@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     dev = resolve_device(args.device)
     machine = {"name": cpu_model_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev),
                "cpu": cpu_model_name(), "cpu_count": os.cpu_count(),
-               "memory_bytes": physical_memory_bytes()}  # fmt: skip
+               "memory_bytes": physical_memory_bytes(),
+               "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
     out = args.out or default_op_profile_path(cfg.name, machine["name"])
     check_output_file(out, "--out")
     grids = {key: check_grid_arg(getattr(args, key), key.replace("_", "-"))

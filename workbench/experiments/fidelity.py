@@ -215,6 +215,25 @@ def disaggregated_fidelity(
 
 
 # ---- notebook 07: the profiles of this machine, where a step's time goes, published GPU measurements ------------
+def profile_provenance(kind: str, cost: Any) -> dict[str, Any]:
+    """Where a cost model's profile was measured: its machine facts (``workbench.sim.measure.machine_identity``, as
+    far as the file records them), the load average while it was measured, and ``loaded``: whether that load
+    exceeded the machine's CPUs (the profile then holds other processes' time: unreliable)."""
+    if kind == "op-profile":
+        data = cost.source or {}
+        machine = dict(data.get("machine") or {})
+        loads = [x[0] for x in (data.get("load_average_start"), data.get("load_average_end")) if x]
+    else:
+        meta = cost.meta or {}
+        machine = {"cpu": meta.get("machine"), "cpu_count": meta.get("cpu_count"),
+                   "cpu_capability": meta.get("cpu_capability")}  # fmt: skip
+        loads = [x for x in (meta.get("load_average_1min") or []) if x is not None]
+    cpus = machine.get("cpu_count")
+    peak = max(loads) if loads else None
+    return {"machine": machine, "load_average_1min": loads or None,
+            "loaded": None if peak is None or not cpus else peak > cpus}  # fmt: skip
+
+
 def profile_for_this_machine(
     kind: str,
     model: str,
@@ -223,41 +242,56 @@ def profile_for_this_machine(
     max_model_len: int = 256,
     max_tokens: int = 2048,
     num_requests: int = 24,
+    measure: bool = False,
 ) -> tuple[Any, str]:
     """(cost model, where it came from): ``kind`` ``op-profile`` or ``profiled``; from ``path`` when given, else
     the committed profile of this machine (``data/profiles/``, named after the CPU model as ``workbench
-    profile-ops`` and ``workbench fit-profile`` name them) when there is one, else measured now (``max_tokens``:
-    the op profile's largest size; ``num_requests``: per workload of the engine runs that fit)."""
+    profile-ops`` and ``workbench fit-profile`` name them) when there is one and it records this machine (the CPU
+    model, the number of CPUs and torch's instruction set, ``workbench.sim.measure.machine_identity``: a VM's CPU
+    name can cover parts of several kinds), else measured now (``max_tokens``: the op profile's largest size;
+    ``num_requests``: per workload of the engine runs that fit). ``measure``: measure now in any case (the profile
+    then shares the fidelity check's machine and conditions)."""
     from pathlib import Path
 
     from workbench.commands.fit_profile import default_profile_path
     from workbench.commands.profile_ops import default_op_profile_path
+    from workbench.errors import ConfigError
     from workbench.hardware import cpu_model_name
     from workbench.sim.costmodel import ProfiledCostModel
+    from workbench.sim.measure import identity_mismatch, machine_identity
     from workbench.sim.op_profile import OpProfileCostModel
 
-    if kind == "op-profile":
-        found = path or default_op_profile_path(model, cpu_model_name())
+    if kind not in ("op-profile", "profiled"):
+        raise ConfigError(f"unknown profile kind {kind!r}; expected op-profile or profiled")
+    why = ""
+    if path is not None:
+        load = OpProfileCostModel.load if kind == "op-profile" else ProfiledCostModel.load
+        return load(path), path
+    if not measure:
+        found = (default_op_profile_path(model, cpu_model_name()) if kind == "op-profile"
+                 else default_profile_path(model))  # fmt: skip
         if Path(found).is_file():
-            return OpProfileCostModel.load(found), found
+            cost = (OpProfileCostModel if kind == "op-profile" else ProfiledCostModel).load(found)
+            differ = identity_mismatch(profile_provenance(kind, cost)["machine"], machine_identity())
+            if not differ:
+                return cost, found
+            why = f" (the committed {found} is of another machine: {'; '.join(differ)})"
+    if kind == "op-profile":
         from workbench.sim.op_timing import measure_overhead, profile_ops
 
+        load_start = load_average()
         profile = profile_ops(model, "cpu", "fp32", max_tokens=max_tokens, progress=False)
+        profile["model"] = model
         profile["overhead"] = measure_overhead(profile, num_requests=num_requests, max_num_seqs=max_num_seqs,
                                                max_model_len=max_model_len)  # fmt: skip
-        return OpProfileCostModel.from_dict(profile, "the measured op profile"), "measured now (profile-ops)"
-    if kind == "profiled":
-        found = path or default_profile_path(model)
-        if Path(found).is_file():
-            return ProfiledCostModel.load(found), found
-        from workbench.sim.measure import fit_engine_profile
+        profile["machine"] = machine_identity()
+        profile["load_average_start"], profile["load_average_end"] = load_start, load_average()
+        return OpProfileCostModel.from_dict(profile, "the measured op profile"), "measured now (profile-ops)" + why
+    from workbench.sim.measure import fit_engine_profile
 
-        fitted = fit_engine_profile(model, num_requests=num_requests, max_num_seqs=max_num_seqs,
-                                    max_model_len=max_model_len)  # fmt: skip
-        return fitted, "fitted now (fit-profile)"
-    from workbench.errors import ConfigError
-
-    raise ConfigError(f"unknown profile kind {kind!r}; expected op-profile or profiled")
+    fitted = fit_engine_profile(model, num_requests=num_requests, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len)  # fmt: skip
+    return fitted, "fitted now (fit-profile)" + why
 
 
 def step_breakdown(cost: Any, steps: Mapping[str, Any]) -> list[dict]:
@@ -317,3 +351,31 @@ def published_measurements(directory: Any) -> list[dict] | None:
                         {"source_file": path.name, **{k: v for k, v in rec.items() if not isinstance(v, (dict, list))}}
                     )
     return rows
+
+
+HELD_OUT_MEDIAN_TARGET = 0.15  # the issue's bar on published GPU rows the calibration never saw
+HELD_OUT_MAX_TARGET = 0.30
+
+
+def published_errors() -> tuple[list[dict], dict[str, dict]]:
+    """The calibrated roofline against every published GPU row (``workbench.sim.published.error_table`` with each
+    source's stack, as ``scripts/validate_gpu_costs.py`` prints it) and the median and largest absolute error per
+    split (calibration, held_out)."""
+    from workbench.sim.published import error_table, load_published, load_stack_overheads, summarize_errors
+
+    table = error_table(load_published(), "hardware", None, load_stack_overheads())
+    return table, {split: summarize_errors([r for r in table if r["split"] == split])
+                   for split in ("calibration", "held_out")}  # fmt: skip
+
+
+def published_claim(summary: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """ "On published GPU measurements the calibration did not see, the median absolute error is at most 15% and no
+    case is off by more than 30%": confirmed or not from the held-out summary (analytic: no timing, no spread)."""
+    held = summary["held_out"]
+    med, top = held["median_abs_error"], held["max_abs_error"]
+    claim = (f"On published GPU measurements the calibration did not see, the cost model's median absolute error is "
+             f"at most {100 * HELD_OUT_MEDIAN_TARGET:.0f}% and no case is off by more than "
+             f"{100 * HELD_OUT_MAX_TARGET:.0f}%")  # fmt: skip
+    text = f"{held['n']} held-out rows: median |error| {100 * med:.1f}%, largest {100 * top:.1f}%"
+    ok = med <= HELD_OUT_MEDIAN_TARGET and top <= HELD_OUT_MAX_TARGET
+    return make_claim(claim, CONFIRMED if ok else NOT_CONFIRMED, dict(held), text, uses=("published",))

@@ -75,10 +75,12 @@ def measure_engine_steps(
 
 
 def training_workloads(max_model_len: int, num_requests: int = 24, seed: int = 1000) -> list[list[Request]]:
-    """Synthetic workloads that cover the step mixes: a light and a heavy Poisson load, short and long prompts, and
-    a burst (all requests at once) whose batch fills to ``max_num_seqs`` and drains one finish at a time through
+    """Synthetic workloads that cover the step mixes: a light and a heavy Poisson load, short and long prompts, a
+    burst (all requests at once) whose batch fills to ``max_num_seqs`` and drains one finish at a time through
     every batch size with long contexts, whatever the model's speed (a Poisson rate is light for one model and
-    saturating for another)."""
+    saturating for another), and a sparse one: nearly regular arrivals 0.5 s apart of short requests, so that most
+    steps start after an idle wait. A light held-out load (2 requests/s) is mostly such steps, whose extra time and
+    wake-up delay the other three workloads sample a handful of times (6 of 441 steps of SmolLM2-135M's profile)."""
     top = max(16, max_model_len // 2)
     return [
         synthetic_workload(num_requests, rate=4.0, prompt_lens=f"uniform:8:{top}", output_lens="uniform:2:24",
@@ -87,7 +89,38 @@ def training_workloads(max_model_len: int, num_requests: int = 24, seed: int = 1
                            seed=seed + 1),
         synthetic_workload(num_requests, rate=1000.0, prompt_lens=f"uniform:4:{max(16, 3 * max_model_len // 4)}",
                            output_lens=f"uniform:2:{max(8, max_model_len // 4)}", seed=seed + 2),
+        synthetic_workload(max(2, num_requests // 2), rate=2.0, cv=0.25, prompt_lens=f"uniform:4:{top}",
+                           output_lens="uniform:2:8", seed=seed + 3),
     ]  # fmt: skip
+
+
+def machine_identity() -> dict[str, Any]:
+    """What a profile's step times depend on, beyond the model: the CPU model as the OS names it (a VM's name can be
+    as generic as "Intel(R) Xeon(R) Processor" for parts of several generations), its number of CPUs and the vector
+    instruction set torch dispatches to on it (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, ...)."""
+    import os
+
+    import torch
+
+    from workbench.hardware import cpu_model_name
+
+    return {"cpu": cpu_model_name(), "cpu_count": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
+
+
+def identity_mismatch(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The facts of ``machine_identity`` on which a profile's record and this machine differ (those it recorded)."""
+    return [f"{k} {recorded[k]!r} (here {current.get(k)!r})" for k in ("cpu", "cpu_count", "cpu_capability")
+            if recorded.get(k) is not None and recorded[k] != current.get(k)]  # fmt: skip
+
+
+def _load_1min() -> float | None:
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def fit_engine_profile(
@@ -127,6 +160,7 @@ def fit_engine_profile(
         torch.set_num_threads(threads)
     dev = resolve_device(device)
     net = load_model(model, dtype=torch_dtype(dtype), device=dev, seed=0)
+    load_start = _load_1min()
     samples = StepSamples()
     configs = []
     for policy in policies:
@@ -146,6 +180,8 @@ def fit_engine_profile(
         "outlier_ratio": 2.0,
         "engine_configs": configs,
         "num_gaps": len(samples.gaps_s),
+        **{k: v for k, v in machine_identity().items() if k != "cpu"},
+        "load_average_1min": [load_start, _load_1min()],
     }
     knots = token_knots([s.prefill_tokens + s.decode_seqs for s in samples.stats])
     return fit_profile(samples.stats, samples.durations_s, samples.gaps_s, meta, knots=knots,

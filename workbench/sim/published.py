@@ -5,10 +5,13 @@ A row is one batch-1 figure from a cited source: ``ttft_s`` (the prefill of ``pr
 token), ``decode_s`` (one decode step at ``context_len``) or ``e2e_s`` (the prefill of ``prompt_len`` and
 ``output_len - 1`` decode steps after it: a whole request). ``predict`` prices a row with ``RooflineModel`` on the
 row's hardware, formats and tensor-parallel size: every step is the roofline's wall time of the group, its step
-overhead included (a batch-1 request waits for the host between its steps). ``error_table`` compares them;
-``fit`` chooses each accelerator's calibration and each source's serving-stack overhead per step from the
-calibration rows by a coarse grid search (coordinate descent on the median absolute relative error plus a tenth of
-the worst), for ``scripts/validate_gpu_costs.py``.
+overhead included (a batch-1 request waits for the host between its steps), on the hardware as the row's source ran
+it (``Stack``: its serving stack's host time per step, per request and per collective, and its setup's bandwidth
+where the source states one). ``error_table`` compares them; ``fit`` chooses each accelerator's calibration (one
+kernel floor shared by all: at batch 1 a floor per accelerator cannot be told from a host time per step) and each
+source's stack overheads from the calibration rows by a coarse grid search (coordinate descent on the median
+absolute relative error plus a quarter of the worst), for ``scripts/validate_gpu_costs.py``. The collectives' own
+latencies are not fitted: they are NCCL's tuning model, in ``accelerators.yaml``.
 """
 
 from __future__ import annotations
@@ -92,15 +95,48 @@ def load_published(path: str | Path = PUBLISHED_FILE) -> list[PublishedRow]:
     return rows
 
 
-def load_stack_overheads(path: str | Path = PUBLISHED_FILE) -> dict[str, tuple[float, float]]:
-    """Per source, its serving stack's (host overhead per step, fixed cost per request) in seconds
-    (``stack_overhead_us`` and ``request_overhead_ms`` of the table's ``sources``; fitted with the calibration,
-    see ``fit``)."""
+@dataclass(frozen=True)
+class Stack:
+    """What one source's serving stack and setup add to the hardware, all of it properties of the software or the
+    machine that measured its rows, not of the GPU model: ``per_step_s`` host time per scheduler step that the GPU
+    waits for (a runtime without CUDA graphs synchronising and preparing each step), ``per_request_s`` a fixed cost
+    once per whole request (server, tokeniser; whole-request rows only), ``per_collective_s`` what the stack adds
+    to each tensor-parallel collective above the interconnect's own latency (a collective called through a plugin
+    and launched from the host, against one captured in a CUDA graph), and ``mem_bandwidth`` the published setup's
+    peak memory bandwidth (bytes/s) where it is not the datasheet's (a power-limited part; None: the datasheet)."""
+
+    per_step_s: float = 0.0
+    per_request_s: float = 0.0
+    per_collective_s: float = 0.0
+    mem_bandwidth: float | None = None
+
+    def apply(self, spec: HardwareSpec) -> HardwareSpec:
+        """``spec`` as this setup runs it: its bandwidth, and its collectives' added latency."""
+        from dataclasses import replace
+
+        if self.mem_bandwidth is not None:
+            spec = replace(spec, mem_bandwidth=self.mem_bandwidth)
+        if self.per_collective_s and spec.interconnect is not None:
+            ic = spec.interconnect
+            spec = replace(spec, interconnect=replace(ic, base_latency_s=ic.base_latency_s + self.per_collective_s))
+        return spec
+
+
+def load_stack_overheads(path: str | Path = PUBLISHED_FILE) -> dict[str, Stack]:
+    """Per source, its ``Stack`` (the table's ``sources``: ``stack_overhead_us`` per step, ``request_overhead_ms``
+    per request and ``collective_overhead_us`` per collective, fitted with the calibration, see ``fit``; and
+    ``mem_bandwidth_tbs`` where the source states its setup's bandwidth)."""
     import yaml
 
     data = yaml.safe_load(Path(path).read_text()) or {}
-    return {str(k): (float(v.get("stack_overhead_us", 0.0)) * 1e-6, float(v.get("request_overhead_ms", 0.0)) * 1e-3)
-            for k, v in (data.get("sources") or {}).items()}  # fmt: skip
+    out = {}
+    for k, v in (data.get("sources") or {}).items():
+        bw = v.get("mem_bandwidth_tbs")
+        out[str(k)] = Stack(per_step_s=float(v.get("stack_overhead_us", 0.0)) * 1e-6,
+                            per_request_s=float(v.get("request_overhead_ms", 0.0)) * 1e-3,
+                            per_collective_s=float(v.get("collective_overhead_us", 0.0)) * 1e-6,
+                            mem_bandwidth=None if bw is None else float(bw) * 1e12)  # fmt: skip
+    return out
 
 
 def predict(row: PublishedRow, calibration: Calibration | str | None = "hardware", hw: Any = None) -> float:
@@ -139,21 +175,21 @@ def error_table(
     rows: list[PublishedRow],
     calibration: Calibration | str | None = "hardware",
     hw: dict[str, HardwareSpec] | None = None,
-    stack_overheads: dict[str, tuple[float, float]] | None = None,
+    stack_overheads: dict[str, Stack] | None = None,
 ) -> list[dict[str, Any]]:
     """Per row: its figures and ``error`` = predicted / measured - 1 (negative: the model is optimistic).
 
-    ``stack_overheads``: per source, (host seconds per step, seconds per request) of that source's serving stack:
-    its scheduler and runtime between steps, and what it adds once to a whole request (server, tokeniser, client;
-    whole-request rows only), on top of the hardware calibration: properties of the software that measured the row,
-    not of the GPU (``fit`` chooses them on the calibration rows)."""
+    ``stack_overheads``: per source, its ``Stack``: the serving stack's host time per step, what it adds once to a
+    whole request (whole-request rows only) and to each collective, and the setup's bandwidth, on top of the
+    hardware calibration: properties of the software and the machine that measured the row, not of the GPU
+    (``fit`` chooses the overheads on the calibration rows)."""
     out = []
     for row in rows:
-        spec = (hw or {}).get(row.hardware)
-        per_step, per_request = (stack_overheads or {}).get(row.source, (0.0, 0.0))
-        predicted = predict(row, calibration, spec) + num_steps(row) * per_step
+        stack = (stack_overheads or {}).get(row.source, Stack())
+        spec = stack.apply((hw or {}).get(row.hardware) or get_hardware(row.hardware))
+        predicted = predict(row, calibration, spec) + num_steps(row) * stack.per_step_s
         if row.metric == "e2e_s":
-            predicted += per_request
+            predicted += stack.per_request_s
         out.append({"id": row.id, "source": row.source, "split": row.split, "metric": row.metric,
                     "model": row.model, "hardware": row.hardware, "tp": row.tp,
                     "format": row.quantization or row.dtype, "measured_s": row.measured_s,
@@ -171,7 +207,8 @@ def summarize_errors(table: list[dict[str, Any]]) -> dict[str, float]:
     return {"n": len(errs), "median_abs_error": median, "max_abs_error": errs[-1]}
 
 
-# the grid of ``fit``: one axis per calibration field and the interconnect's per-collective latency
+# the grid of ``fit``: one axis per calibration field. The interconnects' own latencies are not fitted: they are
+# NCCL's published tuning model (accelerators.yaml cites it); what a stack adds to each collective is (``Stack``).
 FIT_GRID: dict[str, tuple[float, ...]] = {
     "memory_efficiency": (0.7, 0.75, 0.8, 0.85, 0.9, 0.95),
     "linear_max": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
@@ -180,13 +217,15 @@ FIT_GRID: dict[str, tuple[float, ...]] = {
     "kernel_floor_s": (0.0, 1e-6, 2e-6, 3e-6, 4e-6, 5e-6, 6e-6, 8e-6),
     "int8_weight_efficiency": (0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
     "int4_weight_efficiency": (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
-    "base_latency_s": (2e-6, 4e-6, 6e-6, 8e-6, 12e-6, 16e-6, 24e-6),
 }
-STACK_OVERHEAD_GRID = (0.0, 1e-4, 2e-4, 4e-4, 8e-4, 1.2e-3, 1.6e-3, 2.4e-3, 3.2e-3, 4.8e-3)
+STACK_OVERHEAD_GRID = (0.0, 1e-4, 2e-4, 4e-4, 8e-4, 1.2e-3, 1.6e-3, 2.0e-3, 2.4e-3, 2.8e-3, 3.2e-3, 4.0e-3, 4.8e-3)
 MAX_WEIGHT = 0.25  # the fit's loss: median absolute error + this x the largest
 REQUEST_OVERHEAD_GRID = (0.0, 5e-3, 10e-3, 20e-3, 30e-3, 40e-3, 50e-3, 60e-3, 80e-3)
+COLLECTIVE_OVERHEAD_GRID = (0.0, 2e-6, 4e-6, 6e-6, 8e-6, 10e-6, 12e-6, 16e-6, 20e-6, 24e-6, 32e-6)
 CALIBRATION_FIELDS = ("memory_efficiency", "linear_max", "linear_half_tokens", "fp8_max", "kernel_floor_s",
                       "int8_weight_efficiency", "int4_weight_efficiency")  # fmt: skip
+STACK_FIELDS = ("per_step_s", "per_request_s", "per_collective_s")
+SHARED_FIELDS = ("kernel_floor_s",)
 
 
 def _spec(base: HardwareSpec, point: dict[str, float]) -> HardwareSpec:
@@ -195,67 +234,68 @@ def _spec(base: HardwareSpec, point: dict[str, float]) -> HardwareSpec:
     values = {k: point[k] for k in CALIBRATION_FIELDS}
     cal = Calibration(**values, attention_max=point["linear_max"], attention_half_tokens=point["linear_half_tokens"],
                       source="fitted by workbench.sim.published.fit")  # fmt: skip
-    if base.interconnect is None:
-        return replace(base, calibration=cal)
-    return replace(
-        base, calibration=cal, interconnect=replace(base.interconnect, base_latency_s=point["base_latency_s"])
-    )
+    return replace(base, calibration=cal)
 
 
 def fit(
-    rows: list[PublishedRow], rounds: int = 3
-) -> tuple[dict[str, HardwareSpec], dict[str, tuple[float, float]], float]:
-    """Every accelerator's calibration (and its interconnect's per-collective latency) and every source's stack
-    overhead per step, chosen together on the calibration rows: coordinate descent over ``FIT_GRID`` and
-    ``STACK_OVERHEAD_GRID``, minimising the median absolute relative error plus ``MAX_WEIGHT`` times the largest.
-    Attention shares the linear layers' curve; the hardware's own ``step_overhead_s`` is left at 0 (the stacks
-    carry it).
-    Returns (specs by accelerator, stack overheads by source, loss)."""
+    rows: list[PublishedRow], rounds: int = 3, setups: dict[str, Stack] | None = None
+) -> tuple[dict[str, HardwareSpec], dict[str, Stack], float]:
+    """Every accelerator's calibration and every source's stack overheads (per step, per request, per
+    collective), chosen together on the calibration rows: coordinate descent over ``FIT_GRID`` and the stack
+    grids, minimising the median absolute relative error plus ``MAX_WEIGHT`` times the largest. Attention shares
+    the linear layers' curve; the hardware's own ``step_overhead_s`` is left at 0 (the stacks carry it).
+    ``setups``: each source's published setup kept as given (its ``mem_bandwidth``; default: the table's).
+    Returns (specs by accelerator, stacks by source, loss)."""
+    from dataclasses import replace
+
     mine = [r for r in rows if r.split == "calibration"]
     if not mine:
         raise ConfigError("no calibration rows")
+    setups = load_stack_overheads() if setups is None else setups
     hws = sorted({r.hardware for r in mine})
     bases = {hw: get_hardware(hw) for hw in hws}
     start = {"memory_efficiency": 0.8, "linear_max": 0.7, "linear_half_tokens": 32.0, "fp8_max": 0.5,
-             "kernel_floor_s": 2e-6, "int8_weight_efficiency": 1.0, "int4_weight_efficiency": 1.0,
-             "base_latency_s": 8e-6}  # fmt: skip
+             "kernel_floor_s": 2e-6, "int8_weight_efficiency": 1.0, "int4_weight_efficiency": 1.0}  # fmt: skip
     points = {hw: dict(start) for hw in hws}
-    # what a few rows per accelerator can tell apart: the compute curve per accelerator; memory, kernel floor,
-    # quantized streaming and collective latency shared by all (the decode rows that pin them are the A100's)
-    shared = ("base_latency_s",)
-    stacks = {src: (0.0, 0.0) for src in sorted({r.source for r in mine})}
-    whole = {r.source for r in mine if r.metric == "e2e_s"}
+    stacks = {src: Stack(mem_bandwidth=setups.get(src, Stack()).mem_bandwidth)
+              for src in sorted({r.source for r in mine})}  # fmt: skip
+    grids = {}
+    for src in stacks:
+        whole = any(r.metric == "e2e_s" for r in mine if r.source == src)
+        parallel = any(r.tp > 1 for r in mine if r.source == src)
+        grids[src] = {"per_step_s": STACK_OVERHEAD_GRID, "per_request_s": REQUEST_OVERHEAD_GRID if whole else (0.0,),
+                      "per_collective_s": COLLECTIVE_OVERHEAD_GRID if parallel else (0.0,)}  # fmt: skip
 
-    def loss(points: dict[str, dict[str, float]], stacks: dict[str, tuple[float, float]]) -> float:
+    def loss(points: dict[str, dict[str, float]], stacks: dict[str, Stack]) -> float:
         specs = {hw: _spec(bases[hw], points[hw]) for hw in hws}
         s = summarize_errors(error_table(mine, "hardware", specs, stacks))
         return s["median_abs_error"] + MAX_WEIGHT * s["max_abs_error"]
 
     best = loss(points, stacks)
+    # a kernel's least time (launch and tail) is the CUDA runtime's and the GPU front end's, one figure for every
+    # accelerator: per accelerator, it and a per-step overhead are the same thing at batch 1 and cannot be told apart
+    axes = [((hw,), name) for hw, name in itertools.product(hws, FIT_GRID) if name not in SHARED_FIELDS]
+    axes += [(tuple(hws), name) for name in SHARED_FIELDS]
     for _round in range(rounds):
-        axes = [((hw,), name) for hw, name in itertools.product(hws, FIT_GRID) if name not in shared]
-        axes += [(tuple(hws), name) for name in shared]
         for group, name in axes:
             for value in FIT_GRID[name]:
                 trial = {**points, **{hw: {**points[hw], name: value} for hw in group}}
                 trial_loss = loss(trial, stacks)
                 if trial_loss < best - 1e-12:
                     best, points = trial_loss, trial
-        for src in list(stacks):
-            for which, grid in enumerate((STACK_OVERHEAD_GRID, REQUEST_OVERHEAD_GRID if src in whole else (0.0,))):
-                for value in grid:
-                    pair = list(stacks[src])
-                    pair[which] = value
-                    trial_stacks = {**stacks, src: (pair[0], pair[1])}
-                    trial_loss = loss(points, trial_stacks)
-                    if trial_loss < best - 1e-12:
-                        best, stacks = trial_loss, trial_stacks
+        for src, name in itertools.product(list(stacks), STACK_FIELDS):
+            for value in grids[src][name]:
+                trial_stacks = {**stacks, src: replace(stacks[src], **{name: value})}
+                trial_loss = loss(points, trial_stacks)
+                if trial_loss < best - 1e-12:
+                    best, stacks = trial_loss, trial_stacks
     return {hw: _spec(bases[hw], points[hw]) for hw in hws}, stacks, best
 
 
 __all__ = [
     "PUBLISHED_FILE",
     "PublishedRow",
+    "Stack",
     "error_table",
     "fit",
     "load_published",

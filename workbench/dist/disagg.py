@@ -442,7 +442,7 @@ def _decode_run(
             elif message[0] == "stop":
                 stopping = True
         while arrived:
-            spec, meta, first, _, _ = arrived[0]
+            spec, meta, first, first_at, announced = arrived[0]
             rid = spec.request_id
             seq = Sequence(rid, spec.prompt_ids, spec.sampling, spec.arrival_time, eos_token_ids=eos)
             seq.output_token_ids = [first]  # its KV is the prompt's, to be received; the first token's comes next
@@ -459,6 +459,10 @@ def _decode_run(
                       "num_recomputed": 0},
             )  # fmt: skip
             info["num_transfers"] += 1
+            # the last attempt's timeline on the run clock: the prefill side's first token, the send posted, the
+            # announcement's arrival here, the receive posted (after this engine's step in flight), the KV landed
+            info["timeline"] = {"prefill_token_s": first_at, "sent_s": meta.sent_at, "announced_s": announced,
+                                "receive_posted_s": recv_start, "landed_s": landed}  # fmt: skip
             if ok:
                 info["kv_transfer_bytes"] += meta.num_bytes
                 info["kv_transfer_s"] += landed - max(meta.sent_at, recv_start)

@@ -150,3 +150,27 @@ def test_cli_prefill_and_decode_tp_give_each_pool_its_tp():
     args = parser.parse_args([*base, "--disaggregate", "1:1", "--decode-tp", "2", "--kv-cache-dtype", "int8"])
     with pytest.raises(ConfigError, match="not supported with tensor_parallel_size > 1"):
         disagg_config_from_args(args, engine_config_from_args(args))
+
+
+def test_a_message_that_overtakes_the_start_of_a_run_is_kept_for_that_run():
+    # the prefill engine's first announcement of a run can reach a decode engine before the coordinator's start
+    # (two writers, two feeder threads): it belongs to the new run and must not be dropped
+    import queue
+
+    from workbench.dist.disagg import Faults, _next_run
+
+    class Stub:
+        sequences = {7: None}
+
+        def reset_clock(self, t0):
+            self.t0 = t0
+
+    inbox = queue.Queue()
+    for message in (("kv", "first announcement"), ("start", 12.5, Faults()), ("kv", "second")):
+        inbox.put(message)
+    stub = Stub()
+    t0, faults, early = _next_run(stub, inbox)
+    assert (t0, early, stub.t0, stub.sequences) == (12.5, [("kv", "first announcement")], 12.5, {})
+    assert inbox.get_nowait() == ("kv", "second")  # the rest is the run loop's
+    inbox.put(("exit",))
+    assert _next_run(stub, inbox) is None

@@ -36,6 +36,7 @@ import datetime
 import os
 import queue
 import signal
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -185,6 +186,7 @@ class DisaggResult:
     pools: dict[str, Any]
     duration_s: float
     num_backpressure: int
+    engines: dict[int, tuple[int, int]] = field(default_factory=dict)  # request_id -> (prefill, decode engine)
 
     def kv_transfer(self) -> dict[str, Any]:
         t = self.transfers.values()
@@ -318,19 +320,26 @@ def _load_engine(
     return engine
 
 
-def _next_run(engine: Any, inbox: mp.Queue) -> tuple[float, Faults] | None:
-    """Wait for the coordinator: ("start", t0, faults) begins a run on the shared clock; ("exit",) ends."""
+def _next_run(engine: Any, inbox: mp.Queue) -> tuple[float, Faults, list[tuple]] | None:
+    """Wait for the coordinator: ("start", t0, faults) begins a run on the shared clock; ("exit",) ends.
+
+    Also returns the messages that came before the start: they belong to the new run (the previous one consumed all
+    of its own before it ended). Two processes write to a decode engine's queue, each through its own feeder thread,
+    so the prefill engine's first KV announcement of a run can overtake the coordinator's start."""
     from workbench.engine.metrics import StepLog
 
+    early: list[tuple] = []
     while True:
         message = inbox.get()
         if message[0] == "exit":
             return None
-        if message[0] == "start":  # a new run: its own clock, step log and request ids
-            engine.reset_clock(message[1])
-            engine.step_log = StepLog()
-            engine.sequences.clear()  # the previous run's requests are all finished
-            return message[1], message[2]
+        if message[0] != "start":
+            early.append(message)
+            continue
+        engine.reset_clock(message[1])  # a new run: its own clock, step log and request ids
+        engine.step_log = StepLog()
+        engine.sequences.clear()  # the previous run's requests are all finished
+        return message[1], message[2], early
 
 
 def _pool_stats(engine: Any, role: str, rank: int, extra: dict[str, Any]) -> tuple:
@@ -350,8 +359,8 @@ def _prefill_main(
 
 
 def _prefill_run(
-    engine: Any, kv: EngineKV, rank: int, index: int, t0: float, faults: Faults, plan: list[Piece],
-    inboxes: dict[int, mp.Queue], out: mp.Queue,
+    engine: Any, kv: EngineKV, rank: int, index: int, t0: float, faults: Faults, early: list[tuple],
+    plan: list[Piece], inboxes: dict[int, mp.Queue], out: mp.Queue,
 ) -> None:  # fmt: skip
     clock, inbox = wall_clock(t0), inboxes[rank]
     scales = layer_scales(engine.cache)
@@ -373,7 +382,8 @@ def _prefill_run(
     max_len = engine.scheduler.config.max_model_len
     while True:
         idle = not engine.has_unfinished()
-        for message in _drain(inbox, POLL_S if idle else 0.0):
+        messages, early = early + _drain(inbox, 0.0 if early or not idle else POLL_S), []
+        for message in messages:
             kind = message[0]
             if kind == "request":
                 spec: RequestSpec = message[1]
@@ -424,8 +434,8 @@ def _decode_main(
 
 
 def _decode_run(
-    engine: Any, kv: EngineKV, rank: int, index: int, t0: float, faults: Faults, cfg: DisaggConfig,
-    inboxes: dict[int, mp.Queue], out: mp.Queue,
+    engine: Any, kv: EngineKV, rank: int, index: int, t0: float, faults: Faults, early: list[tuple],
+    cfg: DisaggConfig, inboxes: dict[int, mp.Queue], out: mp.Queue,
 ) -> None:  # fmt: skip
     clock, inbox, prefill_inboxes = wall_clock(t0), inboxes[rank], inboxes
     arrived: deque[tuple[RequestSpec, KVTransfer, int, float, float]] = deque()
@@ -436,7 +446,8 @@ def _decode_run(
     eos = engine.model.config.eos_token_ids
     while True:
         idle = not engine.has_unfinished() and not arrived
-        for message in _drain(inbox, POLL_S if idle else 0.0):
+        messages, early = early + _drain(inbox, 0.0 if early or not idle else POLL_S), []
+        for message in messages:
             if message[0] == "kv":
                 arrived.append((*message[1:], clock()))
             elif message[0] == "stop":
@@ -613,7 +624,8 @@ class DisaggCluster:
             self.close()
             raise
         backpressure = sum(p.get("num_backpressure", 0) for p in pools.values())
-        return DisaggResult([results[i] for i in ids], transfers, pools, duration, backpressure)
+        engines = {i: (n % self.num_p, n % self.num_d) for n, i in enumerate(order)}
+        return DisaggResult([results[i] for i in ids], transfers, pools, duration, backpressure, engines)
 
     def _wait(
         self, on_message: Any, done: Any, results: dict[int, RequestResult], seconds: float | None = None,
@@ -705,3 +717,54 @@ def disagg_config_from_args(args: Any, engine: EngineConfig) -> DisaggConfig:
         decode=dataclasses.replace(engine, tensor_parallel_size=decode_tp or engine.tensor_parallel_size),
         num_prefill=num_p, num_decode=num_d, threads_per_engine=args.threads_per_engine,
     )  # fmt: skip
+
+
+def handoff_profile(result: DisaggResult) -> dict[str, Any]:
+    """What a real run says about its handoff, in the simulator's terms (``workbench.sim.cluster``; all medians):
+
+    - ``link_latency_s``, ``link_gbps``: ``time = latency + bytes / bandwidth`` fitted to the wire times (receive
+      posted to KV landed; ``workbench.sim.comm.fit_latency_bandwidth``), else bytes over seconds with no latency
+      when the fit is not physical (``link_fit`` says which);
+    - ``kv_handoff_s``: from the prefill side's first token to the announcement reaching the decode engine (the
+      sender's gather and the control message);
+    - ``wake_s``: per role, from a request's arrival (prefill) or announcement (decode) that finds its engine idle
+      to the engine's next step or receive.
+    """
+    from workbench.sim.comm import fit_latency_bandwidth
+
+    lines = [(t["kv_transfer_bytes"], t["timeline"]) for t in result.transfers.values()
+             if t.get("kv_transfer_bytes", 0) > 0 and "timeline" in t]  # fmt: skip
+    if len(lines) < 2:
+        raise ConfigError("a handoff profile needs at least two transferred requests")
+    wire = [(b, max(tl["landed_s"] - tl["receive_posted_s"], 1e-9)) for b, tl in lines]
+    latency, bandwidth = fit_latency_bandwidth(wire)
+    fit = "latency-bandwidth"
+    if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: bytes over seconds
+        latency, bandwidth = 0.0, sum(b for b, _ in wire) / sum(t for _, t in wire)
+        fit = "mean (the latency-bandwidth fit was not physical)"
+    wakes: dict[str, list[float]] = {"prefill": [], "decode": []}
+    by_id = {r.request_id: r for r in result.requests}
+    for rid, (p, d) in result.engines.items():
+        steps = result.pools.get(f"prefill{p}", {}).get("steps", [])
+        if rid in by_id and (w := _wake(steps, by_id[rid].arrival_time)) is not None:
+            wakes["prefill"].append(w)
+        tl = result.transfers.get(rid, {}).get("timeline")
+        steps = result.pools.get(f"decode{d}", {}).get("steps", [])
+        if tl is not None and not any(s["start_s"] <= tl["announced_s"] < s["end_s"] for s in steps):
+            wakes["decode"].append(tl["receive_posted_s"] - tl["announced_s"])
+    return {
+        "link_latency_s": latency,
+        "link_gbps": bandwidth * 8 / 1e9,
+        "link_fit": fit,
+        "kv_handoff_s": statistics.median(tl["announced_s"] - tl["prefill_token_s"] for _, tl in lines),
+        "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
+        "num_transfers": len(lines),
+    }
+
+
+def _wake(steps: list[dict[str, Any]], t: float) -> float | None:
+    """From ``t`` to the next step's start when no step runs at ``t`` (the engine idled); None otherwise."""
+    if any(s["start_s"] <= t < s["end_s"] for s in steps):
+        return None
+    later = [s["start_s"] for s in steps if s["start_s"] >= t]
+    return min(later) - t if later else None

@@ -167,51 +167,135 @@ def disaggregated_fidelity(
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     noise_seed: int | None = 7,
+    calibration: Sequence[Request] | None = None,
 ) -> dict[str, Any]:
     """The real disaggregated run (``repeats`` times) against the simulated one on each cost model of ``costs`` (one
-    or a list), with the KV link fitted to the real transfers (``workbench.sim.comm.fit_latency_bandwidth``): ``rows``
-    as ``compare`` (models ``cost.name`` and ``cost.name + " noise"``), ``link``, ``loads``."""
+    or a list): ``rows`` as ``compare`` (models ``cost.name`` and ``cost.name + " noise"``), ``handoff``, ``loads``.
+
+    The simulator models the real engines' handoff (``SimConfig.kv_handoff_s``, ``kv_receive='between-steps'``: the
+    decode engine receives between its steps), with the link, the handoff and each role's wake-up measured on a
+    **calibration run** of another workload (``calibration``; default: this one's lengths and rate, another seed)
+    by ``workbench.dist.disagg.handoff_profile``; and each role's extra time of a step after an idle wait
+    (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on that run too
+    (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
+    engines block on a queue, and from another hour's load). The measured repeats then replay the held-out
+    ``requests``."""
+    import dataclasses
+
     from workbench.config import ModelConfig
-    from workbench.dist.disagg import DisaggCluster, DisaggConfig
+    from workbench.dist.disagg import DisaggCluster, DisaggConfig, handoff_profile
     from workbench.engine.metrics import summarize
     from workbench.request import SamplingParams
-    from workbench.sim.comm import fit_latency_bandwidth
     from workbench.workloads import prompt_token_ids
 
     cfg_model = ModelConfig.resolve(model)
     ecfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, device="cpu")
-    work = [(prompt_token_ids(r, cfg_model.vocab_size, 0), SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-             r.arrival_time_s) for r in requests]  # fmt: skip
+
+    def as_work(reqs: Sequence[Request]) -> list:
+        return [(prompt_token_ids(r, cfg_model.vocab_size, 0), SamplingParams(max_tokens=r.output_len,
+                 ignore_eos=True), r.arrival_time_s) for r in reqs]  # fmt: skip
+
+    if calibration is None:
+        calibration = _recalibration_workload(requests)
+    work = as_work(requests)
     dcfg = DisaggConfig(prefill=ecfg, decode=ecfg, num_prefill=split[0], num_decode=split[1],
                         threads_per_engine=threads)  # fmt: skip
-    runs, points, loads = [], [], []
+    runs, loads = [], []
     with DisaggCluster(model, dcfg) as cluster:
         cluster.run(work[:4], online=False)  # warm-up, not measured
+        before = load_average()
+        cal = cluster.run(as_work(calibration), online=True)
+        loads.append({"repeat": "calibration", "load_before": before, "load_after": load_average()})
         for rep in range(repeats):
             before = load_average()
             result = cluster.run(work, online=True)
             loads.append({"repeat": rep, "load_before": before, "load_after": load_average()})
             runs.append(summarize(result.requests, duration_s=result.duration_s)["metrics"])
-            points += [(t["kv_transfer_bytes"], t["kv_transfer_s"]) for t in result.transfers.values()
-                       if t["kv_transfer_bytes"] > 0]  # fmt: skip
-    latency, bandwidth = fit_latency_bandwidth(points)
-    link_fit = "latency-bandwidth"
-    if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: bytes over seconds, no latency
-        latency, bandwidth = 0.0, sum(b for b, _ in points) / max(sum(t for _, t in points), 1e-12)
-        link_fit = "mean (the latency-bandwidth fit was not physical)"
+    handoff = handoff_profile(cal)
     scfg = SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=ecfg.cache_shape(cfg_model)[0],
-                     block_size=ecfg.block_size, dtype="fp32", disaggregate=split, link_gbps=bandwidth * 8 / 1e9,
-                     link_latency_s=latency)  # fmt: skip
-    rows = []
-    n = sum(split)
+                     block_size=ecfg.block_size, dtype="fp32", disaggregate=split, link_gbps=handoff["link_gbps"],
+                     link_latency_s=handoff["link_latency_s"], kv_handoff_s=handoff["kv_handoff_s"],
+                     kv_receive="between-steps")  # fmt: skip
+    roles = ["prefill"] * split[0] + ["decode"] * split[1]
+    rows, calibrated = [], {}
     setup = f"disaggregated {split[0]}:{split[1]}"
     for cost in costs if isinstance(costs, (list, tuple)) else [costs]:
-        for name, seeds in ((cost.name, [None] * n), (f"{cost.name} noise", [noise_seed + i for i in range(n)])):
-            replicas = [cost.with_noise(s) for s in seeds]  # stateful: one per replica
-            sim = simulate(list(requests), cfg_model, replicas, scfg).summary()["metrics"]
+        base = [dataclasses.replace(cost, noise_seed=None, wake_s=handoff["wake_s"][r], idle_step_s=0.0) for r in roles]
+        plain = simulate(list(calibration), cfg_model, base, scfg, record_steps=True)
+        cal_roles = calibrated[cost.name] = _calibrate_roles(cal, plain, split)
+
+        def replicas(seeds: list[int | None], cost: Any = cost, cal_roles: dict = cal_roles) -> list:
+            return [dataclasses.replace(cost, noise_seed=s, wake_s=handoff["wake_s"][role],
+                                        idle_step_s=cal_roles[role]["idle_step_s"],
+                                        residual_quantiles_s=cal_roles[role]["residual_quantiles_s"] or
+                                        cost.residual_quantiles_s)
+                    for s, role in zip(seeds, roles)]  # fmt: skip
+
+        for name, seeds in ((cost.name, [None] * len(roles)),
+                            (f"{cost.name} noise", [noise_seed + i for i in range(len(roles))])):  # fmt: skip
+            sim = simulate(list(requests), cfg_model, replicas(seeds), scfg).summary()["metrics"]
             rows += compare({setup: runs}, {setup: sim}, name)
-    link = {"latency_s": latency, "gbps": bandwidth * 8 / 1e9, "num_transfers": len(points), "fit": link_fit}
-    return {"rows": rows, "link": link, "loads": loads, "repeats": repeats}
+    link = {"latency_s": handoff["link_latency_s"], "gbps": handoff["link_gbps"],
+            "num_transfers": handoff["num_transfers"], "fit": handoff["link_fit"]}  # fmt: skip
+    idle = {name: {role: c["idle_step_s"] for role, c in roles_.items()} for name, roles_ in calibrated.items()}
+    return {"rows": rows, "link": link, "handoff": handoff, "idle_step_s": idle, "loads": loads, "repeats": repeats}
+
+
+def _recalibration_workload(requests: Sequence[Request]) -> list[Request]:
+    """Another draw of a workload like ``requests`` (their count and mean rate, the held-out lengths)."""
+    span = max(r.arrival_time_s for r in requests) or 1.0
+    return held_out_workload(len(requests), len(requests) / span, seed=10_007)
+
+
+def _first_step_after(steps: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
+    later = [x for x in steps if x["start_s"] >= t - 1e-12]
+    return min(later, key=lambda x: x["start_s"]) if later else None
+
+
+def _quantiles(values: list[float], n: int = 100) -> list[float]:
+    v = sorted(values)
+    return [v[min(len(v) - 1, round(q * (len(v) - 1) / (n - 1)))] for q in range(n)] if len(v) > 1 else []
+
+
+def _calibrate_roles(real: Any, sim: Any, split: tuple[int, int]) -> dict[str, dict[str, Any]]:
+    """Per role, from the calibration run and its simulation with no idle excess: ``idle_step_s``, the median of
+    (real - simulated) duration of the step that serves a request which found its engine idle (the prefill step
+    after its arrival; the decode step after its KV landed), at least 0; and ``residual_quantiles_s``, the spread of
+    the real steps around their typical duration (prefill: those paired differences less their median; decode:
+    each pure decode step less the median of those of as many sequences), which the ``noise`` variant draws."""
+    by_id = {r.request_id: r for r in real.requests}
+    sim_by_id = {r.request_id: r for r in sim.records}
+    diffs: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for rid, (p, d) in real.engines.items():
+        r, s = by_id.get(rid), sim_by_id.get(rid)
+        if r is None or s is None:
+            continue
+        steps, sim_steps = real.pools[f"prefill{p}"]["steps"], sim.step_logs[p].to_records()
+        if not any(x["start_s"] <= r.arrival_time < x["end_s"] for x in steps):
+            a, b = _first_step_after(steps, r.arrival_time), _first_step_after(sim_steps, s.arrival_time)
+            if a is not None and b is not None:
+                diffs["prefill"].append(a["duration_s"] - b["duration_s"])
+        tl = real.transfers.get(rid, {}).get("timeline")
+        steps, sim_steps = real.pools[f"decode{d}"]["steps"], sim.step_logs[split[0] + d].to_records()
+        if tl is not None and not any(x["start_s"] <= tl["announced_s"] < x["end_s"] for x in steps):
+            a, b = _first_step_after(steps, tl["landed_s"]), _first_step_after(sim_steps, s.first_token_time)
+            if a is not None and b is not None:
+                diffs["decode"].append(a["duration_s"] - b["duration_s"])
+    out: dict[str, dict[str, Any]] = {}
+    for role, count in (("prefill", split[0]), ("decode", split[1])):
+        excess = statistics.median(diffs[role]) if diffs[role] else 0.0
+        if role == "prefill":
+            spread = [x - excess for x in diffs[role]]
+        else:
+            groups: dict[int, list[float]] = {}
+            for i in range(count):
+                for x in real.pools[f"decode{i}"]["steps"]:
+                    if x["num_prefill_tokens"] == 0:
+                        groups.setdefault(x["num_seqs"], []).append(x["duration_s"])
+            spread = [x - statistics.median(g) for g in groups.values() for x in g]
+        out[role] = {"idle_step_s": max(excess, 0.0), "residual_quantiles_s": _quantiles(spread),
+                     "num_paired": len(diffs[role])}  # fmt: skip
+    return out
 
 
 # ---- notebook 07: the profiles of this machine, where a step's time goes, published GPU measurements ------------

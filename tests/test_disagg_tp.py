@@ -174,3 +174,30 @@ def test_a_message_that_overtakes_the_start_of_a_run_is_kept_for_that_run():
     assert inbox.get_nowait() == ("kv", "second")  # the rest is the run loop's
     inbox.put(("exit",))
     assert _next_run(stub, inbox) is None
+
+
+def test_handoff_profile_by_hand():
+    from types import SimpleNamespace
+
+    from workbench.dist.disagg import DisaggResult, handoff_profile
+
+    def transfer(num_bytes, token, announced, posted, wire):
+        return {"kv_transfer_bytes": num_bytes, "timeline": {"prefill_token_s": token, "sent_s": token,
+                "announced_s": announced, "receive_posted_s": posted, "landed_s": posted + wire}}  # fmt: skip
+
+    # wire times on one line: 0.5 ms + 0.5 us per byte (2 MB/s)
+    transfers = {0: transfer(1000, 1.0, 1.001, 1.0012, 0.001), 1: transfer(3000, 2.0, 2.002, 2.1, 0.002),
+                 2: transfer(5000, 3.0, 3.003, 3.0031, 0.003)}  # fmt: skip
+    pools = {
+        "prefill0": {"steps": [{"start_s": 0.5, "end_s": 0.9}, {"start_s": 2.5, "end_s": 2.6}]},
+        "decode0": {"steps": [{"start_s": 2.0, "end_s": 2.05}]},  # busy when request 1's announcement arrives
+    }
+    # request 0 arrives at an idle prefill engine 0.1 s before its step; 1 during a step; 2 after the last one
+    requests = [SimpleNamespace(request_id=i, arrival_time=t) for i, t in enumerate((0.4, 0.6, 2.45))]
+    profile = handoff_profile(DisaggResult(requests, transfers, pools, 4.0, 0, {0: (0, 0), 1: (0, 0), 2: (0, 0)}))
+    assert profile["link_latency_s"] == pytest.approx(0.0005, abs=1e-12)
+    assert profile["link_gbps"] == pytest.approx(2e6 * 8 / 1e9, rel=1e-9)
+    assert profile["link_fit"] == "latency-bandwidth"
+    assert profile["kv_handoff_s"] == pytest.approx(0.002)  # the median of 1, 2 and 3 ms
+    assert profile["wake_s"]["prefill"] == pytest.approx((0.1 + 0.05) / 2)  # requests 0 and 2
+    assert profile["wake_s"]["decode"] == pytest.approx((0.0002 + 0.0001) / 2)  # 0 and 2 (1 found a step running)

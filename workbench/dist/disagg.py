@@ -723,8 +723,9 @@ def handoff_profile(result: DisaggResult) -> dict[str, Any]:
     """What a real run says about its handoff, in the simulator's terms (``workbench.sim.cluster``; all medians):
 
     - ``link_latency_s``, ``link_gbps``: ``time = latency + bytes / bandwidth`` fitted to the wire times (receive
-      posted to KV landed; ``workbench.sim.comm.fit_latency_bandwidth``), else bytes over seconds with no latency
-      when the fit is not physical (``link_fit`` says which);
+      posted to KV landed; ``workbench.sim.comm.fit_latency_bandwidth``), else, when that fit is not physical (a
+      loaded machine's outliers), the line through the medians of the smaller and the larger half of the transfers
+      (``link_fit`` says which);
     - ``kv_handoff_s``: from the prefill side's first token to the announcement reaching the decode engine (the
       sender's gather and the control message);
     - ``wake_s``: per role, from a request's arrival (prefill) or announcement (decode) that finds its engine idle
@@ -739,9 +740,9 @@ def handoff_profile(result: DisaggResult) -> dict[str, Any]:
     wire = [(b, max(tl["landed_s"] - tl["receive_posted_s"], 1e-9)) for b, tl in lines]
     latency, bandwidth = fit_latency_bandwidth(wire)
     fit = "latency-bandwidth"
-    if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: bytes over seconds
-        latency, bandwidth = 0.0, sum(b for b, _ in wire) / sum(t for _, t in wire)
-        fit = "mean (the latency-bandwidth fit was not physical)"
+    if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: the line through two medians
+        latency, bandwidth = _two_medians_line(wire)
+        fit = "the medians of the smaller and larger halves (the least-squares fit was not physical)"
     wakes: dict[str, list[float]] = {"prefill": [], "decode": []}
     by_id = {r.request_id: r for r in result.requests}
     for rid, (p, d) in result.engines.items():
@@ -760,6 +761,19 @@ def handoff_profile(result: DisaggResult) -> dict[str, Any]:
         "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
         "num_transfers": len(lines),
     }
+
+
+def _two_medians_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency, bytes per second) of the line through the (bytes, seconds) medians of the smaller and the larger
+    half of ``points``; a flat or falling line is all latency (the median time) over a link of no cost per byte."""
+    ordered = sorted(points)
+    half = len(ordered) // 2
+    lo, hi = ordered[:half], ordered[half:]
+    (b1, t1), (b2, t2) = ((statistics.median(b for b, _ in h), statistics.median(t for _, t in h)) for h in (lo, hi))
+    if b2 > b1 and t2 > t1:
+        slope = (t2 - t1) / (b2 - b1)
+        return max(t1 - b1 * slope, 0.0), 1.0 / slope
+    return statistics.median(t for _, t in points), 1e15
 
 
 def _wake(steps: list[dict[str, Any]], t: float) -> float | None:

@@ -48,3 +48,19 @@ def test_bad_handoff_settings_are_config_errors():
         SimConfig(disaggregate=(1, 1), kv_receive="sometimes")
     with pytest.raises(ConfigError, match="kv_handoff_s must be a number >= 0"):
         SimConfig(disaggregate=(1, 1), kv_handoff_s=-1.0)
+
+
+def test_handoffs_drawn_from_measured_ones_are_seeded_and_come_from_them():
+    cost = ProfiledCostModel({"const": 0.01, "prefill_tokens": 1e-5, "decode_seqs": 1e-3})
+    work = [Request(i, 0.1 * i, 100, 2) for i in range(20)]
+
+    def first_tokens(seed: int) -> list[float]:
+        cfg = SimConfig(num_blocks=1000, disaggregate=(1, 1), link_gbps=100.0, kv_receive="between-steps",
+                        kv_handoff_quantiles_s=(0.001, 0.005), kv_handoff_seed=seed)  # fmt: skip
+        return [r.first_token_time for r in simulate(work, LLAMA, cost, cfg).records]
+
+    wire = 100 * 131072 / 12.5e9
+    # each request is alone: its prefill step ends at arrival + 11 ms, then a drawn handoff, then the wire
+    offsets = {round(t - (0.1 * i + 0.01 + 100 * 1e-5) - wire, 9) for i, t in enumerate(first_tokens(3))}
+    assert offsets == {0.001, 0.005}
+    assert first_tokens(3) == first_tokens(3)

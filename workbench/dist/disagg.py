@@ -727,7 +727,7 @@ def handoff_profile(result: DisaggResult) -> dict[str, Any]:
       loaded machine's outliers), the line through the medians of the smaller and the larger half of the transfers
       (``link_fit`` says which);
     - ``kv_handoff_s``: from the prefill side's first token to the announcement reaching the decode engine (the
-      sender's gather and the control message);
+      sender's gather and the control message), and ``kv_handoff_quantiles_s``, 100 quantiles of them;
     - ``wake_s``: per role, from a request's arrival (prefill) or announcement (decode) that finds its engine idle
       to the engine's next step or receive.
     """
@@ -743,6 +743,7 @@ def handoff_profile(result: DisaggResult) -> dict[str, Any]:
     if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: the line through two medians
         latency, bandwidth = _two_medians_line(wire)
         fit = "the medians of the smaller and larger halves (the least-squares fit was not physical)"
+    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for _, tl in lines)
     wakes: dict[str, list[float]] = {"prefill": [], "decode": []}
     by_id = {r.request_id: r for r in result.requests}
     for rid, (p, d) in result.engines.items():
@@ -757,7 +758,8 @@ def handoff_profile(result: DisaggResult) -> dict[str, Any]:
         "link_latency_s": latency,
         "link_gbps": bandwidth * 8 / 1e9,
         "link_fit": fit,
-        "kv_handoff_s": statistics.median(tl["announced_s"] - tl["prefill_token_s"] for _, tl in lines),
+        "kv_handoff_s": statistics.median(handoffs),
+        "kv_handoff_quantiles_s": [handoffs[round(q * (len(handoffs) - 1) / 99)] for q in range(100)],
         "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
         "num_transfers": len(lines),
     }

@@ -178,8 +178,8 @@ def disaggregated_fidelity(
     by ``workbench.dist.disagg.handoff_profile``; and each role's extra time of a step after an idle wait
     (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on that run too
     (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
-    engines block on a queue, and from another hour's load). The measured repeats then replay the held-out
-    ``requests``."""
+    engines block on a queue, and from another hour's load); the ``noise`` variant also draws each handoff from the
+    calibration run's. The measured repeats then replay the held-out ``requests``."""
     import dataclasses
 
     from workbench.config import ModelConfig
@@ -233,7 +233,10 @@ def disaggregated_fidelity(
 
         for name, seeds in ((cost.name, [None] * len(roles)),
                             (f"{cost.name} noise", [noise_seed + i for i in range(len(roles))])):  # fmt: skip
-            sim = simulate(list(requests), cfg_model, replicas(seeds), scfg).summary()["metrics"]
+            noisy = dataclasses.replace(scfg, kv_handoff_quantiles_s=handoff["kv_handoff_quantiles_s"],
+                                        kv_handoff_seed=noise_seed)  # fmt: skip
+            sim = simulate(list(requests), cfg_model, replicas(seeds), noisy if seeds[0] is not None else scfg)
+            sim = sim.summary()["metrics"]
             rows += compare({setup: runs}, {setup: sim}, name)
     link = {"latency_s": handoff["link_latency_s"], "gbps": handoff["link_gbps"],
             "num_transfers": handoff["num_transfers"], "fit": handoff["link_fit"]}  # fmt: skip

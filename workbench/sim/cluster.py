@@ -23,10 +23,11 @@ tokens, FCFS, keeping the watermark) at the top of its next step, and its next t
 that admission: the first token reaches the client from the decode side (DistServe's definition, and the real
 disaggregated engine's), so it counts the prefill, the transfer and any wait for room.
 Two settings describe a real engine's handoff rather than a dedicated link (``workbench.dist.disagg`` on gloo, and
-``scripts/sim_fidelity.py --disaggregate``, which measures both): ``kv_handoff_s``, host time from the prefill step's
-end to the transfer's start (the sender's gather and the control message), and ``kv_receive='between-steps'``: the
-decode replica receives each admitted request's KV before its next step, which the wire time then delays (TTFT ends
-when the KV has landed); the default ``'overlapped'`` moves it beside the decode replica's steps.
+``scripts/sim_fidelity.py --disaggregate``, which measures both): ``kv_handoff_s``, host time from the prefill
+step's end to the transfer's start (the sender's gather and the control message; or drawn, seeded, from measured
+ones: ``kv_handoff_quantiles_s``), and ``kv_receive='between-steps'``: the decode replica receives each admitted
+request's KV before its next step, which the wire time then delays (TTFT ends when the KV has landed); the default
+``'overlapped'`` moves it beside the decode replica's steps.
 
 Events are processed in time order: at equal times, step completions come before arrivals and KV transfers,
 and both before a step that starts at that time (so such a step admits them, as the engine does).
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -91,6 +93,9 @@ class SimConfig(ServingConfig):
     link_gbps: float = 100.0
     link_latency_s: float = 0.0
     kv_handoff_s: float = 0.0  # disaggregated: host time from a prefill's end to its transfer's start
+    # measured handoffs to draw each one from (seeded by kv_handoff_seed) in place of kv_handoff_s; () = constant
+    kv_handoff_quantiles_s: tuple[float, ...] = ()
+    kv_handoff_seed: int = 0
     kv_receive: str = "overlapped"  # or 'between-steps': the decode replica spends the wire time before a step
     quantization: str | None = None  # the weights: None, 'int8', 'int4' (weight-only), 'fp8' (FP8 compute)
     group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
@@ -140,6 +145,9 @@ class SimConfig(ServingConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+        self.kv_handoff_quantiles_s = tuple(float(x) for x in self.kv_handoff_quantiles_s)
+        if not all(x >= 0 and math.isfinite(x) for x in self.kv_handoff_quantiles_s):
+            raise ConfigError("kv_handoff_quantiles_s must be numbers >= 0")
         if self.kv_receive not in KV_RECEIVE:
             raise ConfigError(f"kv_receive must be one of {', '.join(KV_RECEIVE)}; got {self.kv_receive!r}")
 
@@ -433,6 +441,8 @@ def simulate(
     )
     link_bytes_per_s = config.link_gbps * 1e9 / 8
     between_steps = config.kv_receive == "between-steps"
+    handoffs = config.kv_handoff_quantiles_s
+    handoff_rng = random.Random(config.kv_handoff_seed)
     output_len: dict[int, int] = {}
 
     rejected: list[dict[str, Any]] = []
@@ -456,7 +466,8 @@ def simulate(
         nxt.first_scheduled_time = seq.first_scheduled_time
         nxt.num_preemptions = seq.num_preemptions
         wire = seq.num_prompt_tokens * kv_bytes_per_token / link_bytes_per_s + config.link_latency_s
-        arrive = now + config.kv_handoff_s + (0.0 if between_steps else wire)
+        handoff = handoffs[handoff_rng.randrange(len(handoffs))] if handoffs else config.kv_handoff_s
+        arrive = now + handoff + (0.0 if between_steps else wire)
         heapq.heappush(transfers, (arrive, seq.seq_id, nxt, wire if between_steps else 0.0))
 
     def replica(index: int, on_finish: Callable[[Replica, Sequence, float], None], role: str) -> Replica:

@@ -212,10 +212,15 @@ def disaggregated_fidelity(
             loads.append({"repeat": rep, "load_before": before, "load_after": load_average()})
             runs.append(summarize(result.requests, duration_s=result.duration_s)["metrics"])
     handoff = handoff_profile(cal)
-    scfg = SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=ecfg.cache_shape(cfg_model)[0],
-                     block_size=ecfg.block_size, dtype="fp32", disaggregate=split, link_gbps=handoff["link_gbps"],
-                     link_latency_s=handoff["link_latency_s"], kv_handoff_s=handoff["kv_handoff_s"],
-                     kv_receive="between-steps")  # fmt: skip
+
+    def sim_config(**handoff_draws: Any) -> SimConfig:
+        return SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                         num_blocks=ecfg.cache_shape(cfg_model)[0], block_size=ecfg.block_size, dtype="fp32",
+                         disaggregate=split, link_gbps=handoff["link_gbps"], link_latency_s=handoff["link_latency_s"],
+                         kv_handoff_s=handoff["kv_handoff_s"], kv_receive="between-steps", **handoff_draws)  # fmt: skip
+
+    scfg = sim_config()
+    noisy = sim_config(kv_handoff_quantiles_s=tuple(handoff["kv_handoff_quantiles_s"]), kv_handoff_seed=noise_seed or 0)
     roles = ["prefill"] * split[0] + ["decode"] * split[1]
     rows, calibrated = [], {}
     setup = f"disaggregated {split[0]}:{split[1]}"
@@ -233,8 +238,6 @@ def disaggregated_fidelity(
 
         for name, seeds in ((cost.name, [None] * len(roles)),
                             (f"{cost.name} noise", [noise_seed + i for i in range(len(roles))])):  # fmt: skip
-            noisy = dataclasses.replace(scfg, kv_handoff_quantiles_s=handoff["kv_handoff_quantiles_s"],
-                                        kv_handoff_seed=noise_seed)  # fmt: skip
             sim = simulate(list(requests), cfg_model, replicas(seeds), noisy if seeds[0] is not None else scfg)
             sim = sim.summary()["metrics"]
             rows += compare({setup: runs}, {setup: sim}, name)

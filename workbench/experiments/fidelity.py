@@ -230,8 +230,9 @@ def disaggregated_fidelity(
         cal_roles = calibrated[cost.name] = _calibrate_roles(cal, plain, split)
 
         def replicas(seeds: list[int | None], cost: Any = cost, cal_roles: dict = cal_roles) -> list:
+            idle_key = "idle_step_s" if seeds[0] is None else "noise_idle_step_s"
             return [dataclasses.replace(cost, noise_seed=s, wake_s=handoff["wake_s"][role],
-                                        idle_step_s=cal_roles[role]["idle_step_s"],
+                                        idle_step_s=cal_roles[role][idle_key],
                                         residual_quantiles_s=cal_roles[role]["residual_quantiles_s"] or
                                         cost.residual_quantiles_s)
                     for s, role in zip(seeds, roles)]  # fmt: skip
@@ -267,8 +268,10 @@ def _calibrate_roles(real: Any, sim: Any, split: tuple[int, int]) -> dict[str, d
     """Per role, from the calibration run and its simulation with no idle excess: ``idle_step_s``, the median of
     (real - simulated) duration of the step that serves a request which found its engine idle (the prefill step
     after its arrival; the decode step after its KV landed), at least 0; and ``residual_quantiles_s``, the spread of
-    the real steps around their typical duration (prefill: those paired differences less their median; decode:
-    each pure decode step less the median of those of as many sequences), which the ``noise`` variant draws."""
+    the real steps around the model (prefill: those paired differences less their median; decode: each real pure
+    decode step less the median simulated one of as many sequences, so the draws carry the machine's speed during the
+    calibration run), which the ``noise`` variant draws, with ``noise_idle_step_s`` (the excess less the residuals'
+    median, not to count a slower machine twice)."""
     by_id = {r.request_id: r for r in real.requests}
     sim_by_id = {r.request_id: r for r in sim.records}
     diffs: dict[str, list[float]] = {"prefill": [], "decode": []}
@@ -292,15 +295,19 @@ def _calibrate_roles(real: Any, sim: Any, split: tuple[int, int]) -> dict[str, d
         excess = statistics.median(diffs[role]) if diffs[role] else 0.0
         if role == "prefill":
             spread = [x - excess for x in diffs[role]]
-        else:
-            groups: dict[int, list[float]] = {}
-            for i in range(count):
-                for x in real.pools[f"decode{i}"]["steps"]:
+        else:  # every pure decode step against the simulated ones of as many sequences
+            modelled: dict[int, list[float]] = {}
+            for i in range(split[0], split[0] + count):
+                for x in sim.step_logs[i].to_records():
                     if x["num_prefill_tokens"] == 0:
-                        groups.setdefault(x["num_seqs"], []).append(x["duration_s"])
-            spread = [x - statistics.median(g) for g in groups.values() for x in g]
+                        modelled.setdefault(x["num_seqs"], []).append(x["duration_s"])
+            typical = {n: statistics.median(v) for n, v in modelled.items()}
+            spread = [x["duration_s"] - typical[x["num_seqs"]] for i in range(count)
+                      for x in real.pools[f"decode{i}"]["steps"]
+                      if x["num_prefill_tokens"] == 0 and x["num_seqs"] in typical]  # fmt: skip
+        shift = statistics.median(spread) if spread else 0.0
         out[role] = {"idle_step_s": max(excess, 0.0), "residual_quantiles_s": _quantiles(spread),
-                     "num_paired": len(diffs[role])}  # fmt: skip
+                     "noise_idle_step_s": max(excess - shift, 0.0), "num_paired": len(diffs[role])}  # fmt: skip
     return out
 
 

@@ -77,7 +77,8 @@ class DisaggregationError(WorkerError):
 @dataclass(frozen=True)
 class DisaggConfig:
     """The two pools and the transfer policy. ``prefill``/``decode``: each pool's ``EngineConfig`` (the same
-    model, dtype and block size on both sides; pools and policies may differ)."""
+    model, dtype, block size and KV cache dtype on both sides; pools, policies and ``tensor_parallel_size`` may
+    differ: each engine of a pool has that many ranks)."""
 
     prefill: EngineConfig = field(default_factory=EngineConfig)
     decode: EngineConfig = field(default_factory=EngineConfig)

@@ -179,7 +179,8 @@ def test_a_message_that_overtakes_the_start_of_a_run_is_kept_for_that_run():
 def test_handoff_profile_by_hand():
     from types import SimpleNamespace
 
-    from workbench.dist.disagg import DisaggResult, handoff_profile
+    from workbench.dist.disagg import DisaggResult
+    from workbench.experiments.fidelity import handoff_profile
 
     def transfer(num_bytes, token, announced, posted, wire):
         return {"kv_transfer_bytes": num_bytes, "timeline": {"prefill_token_s": token, "sent_s": token,

@@ -36,7 +36,6 @@ import datetime
 import os
 import queue
 import signal
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -719,69 +718,3 @@ def disagg_config_from_args(args: Any, engine: EngineConfig) -> DisaggConfig:
         num_prefill=num_p, num_decode=num_d, threads_per_engine=args.threads_per_engine,
     )  # fmt: skip
 
-
-def handoff_profile(result: DisaggResult) -> dict[str, Any]:
-    """What a real run says about its handoff, in the simulator's terms (``workbench.sim.cluster``; all medians):
-
-    - ``link_latency_s``, ``link_gbps``: ``time = latency + bytes / bandwidth`` fitted to the wire times (receive
-      posted to KV landed; ``workbench.sim.comm.fit_latency_bandwidth``), else, when that fit is not physical (a
-      loaded machine's outliers), the line through the medians of the smaller and the larger half of the transfers
-      (``link_fit`` says which);
-    - ``kv_handoff_s``: from the prefill side's first token to the announcement reaching the decode engine (the
-      sender's gather and the control message), and ``kv_handoff_quantiles_s``, 100 quantiles of them;
-    - ``wake_s``: per role, from a request's arrival (prefill) or announcement (decode) that finds its engine idle
-      to the engine's next step or receive.
-    """
-    from workbench.sim.comm import fit_latency_bandwidth
-
-    lines = [(t["kv_transfer_bytes"], t["timeline"]) for t in result.transfers.values()
-             if t.get("kv_transfer_bytes", 0) > 0 and "timeline" in t]  # fmt: skip
-    if len(lines) < 2:
-        raise ConfigError("a handoff profile needs at least two transferred requests")
-    wire = [(b, max(tl["landed_s"] - tl["receive_posted_s"], 1e-9)) for b, tl in lines]
-    latency, bandwidth = fit_latency_bandwidth(wire)
-    fit = "latency-bandwidth"
-    if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: the line through two medians
-        latency, bandwidth = _two_medians_line(wire)
-        fit = "the medians of the smaller and larger halves (the least-squares fit was not physical)"
-    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for _, tl in lines)
-    wakes: dict[str, list[float]] = {"prefill": [], "decode": []}
-    by_id = {r.request_id: r for r in result.requests}
-    for rid, (p, d) in result.engines.items():
-        steps = result.pools.get(f"prefill{p}", {}).get("steps", [])
-        if rid in by_id and (w := _wake(steps, by_id[rid].arrival_time)) is not None:
-            wakes["prefill"].append(w)
-        tl = result.transfers.get(rid, {}).get("timeline")
-        steps = result.pools.get(f"decode{d}", {}).get("steps", [])
-        if tl is not None and not any(s["start_s"] <= tl["announced_s"] < s["end_s"] for s in steps):
-            wakes["decode"].append(tl["receive_posted_s"] - tl["announced_s"])
-    return {
-        "link_latency_s": latency,
-        "link_gbps": bandwidth * 8 / 1e9,
-        "link_fit": fit,
-        "kv_handoff_s": statistics.median(handoffs),
-        "kv_handoff_quantiles_s": [handoffs[round(q * (len(handoffs) - 1) / 99)] for q in range(100)],
-        "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
-        "num_transfers": len(lines),
-    }
-
-
-def _two_medians_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(latency, bytes per second) of the line through the (bytes, seconds) medians of the smaller and the larger
-    half of ``points``; a flat or falling line is all latency (the median time) over a link of no cost per byte."""
-    ordered = sorted(points)
-    half = len(ordered) // 2
-    lo, hi = ordered[:half], ordered[half:]
-    (b1, t1), (b2, t2) = ((statistics.median(b for b, _ in h), statistics.median(t for _, t in h)) for h in (lo, hi))
-    if b2 > b1 and t2 > t1:
-        slope = (t2 - t1) / (b2 - b1)
-        return max(t1 - b1 * slope, 0.0), 1.0 / slope
-    return statistics.median(t for _, t in points), 1e15
-
-
-def _wake(steps: list[dict[str, Any]], t: float) -> float | None:
-    """From ``t`` to the next step's start when no step runs at ``t`` (the engine idled); None otherwise."""
-    if any(s["start_s"] <= t < s["end_s"] for s in steps):
-        return None
-    later = [s["start_s"] for s in steps if s["start_s"] >= t]
-    return min(later) - t if later else None

@@ -29,7 +29,9 @@ and the wall time.
 
 ``--disaggregate P:D``: the real disaggregated engines instead (``workbench.dist.disagg``, one thread per engine
 process, as the profile was measured), ``--repeats`` times, against the simulator's disaggregated model with the
-same profile on every replica and a KV link fitted to the real transfers.
+same profile on every replica and the real engines' handoff: the KV link (fitted to the wire times), the handoff
+from a prefill's end to the decode side, each role's wake-up and idle-step excess, all measured on a calibration
+run of another workload (seed ``--seed + 1``) before the measured repeats (``fidelity.disaggregated_fidelity``).
 """
 
 from __future__ import annotations
@@ -104,11 +106,13 @@ def main() -> int:
     rows = []
     if args.disaggregate:
         split = parse_disaggregate(args.disaggregate)
+        calibration = fidelity.held_out_workload(args.num_requests, args.rate, args.seed + 1)
         res = fidelity.disaggregated_fidelity(args.model, list(costs.values()), held_out, split, args.repeats,
                                               args.threads, args.max_num_seqs, args.max_model_len,
-                                              args.seed)  # fmt: skip
+                                              args.seed, calibration)  # fmt: skip
         rows = res["rows"]
-        out.update(disaggregate=args.disaggregate, link=res["link"], loads=res["loads"])
+        out.update(disaggregate=args.disaggregate, link=res["link"], handoff=res["handoff"],
+                   idle_step_s=res["idle_step_s"], loads=res["loads"])  # fmt: skip
     else:
         net = load_model(args.model, seed=0)
         policies = [x for x in args.policies.split(",") if x]

@@ -5,7 +5,8 @@
         [--temperature T --top-k K --top-p P --seed S] [--ignore-eos] [--dtype] [--device] [--json]
         [--policy P] [--cache paged|contiguous] [--block-size B] [--num-blocks N] [--max-num-seqs S]
         [--token-budget T] [--chunk-size C] [--prefix-caching] [--attention-backend torch|triton]
-        [--compile-decode] [--tensor-parallel-size N] [--disaggregate P:D [--threads-per-engine N]]
+        [--compile-decode] [--tensor-parallel-size N]
+        [--disaggregate P:D [--threads-per-engine N] [--prefill-tp N] [--decode-tp M]]
 
 Greedy unless a temperature is given. With ``--json``: one object with a list ``requests``, each holding
 ``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies), plus
@@ -22,7 +23,7 @@ import argparse
 import json
 
 from workbench.commands.common import ArgumentContainer, add_scheduler_arguments, serving_config_kwargs
-from workbench.errors import RequestError
+from workbench.errors import ConfigError, RequestError
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -57,6 +58,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "(workbench.dist.disagg; default: one colocated engine)")  # fmt: skip
     g.add_argument("--threads-per-engine", type=int, default=1,
                    help="with --disaggregate: torch threads of each engine process (default 1)")  # fmt: skip
+    g.add_argument("--prefill-tp", type=int, default=None,
+                   help="with --disaggregate: the prefill pool's tensor-parallel size per engine (default "
+                   "--tensor-parallel-size; as in simulate --disaggregate)")  # fmt: skip
+    g.add_argument("--decode-tp", type=int, default=None,
+                   help="with --disaggregate: the decode pool's tensor-parallel size per engine (default "
+                   "--tensor-parallel-size)")  # fmt: skip
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N processes (torch.distributed: gloo on the CPU, NCCL on CUDA; "
                    "default 1)")  # fmt: skip
@@ -86,6 +93,8 @@ def add_quantization_arguments(p: ArgumentContainer, many: bool = False) -> None
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineConfig)
     from workbench.engine.config import EngineConfig
 
+    if (getattr(args, "prefill_tp", None) or getattr(args, "decode_tp", None)) and not args.disaggregate:
+        raise ConfigError("--prefill-tp and --decode-tp need --disaggregate (one engine runs both phases otherwise)")
     return EngineConfig(
         **serving_config_kwargs(args),
         cache=args.cache,

@@ -2,7 +2,7 @@
 
     workbench replay --model PRESET_OR_PATH --trace NAME_OR_FILE [--limit N] [--rate-scale X] [--time-scale X]
         [--policy P] [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--max-duration S] [--json]
-        [--disaggregate P:D [--threads-per-engine N]]
+        [--disaggregate P:D [--threads-per-engine N] [--prefill-tp N] [--decode-tp M]]
 
 Traces: ``azure-code``, ``azure-conv``, ``mooncake-conversation``, ``mooncake-synthetic``, ``poisson:RATE``
 (``gamma:RATE:CV``), or a file. Requests are clipped to the engine's ``max_model_len`` and get deterministic random
@@ -17,7 +17,9 @@ Before it starts it prints the wall-clock span of the arrivals (stderr) and refu
 With ``--disaggregate P:D`` the trace goes through P prefill and D decode engine processes (``workbench.dist.disagg``;
 TTFT counts the KV transfer) and the object also holds ``kv_transfer`` (``bytes``, ``seconds``, ``num_transfers``,
 ``num_retries``, ``num_recomputed``, ``num_backpressure``), a ``requests`` list (``request_id``, ``prompt_len``,
-``output_len``, ``kv_transfer_bytes``, ``kv_transfer_s``, ...) and ``pools``, each pool's step log.
+``output_len``, ``kv_transfer_bytes``, ``kv_transfer_s``, ...) and ``pools``, each pool's step log. Each pool has its
+own tensor-parallel size, ``--prefill-tp`` / ``--decode-tp`` (default ``--tensor-parallel-size``: the names and
+meaning of ``simulate --disaggregate``), and ``--kv-cache-dtype int8|fp8`` moves the quantized KV with its scales.
 """
 
 from __future__ import annotations
@@ -153,6 +155,8 @@ def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], 
         "requests": [dict(row, request_id=trace[i].request_id) for i, row in enumerate(result.request_rows())],
         "pools": result.pools,
         "disaggregate": args.disaggregate,
+        "prefill_tp": cfg.prefill.tensor_parallel_size,
+        "decode_tp": cfg.decode.tensor_parallel_size,
         "num_clipped": num_clipped,
         "max_model_len": max_len,
         "engine": asdict(config),

@@ -3,12 +3,16 @@
     coordinator (this process)  --request-->  prefill engine (rank p)  --KV over torch.distributed-->
                                               decode engine (rank P + d)  --tokens-->  coordinator
 
-``run_disaggregated`` starts ``P`` prefill engines and ``D`` decode engines, each an ``Engine`` in its own process
-with its own KV pool, joined in one gloo (CPU) or NCCL (CUDA) group for the KV transfers
-(``workbench.dist.kv_connector``); control messages travel on multiprocessing queues. Request ``i`` goes to prefill
-engine ``i mod P`` and decode engine ``i mod D``. The prefill engine serves it with ``max_tokens=1``: its first
-token ends it there, its blocks are held (``Scheduler.hold_finished``) and its prompt's KV is sent; the decode
-engine admits it with that KV (``Scheduler.admit_prefilled``) and decodes the rest.
+``run_disaggregated`` starts ``P`` prefill engines and ``D`` decode engines, each an ``Engine`` with its own KV pool
+in its own processes: ``EngineConfig.tensor_parallel_size`` ranks per engine (each pool its own: ``prefill_tp``,
+``decode_tp``), all joined in one gloo (CPU) or NCCL (CUDA) world for the KV transfers
+(``workbench.dist.kv_connector``). An engine of TP > 1 is a subgroup of that world (``dist.new_group``) running
+the tensor-parallel machinery of ``workbench.engine.tp_runner``: its first rank drives (scheduler, sampler) and
+every rank moves its own KV heads (``transfer_plan``: rank i to rank i with equal TP, heads re-sliced otherwise).
+Control messages travel on multiprocessing queues between the coordinator and each engine's first rank.
+Request ``i`` goes to prefill engine ``i mod P`` and decode engine ``i mod D``. The prefill engine serves it with
+``max_tokens=1``: its first token ends it there, its blocks are held (``Scheduler.hold_finished``) and its prompt's
+KV is sent; the decode engine admits it with that KV (``Scheduler.admit_prefilled``) and decodes the rest.
 
 Definitions (DistServe's): TTFT is from arrival to the moment the first token reaches the client **from the decode
 side**, i.e. when the decode engine has the request's KV and first token (so TTFT includes the prefill, any wait
@@ -28,6 +32,7 @@ machine, and the run's zero is sent to every engine once all have loaded their m
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import queue
 import signal
@@ -37,15 +42,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workbench.dist.group import DistConfig, ProcessSet, WorkerError, free_port
-from workbench.dist.kv_connector import KVReceiver, KVSender, KVTransfer, wall_clock
-from workbench.config import parse_disaggregate
+from workbench.config import ModelConfig, parse_disaggregate, resolve_kv_cache_dtype
+from workbench.dist.group import DistConfig, ProcessSet, WorkerError, WorkerGroup, free_port, serve_subgroup
+from workbench.dist.kv_connector import (
+    KVReceiver,
+    KVSender,
+    KVTransfer,
+    Piece,
+    head_range,
+    layer_scales,
+    transfer_plan,
+    wall_clock,
+)
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import RequestResult
-from workbench.request import SamplingParams, Sequence
+from workbench.engine.tp_runner import ShardWorker
 from workbench.errors import ConfigError
+from workbench.model.sharding import check_tensor_parallel_size
+from workbench.request import SamplingParams, Sequence
 
 POLL_S = 0.002  # how long an idle engine waits on its queue before looking again
 
@@ -59,13 +76,14 @@ class DisaggregationError(WorkerError):
 @dataclass(frozen=True)
 class DisaggConfig:
     """The two pools and the transfer policy. ``prefill``/``decode``: each pool's ``EngineConfig`` (the same
-    model, dtype and block size on both sides; pools and policies may differ)."""
+    model, dtype, block size and KV cache dtype on both sides; pools, policies and ``tensor_parallel_size`` may
+    differ: each engine of a pool has that many ranks)."""
 
     prefill: EngineConfig = field(default_factory=EngineConfig)
     decode: EngineConfig = field(default_factory=EngineConfig)
     num_prefill: int = 1
     num_decode: int = 1
-    threads_per_engine: int = 1
+    threads_per_engine: int = 1  # torch threads of each process (each rank of a tensor-parallel engine)
     transfer_timeout_s: float = 30.0
     max_retries: int = 1
     stall_timeout_s: float = 300.0  # no message from any engine for this long ends the run
@@ -78,15 +96,66 @@ class DisaggConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.prefill.block_size != self.decode.block_size or self.prefill.dtype != self.decode.dtype:
             raise ConfigError("the prefill and decode pools need the same block_size and dtype")
-        if self.prefill.tensor_parallel_size != 1 or self.decode.tensor_parallel_size != 1:
-            raise ConfigError("tensor parallelism inside a disaggregated pool is not supported yet: use 1 per engine")
-        if any(e.kv_cache_dtype in ("int8", "fp8") for e in (self.prefill, self.decode)):
-            raise ConfigError(
-                "a quantized KV cache (--kv-cache-dtype int8/fp8) is not sent by the KV connector yet (it moves K "
-                "and V, not their scales); use --kv-cache-dtype auto with --disaggregate"
-            )
+        kv = [resolve_kv_cache_dtype(e.kv_cache_dtype, e.dtype) for e in (self.prefill, self.decode)]
+        if kv[0] != kv[1]:
+            raise ConfigError(f"the prefill and decode pools need the same kv_cache_dtype, got {kv[0]} and {kv[1]}")
+        if self.prefill.cache != "paged" or self.decode.cache != "paged":
+            raise ConfigError("disaggregation moves paged KV blocks: both pools need cache='paged'")
         if self.max_retries < 0 or not self.transfer_timeout_s > 0:
             raise ConfigError("max_retries must be >= 0 and transfer_timeout_s > 0")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(
+            self.num_prefill, self.num_decode, self.prefill.tensor_parallel_size, self.decode.tensor_parallel_size
+        )
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """ConfigError when a pool's tensor_parallel_size cannot split ``cfg``."""
+        for role, engine in (("prefill", self.prefill), ("decode", self.decode)):
+            try:
+                check_tensor_parallel_size(cfg, engine.tensor_parallel_size)
+            except ConfigError as exc:
+                raise ConfigError(f"the {role} pool: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks of a disaggregated world are: prefill engine ``e``'s ``prefill_tp`` ranks first, from
+    ``e * prefill_tp``; then decode engine ``e``'s ``decode_tp`` ranks, from ``num_prefill * prefill_tp +
+    e * decode_tp``. An engine's first rank is its driver."""
+
+    num_prefill: int
+    num_decode: int
+    prefill_tp: int
+    decode_tp: int
+
+    @property
+    def world(self) -> int:
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    def tp(self, role: str) -> int:
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def driver(self, role: str, index: int) -> int:
+        """The global rank of engine ``index``'s first rank."""
+        if role == "prefill":
+            return index * self.prefill_tp
+        return self.num_prefill * self.prefill_tp + index * self.decode_tp
+
+    def place(self, rank: int) -> tuple[str, int, int]:
+        """(role, engine index, rank within the engine) of a global rank."""
+        split = self.num_prefill * self.prefill_tp
+        if rank < split:
+            return "prefill", rank // self.prefill_tp, rank % self.prefill_tp
+        return "decode", (rank - split) // self.decode_tp, (rank - split) % self.decode_tp
+
+    def engines(self) -> list[tuple[str, int]]:
+        return [("prefill", e) for e in range(self.num_prefill)] + [("decode", e) for e in range(self.num_decode)]
+
+    def ranks(self, role: str, index: int) -> list[int]:
+        first = self.driver(role, index)
+        return list(range(first, first + self.tp(role)))
 
 
 @dataclass(frozen=True)
@@ -117,6 +186,7 @@ class DisaggResult:
     pools: dict[str, Any]
     duration_s: float
     num_backpressure: int
+    engines: dict[int, tuple[int, int]] = field(default_factory=dict)  # request_id -> (prefill, decode engine)
 
     def kv_transfer(self) -> dict[str, Any]:
         t = self.transfers.values()
@@ -160,28 +230,116 @@ def _drain(inbox: mp.Queue, wait_s: float) -> list[tuple]:
     return out
 
 
-def _load_engine(source: str, config: EngineConfig, seed: int, threads: int, out: mp.Queue, rank: int) -> Any:
+class KVPeer:
+    """One rank's connector over its shard of the pool: a ``KVSender`` and a ``KVReceiver``, made anew per run."""
+
+    def __init__(self, cache: Any, first_head: int) -> None:
+        self.cache, self.first_head = cache, first_head
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+
+    def begin(self, t0: float, faults: Faults, timeout_s: float) -> None:
+        once, always = frozenset(faults.corrupt_once), frozenset(faults.corrupt_always)
+        self.sender = KVSender(self.cache, wall_clock(t0), once, always, self.first_head)
+        self.receiver = KVReceiver(self.cache, timeout_s, self.first_head)
+
+    def send(self, rid: int, table: list[int], n: int, pieces: list[Piece], attempt: int) -> list[tuple[int, Piece]]:
+        return self.sender.start(rid, table, n, pieces, attempt)
+
+    def finish(self, rid: int) -> None:
+        self.sender.finish(rid)
+
+    def receive(self, meta: KVTransfer, table: list[int]) -> tuple[bool, str]:
+        return self.receiver.receive(meta, table)
+
+    def in_flight(self) -> int:
+        return len(self.sender.in_flight) if self.sender is not None else 0
+
+
+class DisaggShardWorker(ShardWorker):
+    """A rank of a tensor-parallel engine in a disaggregated world: a ``ShardWorker`` on its engine's subgroup that
+    also moves its KV heads (``kv_*``, called on every rank by the engine's driver, each returning the list of every
+    rank's result on the driver)."""
+
+    def setup_cache(self, *args: Any) -> None:
+        super().setup_cache(*args)
+        self.kv = KVPeer(self.cache, head_range(self.shard.cfg, self.rank, self.world_size)[0])
+
+    def _gathered(self, value: Any) -> list[Any] | None:
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(value, out, group=self.group, group_dst=0)
+        return out
+
+    def kv_begin(self, *args: Any) -> list[Any] | None:
+        return self._gathered(self.kv.begin(*args))
+
+    def kv_send(self, *args: Any) -> list[Any] | None:
+        return self._gathered(self.kv.send(*args))
+
+    def kv_finish(self, *args: Any) -> list[Any] | None:
+        return self._gathered(self.kv.finish(*args))
+
+    def kv_receive(self, *args: Any) -> list[Any] | None:
+        return self._gathered(self.kv.receive(*args))
+
+
+class EngineKV:
+    """An engine driver's handle on the connector of all its ranks: ``call(name, ...)`` runs ``KVPeer.name`` on
+    every rank and returns their results (in this process for TP 1, through the engine's worker group above)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.workers = engine.workers
+        if self.workers is None:
+            self.peer = KVPeer(engine.cache, 0)
+
+    def call(self, name: str, *args: Any) -> list[Any]:
+        if self.workers is None:
+            return [getattr(self.peer, name)(*args)]
+        return self.workers.call(f"kv_{name}", *args)
+
+
+def _worker_args(source: str, config: EngineConfig, seed: int, threads: int, group: Any) -> tuple:
+    return (source, config.dtype, config.device, seed, threads, group)
+
+
+def _load_engine(
+    source: str, config: EngineConfig, seed: int, threads: int, out: mp.Queue, rank: int, group: Any
+) -> Any:
+    """This engine's driver: a whole engine (TP 1), or the first rank of its subgroup with the others serving it."""
     from workbench.engine.engine import Engine
 
     torch.set_num_threads(threads)
-    engine = Engine.from_model(source, config, seed=seed)
+    if group is None:
+        engine = Engine.from_model(source, config, seed=seed)
+    else:
+        workers = WorkerGroup.on_subgroup(
+            group, DisaggShardWorker, _worker_args(source, config, seed, threads, group), timeout_s=120.0
+        )
+        engine = Engine(workers.worker.model, config, workers=workers)
     out.put(("ready", rank))
     return engine
 
 
-def _next_run(engine: Any, inbox: mp.Queue) -> tuple[float, Faults] | None:
-    """Wait for the coordinator: ("start", t0, faults) begins a run on the shared clock; ("exit",) ends."""
+def _next_run(engine: Any, inbox: mp.Queue) -> tuple[float, Faults, list[tuple]] | None:
+    """Wait for the coordinator: ("start", t0, faults) begins a run on the shared clock; ("exit",) ends.
+
+    Also returns the messages that came before the start: they belong to the new run (the previous one consumed all
+    of its own before it ended). Two processes write to a decode engine's queue, each through its own feeder thread,
+    so the prefill engine's first KV announcement of a run can overtake the coordinator's start."""
     from workbench.engine.metrics import StepLog
 
+    early: list[tuple] = []
     while True:
         message = inbox.get()
         if message[0] == "exit":
             return None
-        if message[0] == "start":  # a new run: its own clock, step log and request ids
-            engine.reset_clock(message[1])
-            engine.step_log = StepLog()
-            engine.sequences.clear()  # the previous run's requests are all finished
-            return message[1], message[2]
+        if message[0] != "start":
+            early.append(message)
+            continue
+        engine.reset_clock(message[1])  # a new run: its own clock, step log and request ids
+        engine.step_log = StepLog()
+        engine.sequences.clear()  # the previous run's requests are all finished
+        return message[1], message[2], early
 
 
 def _pool_stats(engine: Any, role: str, rank: int, extra: dict[str, Any]) -> tuple:
@@ -191,20 +349,32 @@ def _pool_stats(engine: Any, role: str, rank: int, extra: dict[str, Any]) -> tup
 
 
 def _prefill_main(
-    rank: int, world_size: int, report: Any, source: str, config: EngineConfig, seed: int, cfg: DisaggConfig,
-    inbox: mp.Queue, decode_inboxes: dict[int, mp.Queue], out: mp.Queue,
+    engine: Any, kv: EngineKV, rank: int, index: int, cfg: DisaggConfig, plan: list[Piece],
+    inboxes: dict[int, mp.Queue], out: mp.Queue,
 ) -> None:  # fmt: skip
-    engine = _load_engine(source, config, seed, cfg.threads_per_engine, out, rank)
     engine.scheduler.hold_finished = True
-    while (run := _next_run(engine, inbox)) is not None:
-        _prefill_run(engine, rank, *run, inbox, decode_inboxes, out)
+    while (run := _next_run(engine, inboxes[rank])) is not None:
+        kv.call("begin", run[0], run[1], cfg.transfer_timeout_s)
+        _prefill_run(engine, kv, rank, index, *run, plan, inboxes, out)
 
 
 def _prefill_run(
-    engine: Any, rank: int, t0: float, faults: Faults, inbox: mp.Queue, decode_inboxes: dict[int, mp.Queue],
-    out: mp.Queue,
+    engine: Any, kv: EngineKV, rank: int, index: int, t0: float, faults: Faults, early: list[tuple],
+    plan: list[Piece], inboxes: dict[int, mp.Queue], out: mp.Queue,
 ) -> None:  # fmt: skip
-    sender = KVSender(engine.cache, wall_clock(t0), frozenset(faults.corrupt_once), frozenset(faults.corrupt_always))
+    clock, inbox = wall_clock(t0), inboxes[rank]
+    scales = layer_scales(engine.cache)
+    in_flight: set[int] = set()
+
+    def send(spec: RequestSpec, table: list[int], attempt: int) -> None:
+        pieces = [Piece(rank + p.src, spec.decode_rank + p.dst, p.head_lo, p.head_hi) for p in plan]
+        posted = sorted(x for per_rank in kv.call("send", spec.request_id, table, len(spec.prompt_ids), pieces,
+                                                   attempt) for x in per_rank)  # fmt: skip
+        meta = KVTransfer(spec.request_id, rank, len(spec.prompt_ids), tuple(p for _, p in posted), attempt, clock(),
+                          scales)  # fmt: skip
+        in_flight.add(spec.request_id)
+        inboxes[spec.decode_rank].put(("kv", spec, meta, *first_tokens[spec.request_id]))
+
     specs: dict[int, RequestSpec] = {}
     first_tokens: dict[int, tuple[int, float]] = {}
     attempts: dict[int, int] = {}
@@ -212,7 +382,8 @@ def _prefill_run(
     max_len = engine.scheduler.config.max_model_len
     while True:
         idle = not engine.has_unfinished()
-        for message in _drain(inbox, POLL_S if idle else 0.0):
+        messages, early = early + _drain(inbox, 0.0 if early or not idle else POLL_S), []
+        for message in messages:
             kind = message[0]
             if kind == "request":
                 spec: RequestSpec = message[1]
@@ -223,15 +394,13 @@ def _prefill_run(
                 )  # fmt: skip
             elif kind == "ack":  # the decode side has the KV (or will recompute it): free the blocks
                 rid = message[1]
-                sender.finish(rid)
+                kv.call("finish", rid)
+                in_flight.discard(rid)
                 engine.scheduler.release_held(rid)
             elif kind == "nack":  # the KV arrived damaged: send the staged copy again
                 rid = message[1]
                 attempts[rid] = attempts.get(rid, 0) + 1
-                spec = specs[rid]
-                table = engine.scheduler.held[rid].block_table
-                meta = sender.start(rid, table, len(spec.prompt_ids), spec.decode_rank, attempts[rid])
-                decode_inboxes[spec.decode_rank].put(("kv", spec, meta, *first_tokens[rid]))
+                send(specs[rid], engine.scheduler.held[rid].block_table, attempts[rid])
             elif kind == "stop":
                 stopping = True
         if engine.has_unfinished():
@@ -249,28 +418,26 @@ def _prefill_run(
                     out.put(("done", result, {}))
                     continue
                 first_tokens[seq.seq_id] = (seq.output_token_ids[0], seq.first_token_time)
-                meta = sender.start(seq.seq_id, seq.block_table, len(spec.prompt_ids), spec.decode_rank)
-                decode_inboxes[spec.decode_rank].put(("kv", spec, meta, *first_tokens[seq.seq_id]))
-        if stopping and not engine.has_unfinished() and not sender.in_flight:
+                send(spec, seq.block_table, 0)
+        if stopping and not engine.has_unfinished() and not in_flight:
             break
-    out.put(_pool_stats(engine, "prefill", rank, {}))
+    out.put(_pool_stats(engine, "prefill", index, {}))
 
 
 def _decode_main(
-    rank: int, world_size: int, report: Any, source: str, config: EngineConfig, seed: int, cfg: DisaggConfig,
-    inbox: mp.Queue, prefill_inboxes: dict[int, mp.Queue], out: mp.Queue,
+    engine: Any, kv: EngineKV, rank: int, index: int, cfg: DisaggConfig, plan: list[Piece],
+    inboxes: dict[int, mp.Queue], out: mp.Queue,
 ) -> None:  # fmt: skip
-    engine = _load_engine(source, config, seed, cfg.threads_per_engine, out, rank)
-    while (run := _next_run(engine, inbox)) is not None:
-        _decode_run(engine, rank, *run, cfg, inbox, prefill_inboxes, out)
+    while (run := _next_run(engine, inboxes[rank])) is not None:
+        kv.call("begin", run[0], run[1], cfg.transfer_timeout_s)
+        _decode_run(engine, kv, rank, index, *run, cfg, inboxes, out)
 
 
 def _decode_run(
-    engine: Any, rank: int, t0: float, faults: Faults, cfg: DisaggConfig, inbox: mp.Queue,
-    prefill_inboxes: dict[int, mp.Queue], out: mp.Queue,
+    engine: Any, kv: EngineKV, rank: int, index: int, t0: float, faults: Faults, early: list[tuple],
+    cfg: DisaggConfig, inboxes: dict[int, mp.Queue], out: mp.Queue,
 ) -> None:  # fmt: skip
-    clock = wall_clock(t0)
-    receiver = KVReceiver(engine.cache, cfg.transfer_timeout_s)
+    clock, inbox, prefill_inboxes = wall_clock(t0), inboxes[rank], inboxes
     arrived: deque[tuple[RequestSpec, KVTransfer, int, float, float]] = deque()
     recomputed: dict[int, tuple[int, float]] = {}  # rid -> (first token, when it reached the client)
     transfers: dict[int, dict[str, Any]] = {}
@@ -279,13 +446,14 @@ def _decode_run(
     eos = engine.model.config.eos_token_ids
     while True:
         idle = not engine.has_unfinished() and not arrived
-        for message in _drain(inbox, POLL_S if idle else 0.0):
+        messages, early = early + _drain(inbox, 0.0 if early or not idle else POLL_S), []
+        for message in messages:
             if message[0] == "kv":
                 arrived.append((*message[1:], clock()))
             elif message[0] == "stop":
                 stopping = True
         while arrived:
-            spec, meta, first, _, _ = arrived[0]
+            spec, meta, first, first_at, announced = arrived[0]
             rid = spec.request_id
             seq = Sequence(rid, spec.prompt_ids, spec.sampling, spec.arrival_time, eos_token_ids=eos)
             seq.output_token_ids = [first]  # its KV is the prompt's, to be received; the first token's comes next
@@ -294,13 +462,18 @@ def _decode_run(
                 break  # backpressure: the KV stays on the prefill side until blocks free up here
             arrived.popleft()
             recv_start = clock()
-            ok, why = receiver.receive(meta, seq.block_table)
+            outcomes = kv.call("receive", meta, seq.block_table)  # every rank's (ok, why)
+            ok, why = next(((o, w) for o, w in outcomes if not o), (True, ""))
             landed = clock()
             info = transfers.setdefault(
                 rid, {"kv_transfer_bytes": 0, "kv_transfer_s": 0.0, "num_transfers": 0, "num_retries": 0,
                       "num_recomputed": 0},
             )  # fmt: skip
             info["num_transfers"] += 1
+            # the last attempt's timeline on the run clock: the prefill side's first token, the send posted, the
+            # announcement's arrival here, the receive posted (after this engine's step in flight), the KV landed
+            info["timeline"] = {"prefill_token_s": first_at, "sent_s": meta.sent_at, "announced_s": announced,
+                                "receive_posted_s": recv_start, "landed_s": landed}  # fmt: skip
             if ok:
                 info["kv_transfer_bytes"] += meta.num_bytes
                 info["kv_transfer_s"] += landed - max(meta.sent_at, recv_start)
@@ -345,7 +518,7 @@ def _decode_run(
                     os.kill(os.getpid(), signal.SIGKILL)
         if stopping and not arrived and not engine.has_unfinished():
             break
-    out.put(_pool_stats(engine, "decode", rank, {"num_backpressure": len(waited)}))
+    out.put(_pool_stats(engine, "decode", index, {"num_backpressure": len(waited)}))
 
 
 # ---- the coordinator ------------------------------------------------------------------------------------------
@@ -356,32 +529,30 @@ class DisaggCluster:
     """
 
     def __init__(self, source: str, cfg: DisaggConfig, seed: int = 0) -> None:
+        cfg.check_model(ModelConfig.resolve(source))
         self.cfg = cfg
         self.num_p, self.num_d = cfg.num_prefill, cfg.num_decode
-        world = self.world = self.num_p + self.num_d
+        layout = self.layout = cfg.layout
+        world = self.world = layout.world
         context = mp.get_context("spawn")
-        self.inboxes = {rank: context.Queue() for rank in range(world)}
+        self.inboxes = {layout.driver(*e): context.Queue() for e in layout.engines()}  # one per engine's driver
         self.out = context.Queue()
-        prefill_inboxes = {r: self.inboxes[r] for r in range(self.num_p)}
-        decode_inboxes = {r: self.inboxes[r] for r in range(self.num_p, world)}
-
-        def args(rank: int) -> tuple:
-            if rank < self.num_p:
-                return (str(source), cfg.prefill, seed, cfg, self.inboxes[rank], decode_inboxes, self.out)
-            return (str(source), cfg.decode, seed, cfg, self.inboxes[rank], prefill_inboxes, self.out)
 
         def name(rank: int) -> str:
-            return f"workbench-prefill{rank}" if rank < self.num_p else f"workbench-decode{rank - self.num_p}"
+            role, index, local = layout.place(rank)
+            return f"workbench-{role}{index}" + (f"-tp{local}" if local else "")
 
         backend = DistConfig(world, backend=cfg.backend).resolved_backend()
         init = f"tcp://127.0.0.1:{free_port()}"
         self.processes = ProcessSet(
-            list(range(world)), world, backend, init, cfg.transfer_timeout_s + 60, _rank_entry, args, name
-        )
+            list(range(world)), world, backend, init, cfg.transfer_timeout_s + 60, _rank_entry,
+            lambda rank: (str(source), cfg, seed, self.inboxes, self.out), name,
+        )  # fmt: skip
         self._closed = False
         ready: set[int] = set()
+        engines = len(self.inboxes)
         try:
-            self._wait(lambda m: ready.add(m[1]) if m[0] == "ready" else None, lambda: len(ready) == world, {})
+            self._wait(lambda m: ready.add(m[1]) if m[0] == "ready" else None, lambda: len(ready) == engines, {})
         except BaseException:
             self.close()
             raise
@@ -436,8 +607,9 @@ class DisaggCluster:
                 prompt, sampling, arrival = requests[i]
                 if online:  # wait for the arrival time, collecting results meanwhile
                     self._wait(on_result, lambda: False, results, arrival - (time.perf_counter() - t0), True)
-                spec = RequestSpec(i, list(prompt), sampling, arrival if online else 0.0, self.num_p + n % self.num_d)
-                self.inboxes[n % self.num_p].put(("request", spec))
+                decode = self.layout.driver("decode", n % self.num_d)
+                spec = RequestSpec(i, list(prompt), sampling, arrival if online else 0.0, decode)
+                self.inboxes[self.layout.driver("prefill", n % self.num_p)].put(("request", spec))
             self._wait(on_result, lambda: len(results) == len(ids), results)
             duration = time.perf_counter() - t0
             for inbox in self.inboxes.values():
@@ -445,15 +617,15 @@ class DisaggCluster:
 
             def on_pool(message: tuple) -> None:
                 if message[0] == "pool":
-                    role, rank = message[1], message[2]
-                    pools[f"{role}{rank if role == 'prefill' else rank - self.num_p}"] = message[3]
+                    pools[f"{message[1]}{message[2]}"] = message[3]
 
-            self._wait(on_pool, lambda: len(pools) == self.world, results)
+            self._wait(on_pool, lambda: len(pools) == len(self.inboxes), results)
         except BaseException:
             self.close()
             raise
         backpressure = sum(p.get("num_backpressure", 0) for p in pools.values())
-        return DisaggResult([results[i] for i in ids], transfers, pools, duration, backpressure)
+        engines = {i: (n % self.num_p, n % self.num_d) for n, i in enumerate(order)}
+        return DisaggResult([results[i] for i in ids], transfers, pools, duration, backpressure, engines)
 
     def _wait(
         self, on_message: Any, done: Any, results: dict[int, RequestResult], seconds: float | None = None,
@@ -494,9 +666,33 @@ def run_disaggregated(
         return cluster.run(requests, online=online, progress=progress)
 
 
-def _rank_entry(rank: int, world_size: int, report: Any, *args: Any) -> None:
-    num_prefill = args[3].num_prefill
-    (_prefill_main if rank < num_prefill else _decode_main)(rank, world_size, report, *args)
+def _rank_entry(
+    rank: int, world_size: int, report: Any, source: str, cfg: DisaggConfig, seed: int,
+    inboxes: dict[int, mp.Queue], out: mp.Queue,
+) -> None:  # fmt: skip
+    """One rank of the disaggregated world: join every engine's subgroup (each rank creates each, in one order, as
+    ``dist.new_group`` requires), then drive an engine (an engine's first rank) or serve its driver (the others)."""
+    layout = cfg.layout
+    role, index, local = layout.place(rank)
+    config = cfg.prefill if role == "prefill" else cfg.decode
+    timeout = datetime.timedelta(seconds=cfg.transfer_timeout_s + 60)
+    group = None
+    for engine in layout.engines():
+        if layout.tp(engine[0]) > 1:
+            made = dist.new_group(layout.ranks(*engine), timeout=timeout)
+            if engine == (role, index):
+                group = made
+    if local:
+        serve_subgroup(group, DisaggShardWorker, _worker_args(source, config, seed, cfg.threads_per_engine, group))
+        return
+    engine = _load_engine(source, config, seed, cfg.threads_per_engine, out, rank, group)
+    try:
+        kv = EngineKV(engine)
+        plan = transfer_plan(ModelConfig.resolve(source), layout.prefill_tp, layout.decode_tp)
+        main = _prefill_main if role == "prefill" else _decode_main
+        main(engine, kv, rank, index, cfg, plan, inboxes, out)
+    finally:
+        engine.shutdown()
 
 
 def _error(what: str, results: dict[int, RequestResult], traceback_text: str = "") -> DisaggregationError:
@@ -511,8 +707,14 @@ def _error(what: str, results: dict[int, RequestResult], traceback_text: str = "
 
 
 def disagg_config_from_args(args: Any, engine: EngineConfig) -> DisaggConfig:
-    """The ``DisaggConfig`` of ``--disaggregate P:D --threads-per-engine N`` (both pools configured as ``engine``)."""
+    """The ``DisaggConfig`` of ``--disaggregate P:D --threads-per-engine N [--prefill-tp N] [--decode-tp M]``: both
+    pools configured as ``engine``, each with its own tensor-parallel size (default ``--tensor-parallel-size``, the
+    meaning these flags have in ``simulate --disaggregate``)."""
     num_p, num_d = parse_disaggregate(args.disaggregate)
+    prefill_tp, decode_tp = getattr(args, "prefill_tp", None), getattr(args, "decode_tp", None)
     return DisaggConfig(
-        prefill=engine, decode=engine, num_prefill=num_p, num_decode=num_d, threads_per_engine=args.threads_per_engine
-    )
+        prefill=dataclasses.replace(engine, tensor_parallel_size=prefill_tp or engine.tensor_parallel_size),
+        decode=dataclasses.replace(engine, tensor_parallel_size=decode_tp or engine.tensor_parallel_size),
+        num_prefill=num_p, num_decode=num_d, threads_per_engine=args.threads_per_engine,
+    )  # fmt: skip
+

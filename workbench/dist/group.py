@@ -107,11 +107,19 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(3)
 
 
-def _serve(worker: Any, report: Connection | None) -> None:
-    """The worker loop: receive a call from rank 0, run it on this rank's worker, until shutdown."""
+def _broadcast(message: list[Any], group: Any = None) -> None:
+    """``broadcast_object_list`` from the group's first rank: rank 0 of the world, or of ``group`` (a subgroup)."""
+    if group is None:
+        dist.broadcast_object_list(message, src=0)
+    else:
+        dist.broadcast_object_list(message, group=group, group_src=0)
+
+
+def _serve(worker: Any, report: Connection | None, group: Any = None) -> None:
+    """The worker loop: receive a call from the group's rank 0, run it on this rank's worker, until shutdown."""
     while True:
         message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0)
+        _broadcast(message, group)
         method, args, kwargs = message[0]
         if method == _SHUTDOWN:
             return
@@ -258,6 +266,14 @@ def run_worker(factory: Callable[..., Any], *factory_args: Any, timeout_s: float
         dist.destroy_process_group()
 
 
+def serve_subgroup(group: Any, factory: Callable[..., Any], factory_args: tuple[Any, ...] = ()) -> None:
+    """Serve as a worker rank of ``group``, a subgroup (``dist.new_group``) of a world already joined: build this
+    rank's worker as ``factory(group_rank, group_size, *factory_args)`` and serve the calls of the subgroup's rank 0
+    (``WorkerGroup.on_subgroup``) until it shuts the subgroup down. The world stays up (its owner ends it)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    _serve(factory(rank, size, *factory_args), None, group)
+
+
 def launched_by_torchrun() -> bool:
     """True inside a process that torchrun started (it sets these variables)."""
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -285,6 +301,7 @@ class WorkerGroup:
             _worker_entry, lambda rank: (factory, factory_args),
         )  # fmt: skip
         self._processes = self._workers.processes
+        self.group, self._owns_world = None, True  # the default group: this group's ranks are the whole world
         try:
             _init(self.backend, init_method, 0, self.world_size, config.timeout_s)
             self.worker = factory(0, self.world_size, *factory_args)
@@ -299,10 +316,26 @@ class WorkerGroup:
         group.backend = group.config.resolved_backend()
         group.world_size = group.config.world_size
         group._workers, group._closed = ProcessSet.none(), False
-        group._processes = []
+        group._processes, group.group, group._owns_world = [], None, True
         _init(group.backend, "env://", 0, group.world_size, timeout_s)
         group.worker = factory(0, group.world_size, *factory_args)
         return group
+
+    @classmethod
+    def on_subgroup(
+        cls, group: Any, factory: Callable[..., Any], factory_args: tuple[Any, ...] = (), timeout_s: float = 60.0
+    ) -> WorkerGroup:
+        """The driver of ``group``, a subgroup of a world this process has joined already (the tensor-parallel
+        ranks of one engine among the engines of a disaggregated run): this process is the subgroup's rank 0, the
+        other ranks run ``serve_subgroup``. Nothing is spawned; ``shutdown`` ends the subgroup's workers' loops
+        and leaves the world to its owner."""
+        out = cls.__new__(cls)
+        out.config = DistConfig(dist.get_world_size(group), backend=dist.get_backend(group), timeout_s=timeout_s)
+        out.backend, out.world_size = out.config.backend, out.config.world_size
+        out._workers, out._closed, out._processes = ProcessSet.none(), False, []
+        out.group, out._owns_world = group, False
+        out.worker = factory(0, out.world_size, *factory_args)
+        return out
 
     def __enter__(self) -> WorkerGroup:
         return self
@@ -316,7 +349,7 @@ class WorkerGroup:
             raise WorkerError("the worker group has been shut down")
         self._check_alive()
         try:
-            dist.broadcast_object_list([(method, args, kwargs)], src=0)
+            _broadcast([(method, args, kwargs)], self.group)
             return getattr(self.worker, method)(*args, **kwargs)
         except Exception as exc:
             # the ranks may now disagree on where they are in the sequence of collectives: the group is unusable
@@ -331,10 +364,11 @@ class WorkerGroup:
         if dist.is_initialized():
             if self._worker_problem() is None:
                 try:
-                    dist.broadcast_object_list([(_SHUTDOWN, (), {})], src=0)
+                    _broadcast([(_SHUTDOWN, (), {})], self.group)
                 except Exception:  # a worker went away meanwhile: it is reaped below
                     pass
-            dist.destroy_process_group()
+            if self._owns_world:
+                dist.destroy_process_group()
         self._workers.stop(grace_s)
 
     def _check_alive(self) -> None:
@@ -361,7 +395,7 @@ class WorkerGroup:
     def _kill_all(self) -> None:
         self._closed = True
         self._workers.kill()
-        if dist.is_initialized():
+        if dist.is_initialized() and self._owns_world:
             try:
                 dist.destroy_process_group()
             except Exception:  # the group is broken already; nothing more to release

@@ -4,14 +4,23 @@ Its shape follows vLLM v1's KV connector, split in the same two halves:
 
 - the **scheduler side** decides. On the prefill engine, a request whose prefill has produced its first token is
   finished but keeps its blocks (``Scheduler.hold_finished``) until its KV has reached the decode engine
-  (``KVSender.release_done``): a full decode pool therefore fills the prefill pool and stops its admissions
+  (``KVSender.finish``): a full decode pool therefore fills the prefill pool and stops its admissions
   (backpressure), and nothing is dropped. On the decode engine, ``Scheduler.admit_prefilled`` allocates blocks
   for the request's tokens, and the connector loads the prompt's KV into them before its first decode step.
 - the **worker side** moves the bytes: ``KVSender.start`` gathers the K and V of the prompt's token slots from
-  every layer into one buffer ``(2, layers, num_tokens, kv_heads, head_dim)`` and posts it with ``isend``;
-  ``KVReceiver.receive`` posts the matching ``irecv`` (tagged by request and attempt, so transfers may complete
-  in any order), waits up to a timeout, checks the checksum and scatters the tokens into its own slots.
-  Exactly the prompt's tokens are sent, so a transfer is ``num_tokens * ModelConfig.kv_bytes_per_token`` bytes.
+  every layer into one byte buffer per piece (``pack``: K, V and, for an int8 pool, their fp32 scales per token and
+  head, each ``(layers, num_tokens, heads, ...)``) and posts it with ``isend``; ``KVReceiver.receive`` posts the
+  matching ``irecv`` (tagged by request and attempt, so transfers may complete in any order), waits up to a
+  timeout, checks the checksum and scatters the tokens into its own slots (``unpack``). Exactly the prompt's tokens
+  are sent, so a transfer is ``num_tokens * ModelConfig.kv_bytes_per_token(kv dtype)`` bytes. An fp8 pool's scales
+  are one per layer, the model's constants: they are announced with the transfer and checked equal, not sent.
+
+Tensor parallelism on either side (``transfer_plan``): a rank holds the KV heads of its query heads
+(``workbench.model.sharding``), so a request's KV moves as **pieces**, one per (prefill rank, decode rank) pair
+whose heads overlap: each decode rank receives the heads it holds from the first prefill rank holding them. Equal
+TP is rank i to rank i; unequal TP re-slices the heads (TP 1 to TP 2: one prefill rank sends each decode rank
+its half). The pieces add up to the prompt's KV bytes exactly, unless the decode side replicates KV heads
+(``decode_tp > num_kv_heads``): each replica then receives its copy.
 
 Completion is reported on the control channel (``ack``); a transfer whose checksum does not match is sent again
 (``nack``, up to ``max_retries``), and one that still fails, or times out, is recomputed on the decode side from
@@ -22,6 +31,7 @@ receives between its steps, so a transfer delays the decode side's next step by 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Callable
@@ -30,9 +40,24 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from workbench.config import ModelConfig
 from workbench.kv.cache import KVCache
+from workbench.model.sharding import TensorParallelShard
 
 ATTEMPT_BITS = 4  # tags are request_id << ATTEMPT_BITS | attempt
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a request's KV: the full model's KV heads ``[head_lo, head_hi)`` from prefill rank ``src`` to
+    decode rank ``dst`` (global ranks), ``num_bytes`` of them, with the sender's checksum."""
+
+    src: int
+    dst: int
+    head_lo: int
+    head_hi: int
+    num_bytes: int = 0
+    checksum: int = 0
 
 
 @dataclass(frozen=True)
@@ -40,16 +65,46 @@ class KVTransfer:
     """What the prefill side announces for one request's KV (sent on the control channel)."""
 
     request_id: int
-    src_rank: int
+    src_rank: int  # the prefill engine's first rank (its driver), which the acknowledgement goes to
     num_tokens: int
-    num_bytes: int
-    checksum: int
+    pieces: tuple[Piece, ...]
     attempt: int
     sent_at: float  # on the run's shared clock
+    layer_scales: tuple[float, ...] = ()  # fp8: the sender's per-layer K then V scales (checked, not sent)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.pieces)
 
     @property
     def tag(self) -> int:
         return (self.request_id << ATTEMPT_BITS) | self.attempt
+
+
+def head_range(cfg: ModelConfig, rank: int, tp: int) -> tuple[int, int]:
+    """[first, end) of the full model's KV heads that rank ``rank`` of ``tp`` holds."""
+    if tp == 1:
+        return 0, cfg.num_kv_heads
+    shard = TensorParallelShard(cfg, rank, tp)
+    return shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads
+
+
+def transfer_plan(cfg: ModelConfig, prefill_tp: int, decode_tp: int) -> list[Piece]:
+    """The pieces of one request's KV between a prefill engine of ``prefill_tp`` ranks and a decode engine of
+    ``decode_tp`` ranks, as local ranks (0-based on each side): every decode rank gets each head it holds from the
+    first prefill rank that holds it, consecutive heads from one rank in one piece."""
+    holders = [head_range(cfg, r, prefill_tp) for r in range(prefill_tp)]
+    pieces: list[Piece] = []
+    for dst in range(decode_tp):
+        lo, hi = head_range(cfg, dst, decode_tp)
+        for head in range(lo, hi):
+            src = next(r for r, (a, b) in enumerate(holders) if a <= head < b)
+            last = pieces[-1] if pieces else None
+            if last is not None and last.dst == dst and last.src == src and last.head_hi == head:
+                pieces[-1] = dataclasses.replace(last, head_hi=head + 1)
+            else:
+                pieces.append(Piece(src, dst, head, head + 1))
+    return pieces
 
 
 def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
@@ -67,14 +122,49 @@ def checksum(buffer: torch.Tensor) -> int:
     return int(flat.view(torch.int32).sum(dtype=torch.int64))
 
 
-def _flat_pool(cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's K and V as (layers, num_slots, kv_heads, head_dim) views."""
-    k, v = cache.k, cache.v
-    return k.view(k.shape[0], -1, *k.shape[3:]), v.view(v.shape[0], -1, *v.shape[3:])
+def _pool_parts(cache: KVCache) -> list[torch.Tensor]:
+    """What a token's KV is in this pool, each as a (layers, num_slots, kv_heads, ...) view of the pool's storage:
+    an int8 pool's per-token K and V scales, then K and V (fp8 as their bytes)."""
+    parts = []  # the int8 scales first: every part then starts at a multiple of its element size in the buffer
+    if cache.kv_cache_dtype == "int8":
+        parts += [s.view(s.shape[0], -1, s.shape[3]) for s in (cache.k_scale, cache.v_scale)]
+    for pool in (cache.k, cache.v):
+        bits = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+        parts.append(bits.view(bits.shape[0], -1, *bits.shape[3:]))
+    return parts
+
+
+def pack(cache: KVCache, slots: torch.Tensor, heads: slice) -> torch.Tensor:
+    """The bytes of ``slots``' KV in the pool's local heads ``heads``: one flat uint8 buffer, every part in turn."""
+    return torch.cat([p[:, slots, heads].contiguous().view(torch.uint8).reshape(-1) for p in _pool_parts(cache)])
+
+
+def packed_bytes(cache: KVCache, num_tokens: int, num_heads: int) -> int:
+    """Bytes of ``pack`` for ``num_tokens`` tokens and ``num_heads`` heads."""
+    return sum(p.shape[0] * num_tokens * num_heads * p[0, 0, 0].numel() * p.element_size() for p in _pool_parts(cache))
+
+
+def unpack(cache: KVCache, slots: torch.Tensor, heads: slice, buffer: torch.Tensor) -> None:
+    """Write a ``pack`` buffer into ``slots``' local heads ``heads`` of this pool."""
+    offset, n, h = 0, slots.numel(), heads.stop - heads.start
+    for part in _pool_parts(cache):
+        shape = (part.shape[0], n, h, *part.shape[3:])
+        size = part.element_size() * shape[0] * n * h * part[0, 0, 0].numel()
+        part[:, slots, heads] = buffer[offset : offset + size].view(part.dtype).view(shape).to(part.device)
+        offset += size
+
+
+def layer_scales(cache: KVCache) -> tuple[float, ...]:
+    """An fp8 pool's per-layer K then V scales (what ``KVTransfer.layer_scales`` announces); () otherwise."""
+    if cache.kv_cache_dtype != "fp8":
+        return ()
+    return tuple(float(x) for x in torch.cat((cache.k_scale, cache.v_scale)).cpu())
 
 
 class KVSender:
-    """The prefill worker's half: gather a prompt's KV, post it, keep it until the receiver confirms."""
+    """One prefill rank's half: gather its heads of a prompt's KV, post them, keep them until the receiver confirms.
+
+    ``first_head``: the full model's index of this rank's first local KV head."""
 
     def __init__(
         self,
@@ -82,64 +172,80 @@ class KVSender:
         clock: Callable[[], float],
         corrupt_once: frozenset[int] = frozenset(),
         corrupt_always: frozenset[int] = frozenset(),
+        first_head: int = 0,
     ) -> None:
-        self.cache, self.clock = cache, clock
+        self.cache, self.clock, self.first_head = cache, clock, first_head
         self.corrupt_once, self.corrupt_always = corrupt_once, corrupt_always  # fault injection, for tests
-        self.in_flight: dict[int, tuple[torch.Tensor, dist.Work, int, int]] = {}  # rid -> (buffer, work, dst, n)
+        self.in_flight: dict[int, dict[int, tuple[torch.Tensor, dist.Work | None]]] = {}  # rid -> piece -> (buf, work)
 
-    def start(self, request_id: int, block_table: list[int], num_tokens: int, dst: int, attempt: int = 0) -> KVTransfer:
+    def start(
+        self, request_id: int, block_table: list[int], num_tokens: int, pieces: list[Piece], attempt: int = 0
+    ) -> list[tuple[int, Piece]]:
+        """Post this rank's ``pieces`` (those whose ``src`` is this rank); (index in ``pieces``, the piece with its
+        bytes and checksum) for each. Attempt 0 gathers the KV; a later attempt sends the staged copy again."""
+        rank, out = dist.get_rank(), []
         if attempt == 0:
-            k_flat, v_flat = _flat_pool(self.cache)
-            slots = token_slots(block_table, num_tokens, self.cache.block_size).to(k_flat.device)
-            buffer = torch.stack((k_flat[:, slots], v_flat[:, slots]))  # (2, layers, n, kv_heads, d)
-        else:
-            buffer, previous, _, _ = self.in_flight[request_id]
-            previous.wait()  # the damaged attempt was received: complete it before sending the copy again
-        meta = KVTransfer(
-            request_id, dist.get_rank(), num_tokens, buffer.numel() * buffer.element_size(), checksum(buffer),
-            attempt, self.clock(),
-        )  # fmt: skip
-        wire = buffer
-        if (attempt == 0 and request_id in self.corrupt_once) or request_id in self.corrupt_always:
-            wire = buffer.clone()
-            wire.view(-1)[0] += 1.0  # the bytes on the wire differ from the announced checksum
-        work = dist.isend(_on_wire_device(wire), dst, tag=meta.tag)
-        self.in_flight[request_id] = (buffer, work, dst, num_tokens)
-        return meta
+            self.in_flight[request_id] = {}
+        staged = self.in_flight[request_id]
+        for index, piece in enumerate(pieces):
+            if piece.src != rank:
+                continue
+            if attempt == 0:
+                slots = token_slots(block_table, num_tokens, self.cache.block_size).to(self.cache.k.device)
+                heads = slice(piece.head_lo - self.first_head, piece.head_hi - self.first_head)
+                buffer = pack(self.cache, slots, heads)
+            else:
+                buffer, previous = staged[index]
+                if previous is not None:
+                    previous.wait()  # the damaged attempt was received: complete it before sending the copy again
+            wire = buffer
+            if (attempt == 0 and request_id in self.corrupt_once) or request_id in self.corrupt_always:
+                wire = buffer.clone()
+                wire[0] += 1  # the bytes on the wire differ from the announced checksum
+            tag = (request_id << ATTEMPT_BITS) | attempt
+            work = dist.isend(_on_wire_device(wire), piece.dst, tag=tag)
+            staged[index] = (buffer, work)
+            out.append((index, dataclasses.replace(piece, num_bytes=buffer.numel(), checksum=checksum(buffer))))
+        return out
 
     def finish(self, request_id: int) -> None:
-        """The receiver has the KV (or gave up on it): drop the staging buffer."""
-        _, work, _, _ = self.in_flight.pop(request_id)
-        work.wait()
+        """The receiver has the KV (or gave up on it): drop the staging buffers."""
+        for _, work in self.in_flight.pop(request_id, {}).values():
+            if work is not None:
+                work.wait()
 
 
 class KVReceiver:
-    """The decode worker's half: receive a prompt's KV into the slots of its own blocks."""
+    """One decode rank's half: receive its heads of a prompt's KV into the slots of its own blocks."""
 
-    def __init__(self, cache: KVCache, timeout_s: float) -> None:
-        self.cache, self.timeout_s = cache, timeout_s
+    def __init__(self, cache: KVCache, timeout_s: float, first_head: int = 0) -> None:
+        self.cache, self.timeout_s, self.first_head = cache, timeout_s, first_head
 
     def receive(self, meta: KVTransfer, block_table: list[int]) -> tuple[bool, str]:
-        """Receive one transfer into this sequence's blocks; (True, "") or (False, why) on a bad checksum or a
-        timeout (the caller retries or recomputes)."""
-        k_flat, v_flat = _flat_pool(self.cache)
-        layers, _, kv_heads, head_dim = k_flat.shape
-        wire = _wire_device(k_flat.device)
-        buffer = torch.empty((2, layers, meta.num_tokens, kv_heads, head_dim), dtype=k_flat.dtype, device=wire)
-        expected = buffer.numel() * buffer.element_size()
-        if expected != meta.num_bytes:
-            return False, f"announced {meta.num_bytes} bytes where this pool's layout holds {expected}"
-        work = dist.irecv(buffer, meta.src_rank, tag=meta.tag)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:
-            return False, f"timed out after {self.timeout_s:g} s ({str(exc).splitlines()[0][:80]})"
-        if checksum(buffer) != meta.checksum:
-            return False, "checksum mismatch"
-        slots = token_slots(block_table, meta.num_tokens, self.cache.block_size).to(k_flat.device)
-        buffer = buffer.to(k_flat.device)
-        k_flat[:, slots] = buffer[0]
-        v_flat[:, slots] = buffer[1]
+        """Receive this rank's pieces of one transfer into this sequence's blocks; (True, "") or (False, why) on a
+        size or scale mismatch, a bad checksum or a timeout (the caller retries or recomputes)."""
+        if layer_scales(self.cache) != meta.layer_scales:
+            return False, f"the sender's fp8 layer scales {meta.layer_scales} differ from this pool's"
+        rank, wire = dist.get_rank(), _wire_device(self.cache.k.device)
+        posted = []
+        for piece in meta.pieces:
+            if piece.dst != rank:
+                continue
+            heads = slice(piece.head_lo - self.first_head, piece.head_hi - self.first_head)
+            expected = packed_bytes(self.cache, meta.num_tokens, heads.stop - heads.start)
+            if expected != piece.num_bytes or heads.start < 0 or heads.stop > self.cache.num_kv_heads:
+                return False, f"announced {piece.num_bytes} bytes of heads {heads} where this pool holds {expected}"
+            buffer = torch.empty(expected, dtype=torch.uint8, device=wire)
+            posted.append((piece, heads, buffer, dist.irecv(buffer, piece.src, tag=meta.tag)))
+        slots = token_slots(block_table, meta.num_tokens, self.cache.block_size).to(self.cache.k.device)
+        for piece, heads, buffer, work in posted:
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                return False, f"timed out after {self.timeout_s:g} s ({str(exc).splitlines()[0][:80]})"
+            if checksum(buffer) != piece.checksum:
+                return False, "checksum mismatch"
+            unpack(self.cache, slots, heads, buffer)
         return True, ""
 
 

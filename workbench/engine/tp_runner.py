@@ -38,14 +38,16 @@ from workbench.model.sharding import all_reduce, gather_logits
 
 
 class ShardWorker:
-    """One rank of a tensor-parallel engine: a model shard and its shard of the KV pool."""
+    """One rank of a tensor-parallel engine: a model shard and its shard of the KV pool. ``group``: the ranks'
+    process group when they are a subgroup of a larger world (a disaggregated pool); None: the whole world."""
 
     def __init__(
-        self, rank: int, world_size: int, source: str, dtype: str, device: str, seed: int, num_threads: int | None
-    ) -> None:
+        self, rank: int, world_size: int, source: str, dtype: str, device: str, seed: int, num_threads: int | None,
+        group: Any = None,
+    ) -> None:  # fmt: skip
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.group = rank, world_size, group
         self.load(source, dtype, device, seed)
 
     def load(self, source: str, dtype: str, device: str, seed: int) -> None:
@@ -66,10 +68,10 @@ class ShardWorker:
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._timing:
-            return all_reduce(tensor)
+            return all_reduce(tensor, self.group)
         synchronize(self.device)
         start = time.perf_counter()
-        all_reduce(tensor)
+        all_reduce(tensor, self.group)
         synchronize(self.device)
         self.comm_s += time.perf_counter() - start
         self.num_all_reduces += 1
@@ -99,7 +101,7 @@ class ShardWorker:
             if not step["rows"]:
                 return None
             local = self.model.compute_logits(hidden[meta.last_token_indices[step["rows"]]])
-        return gather_logits(local, self.shard)
+        return gather_logits(local, self.shard, self.group)
 
     def comm_stats(self, reset: bool = True, enable: bool = True) -> dict[str, float]:
         """All-reduce seconds and count since the last call on this rank (the driver reports rank 0's)."""

@@ -167,51 +167,218 @@ def disaggregated_fidelity(
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     noise_seed: int | None = 7,
+    calibration: Sequence[Request] | None = None,
 ) -> dict[str, Any]:
     """The real disaggregated run (``repeats`` times) against the simulated one on each cost model of ``costs`` (one
-    or a list), with the KV link fitted to the real transfers (``workbench.sim.comm.fit_latency_bandwidth``): ``rows``
-    as ``compare`` (models ``cost.name`` and ``cost.name + " noise"``), ``link``, ``loads``."""
+    or a list): ``rows`` as ``compare`` (models ``cost.name`` and ``cost.name + " noise"``), ``handoff``, ``loads``.
+
+    The simulator models the real engines' handoff (``SimConfig.kv_handoff_s``, ``kv_receive='between-steps'``: the
+    decode engine receives between its steps), with the link, the handoff and each role's wake-up measured on a
+    **calibration run** of another workload (``calibration``; default: this one's lengths and rate, another seed)
+    by ``handoff_profile``; and each role's extra time of a step after an idle wait
+    (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on that run too
+    (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
+    engines block on a queue, and from another hour's load); the ``noise`` variant also draws each handoff from the
+    calibration run's. The measured repeats then replay the held-out ``requests``."""
+    import dataclasses
+
     from workbench.config import ModelConfig
     from workbench.dist.disagg import DisaggCluster, DisaggConfig
     from workbench.engine.metrics import summarize
     from workbench.request import SamplingParams
-    from workbench.sim.comm import fit_latency_bandwidth
     from workbench.workloads import prompt_token_ids
 
     cfg_model = ModelConfig.resolve(model)
     ecfg = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, device="cpu")
-    work = [(prompt_token_ids(r, cfg_model.vocab_size, 0), SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-             r.arrival_time_s) for r in requests]  # fmt: skip
+
+    def as_work(reqs: Sequence[Request]) -> list:
+        return [(prompt_token_ids(r, cfg_model.vocab_size, 0), SamplingParams(max_tokens=r.output_len,
+                 ignore_eos=True), r.arrival_time_s) for r in reqs]  # fmt: skip
+
+    if calibration is None:
+        calibration = _recalibration_workload(requests)
+    work = as_work(requests)
     dcfg = DisaggConfig(prefill=ecfg, decode=ecfg, num_prefill=split[0], num_decode=split[1],
                         threads_per_engine=threads)  # fmt: skip
-    runs, points, loads = [], [], []
+    runs, loads = [], []
     with DisaggCluster(model, dcfg) as cluster:
         cluster.run(work[:4], online=False)  # warm-up, not measured
+        before = load_average()
+        cal = cluster.run(as_work(calibration), online=True)
+        loads.append({"repeat": "calibration", "load_before": before, "load_after": load_average()})
         for rep in range(repeats):
             before = load_average()
             result = cluster.run(work, online=True)
             loads.append({"repeat": rep, "load_before": before, "load_after": load_average()})
             runs.append(summarize(result.requests, duration_s=result.duration_s)["metrics"])
-            points += [(t["kv_transfer_bytes"], t["kv_transfer_s"]) for t in result.transfers.values()
-                       if t["kv_transfer_bytes"] > 0]  # fmt: skip
-    latency, bandwidth = fit_latency_bandwidth(points)
-    link_fit = "latency-bandwidth"
-    if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: bytes over seconds, no latency
-        latency, bandwidth = 0.0, sum(b for b, _ in points) / max(sum(t for _, t in points), 1e-12)
-        link_fit = "mean (the latency-bandwidth fit was not physical)"
-    scfg = SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=ecfg.cache_shape(cfg_model)[0],
-                     block_size=ecfg.block_size, dtype="fp32", disaggregate=split, link_gbps=bandwidth * 8 / 1e9,
-                     link_latency_s=latency)  # fmt: skip
-    rows = []
-    n = sum(split)
+    handoff = handoff_profile(cal)
+
+    def sim_config(**handoff_draws: Any) -> SimConfig:
+        return SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                         num_blocks=ecfg.cache_shape(cfg_model)[0], block_size=ecfg.block_size, dtype="fp32",
+                         disaggregate=split, link_gbps=handoff["link_gbps"], link_latency_s=handoff["link_latency_s"],
+                         kv_handoff_s=handoff["kv_handoff_s"], kv_receive="between-steps", **handoff_draws)  # fmt: skip
+
+    scfg = sim_config()
+    noisy = sim_config(kv_handoff_quantiles_s=tuple(handoff["kv_handoff_quantiles_s"]), kv_handoff_seed=noise_seed or 0)
+    roles = ["prefill"] * split[0] + ["decode"] * split[1]
+    rows, calibrated = [], {}
     setup = f"disaggregated {split[0]}:{split[1]}"
     for cost in costs if isinstance(costs, (list, tuple)) else [costs]:
-        for name, seeds in ((cost.name, [None] * n), (f"{cost.name} noise", [noise_seed + i for i in range(n)])):
-            replicas = [cost.with_noise(s) for s in seeds]  # stateful: one per replica
-            sim = simulate(list(requests), cfg_model, replicas, scfg).summary()["metrics"]
+        base = [dataclasses.replace(cost, noise_seed=None, wake_s=handoff["wake_s"][r], idle_step_s=0.0) for r in roles]
+        plain = simulate(list(calibration), cfg_model, base, scfg, record_steps=True)
+        cal_roles = calibrated[cost.name] = _calibrate_roles(cal, plain, split)
+
+        def replicas(seeds: list[int | None], cost: Any = cost, cal_roles: dict = cal_roles) -> list:
+            idle_key = "idle_step_s" if seeds[0] is None else "noise_idle_step_s"
+            return [dataclasses.replace(cost, noise_seed=s, wake_s=handoff["wake_s"][role],
+                                        idle_step_s=cal_roles[role][idle_key],
+                                        residual_quantiles_s=cal_roles[role]["residual_quantiles_s"] or
+                                        cost.residual_quantiles_s)
+                    for s, role in zip(seeds, roles)]  # fmt: skip
+
+        for name, seeds in ((cost.name, [None] * len(roles)),
+                            (f"{cost.name} noise", [noise_seed + i for i in range(len(roles))])):  # fmt: skip
+            sim = simulate(list(requests), cfg_model, replicas(seeds), noisy if seeds[0] is not None else scfg)
+            sim = sim.summary()["metrics"]
             rows += compare({setup: runs}, {setup: sim}, name)
-    link = {"latency_s": latency, "gbps": bandwidth * 8 / 1e9, "num_transfers": len(points), "fit": link_fit}
-    return {"rows": rows, "link": link, "loads": loads, "repeats": repeats}
+    link = {"latency_s": handoff["link_latency_s"], "gbps": handoff["link_gbps"],
+            "num_transfers": handoff["num_transfers"], "fit": handoff["link_fit"]}  # fmt: skip
+    idle = {name: {role: c["idle_step_s"] for role, c in roles_.items()} for name, roles_ in calibrated.items()}
+    return {"rows": rows, "link": link, "handoff": handoff, "idle_step_s": idle, "loads": loads, "repeats": repeats}
+
+
+def handoff_profile(result: Any) -> dict[str, Any]:
+    """What a real disaggregated run (``workbench.dist.disagg.DisaggResult``) says about its handoff, in the
+    simulator's terms (``workbench.sim.cluster``; all medians):
+
+    - ``link_latency_s``, ``link_gbps``: ``time = latency + bytes / bandwidth`` fitted to the wire times (receive
+      posted to KV landed; ``workbench.sim.comm.fit_latency_bandwidth``), else, when that fit is not physical (a
+      loaded machine's outliers), the line through the medians of the smaller and the larger half of the transfers
+      (``link_fit`` says which);
+    - ``kv_handoff_s``: from the prefill side's first token to the announcement reaching the decode engine (the
+      sender's gather and the control message), and ``kv_handoff_quantiles_s``, 100 quantiles of them;
+    - ``wake_s``: per role, from a request's arrival (prefill) or announcement (decode) that finds its engine idle
+      to the engine's next step or receive.
+    """
+    from workbench.sim.comm import fit_latency_bandwidth
+
+    lines = [(t["kv_transfer_bytes"], t["timeline"]) for t in result.transfers.values()
+             if t.get("kv_transfer_bytes", 0) > 0 and "timeline" in t]  # fmt: skip
+    if len(lines) < 2:
+        from workbench.errors import ConfigError
+
+        raise ConfigError("a handoff profile needs at least two transferred requests")
+    wire = [(b, max(tl["landed_s"] - tl["receive_posted_s"], 1e-9)) for b, tl in lines]
+    latency, bandwidth = fit_latency_bandwidth(wire)
+    fit = "latency-bandwidth"
+    if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: the line through two medians
+        latency, bandwidth = _two_medians_line(wire)
+        fit = "the medians of the smaller and larger halves (the least-squares fit was not physical)"
+    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for _, tl in lines)
+    wakes: dict[str, list[float]] = {"prefill": [], "decode": []}
+    by_id = {r.request_id: r for r in result.requests}
+    for rid, (p, d) in result.engines.items():
+        steps = result.pools.get(f"prefill{p}", {}).get("steps", [])
+        if rid in by_id and (w := _wake(steps, by_id[rid].arrival_time)) is not None:
+            wakes["prefill"].append(w)
+        tl = result.transfers.get(rid, {}).get("timeline")
+        steps = result.pools.get(f"decode{d}", {}).get("steps", [])
+        if tl is not None and not any(s["start_s"] <= tl["announced_s"] < s["end_s"] for s in steps):
+            wakes["decode"].append(tl["receive_posted_s"] - tl["announced_s"])
+    return {
+        "link_latency_s": latency,
+        "link_gbps": bandwidth * 8 / 1e9,
+        "link_fit": fit,
+        "kv_handoff_s": statistics.median(handoffs),
+        "kv_handoff_quantiles_s": [handoffs[round(q * (len(handoffs) - 1) / 99)] for q in range(100)],
+        "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
+        "num_transfers": len(lines),
+    }
+
+
+def _two_medians_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency, bytes per second) of the line through the (bytes, seconds) medians of the smaller and the larger
+    half of ``points``; a flat or falling line is all latency (the median time) over a link of no cost per byte."""
+    ordered = sorted(points)
+    half = len(ordered) // 2
+    lo, hi = ordered[:half], ordered[half:]
+    (b1, t1), (b2, t2) = ((statistics.median(b for b, _ in h), statistics.median(t for _, t in h)) for h in (lo, hi))
+    if b2 > b1 and t2 > t1:
+        slope = (t2 - t1) / (b2 - b1)
+        return max(t1 - b1 * slope, 0.0), 1.0 / slope
+    return statistics.median(t for _, t in points), 1e15
+
+
+def _wake(steps: list[dict[str, Any]], t: float) -> float | None:
+    """From ``t`` to the next step's start when no step runs at ``t`` (the engine idled); None otherwise."""
+    if any(s["start_s"] <= t < s["end_s"] for s in steps):
+        return None
+    later = [s["start_s"] for s in steps if s["start_s"] >= t]
+    return min(later) - t if later else None
+
+
+def _recalibration_workload(requests: Sequence[Request]) -> list[Request]:
+    """Another draw of a workload like ``requests`` (their count and mean rate, the held-out lengths)."""
+    span = max(r.arrival_time_s for r in requests) or 1.0
+    return held_out_workload(len(requests), len(requests) / span, seed=10_007)
+
+
+def _first_step_after(steps: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
+    later = [x for x in steps if x["start_s"] >= t - 1e-12]
+    return min(later, key=lambda x: x["start_s"]) if later else None
+
+
+def _quantiles(values: list[float], n: int = 100) -> list[float]:
+    v = sorted(values)
+    return [v[min(len(v) - 1, round(q * (len(v) - 1) / (n - 1)))] for q in range(n)] if len(v) > 1 else []
+
+
+def _calibrate_roles(real: Any, sim: Any, split: tuple[int, int]) -> dict[str, dict[str, Any]]:
+    """Per role, from the calibration run and its simulation with no idle excess: ``idle_step_s``, the median of
+    (real - simulated) duration of the step that serves a request which found its engine idle (the prefill step
+    after its arrival; the decode step after its KV landed), at least 0; and ``residual_quantiles_s``, the spread of
+    the real steps around the model (prefill: those paired differences less their median; decode: each real pure
+    decode step less the median simulated one of as many sequences, so the draws carry the machine's speed during the
+    calibration run), which the ``noise`` variant draws, with ``noise_idle_step_s`` (the excess less the residuals'
+    median, not to count a slower machine twice)."""
+    by_id = {r.request_id: r for r in real.requests}
+    sim_by_id = {r.request_id: r for r in sim.records}
+    diffs: dict[str, list[float]] = {"prefill": [], "decode": []}
+    for rid, (p, d) in real.engines.items():
+        r, s = by_id.get(rid), sim_by_id.get(rid)
+        if r is None or s is None:
+            continue
+        steps, sim_steps = real.pools[f"prefill{p}"]["steps"], sim.step_logs[p].to_records()
+        if not any(x["start_s"] <= r.arrival_time < x["end_s"] for x in steps):
+            a, b = _first_step_after(steps, r.arrival_time), _first_step_after(sim_steps, s.arrival_time)
+            if a is not None and b is not None:
+                diffs["prefill"].append(a["duration_s"] - b["duration_s"])
+        tl = real.transfers.get(rid, {}).get("timeline")
+        steps, sim_steps = real.pools[f"decode{d}"]["steps"], sim.step_logs[split[0] + d].to_records()
+        if tl is not None and not any(x["start_s"] <= tl["announced_s"] < x["end_s"] for x in steps):
+            a, b = _first_step_after(steps, tl["landed_s"]), _first_step_after(sim_steps, s.first_token_time)
+            if a is not None and b is not None:
+                diffs["decode"].append(a["duration_s"] - b["duration_s"])
+    out: dict[str, dict[str, Any]] = {}
+    for role, count in (("prefill", split[0]), ("decode", split[1])):
+        excess = statistics.median(diffs[role]) if diffs[role] else 0.0
+        if role == "prefill":
+            spread = [x - excess for x in diffs[role]]
+        else:  # every pure decode step against the simulated ones of as many sequences
+            modelled: dict[int, list[float]] = {}
+            for i in range(split[0], split[0] + count):
+                for x in sim.step_logs[i].to_records():
+                    if x["num_prefill_tokens"] == 0:
+                        modelled.setdefault(x["num_seqs"], []).append(x["duration_s"])
+            typical = {n: statistics.median(v) for n, v in modelled.items()}
+            spread = [x["duration_s"] - typical[x["num_seqs"]] for i in range(count)
+                      for x in real.pools[f"decode{i}"]["steps"]
+                      if x["num_prefill_tokens"] == 0 and x["num_seqs"] in typical]  # fmt: skip
+        shift = statistics.median(spread) if spread else 0.0
+        out[role] = {"idle_step_s": max(excess, 0.0), "residual_quantiles_s": _quantiles(spread),
+                     "noise_idle_step_s": max(excess - shift, 0.0), "num_paired": len(diffs[role])}  # fmt: skip
+    return out
 
 
 # ---- notebook 07: the profiles of this machine, where a step's time goes, published GPU measurements ------------

@@ -211,23 +211,28 @@ def shard_from_full(full: Transformer, shard: TensorParallelShard) -> Transforme
     return model
 
 
-def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over the ranks of the running torch.distributed group, in place (the row-parallel layers'
-    one collective; a no-op without a group or with one rank)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of the running torch.distributed group (or of ``group``, a subgroup), in place
+    (the row-parallel layers' one collective; a no-op without a group or with one rank)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, group=group)
     return tensor
 
 
-def gather_logits(local: torch.Tensor, shard: TensorParallelShard) -> torch.Tensor | None:
-    """The full (N, vocab) logits on rank 0 from every rank's (N, vocab slice); None on the other ranks.
-    Slices are padded to one length for ``dist.gather`` and trimmed again."""
+def gather_logits(
+    local: torch.Tensor, shard: TensorParallelShard, group: dist.ProcessGroup | None = None
+) -> torch.Tensor | None:
+    """The full (N, vocab) logits on rank 0 (of the world, or of ``group``) from every rank's (N, vocab slice); None
+    on the other ranks. Slices are padded to one length for ``dist.gather`` and trimmed again."""
     if shard.tp == 1:
         return local
     width = shard.vocab_slice_len
     padded = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
     parts = [torch.empty_like(padded) for _ in range(shard.tp)] if shard.rank == 0 else None
-    dist.gather(padded, parts, dst=0)
+    if group is None:
+        dist.gather(padded, parts, dst=0)
+    else:
+        dist.gather(padded, parts, group=group, group_dst=0)
     if parts is None:
         return None
     sizes = [TensorParallelShard(shard.cfg, r, shard.tp).vocab_range for r in range(shard.tp)]

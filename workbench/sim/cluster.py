@@ -22,6 +22,12 @@ decode replica chosen by the router when the transfer completes; that replica ad
 tokens, FCFS, keeping the watermark) at the top of its next step, and its next token is a decode. TTFT ends at
 that admission: the first token reaches the client from the decode side (DistServe's definition, and the real
 disaggregated engine's), so it counts the prefill, the transfer and any wait for room.
+Two settings describe a real engine's handoff rather than a dedicated link (``workbench.dist.disagg`` on gloo, and
+``scripts/sim_fidelity.py --disaggregate``, which measures both): ``kv_handoff_s``, host time from the prefill
+step's end to the transfer's start (the sender's gather and the control message; or drawn, seeded, from measured
+ones: ``kv_handoff_quantiles_s``), and ``kv_receive='between-steps'``: the decode replica receives each admitted
+request's KV before its next step, which the wire time then delays (TTFT ends when the KV has landed); the default
+``'overlapped'`` moves it beside the decode replica's steps.
 
 Events are processed in time order: at equal times, step completions come before arrivals and KV transfers,
 and both before a step that starts at that time (so such a step admits them, as the engine does).
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -60,6 +67,9 @@ ROUTERS = ("round-robin", "least-outstanding", "shortest-queue")
 SIM_TOKEN = 0  # the token every simulated step samples (EOS is ignored, as in the engine's replay)
 
 
+KV_RECEIVE = ("overlapped", "between-steps")
+
+
 @dataclass
 class SimConfig(ServingConfig):
     """One replica's engine settings (the shared ``ServingConfig`` of ``EngineConfig``) and the cluster around it.
@@ -82,6 +92,11 @@ class SimConfig(ServingConfig):
     disaggregate: tuple[int, int] | None = None
     link_gbps: float = 100.0
     link_latency_s: float = 0.0
+    kv_handoff_s: float = 0.0  # disaggregated: host time from a prefill's end to its transfer's start
+    # measured handoffs to draw each one from (seeded by kv_handoff_seed) in place of kv_handoff_s; () = constant
+    kv_handoff_quantiles_s: tuple[float, ...] = ()
+    kv_handoff_seed: int = 0
+    kv_receive: str = "overlapped"  # or 'between-steps': the decode replica spends the wire time before a step
     quantization: str | None = None  # the weights: None, 'int8', 'int4' (weight-only), 'fp8' (FP8 compute)
     group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
     kv_cache_dtype: str = "auto"  # 'auto' (= dtype), 'int8', 'fp8'
@@ -126,10 +141,15 @@ class SimConfig(ServingConfig):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
-        if not isinstance(self.link_latency_s, (int, float)) or not (
-            self.link_latency_s >= 0 and math.isfinite(self.link_latency_s)
-        ):
-            raise ConfigError(f"link_latency_s must be a number >= 0, got {self.link_latency_s!r}")
+        for name in ("link_latency_s", "kv_handoff_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
+        self.kv_handoff_quantiles_s = tuple(float(x) for x in self.kv_handoff_quantiles_s)
+        if not all(x >= 0 and math.isfinite(x) for x in self.kv_handoff_quantiles_s):
+            raise ConfigError("kv_handoff_quantiles_s must be numbers >= 0")
+        if self.kv_receive not in KV_RECEIVE:
+            raise ConfigError(f"kv_receive must be one of {', '.join(KV_RECEIVE)}; got {self.kv_receive!r}")
 
     @property
     def total_replicas(self) -> int:
@@ -208,6 +228,7 @@ class Replica:
         self.clock = 0.0  # when the replica became free (end of its last step, or an arrival while idle)
         self.inflight: tuple[StepPlan, float, float] | None = None  # (plan, start, end)
         self.ready: deque[Sequence] = deque()  # disaggregated decode: KV arrived, not yet admitted
+        self.receive_s: dict[int, float] = {}  # kv_receive 'between-steps': each ready request's wire time here
         self.on_finish = on_finish
         self.step_log: StepLog | None = StepLog() if record_steps else None
         self.busy_s = 0.0
@@ -231,12 +252,15 @@ class Replica:
         self.outstanding += 1
         self.scheduler.add(seq)
 
-    def add_prefilled(self, seq: Sequence, now: float) -> None:
-        """A request whose prompt KV arrived at ``now`` (disaggregated decode): admitted at the next step."""
+    def add_prefilled(self, seq: Sequence, now: float, receive_s: float = 0.0) -> None:
+        """A request whose prompt KV arrived at ``now`` (disaggregated decode): admitted at the next step, which
+        ``receive_s`` (the wire time, when this replica receives between its steps) then delays."""
         if self._idle():
             self.clock = max(self.clock, now)
         self.outstanding += 1
         self.ready.append(seq)
+        if receive_s:
+            self.receive_s[seq.seq_id] = receive_s
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def advance(self, until: float) -> None:
@@ -257,12 +281,15 @@ class Replica:
             if start >= until:
                 return
             ready = self.ready
+            received = 0.0
             while ready and sched.admit_prefilled(ready[0]):
                 # its first token reaches the client from here, now that this replica holds its KV (DistServe's
                 # TTFT, as the real disaggregated engine measures it: workbench.dist.disagg)
                 seq = ready.popleft()
-                seq.first_token_time = seq.token_times[0] = max(start, seq.token_times[0])
-            if not ready and self.fast:
+                received += self.receive_s.pop(seq.seq_id, 0.0)
+                seq.first_token_time = seq.token_times[0] = max(start + received, seq.token_times[0])
+            start += received  # kv_receive 'between-steps': the step waits for the KV it admitted
+            if not ready and not received and self.fast:
                 window = sched.decode_steps_until_change()
                 if window > 1:
                     running = list(sched.running)  # the run may finish some: log what it decoded
@@ -407,12 +434,15 @@ def simulate(
     if len(costs) != total:
         raise ConfigError(f"{len(costs)} cost models given for {total} replicas")
     records: dict[int, RequestRecord] = {}
-    transfers: list[tuple[float, int, Sequence]] = []
+    transfers: list[tuple[float, int, Sequence, float]] = []
     # each GPU of the prefill group sends its own shard of a prompt's KV at once, over a link of link_gbps each
     kv_bytes_per_token = cfg.kv_bytes_per_token(config.kv_cache_dtype) / (
         config.role_tp("prefill") * config.pipeline_parallel_size
     )
     link_bytes_per_s = config.link_gbps * 1e9 / 8
+    between_steps = config.kv_receive == "between-steps"
+    handoffs = config.kv_handoff_quantiles_s
+    handoff_rng = random.Random(config.kv_handoff_seed)
     output_len: dict[int, int] = {}
 
     rejected: list[dict[str, Any]] = []
@@ -435,8 +465,10 @@ def simulate(
         nxt.first_token_time = seq.first_token_time
         nxt.first_scheduled_time = seq.first_scheduled_time
         nxt.num_preemptions = seq.num_preemptions
-        arrive = now + seq.num_prompt_tokens * kv_bytes_per_token / link_bytes_per_s + config.link_latency_s
-        heapq.heappush(transfers, (arrive, seq.seq_id, nxt))
+        wire = seq.num_prompt_tokens * kv_bytes_per_token / link_bytes_per_s + config.link_latency_s
+        handoff = handoffs[handoff_rng.randrange(len(handoffs))] if handoffs else config.kv_handoff_s
+        arrive = now + handoff + (0.0 if between_steps else wire)
+        heapq.heappush(transfers, (arrive, seq.seq_id, nxt, wire if between_steps else 0.0))
 
     def replica(index: int, on_finish: Callable[[Replica, Sequence, float], None], role: str) -> Replica:
         return Replica(index, sched_cfg, tracked[role if role in tracked else "mixed"], config.block_size,
@@ -471,8 +503,8 @@ def simulate(
         if t == inf:
             break
         if t_xfer <= t_arr:
-            _, _, seq = heapq.heappop(transfers)
-            back_router.pick().add_prefilled(seq, t_xfer)  # type: ignore[union-attr]
+            _, _, seq, receive_s = heapq.heappop(transfers)
+            back_router.pick().add_prefilled(seq, t_xfer, receive_s)  # type: ignore[union-attr]
             continue
         r = pending[i]
         i += 1

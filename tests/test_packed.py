@@ -11,7 +11,14 @@ from workbench.engine.engine import Engine
 from workbench.errors import ConfigError
 from workbench.model import quant
 from workbench.model.checkpoint import load_model
-from workbench.model.packed import PACKED_MAX_ROWS, PackedLinear, pack_linears, packing_available, unpack_linears
+from workbench.model.packed import (
+    PACKED_MAX_ROWS,
+    PACKED_MIN_ROWS,
+    PackedLinear,
+    pack_linears,
+    packing_available,
+    unpack_linears,
+)
 from workbench.request import SamplingParams
 
 needs_onednn = pytest.mark.skipif(
@@ -20,7 +27,7 @@ needs_onednn = pytest.mark.skipif(
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 2, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float64_product(rows, bias):
     gen = torch.Generator().manual_seed(rows)

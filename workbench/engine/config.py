@@ -108,7 +108,7 @@ class EngineConfig(ServingConfig):
     so how many blocks a byte budget buys (``plan_num_blocks`` counts int8's scales).
 
     ``packed_linears`` (CPU, fp32 or bf16, one process): the model's plain linear layers also hold oneDNN's packed
-    layout of their weights, used for products of 2 to 256 rows (``workbench.model.packed``): a second copy of the
+    layout of their weights, used for products of 4 to 256 rows (``workbench.model.packed``): a second copy of the
     weights in memory for faster decode batches and short chunks. The engine applies it to the model it is given.
     """
 
@@ -120,7 +120,7 @@ class EngineConfig(ServingConfig):
     quantization: str | None = None  # weight-only: None, 'int8' (per channel), 'int4' (group-wise); model.quant
     group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
     kv_cache_dtype: str = "auto"  # 'auto' (= dtype), 'int8' (per token and head scales), 'fp8' (e4m3, a scale)
-    packed_linears: bool = True  # CPU fp32/bf16: oneDNN-packed copies of the weights for 2-256 rows (model.packed)
+    packed_linears: bool = True  # CPU fp32/bf16: oneDNN-packed copies of the weights for 4-256 rows (model.packed)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -6,9 +6,9 @@ to reading the weight, and for hundreds of rows it is amortised; in between (a d
 a 100-token chunk) it is a large share of the call. torch's own ``torch.ops.mkldnn`` operators let the weight be
 re-laid out once, at load (``_reorder_linear_weight``), and multiplied in that blocked layout
 (``_linear_pointwise``), which is also what vLLM's CPU backend does through oneDNN. Measured on the 2-core Intel
-Xeon of this project (AVX-512, torch 2.13, fp32, a 5632 x 1024 weight, same run): 1.9x faster than ``F.linear``
-at 8 rows, 1.46x at 32, 1.12x at 128, 0.97x at 512, even at 1 row; ``scripts/bench_cpu_linear.py`` measures the
-crossover on the machine at hand.
+Xeon of this project (AVX-512, torch 2.13, fp32, the model's matrices, same run): 1.85x faster than ``F.linear``
+at 8 rows, 1.26x at 32, 1.13x at 128, even at 256 and more, slower at 1 and 2 rows (0.90x, 0.82x);
+``scripts/bench_cpu_linear.py`` measures the crossover on the machine at hand.
 
 ``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
 quantization code are unchanged) and adds the packed copy, used for ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``
@@ -24,8 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-PACKED_MIN_ROWS = 2
-PACKED_MAX_ROWS = 256  # the measured crossover is 256-512 rows on the project's CPU (see the module docstring)
+# scripts/bench_cpu_linear.py on the project's 2-core Intel Xeon (bench-300m's matrices, fp32, 2026-12-01, load
+# 1.3-3.3): packed / plain speed 0.90x at 1 row, 0.82x at 2, 1.37x at 4, 1.85x at 8, 1.26x at 32, 1.13x at 128,
+# 1.03x at 256 and 512, 1.03x at 1024
+PACKED_MIN_ROWS = 4
+PACKED_MAX_ROWS = 256
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 

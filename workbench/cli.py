@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from workbench.errors import WorkbenchError
@@ -56,10 +57,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        return int(module.run(args) or 0)
+        code = int(module.run(args) or 0)
     except WorkbenchError as exc:
         print(f"workbench {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    from workbench.dist.group import launched_by_torchrun
+
+    if launched_by_torchrun():  # a rank torchrun started: its process group is gone by now
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Flush and leave without C++ static destructors: a torchrun rank whose process group is already destroyed
+    can still abort in them ("terminate called without an active exception", seen under load on 2 cores)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ spent communicating.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
@@ -157,6 +158,10 @@ def start_workers(
             )
         if int(os.environ["RANK"]) != 0:
             run_worker(ShardWorker, *args, timeout_s=120.0)
-            raise SystemExit(0)  # a worker rank's whole life is serving the driver
+            # a worker rank's whole life is serving the driver; leave without C++ static destructors, which can
+            # abort after the group is destroyed ("terminate called without an active exception", under load)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         return WorkerGroup.from_env(ShardWorker, args, timeout_s=120.0)
     return WorkerGroup(DistConfig(tensor_parallel_size, timeout_s=120.0), ShardWorker, args)

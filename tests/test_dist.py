@@ -6,6 +6,7 @@ fault test breaks a group of its own on purpose.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.dist.group import DistConfig, WorkerError, WorkerGroup
+from workbench.dist.group import DistConfig, WorkerError, WorkerGroup, _init, free_port
 from workbench.errors import ConfigError
 from workbench.model.sharding import all_reduce
 from workbench.sim.comm import CollectiveProfile, bus_bandwidth, fit_latency_bandwidth, ring_all_reduce_s
@@ -71,6 +72,35 @@ def test_a_failing_worker_makes_the_driver_raise_within_a_bounded_time(fault, ti
     assert not dist.is_initialized()
 
 
+def _late_rank(url: str, delay_s: float, timeout_s: float) -> None:
+    time.sleep(delay_s)  # a rank that is slow to start, as a spawned one is on a busy machine
+    _init("gloo", url, 1, 2, timeout_s)
+    x = torch.full((2,), 2.0)
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+
+
+def test_a_rank_later_than_the_collective_timeout_still_joins():
+    # the collective timeout (2 s) is shorter than rank 1's start (4 s): the rendezvous must wait for it anyway,
+    # while a collective on its own keeps the short timeout (the hang case above)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    late = multiprocessing.get_context("spawn").Process(target=_late_rank, args=(url, 4.0, 2.0))
+    late.start()
+    try:
+        _init("gloo", url, 0, 2, 2.0)
+        x = torch.full((2,), 1.0)
+        dist.all_reduce(x)
+        assert x.tolist() == [3.0, 3.0]
+        dist.destroy_process_group()
+        late.join(30)
+        assert late.exitcode == 0
+    finally:
+        if late.is_alive():
+            late.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def group():
     with WorkerGroup(DistConfig(2, backend="gloo", timeout_s=30), ProbeWorker) as g:
@@ -94,6 +124,9 @@ def test_a_second_group_in_the_same_process_is_refused(group):
         ({"world_size": 0}, "world_size"),
         ({"world_size": 2, "backend": "mpi"}, "backend"),
         ({"world_size": 2, "timeout_s": 0}, "timeout_s"),
+        ({"world_size": 2, "init_method": "127.0.0.1:29500"}, "init_method"),
+        ({"world_size": 2, "init_method": "tcp://127.0.0.1:port"}, "init_method"),
+        ({"world_size": 2, "init_method": "file:///tmp/x"}, "init_method"),
     ],
 )
 def test_bad_configs_name_the_field(kwargs, field):

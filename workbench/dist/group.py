@@ -50,13 +50,17 @@ class WorkerError(WorkbenchError, RuntimeError):
     remote_traceback: str = ""
 
 
+STARTUP_TIMEOUT_S = 60.0  # the least time the ranks get to meet: spawned ranks import torch first (seconds on 2 cores)
+
+
 @dataclass(frozen=True)
 class DistConfig:
     """How to start one group of ranks.
 
-    ``backend`` 'auto' is NCCL when CUDA is available and gloo otherwise. ``timeout_s`` bounds every collective
-    (and the start-up rendezvous): past it the driver raises instead of waiting for a hung rank.
-    ``init_method`` None: a TCP rendezvous on a free port of 127.0.0.1 (one node).
+    ``backend`` 'auto' is NCCL when CUDA is available and gloo otherwise. ``timeout_s`` bounds every collective:
+    past it the driver raises instead of waiting for a hung rank. The start-up rendezvous gets
+    ``max(timeout_s, STARTUP_TIMEOUT_S)``. ``init_method`` None: a TCP rendezvous on a free port of 127.0.0.1 (one
+    node); else ``tcp://HOST:PORT`` or ``env://`` (torchrun's variables).
     """
 
     world_size: int
@@ -71,6 +75,10 @@ class DistConfig:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout_s must be positive, got {self.timeout_s!r}")
+        if self.init_method is not None and self.init_method != "env://":
+            host, _, port = self.init_method.removeprefix("tcp://").rpartition(":")
+            if not self.init_method.startswith("tcp://") or not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"init_method must be 'tcp://HOST:PORT' or 'env://', got {self.init_method!r}")
 
     def resolved_backend(self) -> str:
         if self.backend == "auto":
@@ -88,15 +96,22 @@ def free_port() -> int:
 
 
 def _init(backend: str, init_method: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join the default group: meet within ``max(timeout_s, STARTUP_TIMEOUT_S)``, then collectives within ``timeout_s``.
+
+    ``init_process_group(init_method='tcp://...', timeout=t)`` uses ``t`` for the rendezvous too, so a short collective
+    timeout (a test's 3 s hang check) failed whenever a spawned rank took longer than that to import torch on a busy
+    machine. A ``tcp://`` rendezvous therefore goes through a ``TCPStore`` of our own with the longer timeout.
+    """
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if init_method.startswith("tcp://"):
+        host, _, port = init_method[len("tcp://") :].rpartition(":")
+        startup = datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
+        store = dist.TCPStore(host.strip("[]"), int(port), world_size, rank == 0, timeout=startup)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

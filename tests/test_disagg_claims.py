@@ -77,3 +77,82 @@ def test_best_layouts_picks_the_best_split_per_rate():
     assert best.best_split.tolist() == ["4:4", "2:6"]
     assert best.split_goodput_per_gpu.tolist() == [1.1, 2.0]
     assert best.colocated_goodput_per_gpu.tolist() == [1.0, 1.5]
+
+
+def _tp_row(layout: str, rate: float, ptp: int, dtp: int, goodput: float) -> dict:
+    return {"layout": layout, "rate": rate, "prefill_tp": ptp, "decode_tp": dtp, "goodput_per_gpu": goodput}
+
+
+def test_best_by_tp_separates_one_tp_from_a_tp_per_phase():
+    sweep = pd.DataFrame(
+        [
+            _tp_row("8xTP1", 10.0, 1, 1, 1.0),
+            _tp_row("P2xTP2:D2xTP2", 10.0, 2, 2, 1.4),
+            _tp_row("P2xTP2:D4xTP1", 10.0, 2, 1, 1.2),
+            _tp_row("P4xTP1:D2xTP2", 10.0, 1, 2, 0.9),
+            _tp_row("8xTP1", 20.0, 1, 1, 1.5),
+            _tp_row("P2xTP2:D4xTP1", 20.0, 2, 1, 2.5),
+        ]
+    )
+    best = dx.best_by_tp(sweep)
+    assert best.one_tp_layout.tolist() == ["P2xTP2:D2xTP2", "8xTP1"]
+    assert best.tp_per_phase_layout.tolist() == ["P2xTP2:D4xTP1", "P2xTP2:D4xTP1"]
+    assert best.tp_per_phase_goodput_per_gpu.tolist() == [1.2, 2.5]
+
+
+def _best_tp(pairs: list[tuple[float, float]]) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {
+                "rate": 10.0 * (i + 1),
+                "one_tp_layout": "8xTP1",
+                "one_tp_goodput_per_gpu": one,
+                "tp_per_phase_layout": "P2xTP2:D4xTP1",
+                "tp_per_phase_goodput_per_gpu": per,
+            }  # fmt: skip
+            for i, (one, per) in enumerate(pairs)
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "pairs, verdict, rate",
+    [
+        ([(1.0, 1.05), (2.0, 2.6)], "confirmed", 20.0),  # 30% more at 20 req/s
+        ([(1.0, 0.5), (2.0, 2.1)], "not_confirmed", 20.0),  # never 10% above, once far below
+        ([(1.0, 1.05), (2.0, 1.95)], "inconclusive", 10.0),  # within 10% at every rate
+    ],
+)
+def test_tp_per_phase_claim(pairs, verdict, rate):
+    # the evidence is the rate most favourable to a TP per phase
+    claim = dx.tp_per_phase_pays(_best_tp(pairs))
+    assert claim["verdict"] == verdict
+    assert claim["evidence"]["rate"] == rate
+
+
+def test_a_tp2_prefill_replica_gives_a_lone_request_a_shorter_ttft_than_a_tp1_one():
+    # each role is priced at its own TP: one request alone, so TTFT is its prefill (+ the transfer) with no queue
+    from workbench.sim.planner import Candidate, PlanSettings, evaluate
+    from workbench.workloads import Request
+
+    requests = [Request(0, 0.0, 2048, 8)]
+    settings = PlanSettings("Llama-3.1-8B", "h100-sxm", slo_ttft_s=1.0, slo_tpot_s=1.0)
+    ttft = {
+        ptp: evaluate(Candidate(tp=ptp, disaggregate=(1, 1), prefill_tp=ptp, decode_tp=1), requests, settings)[
+            "ttft_median_s"
+        ]
+        for ptp in (1, 2)
+    }
+    assert ttft[2] < 0.75 * ttft[1]  # half the FLOPs per GPU, plus the all-reduces: well under 3/4 of TP1's
+
+
+def test_a_layout_that_does_not_fit_or_does_not_fill_the_node_is_refused():
+    from workbench.errors import ConfigError
+    from workbench.workloads import Request
+
+    requests = [Request(0, 0.0, 64, 4)]
+    slos = {"slo_ttft_s": 1.0, "slo_tpot_s": 0.1}
+    with pytest.raises(ConfigError, match="does not fit"):
+        dx.simulate_layout(requests, "Llama-3.1-70B", "h100-sxm", 8, None, slos, tp=1)
+    with pytest.raises(ConfigError, match="use 6 GPUs, not 8"):
+        dx.simulate_layout(requests, "Llama-3.1-8B", "h100-sxm", 8, (1, 2), slos, tp=2)

@@ -594,6 +594,24 @@ def plot_link_sweep(links: Any, split: str, ax: Axes | None = None) -> Axes:
     return ax
 
 
+def plot_tp_layouts(sweep: Any, ax: Axes | None = None) -> Axes:
+    """Goodput per GPU of every layout (``tp_layouts``) at every rate swept: colocated, split with one TP for both
+    phases, split with a TP per phase."""
+    ax = _new_ax(ax)
+    rates = sorted(set(sweep.rate))
+    layouts = list(dict.fromkeys(sweep.layout))
+    width = 0.8 / max(len(rates), 1)
+    for i, rate in enumerate(rates):
+        at = sweep[sweep.rate == rate].set_index("layout")
+        values = [float(at.goodput_per_gpu.get(name, float("nan"))) for name in layouts]
+        ax.barh([k + i * width for k in range(len(layouts))], values, height=width, label=f"{rate:g} req/s")
+    ax.set_yticks([k + 0.4 - width / 2 for k in range(len(layouts))], layouts, fontsize="small")
+    ax.invert_yaxis()
+    ax.set(xlabel="goodput per GPU (requests/s)", title="Layouts of the node by tensor-parallel size, simulated")
+    ax.legend(fontsize="small")
+    return ax
+
+
 def plot_tp_sweep(sweep: Any, hardware: str, axes: Sequence[Axes] | None = None) -> Sequence[Axes]:
     """TTFT and ITL (wall time on the group) against the tensor-parallel size per model, and their GPU-seconds
     (latency x GPUs, dashed); sizes whose weights do not fit are left out."""

@@ -7,12 +7,13 @@ Two halves, as the notebook has them:
   ``threads // 2`` threads each, the same compute; ``workbench.dist.disagg``). ``real_comparison`` gives one row
   per setup: TTFT, ITL, TPOT and E2E percentiles, goodput under the SLOs, and the KV bytes moved and the seconds
   spent moving them.
-- **at datasheet scale, simulated**: ``num_gpus`` accelerators as colocated replicas or as P:D splits
-  (``workbench.sim``, the engine's own scheduler on a roofline cost model): SLO attainment and goodput per GPU
-  against the request rate (DistServe's figure), and against the KV link's bandwidth for one split.
+- **at datasheet scale, simulated**: ``num_gpus`` accelerators as colocated replicas or as P:D splits, each
+  layout a capacity-planner candidate (``workbench.sim.planner``: the engine's own scheduler on the calibrated
+  roofline of each role's tensor-parallel size): SLO attainment and goodput per GPU against the request rate
+  (DistServe's figure), against the KV link's bandwidth for one split, and with a different TP per phase.
 
-The claims (``disaggregation_claims``) are tested on these numbers: disaggregation removes prefill-decode
-interference from ITL; it pays only under tight TTFT and TPOT SLOs; a slow link erases it.
+The claims are tested on these numbers: disaggregation removes prefill-decode interference from ITL; it pays
+only under tight TTFT and TPOT SLOs; a slow link erases it; prefill and decode want different TP sizes.
 """
 
 from __future__ import annotations
@@ -103,12 +104,18 @@ def real_comparison(
 
 
 # ---- simulated: a node of accelerators -------------------------------------------------------------------------
-def node_layouts(num_gpus: int) -> dict[str, tuple[int, int] | None]:
-    """``colocated xN`` (N replicas, None) and every ``P:D`` split of the node (P + D = N)."""
-    layouts: dict[str, tuple[int, int] | None] = {f"colocated x{num_gpus}": None}
-    for p in range(1, num_gpus):
-        layouts[f"{p}:{num_gpus - p}"] = (p, num_gpus - p)
+def node_layouts(num_replicas: int) -> dict[str, tuple[int, int] | None]:
+    """``colocated xN`` (N replicas, None) and every ``P:D`` split of the node's replicas (P + D = N)."""
+    layouts: dict[str, tuple[int, int] | None] = {f"colocated x{num_replicas}": None}
+    for p in range(1, num_replicas):
+        layouts[f"{p}:{num_replicas - p}"] = (p, num_replicas - p)
     return layouts
+
+
+def _settings(model: str, hardware: str, slos: Mapping[str, float], link_gbps: float, dtype: str) -> Any:
+    from workbench.sim.planner import PlanSettings
+
+    return PlanSettings(model, hardware, slos["slo_ttft_s"], slos["slo_tpot_s"], dtype=dtype, link_gbps=link_gbps)
 
 
 def simulate_layout(
@@ -117,29 +124,35 @@ def simulate_layout(
     hardware: str,
     num_gpus: int,
     split: tuple[int, int] | None,
-    slos: Mapping[str, float | None],
+    slos: Mapping[str, float],
     link_gbps: float = 400.0,
     dtype: str = "bf16",
     policy: str = "continuous",
+    tp: int = 1,
 ) -> dict[str, Any]:
-    """One simulated run of ``num_gpus`` accelerators (one replica each) laid out as ``split`` or colocated."""
-    from workbench.sim.cluster import SimConfig, simulate
-    from workbench.sim.costmodel import RooflineCostModel
+    """One simulated run of ``num_gpus`` accelerators as replicas of ``tp`` GPUs each, colocated (``split`` None)
+    or split into (P, D) prefill and decode replicas. It is a capacity-planner candidate
+    (``workbench.sim.planner.evaluate``): the calibrated roofline that ``workbench simulate`` uses by default
+    (per-kernel floor, matrix-product efficiency by size, host time per step, TP all-reduces); a layout that does
+    not fit raises ``ConfigError`` with the planner's reason."""
+    from workbench.errors import ConfigError
+    from workbench.sim.planner import Candidate, evaluate
 
-    cost = RooflineCostModel(model, hardware, dtype=dtype)
     if split is None:
-        cfg = SimConfig(num_replicas=num_gpus, router="least-outstanding", dtype=dtype, policy=policy)
+        cand = Candidate(tp=tp, replicas=num_gpus // tp, policy=policy)
     else:
-        cfg = SimConfig(disaggregate=split, router="least-outstanding", link_gbps=link_gbps, dtype=dtype,
-                        policy=policy)  # fmt: skip
-    summary = simulate(list(requests), model, cost, cfg, hardware=hardware).summary(**slos)
-    m = summary["metrics"]
+        cand = Candidate(tp=tp, disaggregate=tuple(split), prefill_tp=tp, decode_tp=tp, policy=policy)
+    if cand.num_gpus != num_gpus:
+        raise ConfigError(f"{split or 'colocated'} replicas of TP {tp} use {cand.num_gpus} GPUs, not {num_gpus}")
+    r = evaluate(cand, list(requests), _settings(model, hardware, slos, link_gbps, dtype))
+    if r["status"] != "ok":
+        raise ConfigError(f"{cand.name}: {r['reason']}")
     return {
-        "ttft_p90_ms": m["ttft_s"]["p90"] * 1e3,
-        "tpot_p90_ms": m["tpot_s"]["p90"] * 1e3,
-        "slo_attainment": m["slo_attainment"],
-        "goodput": m["goodput"],
-        "goodput_per_gpu": (m["goodput"] or 0.0) / num_gpus,
+        "ttft_p90_ms": r["ttft_p90_s"] * 1e3,
+        "tpot_p90_ms": r["tpot_p90_s"] * 1e3,
+        "slo_attainment": r["slo_attainment"],
+        "goodput": r["goodput"],
+        "goodput_per_gpu": r["goodput_per_gpu"],
     }
 
 
@@ -149,18 +162,20 @@ def rate_sweep(
     model: str,
     hardware: str,
     num_gpus: int,
-    slos: Mapping[str, float | None],
+    slos: Mapping[str, float],
     link_gbps: float = 400.0,
     layouts: Mapping[str, tuple[int, int] | None] | None = None,
+    tp: int = 1,
 ) -> pd.DataFrame:
-    """SLO attainment and goodput per GPU of every layout at every request rate (DistServe's figure 1 style)."""
+    """SLO attainment and goodput per GPU of every layout (replicas of ``tp`` GPUs) at every request rate
+    (DistServe's figure 1 style)."""
     from workbench.sim.capacity import rate_scaled
 
     rows = []
     for rate in rates:
         work = rate_scaled(list(requests), rate)
-        for label, split in (layouts or node_layouts(num_gpus)).items():
-            row = simulate_layout(work, model, hardware, num_gpus, split, slos, link_gbps)
+        for label, split in (layouts or node_layouts(num_gpus // tp)).items():
+            row = simulate_layout(work, model, hardware, num_gpus, split, slos, link_gbps, tp=tp)
             rows.append({"layout": label, "rate": rate, **row})
     return pd.DataFrame(rows)
 
@@ -172,17 +187,18 @@ def link_sweep(
     hardware: str,
     num_gpus: int,
     split: tuple[int, int],
-    slos: Mapping[str, float | None],
+    slos: Mapping[str, float],
     link_gbps: Sequence[float],
+    tp: int = 1,
 ) -> pd.DataFrame:
     """Goodput per GPU of one split against the KV link's bandwidth, beside the colocated node's (a constant)."""
     from workbench.sim.capacity import rate_scaled
 
     work = rate_scaled(list(requests), rate)
-    colocated = simulate_layout(work, model, hardware, num_gpus, None, slos)
+    colocated = simulate_layout(work, model, hardware, num_gpus, None, slos, tp=tp)
     rows = []
     for gbps in link_gbps:
-        row = simulate_layout(work, model, hardware, num_gpus, split, slos, gbps)
+        row = simulate_layout(work, model, hardware, num_gpus, split, slos, gbps, tp=tp)
         rows.append({"link_gbps": gbps, **row, "colocated_goodput_per_gpu": colocated["goodput_per_gpu"]})
     return pd.DataFrame(rows)
 
@@ -202,6 +218,60 @@ def best_layouts(sweep: pd.DataFrame) -> pd.DataFrame:
                 "split_goodput_per_gpu": float(best.goodput_per_gpu),
             }
         )
+    return pd.DataFrame(out)
+
+
+# ---- simulated: a different tensor-parallel size per phase ----------------------------------------------------
+def tp_sweep(
+    requests: Sequence[Request],
+    rates: Sequence[float],
+    model: str,
+    hardware: str,
+    num_gpus: int,
+    slos: Mapping[str, float],
+    tps: Sequence[int],
+    link_gbps: float = 400.0,
+    dtype: str = "bf16",
+) -> pd.DataFrame:
+    """Goodput per GPU at every rate of every way to fill the node with replicas of the tensor-parallel sizes
+    ``tps``: colocated (``4xTP2``: 4 replicas of 2 GPUs), split with one TP for both phases, split with a TP per
+    phase (``P2xTP2:D4xTP1``). Each layout is a capacity-planner candidate (``workbench.sim.planner``: the
+    calibrated roofline of each role's own TP, ``continuous``), run serially; a layout whose weights and KV do not
+    fit is left out. DistServe's placement search (Zhong et al., OSDI 2024) asks the same question per phase."""
+    from workbench.sim.capacity import rate_scaled
+    from workbench.sim.planner import candidates, evaluate
+
+    layouts = [c for c in candidates(num_gpus, tps, pps=(1,), policies=("continuous",), all_replica_counts=False)
+               if c.num_gpus == num_gpus]  # fmt: skip
+    settings = _settings(model, hardware, slos, link_gbps, dtype)
+    rows = []
+    for rate in rates:
+        work = rate_scaled(list(requests), rate)
+        for cand in layouts:
+            r = evaluate(cand, work, settings)
+            if r["status"] != "ok":
+                continue
+            rows.append({
+                "layout": cand.name.removesuffix(" continuous"), "rate": rate, "split": cand.disaggregate is not None,
+                "prefill_tp": cand.prefill_tp or cand.tp, "decode_tp": cand.decode_tp or cand.tp,
+                "ttft_p90_ms": r["ttft_p90_s"] * 1e3, "tpot_p90_ms": r["tpot_p90_s"] * 1e3,
+                "slo_attainment": r["slo_attainment"], "goodput_per_gpu": r["goodput_per_gpu"],
+            })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def best_by_tp(sweep: pd.DataFrame) -> pd.DataFrame:
+    """Per rate: the best layout with one TP for both phases (colocated or split) and the best with a TP per phase."""
+    out = []
+    for rate, group in sweep.groupby("rate"):
+        same = group[group.prefill_tp == group.decode_tp]
+        per_phase = group[group.prefill_tp != group.decode_tp]
+        row: dict[str, Any] = {"rate": rate}
+        for name, part in (("one_tp", same), ("tp_per_phase", per_phase)):
+            best = part.loc[part.goodput_per_gpu.idxmax()] if not part.empty else None
+            row[f"{name}_layout"] = None if best is None else best.layout
+            row[f"{name}_goodput_per_gpu"] = float("nan") if best is None else float(best.goodput_per_gpu)
+        out.append(row)
     return pd.DataFrame(out)
 
 
@@ -282,3 +352,32 @@ def break_even_link_gbps(links: pd.DataFrame) -> float | None:
     """The slowest link swept at which the split's goodput per GPU reaches the colocated node's (None: none)."""
     ok = links[links.goodput_per_gpu >= links.colocated_goodput_per_gpu].sort_values("link_gbps")
     return None if ok.empty else float(ok.iloc[0].link_gbps)
+
+
+def tp_per_phase_pays(best: pd.DataFrame) -> dict[str, Any]:
+    """Prefill and decode want different tensor-parallel sizes (DistServe): at some rate swept, the best layout
+    with a TP per phase beats the best with one TP for both by more than 10% of goodput per GPU (``best_by_tp``).
+    10% is about the simulator's held-out median error on GPUs: a smaller gap is not a finding."""
+    best = best.dropna(subset=["one_tp_goodput_per_gpu", "tp_per_phase_goodput_per_gpu"])
+    if best.empty:
+        return make_claim("Prefill and decode want different tensor-parallel sizes", INCONCLUSIVE, {},
+                          "no rate had both kinds of layout", uses=("simulation",))  # fmt: skip
+    orders = [order_single(r.tp_per_phase_goodput_per_gpu, r.one_tp_goodput_per_gpu) for r in best.itertuples()]
+    verdict = CONFIRMED if max(orders) > 0 else NOT_CONFIRMED if min(orders) < 0 else INCONCLUSIVE
+    base = best.one_tp_goodput_per_gpu.where(best.one_tp_goodput_per_gpu > 0)
+    gains = (best.tp_per_phase_goodput_per_gpu / base).fillna(0.0)
+    top = best.iloc[max(range(len(orders)), key=lambda i: (orders[i], gains.iloc[i]))]  # the rate that says most
+    detail = (
+        f"at {top.rate:g} req/s, {top.tp_per_phase_layout} gives {top.tp_per_phase_goodput_per_gpu:.2f} good "
+        f"requests/s per GPU against {top.one_tp_goodput_per_gpu:.2f} for {top.one_tp_layout}"
+        + ("" if verdict == CONFIRMED else "; no rate swept shows a gain beyond 10%")
+    )
+    evidence = {
+        "rate": float(top.rate),
+        "tp_per_phase_layout": top.tp_per_phase_layout,
+        "tp_per_phase": float(top.tp_per_phase_goodput_per_gpu),
+        "one_tp_layout": top.one_tp_layout,
+        "one_tp": float(top.one_tp_goodput_per_gpu),
+    }
+    return make_claim("Prefill and decode want different tensor-parallel sizes", verdict, evidence, detail,
+                      uses=("simulation",))  # fmt: skip

@@ -183,13 +183,13 @@ class DecodeStep:
         return out
 
     @torch.inference_mode()
-    def warmup(self) -> dict[int, float]:
-        """Compile every bucket not compiled yet (compile mode; nothing to do in the others), on dummy rows that read
-        block 0 of the pool and write nothing. Returns ``compile_s``: seconds per bucket, also the earlier ones."""
+    def warmup(self, batches: list[int] | None = None) -> dict[int, float]:
+        """Compile every bucket not compiled yet (or those of ``batches``; compile mode, nothing to do in the others),
+        on dummy rows that read block 0 of the pool and write nothing. Returns ``compile_s``: seconds per bucket."""
         if self.mode != "compile":
             return {}
         bs, dev = self.cache.block_size, self.model.device
-        for n in self.buckets:
+        for n in self.buckets if batches is None else sorted({self.padded_batch(b) for b in batches}):
             if n not in self.compile_s:  # KEY_PAD + 1 tokens each: KEY_PAD cached keys, the step's width
                 meta = build_decode_metadata([KEY_PAD + 1] * n, [[0] * ceil_div(KEY_PAD + 1, bs)] * n, bs, dev)
                 self._call_compiled(torch.zeros(n, dtype=torch.int64, device=dev), meta)

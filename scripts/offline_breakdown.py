@@ -1,10 +1,12 @@
 """Where the offline set's time goes: the engine's steps by kind, model against engine overhead, and the top ops.
 
-    .venv/bin/python scripts/offline_breakdown.py [--model bench-300m] [--threads 2] [--compile-decode] [--json]
-        [--no-packed-linears] [--policy continuous]
+    .venv/bin/python scripts/offline_breakdown.py [--model bench-300m] [--threads 2] [--no-compile-decode] [--json]
+        [--no-packed-linears] [--policy continuous] [--no-profiler]
 
 The same 64-request set as ``workbench bench offline`` (``workbench.bench.offline_requests``), served at once by the
-engine ``bench offline`` builds (``workbench.bench.bench_engine``), after a 4-request warm-up. Pass 1 times every
+engine ``bench offline`` builds (``workbench.bench.bench_engine``), with its pure decode steps compiled
+(``--no-compile-decode``: eager; every batch bucket is compiled first and that time reported apart), after a
+4-request warm-up. Pass 1 times every
 step (``ModelRunner.time_model``: the model's forward and LM head, synchronised) and sorts it into prefill-only,
 mixed (prefill chunks beside decodes) and pure-decode steps by batch size; what is left of a step outside the model
 is engine overhead (scheduling, batch preparation, sampling), and the run's wall time minus its steps is the time
@@ -14,6 +16,7 @@ dominate; the profiler slows the run, so only its shares are reported.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -41,7 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=64, help="offline set size")
     p.add_argument("--context", type=int, default=256, help="longest prompt + output")
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch limit")
-    p.add_argument("--compile-decode", action="store_true", help="the engine's compiled decode step")
+    p.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's compiled decode step, every batch bucket (default on)",
+    )
     p.add_argument("--no-packed-linears", action="store_true", help="plain F.linear only (EngineConfig.packed_linears)")
     p.add_argument("--policy", default="continuous", help="scheduler policy of the engine")
     p.add_argument("--top", type=int, default=12, help="operators listed from the profiler")
@@ -59,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = bench_engine(model, args.max_num_seqs, max(len(q) + n for q, n in requests),
                           compile_decode=args.compile_decode, packed_linears=not args.no_packed_linears,
                           policy=args.policy)  # fmt: skip
+    t0 = time.perf_counter()
+    compile_s = engine.decode.warmup()  # every decode bucket, before anything is timed
+    startup_s = time.perf_counter() - t0
     run_engine_offline(model, requests[:4], args.max_num_seqs, engine)  # warm-up
     engine.runner.time_model = True
     rows: list[tuple[str, float, float]] = []
@@ -85,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "threads": torch.get_num_threads(),
         "compile_decode": args.compile_decode,
+        "startup_s": startup_s,
+        "compile_s": compile_s,
         "packed_linears": not args.no_packed_linears,
         "policy": args.policy,
         "wall_s": wall,
@@ -111,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
           f"({result['output_tokens'] / wall:.1f} tok/s), {len(rows)} steps, {args.threads} threads, "
           f"compiled decode {'on' if args.compile_decode else 'off'}, packed linears "
           f"{'off' if args.no_packed_linears else 'on'}, policy {args.policy}")  # fmt: skip
+    if compile_s:
+        print(
+            f"compiled decode buckets first (not timed): {startup_s:.1f} s; "
+            + ", ".join(f"b={b} {t:.1f} s" for b, t in compile_s.items())
+        )
     print(f"{'step kind':14s} {'steps':>6s} {'wall s':>8s} {'share':>6s} {'model s':>8s} {'overhead s':>10s}")
     for kind, v in table.items():
         print(f"{kind:14s} {v['steps']:6d} {v['wall_s']:8.2f} {100 * v['share']:5.1f}% {v['model_s']:8.2f} "

@@ -10,7 +10,7 @@ from kernels.testing import TOLERANCES
 from workbench import bench
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
-from workbench.engine.decode_step import DecodeStep, batch_buckets
+from workbench.engine.decode_step import DecodeStep, batch_buckets, compile_buckets
 from workbench.engine.engine import Engine
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
@@ -44,6 +44,10 @@ def test_batch_buckets():
     assert batch_buckets(3) == [1, 2, 3]
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert compile_buckets(1) == [1]
+    assert compile_buckets(6) == [1, 2, 4, 6]
+    assert compile_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert compile_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
 
 
 @pytest.mark.parametrize("layer", [None, 1])
@@ -98,7 +102,8 @@ def test_decode_step_equals_forward_with_a_write(preset):
     torch.testing.assert_close(v_new, flat_v[:, meta.slot_mapping], **FP32)
 
 
-@pytest.mark.parametrize(("preset", "block_size"), [("tiny-gqa", 16), ("tiny-gqa", 1), ("tiny-mqa", 16)])
+# tiny-gqa at block size 4 with padded buckets: test_warmup_compiles_every_bucket_and_padded_batches_give_eager_tokens
+@pytest.mark.parametrize(("preset", "block_size"), [("tiny-gqa", 1), ("tiny-mqa", 16)])
 def test_compiled_engine_gives_hfs_greedy_tokens(tiny_checkpoint, preset, block_size):
     path = tiny_checkpoint(preset)
     expected = _hf_tokens(path, PROMPTS, NEW)
@@ -108,6 +113,56 @@ def test_compiled_engine_gives_hfs_greedy_tokens(tiny_checkpoint, preset, block_
     assert got == expected
     assert engine.decode.mode == "compile" and engine.decode.compiled_sizes  # the compiled step served decodes
     assert engine.decode.compiled_sizes <= {1, 2, 3}
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(tiny_checkpoint):
+    """One compiled engine for the bucket tests: tiny-gqa, up to 4 sequences (buckets 1, 2, 4), warmed up."""
+    engine = Engine(load_checkpoint(tiny_checkpoint("tiny-gqa")),
+                    EngineConfig(block_size=4, max_num_seqs=4, max_model_len=64, compile_decode=True))  # fmt: skip
+    engine.decode.warmup()
+    return engine
+
+
+def test_warmup_compiles_every_bucket_and_padded_batches_give_eager_tokens(tiny_checkpoint, compiled_engine):
+    """Four requests of different lengths: decode batches of 4, 3 (padded to 4), 2 and 1, all through the graphs
+    the warm-up compiled; the tokens are the eager engine's and transformers' (one prompt at a time)."""
+    engine = compiled_engine
+    assert engine.decode.buckets == [1, 2, 4] and sorted(engine.decode.compile_s) == [1, 2, 4]
+    assert all(t > 0 for t in engine.decode.compile_s.values())
+    lens = [9, 3, 6, 1]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
+    path = tiny_checkpoint("tiny-gqa")
+    eager = Engine(load_checkpoint(path), EngineConfig(block_size=4, max_num_seqs=4, max_model_len=64))
+    want = [r.tokens for r in eager.generate(PROMPTS, params).requests]
+    steps = engine.decode.steps
+    got = [r.tokens for r in engine.generate(PROMPTS, params).requests]
+    assert got == want
+    hf = bench.load_hf_model(path, "fp32", torch.device("cpu"))
+    assert got == [bench.hf_generate(hf, [p], n)[0] for p, n in zip(PROMPTS, lens)]
+    assert engine.decode.steps > steps and sorted(engine.decode.compile_s) == [1, 2, 4]  # no new compilation
+
+
+def test_padding_rows_change_neither_the_real_rows_nor_other_slots(compiled_engine):
+    """A batch of 3 runs the bucket of 4: logits within fp32 tolerance of the eager step on the 3 rows alone, and
+    the pool afterwards as the eager write of the 3 rows leaves it."""
+    step, cache, model = compiled_engine.decode, compiled_engine.cache, compiled_engine.model
+    gen = torch.Generator().manual_seed(5)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    ref = KVCache(model.config, num_blocks=cache.num_blocks, block_size=cache.block_size)
+    ref.k.copy_(cache.k)
+    ref.v.copy_(cache.v)
+    tables, seq_lens, tokens = [[3, 8, 1], [6, 0], [2, 5, 7, 9]], [11, 5, 14], [17, 200, 9]
+    with torch.inference_mode():
+        expected = model.decode_step(torch.tensor(tokens), build_decode_metadata(seq_lens, tables, 4), ref)[0]
+    assert step.padded_batch(3) == 4
+    got = step.run(tokens, seq_lens, tables)
+    assert got.shape == expected.shape == (3, model.config.vocab_size)
+    torch.testing.assert_close(got, expected, **FP32)
+    torch.testing.assert_close(cache.k, ref.k, **FP32)
+    torch.testing.assert_close(cache.v, ref.v, **FP32)
+    assert sorted(step.compile_s) == [1, 2, 4]
 
 
 @pytest.mark.parametrize(("mode", "block_size"), [("eager", 16), ("graph", 1), ("graph", 16)])

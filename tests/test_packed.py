@@ -81,3 +81,27 @@ def test_engine_tokens_with_and_without_packed_linears():
 def test_packed_linears_flag_is_a_bool():
     with pytest.raises(ConfigError, match="packed_linears must be true or false"):
         EngineConfig(packed_linears="yes")
+
+
+@needs_onednn
+def test_packed_linear_under_compile_is_the_custom_op_and_matches_float64_product():
+    """Inside a compiled graph the packed product is the opaque ``workbench::packed_linear`` call (inductor's own
+    lowering of oneDNN's op needs frozen weights), with the same numbers."""
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(96, 40, bias=True)
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.05, generator=gen)
+        lin.bias.normal_(0.0, 0.05, generator=gen)
+    packed = PackedLinear.wrap(lin)
+    x = torch.randn(8, 96, generator=gen)
+    graphs = []
+
+    def backend(gm, example_inputs):  # noqa: ANN001, ANN202
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        got = torch.compile(packed.forward, backend=backend, fullgraph=True)(x)
+    assert any(n.target is torch.ops.workbench.packed_linear.default for n in graphs[0].graph.nodes)
+    want = x.double() @ lin.weight.double().T + lin.bias.double()
+    torch.testing.assert_close(got.double(), want, **TOLERANCES[torch.float32])

@@ -400,10 +400,15 @@ def bench_offline(
     max_num_seqs: int = 32,
     repeats: int = 2,
     seed: int = 0,
+    compile_decode: bool = False,
 ) -> dict[str, Any]:
-    """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up)."""
+    """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up).
+
+    ``compile_decode``: pure decodes run compiled (``EngineConfig.compile_decode``), every batch bucket compiled
+    before the timing; ``compile_s`` reports the seconds of each."""
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
-    engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
+    engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode)
+    compile_s = engine.decode.warmup()
     run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up
     times = [run_engine_offline(model, requests, max_num_seqs, engine)[0] for _ in range(repeats)]
     out_tokens = sum(n for _, n in requests)
@@ -419,6 +424,8 @@ def bench_offline(
         "output_tokens_per_s": out_tokens / t,
         "total_tokens_per_s": all_tokens / t,
         "repeats": repeats,
+        "compiled_decode": compile_decode,
+        "compile_s": compile_s,
     }
 
 
@@ -518,15 +525,18 @@ def compare_offline(
     context: int = 256,
     max_num_seqs: int = 32,
     seed: int = 0,
+    compile_decode: bool = False,
 ) -> dict[str, Any]:
     """The offline set through the engine and through HF ``generate`` in static batches of ``max_num_seqs``.
 
     HF generates each batch up to its longest output (static batching); only each request's own output tokens
-    count as output for both. Tokens are compared request by request.
+    count as output for both. Tokens are compared request by request. ``compile_decode``: the engine's pure decodes
+    run compiled, every batch bucket compiled before the timing (``compile_s``).
     """
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
     device = model.device
-    engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
+    engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode)
+    compile_s = engine.decode.warmup()
     run_engine_offline(model, requests[:2], max_num_seqs, engine)  # warm-up
     hf_generate(hf_model, [requests[0][0]], 2)
 
@@ -554,6 +564,8 @@ def compare_offline(
         "ratio": t_hf / t_ours,
         "identical_tokens": not mismatched,
         "mismatched_requests": mismatched,
+        "compiled_decode": compile_decode,
+        "compile_s": compile_s,
     }
 
 
@@ -585,8 +597,8 @@ def bench_hf(
 ) -> dict[str, Any]:
     """Batch-1 decode and (optionally) the offline set, ours against transformers on one checkpoint.
 
-    ``compile_decode`` applies to the batch-1 comparison; the offline set runs eagerly (its decode batch size
-    changes as requests finish, and each size would compile anew).
+    ``compile_decode`` applies to both: the batch-1 engine's decode step, and the offline set's pure decodes in
+    every batch bucket (compiled before the timing).
     """
     dev = resolve_device(device)
     with tempfile.TemporaryDirectory(prefix="workbench-bench-") as tmp:
@@ -599,5 +611,5 @@ def bench_hf(
         "decode": compare_decode(model, hf_model, prompt_len, new_tokens, repeats, seed, compile_decode)
     }
     if offline:
-        out["offline"] = compare_offline(model, hf_model, num_requests, context, max_num_seqs, seed)
+        out["offline"] = compare_offline(model, hf_model, num_requests, context, max_num_seqs, seed, compile_decode)
     return out

@@ -51,8 +51,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache", default="paged", choices=("paged", "contiguous"), help="KV-cache layout")
     g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
     g.add_argument("--compile-decode", action="store_true",
-                   help="CPU: pure-decode steps as one torch.compile'd graph per batch size (compiles at the first "
-                   "decode step of each size)")  # fmt: skip
+                   help="CPU: pure-decode steps as torch.compile'd graphs, one per batch bucket (1, 2, 4, 8, 16, 24, "
+                   "32, ...; each compiles at its first decode step; replay compiles all first)")  # fmt: skip
     g.add_argument("--disaggregate", default=None, metavar="P:D",
                    help="serve through P prefill and D decode engine processes, the KV sent between them "
                    "(workbench.dist.disagg; default: one colocated engine)")  # fmt: skip

@@ -10,7 +10,9 @@ prompt ids (equal Mooncake hash ids give equal blocks). Each request generates e
 With ``--json``: one object with ``num_requests``, ``num_finished``, ``num_preemptions``, ``metrics`` (``ttft_s``,
 ``tpot_s``, ``itl_s``, ``e2el_s`` each with ``mean``, ``median``, ``p90``, ``p95``, ``p99``; ``request_throughput``,
 ``output_throughput``, ``goodput``, ``slo_attainment``: null without an SLO), plus ``rejected`` (id and reason of
-each rejected request), ``num_clipped`` (requests shortened to ``max_model_len``) and the engine configuration.
+each rejected request), ``num_clipped`` (requests shortened to ``max_model_len``), the engine configuration and
+``decode_compile_s`` (with ``--compile-decode``: the seconds each decode batch bucket took to compile, before the
+replay's clock started).
 Before it starts it prints the wall-clock span of the arrivals (stderr) and refuses a span beyond
 ``--max-duration`` (default one hour). The exit code is 1 when every request was rejected.
 
@@ -93,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     if args.disaggregate:
         return _run_disaggregated(args, config, requests, num_clipped, max_len)
     engine = Engine.from_model(args.model, config, seed=args.model_seed)
+    compile_s = engine.decode.warmup()  # --compile-decode: every batch bucket before the clock starts
+    if compile_s:
+        print(f"workbench replay: decode compiled for batches {sorted(compile_s)} in {sum(compile_s.values()):.1f} s",
+              file=sys.stderr)  # fmt: skip
     with progress_bar(total=len(requests), desc="replay", unit="request") as bar:
         result = engine.replay(requests, seed=args.trace_seed, progress=bar)
     engine.shutdown()
@@ -107,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     summary["trace"] = args.trace
     summary["num_clipped"] = num_clipped
     summary["max_model_len"] = max_len
+    summary["decode_compile_s"] = compile_s
     summary["device"] = str(engine.model.device)
     if args.json:
         print(json.dumps(summary))

@@ -99,9 +99,10 @@ class ServingConfig:
 class EngineConfig(ServingConfig):
     """The engine's settings: the shared ``ServingConfig`` plus cache layout, attention backend and device.
 
-    ``compile_decode`` (CPU): pure-decode steps run as one ``torch.compile``d graph per batch size
-    (``workbench.engine.decode_step``); each new batch size compiles at its first decode step. On CUDA, pure-decode
-    steps replay CUDA graphs; otherwise they run eagerly (``decode_mode``).
+    ``compile_decode`` (CPU): pure-decode steps run as ``torch.compile``d graphs, one per batch bucket, each batch
+    padded to its bucket (``workbench.engine.decode_step``); a bucket compiles at its first decode step, or all of
+    them in ``Engine.decode.warmup()``. On CUDA, pure-decode steps replay CUDA graphs; otherwise they run eagerly
+    (``decode_mode``).
 
     ``quantization`` / ``group_size``: weight-only int8 or int4 linear layers (``workbench.model.quant``), applied
     by ``Engine.from_model`` at load time; ``kv_cache_dtype``: what the KV pool stores (``workbench.kv.cache``), and

@@ -6,14 +6,21 @@ three modes over the same model function and the same ``DecodeMetadata`` builder
 
 - ``eager``: the metadata of this step (cached-key width padded to ``KEY_PAD``), the model's decode step, and the
   cache write (``KVCache.write``).
-- ``compile`` (CPU): the model's decode step compiled by inductor with its C++ wrapper, one graph per batch size
-  (at most ``MAX_COMPILED_SIZES``) with the key width dynamic. Why (measured with per-segment timers and
-  ``torch.profiler`` on ``bench-300m``, fp32, 2 CPU threads): a batch-1 step is ~100 matrix-vector products and
+- ``compile`` (CPU): the model's decode step compiled by inductor with its C++ wrapper, one graph per bucket of
+  ``compile_buckets`` (1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to ``max_batch``) with the key width dynamic. A batch
+  is padded to its bucket with copies of its first row, whose results are dropped: only the real rows' logits are
+  returned and only their new K/V written. So every pure decode of the offline set and of ``replay`` runs a
+  compiled graph, however its batch size moves as requests finish. Why compile (measured with per-segment timers
+  and ``torch.profiler`` on ``bench-300m``, fp32, 2 CPU threads): a batch-1 step is ~100 matrix-vector products and
   ~20 small eager operations per layer between them; each small one finds its code and data evicted by the weight
   stream before it and costs 10-60 us instead of 2-5 us, ~10 of the step's ~57 ms. Compiled, a layer's glue fuses
-  into a few loops and no Python runs between the products. The compiled function writes nothing (a write into a
-  view of a graph input makes inductor copy the whole pool); the step's new K/V are written after it. Compilation
-  happens at the first decode of each batch size (~35 s for ``bench-300m`` on two cores; inductor caches on disk).
+  into a few loops and no Python runs between the products; packed linears stay packed inside the graph
+  (``workbench.model.packed``). The compiled function writes nothing (a write into a view of a graph input makes
+  inductor copy the whole pool); the step's new K/V are written after it. A bucket compiles at its first decode,
+  or all of them at once in ``warmup`` (what a benchmark calls before it times, as vLLM captures its graphs at
+  start-up); ``compile_s`` keeps the seconds each took. Inductor caches compiled code on disk
+  (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary directory), so a second process pays only
+  for tracing and loading.
 - ``graph`` (CUDA; ``capture=False`` runs the same static path eagerly, which is how the CPU tests check it):
   a batch is padded to the next bucket of ``batch_buckets`` (1, 2, 4, 8, 16, ...) by repeating its first row,
   whose K/V the padding rows compute again and write to the same slot. All buckets share one set of static input
@@ -27,13 +34,16 @@ gathers the cached keys (torch). Steps it refuses go through the ragged ``Transf
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields, replace
 
 import torch
 
+from workbench.config import ceil_div
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import (
+    KEY_PAD,
     MAX_GATHER_KEY_SLOTS,
     AttentionBackend,
     DecodeMetadata,
@@ -43,13 +53,23 @@ from workbench.model.attention import (
 from workbench.model.transformer import Transformer
 
 DECODE_MODES = ("eager", "compile", "graph")
-MAX_COMPILED_SIZES = 8  # distinct batch sizes compiled per executor; other pure decodes take the ragged path
 
 
 def batch_buckets(max_batch: int) -> list[int]:
     """The batch sizes graphs are captured at: 1, 2, 4, 8, 16, ... and ``max_batch`` itself."""
     sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
     return [*sizes, max_batch]
+
+
+def compile_buckets(max_batch: int) -> list[int]:
+    """The batch sizes the compiled step is built for: 1, 2, 4, 8, then 16, 24, 32, 48, 64, 96, ... (from 16 on,
+    each at most 1.5x the one before, so a padded batch computes at most half as many rows again), and
+    ``max_batch`` itself."""
+    sizes = [1, 2, 4, 8]
+    while sizes[-1] < max_batch:
+        top = sizes[-1]
+        sizes.append(2 * top if top < 16 else top + (top // 2 if top & (top - 1) == 0 else top // 3))
+    return [b for b in sizes if b < max_batch] + [max_batch]
 
 
 def _rows(meta: DecodeMetadata, n: int) -> DecodeMetadata:
@@ -87,8 +107,9 @@ class DecodeStep:
         self.model, self.cache, self.backend, self.mode = model, cache, backend, mode
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.steps = 0  # decode steps served
-        self.compiled_sizes: set[int] = set()
+        self.compile_s: dict[int, float] = {}  # compile mode: seconds of each bucket's first (compiling) call
         self._graphs: dict[int, _Graph] = {}
+        self.buckets = batch_buckets(max_batch) if mode == "graph" else compile_buckets(max_batch)
         if mode == "compile":
             import torch._dynamo as dynamo  # imported when used: it costs a second at import
 
@@ -97,7 +118,6 @@ class DecodeStep:
             self._compiled = torch.compile(model.decode_step, fullgraph=True, dynamic=False,
                                            options={"cpp_wrapper": True})  # fmt: skip
         if mode == "graph":
-            self.buckets = batch_buckets(max_batch)
             self.width = decode_key_width(max_model_len - 1)  # cached-key columns of every static step
             n, dev = self.buckets[-1], model.device
             one = build_decode_metadata([1], [[0]], cache.block_size, dev, self.width, max_model_len)
@@ -110,16 +130,18 @@ class DecodeStep:
             self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def padded_batch(self, batch: int) -> int:
-        """The rows a step of ``batch`` sequences computes: its bucket in graph mode, itself otherwise."""
-        return next(b for b in self.buckets if b >= batch) if self.mode == "graph" else batch
+        """The rows a step of ``batch`` sequences computes: its bucket (compile, graph modes), or itself (eager)."""
+        return batch if self.mode == "eager" else next(b for b in self.buckets if b >= batch)
+
+    @property
+    def compiled_sizes(self) -> set[int]:
+        """The buckets compiled so far (compile mode)."""
+        return set(self.compile_s)
 
     def supports(self, seq_lens: list[int]) -> bool:
         """Whether a pure decode of sequences with these lengths (cached + new) takes this executor."""
         batch = len(seq_lens)
         if not 1 <= batch <= self.max_batch:
-            return False
-        compiled = self.compiled_sizes
-        if self.mode == "compile" and batch not in compiled and len(compiled) >= MAX_COMPILED_SIZES:
             return False
         if not self.backend.gathers:
             return True
@@ -134,16 +156,44 @@ class DecodeStep:
         dev, bs = self.model.device, self.cache.block_size
         if self.mode == "graph":
             return self._run_static(tokens, seq_lens, tables)
-        meta = build_decode_metadata(seq_lens, tables, bs, dev)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         if self.mode == "eager":
+            meta = build_decode_metadata(seq_lens, tables, bs, dev)
+            ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
             return self.model.decode_step(ids, meta, self.cache, self.backend)[0]
+        batch = len(tokens)
+        pad = self.padded_batch(batch) - batch  # rows that copy row 0; their results are dropped below
+        if pad:
+            tokens, seq_lens, tables = tokens + tokens[:1] * pad, seq_lens + seq_lens[:1] * pad, tables + tables[:1] * pad  # fmt: skip  # noqa: E501
+        meta = build_decode_metadata(seq_lens, tables, bs, dev)
+        logits, k_new, v_new = self._call_compiled(torch.tensor(tokens, dtype=torch.int64, device=dev), meta)
+        # the real rows only: a padding row's K/V would land in row 0's slot
+        self.cache.write(meta.slot_mapping[:batch], k_new[:, :batch], v_new[:, :batch])
+        return logits[:batch]
+
+    def _call_compiled(self, ids: torch.Tensor, meta: DecodeMetadata) -> tuple[torch.Tensor, ...]:
+        """The compiled step on a bucket-sized batch (writes nothing); a bucket's first call compiles, and is timed."""
         torch._dynamo.mark_dynamic(meta.key_slots, 1)
         torch._dynamo.mark_dynamic(meta.key_mask, 3)
-        logits, k_new, v_new = self._compiled(ids, meta, self.cache, self.backend, write=False)
-        self.compiled_sizes.add(len(tokens))
-        self.cache.write(meta.slot_mapping, k_new, v_new)
-        return logits
+        n = ids.shape[0]
+        first = n not in self.compile_s
+        t0 = time.perf_counter()
+        out = self._compiled(ids, meta, self.cache, self.backend, write=False)
+        if first:
+            self.compile_s[n] = time.perf_counter() - t0
+        return out
+
+    @torch.inference_mode()
+    def warmup(self, batches: list[int] | None = None) -> dict[int, float]:
+        """Compile every bucket not compiled yet (or those of ``batches``; compile mode, nothing to do in the others),
+        on dummy rows that read block 0 of the pool and write nothing. Returns ``compile_s``: seconds per bucket."""
+        if self.mode != "compile":
+            return {}
+        bs, dev = self.cache.block_size, self.model.device
+        for n in self.buckets if batches is None else sorted({self.padded_batch(b) for b in batches}):
+            if n not in self.compile_s:  # KEY_PAD + 1 tokens each: KEY_PAD cached keys, the step's width
+                meta = build_decode_metadata([KEY_PAD + 1] * n, [[0] * ceil_div(KEY_PAD + 1, bs)] * n, bs, dev)
+                self._call_compiled(torch.zeros(n, dtype=torch.int64, device=dev), meta)
+        return dict(self.compile_s)
 
     def _run_static(self, tokens: list[int], seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
         batch = len(tokens)

@@ -13,8 +13,12 @@ at 8 rows, 1.26x at 32, 1.13x at 128, even at 256 and more, slower at 1 and 2 ro
 ``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
 quantization code are unchanged) and adds the packed copy, used for ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``
 rows. The price is a second copy of every packed weight in memory; the bytes a product reads are one copy's.
-Under ``torch.compile`` (the engine's compiled decode step) it is a plain ``nn.Linear``: inductor chooses its own
-kernels there.
+
+Under ``torch.compile`` (the engine's compiled decode step) the packed product is the custom operator
+``workbench::packed_linear``, which inductor calls as an opaque kernel: inductor's own lowering of
+``mkldnn._linear_pointwise`` takes only weights frozen into the graph as constants (``freezing``), which would put
+another copy of every weight in each compiled batch size. Without it a compiled step multiplies with plain
+``aten.mm``; ``scripts/bench_compiled_decode.py`` compares the two.
 """
 
 from __future__ import annotations
@@ -30,6 +34,21 @@ from torch import nn
 PACKED_MIN_ROWS = 4
 PACKED_MAX_ROWS = 256
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@torch.library.custom_op("workbench::packed_linear", mutates_args=())
+def packed_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x`` (rows, in) times a weight packed by ``_reorder_linear_weight`` (+ bias): (rows, ``out_features``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_fake(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -57,14 +76,13 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (
-            torch.compiler.is_compiling()
-            or not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
-            or x.dtype != self.weight.dtype
-        ):
+        if not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != self.weight.dtype:
             return super().forward(x)
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():  # an opaque call in the graph (see the module's docstring)
+            y = packed_linear(x2, self.packed_weight, self.bias, self.out_features)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -89,3 +89,37 @@ def test_the_published_claim_holds_the_issues_bar() -> None:
     assert published_claim(summary(0.08, 0.27))["verdict"] == CONFIRMED
     assert published_claim(summary(0.08, 0.31))["verdict"] == NOT_CONFIRMED  # one case beyond 30%
     assert published_claim(summary(0.16, 0.20))["verdict"] == NOT_CONFIRMED  # the median beyond 15%
+
+
+def test_the_handoff_leaves_out_announcements_that_waited_for_a_decode_step() -> None:
+    """The decode engine reads its inbox between steps: a KV announced mid-step waited for that step's end, which the
+    simulator adds itself, so it is not part of the handoff (1 and 2 ms are; 10 ms, sent mid-step, is not)."""
+    from types import SimpleNamespace
+
+    from workbench.dist.disagg import DisaggResult
+    from workbench.experiments.fidelity import handoff_profile
+
+    def transfer(num_bytes: int, token: float, handoff: float) -> dict:
+        return {"kv_transfer_bytes": num_bytes, "timeline": {"prefill_token_s": token, "sent_s": token + 0.0001,
+                "announced_s": token + handoff, "receive_posted_s": token + handoff,
+                "landed_s": token + handoff + 0.001 + num_bytes * 1e-6}}  # fmt: skip
+
+    transfers = {0: transfer(1000, 1.0, 0.001), 1: transfer(2000, 2.0, 0.010), 2: transfer(3000, 3.0, 0.002)}
+    pools = {"prefill0": {"steps": []}, "decode0": {"steps": [{"start_s": 1.995, "end_s": 2.0099}]}}
+    requests = [SimpleNamespace(request_id=i, arrival_time=float(i)) for i in range(3)]
+    profile = handoff_profile(DisaggResult(requests, transfers, pools, 4.0, 0, {i: (0, 0) for i in range(3)}))
+    assert profile["num_handoffs"] == 2
+    assert profile["kv_handoff_s"] == pytest.approx(0.0015)  # the median of 1 and 2 ms
+    assert min(profile["kv_handoff_quantiles_s"]) == pytest.approx(0.001)
+    assert max(profile["kv_handoff_quantiles_s"]) == pytest.approx(0.002)
+
+
+def test_the_warmup_workload_prefills_every_length_then_drains_every_batch_size() -> None:
+    from workbench.experiments.fidelity import warmup_workload
+
+    reqs = warmup_workload(max_model_len=10, max_num_seqs=3, gap_s=0.5)
+    singles, burst = reqs[:8], reqs[8:]
+    assert [r.prompt_len for r in singles] == list(range(1, 9))  # 1 .. max_model_len - 2
+    assert [r.arrival_time_s for r in singles] == [0.5 * i for i in range(8)]
+    assert [r.output_len for r in burst] == [2, 3, 4] and {r.arrival_time_s for r in burst} == {4.1}
+    assert [r.request_id for r in reqs] == list(range(11))

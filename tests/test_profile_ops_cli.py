@@ -110,3 +110,31 @@ def test_simulate_reads_it_back(profile_file: str, capsys: pytest.CaptureFixture
 def test_bad_arguments_are_clear(extra: list, message: str, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["profile-ops", "--model", "tiny-gqa", "--no-overhead", "--no-progress", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_warm_packed_linears_calls_each_shape_once_at_every_packed_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny-gqa's packed matrices: QKV 64->128, O 64->64, gate/up 64->320, down 160->64 (shared by both layers) and
+    the LM head 64->256; rows 4 to 10 for the layers' (max_rows), 4 to 6 for the head (max_sampled): 4 x 7 + 3."""
+    from workbench.model import packed as packed_mod
+    from workbench.model.checkpoint import load_model
+    from workbench.sim.measure import warm_packed_linears
+
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    net = load_model("tiny-gqa", seed=0)
+    assert warm_packed_linears(net, 10, 6) == 0  # nothing packed yet
+    packed_mod.pack_linears(net)
+    seen: list[tuple[int, int, int]] = []
+    forward = packed_mod.PackedLinear.forward
+
+    def spy(self, x):  # noqa: ANN001, ANN202
+        seen.append((self.in_features, self.out_features, x.shape[0]))
+        return forward(self, x)
+
+    monkeypatch.setattr(packed_mod.PackedLinear, "forward", spy)
+    assert warm_packed_linears(net, 10, 6) == 4 * 7 + 3
+    assert len(set(seen)) == len(seen) == 31
+    layer_shapes = {(64, 128), (64, 64), (64, 320), (160, 64)}
+    assert {(i, o, r) for i, o, r in seen if (i, o) != (64, 256)} == {(*s, r) for s in layer_shapes
+                                                                       for r in range(4, 11)}  # fmt: skip
+    assert sorted(r for i, o, r in seen if (i, o) == (64, 256)) == [4, 5, 6]

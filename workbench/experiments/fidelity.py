@@ -37,6 +37,22 @@ def held_out_workload(num_requests: int = 40, rate: float = 10.0, seed: int = 7)
                               seed=seed)  # fmt: skip
 
 
+def warmup_workload(max_model_len: int = 256, max_num_seqs: int = 16, gap_s: float = 0.01) -> list[Request]:
+    """A warm-up for engines in other processes (``disaggregated_fidelity``), where ``warm_packed_linears`` cannot
+    reach: one request of every prompt length from 1 to ``min(PACKED_MAX_ROWS, max_model_len - 2)``, ``gap_s``
+    apart (each prefilled alone when a prefill takes less: every token count a prefill step packs), then a burst of
+    ``max_num_seqs`` requests with 2 to ``max_num_seqs + 1`` output tokens (decode batches of every size from
+    ``max_num_seqs`` down to 1 as they finish). The first product of a (matrix, rows) shape in a process builds
+    oneDNN's primitive for it, a cost a steady-state server has long paid (``warm_packed_linears``)."""
+    from workbench.model.packed import PACKED_MAX_ROWS
+
+    top = max(1, min(PACKED_MAX_ROWS, max_model_len - 2))
+    out = [Request(i, i * gap_s, i + 1, 2) for i in range(top)]
+    burst = top * gap_s + 0.1
+    out += [Request(top + j, burst, 8, 2 + j) for j in range(max_num_seqs)]
+    return out
+
+
 def engine_config(policy: str, max_num_seqs: int = 16, max_model_len: int = 256) -> EngineConfig:
     """The engine of the fidelity check: the profiles' settings (chunked: a budget of half the context)."""
     budget = max_model_len // 2 if policy == "chunked" else None
@@ -63,14 +79,17 @@ def measure_policies(
 ) -> dict[str, Any]:
     """The real engine on ``requests`` under each policy, ``repeats`` times, interleaved: ``runs`` (per policy the
     metrics of each repeat), ``loads`` (per run: policy, repeat, load average before and after), ``pool`` (per
-    policy: num_blocks, block_size). One warm-up replay first, not measured."""
+    policy: num_blocks, block_size). One warm-up replay first, not measured, then every packed matrix at every row
+    count (``warm_packed_linears``): the measured runs are the engine's steady state, as the profiles'."""
     from workbench.engine.engine import Engine
+    from workbench.sim.measure import warm_packed_linears
 
     if repeats < 1:
         from workbench.errors import ConfigError
 
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
     Engine(net, engine_config(policies[0], max_num_seqs, max_model_len)).replay(list(requests[:4]))
+    warm_packed_linears(net, max_model_len, max_num_seqs)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     loads, pool = [], {}
     bar = None
@@ -179,7 +198,11 @@ def disaggregated_fidelity(
     (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on that run too
     (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
     engines block on a queue, and from another hour's load); the ``noise`` variant also draws each handoff from the
-    calibration run's. The measured repeats then replay the held-out ``requests``."""
+    calibration run's. The measured repeats then replay the held-out ``requests``. Before all of them the engines
+    serve ``warmup_workload`` (every prefill length, every decode batch size), so that the calibration and every
+    repeat find oneDNN's primitives of their shapes built: without it the calibration run and the first repeat paid
+    ~0.7 ms per new (matrix, rows) shape on nearly every tiny-gqa prefill (3 ms steps, ~1.9 ms of work), the later
+    repeats, on lengths seen before, did not, and the calibrated model carried the first runs' cost."""
     import dataclasses
 
     from workbench.config import ModelConfig
@@ -202,7 +225,7 @@ def disaggregated_fidelity(
                         threads_per_engine=threads)  # fmt: skip
     runs, loads = [], []
     with DisaggCluster(model, dcfg) as cluster:
-        cluster.run(work[:4], online=False)  # warm-up, not measured
+        cluster.run(as_work(warmup_workload(max_model_len, max_num_seqs)), online=True)  # warm-up, not measured
         before = load_average()
         cal = cluster.run(as_work(calibration), online=True)
         loads.append({"repeat": "calibration", "load_before": before, "load_after": load_average()})
@@ -257,7 +280,9 @@ def handoff_profile(result: Any) -> dict[str, Any]:
       loaded machine's outliers), the line through the medians of the smaller and the larger half of the transfers
       (``link_fit`` says which);
     - ``kv_handoff_s``: from the prefill side's first token to the announcement reaching the decode engine (the
-      sender's gather and the control message), and ``kv_handoff_quantiles_s``, 100 quantiles of them;
+      sender's gather and the control message), and ``kv_handoff_quantiles_s``, 100 quantiles of them, over the
+      transfers sent while the decode engine was between steps (one sent mid-step also waits for that step, which
+      the simulator models itself; ``num_handoffs`` counts those used);
     - ``wake_s``: per role, from a request's arrival (prefill) or announcement (decode) that finds its engine idle
       to the engine's next step or receive.
     """
@@ -275,7 +300,16 @@ def handoff_profile(result: Any) -> dict[str, Any]:
     if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: the line through two medians
         latency, bandwidth = _two_medians_line(wire)
         fit = "the medians of the smaller and larger halves (the least-squares fit was not physical)"
-    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for _, tl in lines)
+    # the decode engine reads its inbox between its steps: an announcement sent while it was mid-step waited for
+    # that step's end, which the simulator adds itself (a transfer is admitted at the top of the replica's next
+    # step), so the handoff is measured on the announcements that found it between steps (all, if none did)
+    decode_steps = [s for name, pool in result.pools.items() if name.startswith("decode") for s in pool["steps"]]
+
+    def mid_step(t: float) -> bool:
+        return any(s["start_s"] <= t < s["end_s"] for s in decode_steps)
+
+    free = [tl for _, tl in lines if not mid_step(tl["sent_s"])] or [tl for _, tl in lines]
+    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for tl in free)
     wakes: dict[str, list[float]] = {"prefill": [], "decode": []}
     by_id = {r.request_id: r for r in result.requests}
     for rid, (p, d) in result.engines.items():
@@ -292,6 +326,7 @@ def handoff_profile(result: Any) -> dict[str, Any]:
         "link_fit": fit,
         "kv_handoff_s": statistics.median(handoffs),
         "kv_handoff_quantiles_s": [handoffs[round(q * (len(handoffs) - 1) / 99)] for q in range(100)],
+        "num_handoffs": len(handoffs),
         "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
         "num_transfers": len(lines),
     }

@@ -340,12 +340,14 @@ def measure_training_steps(
 ) -> tuple[Any, list[dict[str, Any]]]:
     """(``StepSamples``, engine configs): the fit-profile training workloads of ``seed`` replayed on the real engine
     (same model, device and dtype as ``profile``) under each policy. The engine packs its linear layers as the
-    profile's operations were timed (``packed_linears``; a profile without the key was timed with plain layers)."""
+    profile's operations were timed (``packed_linears``; a profile without the key was timed with plain layers), and
+    its packed shapes are all built before the measured steps (``warm_packed_linears``), as profile-ops' warm-up
+    calls build them before the timed ones."""
     from workbench.device import resolve_device, torch_dtype
     from workbench.engine.config import EngineConfig
     from workbench.engine.engine import Engine
     from workbench.model.checkpoint import load_model
-    from workbench.sim.measure import StepSamples, measure_engine_steps, training_workloads
+    from workbench.sim.measure import StepSamples, measure_engine_steps, training_workloads, warm_packed_linears
 
     dev = resolve_device(profile["device"])
     net = load_model(profile["model"], dtype=torch_dtype(profile["dtype"]), device=dev, seed=0)
@@ -361,6 +363,7 @@ def measure_training_steps(
                         "token_budget": budget})  # fmt: skip
         workloads = training_workloads(max_model_len, num_requests, seed)
         Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
+        warm_packed_linears(net, max_model_len, max_num_seqs)  # as profile-ops' warm-up calls find them
         samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(net, cfg), workloads, seed))
     return samples, configs
 

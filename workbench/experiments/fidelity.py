@@ -192,16 +192,17 @@ def disaggregated_fidelity(
     or a list): ``rows`` as ``compare`` (models ``cost.name`` and ``cost.name + " noise"``), ``handoff``, ``loads``.
 
     The simulator models the real engines' handoff (``SimConfig.kv_handoff_s``, ``kv_receive='between-steps'``: the
-    decode engine receives between its steps), with the link, the handoff and each role's wake-up measured on a
-    **calibration run** of another workload (``calibration``; default: this one's lengths and rate, another seed)
-    by ``handoff_profile``; and each role's extra time of a step after an idle wait
-    (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on that run too
-    (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
+    decode engine receives between its steps), with the link, the handoff and each role's wake-up measured on
+    **calibration runs** of another workload (``calibration``; default: this one's lengths and rate, another seed)
+    by ``handoff_profile``: one before each measured repeat (calibration and repeats alternate, so a change of the
+    machine's load during the run falls on both alike), pooled. Each role's extra time of a step after an idle wait
+    (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on those runs
+    too (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
     engines block on a queue, and from another hour's load); the ``noise`` variant also draws each handoff from the
-    calibration run's. The measured repeats then replay the held-out ``requests``. Before all of them the engines
-    serve ``warmup_workload`` (every prefill length, every decode batch size), so that the calibration and every
-    repeat find oneDNN's primitives of their shapes built: without it the calibration run and the first repeat paid
-    ~0.7 ms per new (matrix, rows) shape on nearly every tiny-gqa prefill (3 ms steps, ~1.9 ms of work), the later
+    calibration runs'. The measured repeats replay the held-out ``requests``. Before all of them the engines serve
+    ``warmup_workload`` (every prefill length, every decode batch size), so that the calibration and every repeat
+    find oneDNN's primitives of their shapes built: without it the calibration run and the first repeat paid ~0.7
+    ms per new (matrix, rows) shape on nearly every tiny-gqa prefill (3 ms steps, ~1.9 ms of work), the later
     repeats, on lengths seen before, did not, and the calibrated model carried the first runs' cost."""
     import dataclasses
 
@@ -226,15 +227,16 @@ def disaggregated_fidelity(
     runs, loads = [], []
     with DisaggCluster(model, dcfg) as cluster:
         cluster.run(as_work(warmup_workload(max_model_len, max_num_seqs)), online=True)  # warm-up, not measured
-        before = load_average()
-        cal = cluster.run(as_work(calibration), online=True)
-        loads.append({"repeat": "calibration", "load_before": before, "load_after": load_average()})
-        for rep in range(repeats):
+        cals = []
+        for rep in range(repeats):  # calibration and measured runs alternate: the same machine states feed both
+            before = load_average()
+            cals.append(cluster.run(as_work(calibration), online=True))
+            loads.append({"repeat": f"calibration {rep}", "load_before": before, "load_after": load_average()})
             before = load_average()
             result = cluster.run(work, online=True)
             loads.append({"repeat": rep, "load_before": before, "load_after": load_average()})
             runs.append(summarize(result.requests, duration_s=result.duration_s)["metrics"])
-    handoff = handoff_profile(cal)
+    handoff = handoff_profile(cals)
 
     def sim_config(**handoff_draws: Any) -> SimConfig:
         return SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -250,7 +252,7 @@ def disaggregated_fidelity(
     for cost in costs if isinstance(costs, (list, tuple)) else [costs]:
         base = [dataclasses.replace(cost, noise_seed=None, wake_s=handoff["wake_s"][r], idle_step_s=0.0) for r in roles]
         plain = simulate(list(calibration), cfg_model, base, scfg, record_steps=True)
-        cal_roles = calibrated[cost.name] = _calibrate_roles(cal, plain, split)
+        cal_roles = calibrated[cost.name] = _calibrate_roles(cals, plain, split)
 
         def replicas(seeds: list[int | None], cost: Any = cost, cal_roles: dict = cal_roles) -> list:
             idle_key = "idle_step_s" if seeds[0] is None else "noise_idle_step_s"
@@ -271,9 +273,9 @@ def disaggregated_fidelity(
     return {"rows": rows, "link": link, "handoff": handoff, "idle_step_s": idle, "loads": loads, "repeats": repeats}
 
 
-def handoff_profile(result: Any) -> dict[str, Any]:
-    """What a real disaggregated run (``workbench.dist.disagg.DisaggResult``) says about its handoff, in the
-    simulator's terms (``workbench.sim.cluster``; all medians):
+def handoff_profile(results: Any) -> dict[str, Any]:
+    """What real disaggregated runs (``workbench.dist.disagg.DisaggResult``, one or a list, pooled) say about their
+    handoff, in the simulator's terms (``workbench.sim.cluster``; all medians):
 
     - ``link_latency_s``, ``link_gbps``: ``time = latency + bytes / bandwidth`` fitted to the wire times (receive
       posted to KV landed; ``workbench.sim.comm.fit_latency_bandwidth``), else, when that fit is not physical (a
@@ -288,8 +290,30 @@ def handoff_profile(result: Any) -> dict[str, Any]:
     """
     from workbench.sim.comm import fit_latency_bandwidth
 
-    lines = [(t["kv_transfer_bytes"], t["timeline"]) for t in result.transfers.values()
-             if t.get("kv_transfer_bytes", 0) > 0 and "timeline" in t]  # fmt: skip
+    runs = results if isinstance(results, (list, tuple)) else [results]
+    lines, free, wakes = [], [], {"prefill": [], "decode": []}
+    for result in runs:
+        for rid, t in result.transfers.items():
+            if t.get("kv_transfer_bytes", 0) <= 0 or "timeline" not in t:
+                continue
+            tl = t["timeline"]
+            lines.append((t["kv_transfer_bytes"], tl))
+            # the decode engine reads its inbox between its steps: an announcement sent while it was mid-step waited
+            # for that step's end, which the simulator adds itself (a transfer is admitted at the top of the
+            # replica's next step), so the handoff is measured on the announcements that found it between steps
+            d = result.engines.get(rid, (0, 0))[1]
+            steps = result.pools.get(f"decode{d}", {}).get("steps", [])
+            if not any(s["start_s"] <= tl["sent_s"] < s["end_s"] for s in steps):
+                free.append(tl)
+        by_id = {r.request_id: r for r in result.requests}
+        for rid, (p, d) in result.engines.items():
+            steps = result.pools.get(f"prefill{p}", {}).get("steps", [])
+            if rid in by_id and (w := _wake(steps, by_id[rid].arrival_time)) is not None:
+                wakes["prefill"].append(w)
+            tl = result.transfers.get(rid, {}).get("timeline")
+            steps = result.pools.get(f"decode{d}", {}).get("steps", [])
+            if tl is not None and not any(s["start_s"] <= tl["announced_s"] < s["end_s"] for s in steps):
+                wakes["decode"].append(tl["receive_posted_s"] - tl["announced_s"])
     if len(lines) < 2:
         from workbench.errors import ConfigError
 
@@ -300,26 +324,7 @@ def handoff_profile(result: Any) -> dict[str, Any]:
     if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: the line through two medians
         latency, bandwidth = _two_medians_line(wire)
         fit = "the medians of the smaller and larger halves (the least-squares fit was not physical)"
-    # the decode engine reads its inbox between its steps: an announcement sent while it was mid-step waited for
-    # that step's end, which the simulator adds itself (a transfer is admitted at the top of the replica's next
-    # step), so the handoff is measured on the announcements that found it between steps (all, if none did)
-    decode_steps = [s for name, pool in result.pools.items() if name.startswith("decode") for s in pool["steps"]]
-
-    def mid_step(t: float) -> bool:
-        return any(s["start_s"] <= t < s["end_s"] for s in decode_steps)
-
-    free = [tl for _, tl in lines if not mid_step(tl["sent_s"])] or [tl for _, tl in lines]
-    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for tl in free)
-    wakes: dict[str, list[float]] = {"prefill": [], "decode": []}
-    by_id = {r.request_id: r for r in result.requests}
-    for rid, (p, d) in result.engines.items():
-        steps = result.pools.get(f"prefill{p}", {}).get("steps", [])
-        if rid in by_id and (w := _wake(steps, by_id[rid].arrival_time)) is not None:
-            wakes["prefill"].append(w)
-        tl = result.transfers.get(rid, {}).get("timeline")
-        steps = result.pools.get(f"decode{d}", {}).get("steps", [])
-        if tl is not None and not any(s["start_s"] <= tl["announced_s"] < s["end_s"] for s in steps):
-            wakes["decode"].append(tl["receive_posted_s"] - tl["announced_s"])
+    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for tl in (free or [tl for _, tl in lines]))
     return {
         "link_latency_s": latency,
         "link_gbps": bandwidth * 8 / 1e9,
@@ -329,6 +334,7 @@ def handoff_profile(result: Any) -> dict[str, Any]:
         "num_handoffs": len(handoffs),
         "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
         "num_transfers": len(lines),
+        "num_runs": len(runs),
     }
 
 
@@ -369,18 +375,21 @@ def _quantiles(values: list[float], n: int = 100) -> list[float]:
     return [v[min(len(v) - 1, round(q * (len(v) - 1) / (n - 1)))] for q in range(n)] if len(v) > 1 else []
 
 
-def _calibrate_roles(real: Any, sim: Any, split: tuple[int, int]) -> dict[str, dict[str, Any]]:
-    """Per role, from the calibration run and its simulation with no idle excess: ``idle_step_s``, the median of
+def _calibrate_roles(reals: Any, sim: Any, split: tuple[int, int]) -> dict[str, dict[str, Any]]:
+    """Per role, from the calibration runs (one ``DisaggResult`` or a list of runs of one workload, pooled) and its
+    simulation with no idle excess: ``idle_step_s``, the median of
     (real - simulated) duration of the step that serves a request which found its engine idle (the prefill step
     after its arrival; the decode step after its KV landed), at least 0; and ``residual_quantiles_s``, the spread of
     the real steps around the model (prefill: those paired differences less their median; decode: each real pure
     decode step less the median simulated one of as many sequences, so the draws carry the machine's speed during the
     calibration run), which the ``noise`` variant draws, with ``noise_idle_step_s`` (the excess less the residuals'
     median, not to count a slower machine twice)."""
-    by_id = {r.request_id: r for r in real.requests}
+    runs = reals if isinstance(reals, (list, tuple)) else [reals]
     sim_by_id = {r.request_id: r for r in sim.records}
     diffs: dict[str, list[float]] = {"prefill": [], "decode": []}
-    for rid, (p, d) in real.engines.items():
+    ids = [{r.request_id: r for r in run.requests} for run in runs]
+    pairs = [(run, by_id, rid, pd) for run, by_id in zip(runs, ids) for rid, pd in run.engines.items()]
+    for real, by_id, rid, (p, d) in pairs:
         r, s = by_id.get(rid), sim_by_id.get(rid)
         if r is None or s is None:
             continue
@@ -407,7 +416,7 @@ def _calibrate_roles(real: Any, sim: Any, split: tuple[int, int]) -> dict[str, d
                     if x["num_prefill_tokens"] == 0:
                         modelled.setdefault(x["num_seqs"], []).append(x["duration_s"])
             typical = {n: statistics.median(v) for n, v in modelled.items()}
-            spread = [x["duration_s"] - typical[x["num_seqs"]] for i in range(count)
+            spread = [x["duration_s"] - typical[x["num_seqs"]] for real in runs for i in range(count)
                       for x in real.pools[f"decode{i}"]["steps"]
                       if x["num_prefill_tokens"] == 0 and x["num_seqs"] in typical]  # fmt: skip
         shift = statistics.median(spread) if spread else 0.0

@@ -30,8 +30,9 @@ and the wall time.
 ``--disaggregate P:D``: the real disaggregated engines instead (``workbench.dist.disagg``, one thread per engine
 process, as the profile was measured), ``--repeats`` times, against the simulator's disaggregated model with the
 same profile on every replica and the real engines' handoff: the KV link (fitted to the wire times), the handoff
-from a prefill's end to the decode side, each role's wake-up and idle-step excess, all measured on a calibration
-run of another workload (seed ``--seed + 1``) before the measured repeats (``fidelity.disaggregated_fidelity``).
+from a prefill's end to the decode side, each role's wake-up and idle-step excess, all measured on calibration runs
+of another workload (seed ``--seed + 1``), one before each measured repeat, pooled, after a warm-up that builds every
+shape's oneDNN primitive in the engine processes (``fidelity.disaggregated_fidelity``).
 """
 
 from __future__ import annotations

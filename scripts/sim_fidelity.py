@@ -113,7 +113,14 @@ def main() -> int:
                                               args.seed, calibration)  # fmt: skip
         rows = res["rows"]
         out.update(disaggregate=args.disaggregate, link=res["link"], handoff=res["handoff"],
-                   idle_step_s=res["idle_step_s"], loads=res["loads"])  # fmt: skip
+                   idle_step_s=res["idle_step_s"], loads=res["loads"], ttft_parts=res["ttft_parts"])  # fmt: skip
+        keys = ("queue", "prefill", "after", "sum_of_medians", "ttft", "handoff", "decode_wait", "wire")
+        print("TTFT in parts, medians over the requests (ms; after = handoff + decode-side wait + wire):",
+              file=sys.stderr)  # fmt: skip
+        named = [(f"measured {i}", x) for i, x in enumerate(res["ttft_parts"]["measured"])]
+        for label, x in named + [(k, v) for k, v in res["ttft_parts"].items() if k != "measured"]:
+            print(f"  {label:18s} " + "  ".join(f"{k} {x[k]:.2f}" for k in keys if x.get(k) is not None),
+                  file=sys.stderr)  # fmt: skip
     else:
         net = load_model(args.model, seed=0)
         policies = [x for x in args.policies.split(",") if x]

@@ -123,3 +123,40 @@ def test_the_warmup_workload_prefills_every_length_then_drains_every_batch_size(
     assert [r.arrival_time_s for r in singles] == [0.5 * i for i in range(8)]
     assert [r.output_len for r in burst] == [2, 3, 4] and {r.arrival_time_s for r in burst} == {4.1}
     assert [r.request_id for r in reqs] == list(range(11))
+
+
+def test_ttft_parts_of_a_real_and_a_simulated_run_by_hand() -> None:
+    """Requests 0 and 1 arrive at 1.0 and 1.001 s and are prefilled together in one step (1.002-1.006); request 2
+    arrives at 2.0 and has a step of its own (2.001-2.004). Real: the first tokens reach the decode side at 1.010,
+    1.012 and 2.006; the simulated run's at 1.009, 1.009 and 2.007."""
+    from types import SimpleNamespace
+
+    from workbench.dist.disagg import DisaggResult
+    from workbench.experiments.fidelity import ttft_parts
+
+    steps = [{"start_s": 1.002, "end_s": 1.006, "num_prefill_tokens": 20, "num_seqs": 2},
+             {"start_s": 2.001, "end_s": 2.004, "num_prefill_tokens": 9, "num_seqs": 1}]  # fmt: skip
+    arrivals, firsts = (1.0, 1.001, 2.0), (1.010, 1.012, 2.006)
+    requests = [SimpleNamespace(request_id=i, arrival_time=a, first_token_time=f)
+                for i, (a, f) in enumerate(zip(arrivals, firsts))]  # fmt: skip
+
+    def timeline(token: float, landed: float) -> dict:
+        return {"timeline": {"prefill_token_s": token, "sent_s": token, "announced_s": token + 0.001,
+                             "receive_posted_s": token + 0.0012, "landed_s": landed}}  # fmt: skip
+
+    transfers = {0: timeline(1.006, 1.010), 1: timeline(1.006, 1.012), 2: timeline(2.004, 2.006)}
+    real = DisaggResult(requests, transfers, {"prefill0": {"steps": steps}}, 3.0, 0, {i: (0, 0) for i in range(3)})
+    parts = ttft_parts(real)
+    assert parts["num_requests"] == 3
+    assert parts["queue"] == pytest.approx(1.0)  # waits of 2, 1 and 1 ms
+    assert parts["prefill"] == pytest.approx(4.0)  # steps of 4, 4 and 3 ms
+    assert parts["after"] == pytest.approx(4.0)  # 4, 6 and 2 ms
+    assert parts["ttft"] == pytest.approx(10.0)  # 10, 11 and 6 ms
+    assert parts["sum_of_medians"] == pytest.approx(9.0)
+    assert parts["handoff"] == pytest.approx(1.0) and parts["decode_wait"] == pytest.approx(0.2)
+    assert parts["wire"] == pytest.approx(2.8)  # 2.8, 4.8 and 0.8 ms
+    log = SimpleNamespace(to_records=lambda: steps)
+    records = [SimpleNamespace(request_id=i, arrival_time=a, first_token_time=f)
+               for i, (a, f) in enumerate(zip(arrivals, (1.009, 1.009, 2.007)))]  # fmt: skip
+    sim = ttft_parts(SimpleNamespace(records=records, step_logs=[log, None]))
+    assert sim["after"] == pytest.approx(3.0) and sim["ttft"] == pytest.approx(8.0) and "wire" not in sim

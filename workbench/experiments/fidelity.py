@@ -199,7 +199,8 @@ def disaggregated_fidelity(
     (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on those runs
     too (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
     engines block on a queue, and from another hour's load); the ``noise`` variant also draws each handoff from the
-    calibration runs'. The measured repeats replay the held-out ``requests``. Before all of them the engines serve
+    calibration runs'. ``ttft_parts``: each measured repeat's and each simulation's TTFT in parts (``ttft_parts``).
+    The measured repeats replay the held-out ``requests``. Before all of them the engines serve
     ``warmup_workload`` (every prefill length, every decode batch size), so that the calibration and every repeat
     find oneDNN's primitives of their shapes built: without it the calibration run and the first repeat paid ~0.7
     ms per new (matrix, rows) shape on nearly every tiny-gqa prefill (3 ms steps, ~1.9 ms of work), the later
@@ -224,7 +225,7 @@ def disaggregated_fidelity(
     work = as_work(requests)
     dcfg = DisaggConfig(prefill=ecfg, decode=ecfg, num_prefill=split[0], num_decode=split[1],
                         threads_per_engine=threads)  # fmt: skip
-    runs, loads = [], []
+    runs, loads, measured = [], [], []
     with DisaggCluster(model, dcfg) as cluster:
         cluster.run(as_work(warmup_workload(max_model_len, max_num_seqs)), online=True)  # warm-up, not measured
         cals = []
@@ -236,6 +237,7 @@ def disaggregated_fidelity(
             result = cluster.run(work, online=True)
             loads.append({"repeat": rep, "load_before": before, "load_after": load_average()})
             runs.append(summarize(result.requests, duration_s=result.duration_s)["metrics"])
+            measured.append(result)
     handoff = handoff_profile(cals)
 
     def sim_config(**handoff_draws: Any) -> SimConfig:
@@ -248,6 +250,7 @@ def disaggregated_fidelity(
     noisy = sim_config(kv_handoff_quantiles_s=tuple(handoff["kv_handoff_quantiles_s"]), kv_handoff_seed=noise_seed or 0)
     roles = ["prefill"] * split[0] + ["decode"] * split[1]
     rows, calibrated = [], {}
+    parts: dict[str, Any] = {"measured": [ttft_parts(r, split[0]) for r in measured]}
     setup = f"disaggregated {split[0]}:{split[1]}"
     for cost in costs if isinstance(costs, (list, tuple)) else [costs]:
         base = [dataclasses.replace(cost, noise_seed=None, wake_s=handoff["wake_s"][r], idle_step_s=0.0) for r in roles]
@@ -264,13 +267,70 @@ def disaggregated_fidelity(
 
         for name, seeds in ((cost.name, [None] * len(roles)),
                             (f"{cost.name} noise", [noise_seed + i for i in range(len(roles))])):  # fmt: skip
-            sim = simulate(list(requests), cfg_model, replicas(seeds), noisy if seeds[0] is not None else scfg)
-            sim = sim.summary()["metrics"]
-            rows += compare({setup: runs}, {setup: sim}, name)
+            result = simulate(list(requests), cfg_model, replicas(seeds), noisy if seeds[0] is not None else scfg,
+                              record_steps=True)  # fmt: skip
+            parts[name] = ttft_parts(result, split[0])
+            rows += compare({setup: runs}, {setup: result.summary()["metrics"]}, name)
     link = {"latency_s": handoff["link_latency_s"], "gbps": handoff["link_gbps"],
             "num_transfers": handoff["num_transfers"], "fit": handoff["link_fit"]}  # fmt: skip
     idle = {name: {role: c["idle_step_s"] for role, c in roles_.items()} for name, roles_ in calibrated.items()}
-    return {"rows": rows, "link": link, "handoff": handoff, "idle_step_s": idle, "loads": loads, "repeats": repeats}
+    return {
+        "rows": rows,
+        "link": link,
+        "handoff": handoff,
+        "idle_step_s": idle,
+        "loads": loads,
+        "repeats": repeats,
+        "ttft_parts": parts,
+    }
+
+
+def ttft_parts(result: Any, num_prefill: int = 1) -> dict[str, Any]:
+    """A disaggregated run's TTFT in parts, medians over its requests in ms: ``queue`` (arrival to the start of the
+    prefill step that computed its prompt), ``prefill`` (that step), ``after`` (the step's end to the first token
+    at the decode side: handoff, the decode engine's wait and the wire), ``ttft``, ``sum_of_medians`` (the three
+    parts' medians added: short of the TTFT median when the parts' spreads are wide and skewed); of a real run
+    (``DisaggResult``) also ``handoff`` (first token to the announcement read by the decode engine), ``decode_wait``
+    (to the receive posted) and ``wire`` (to the KV landed). ``result``: a ``DisaggResult`` or a ``SimResult``
+    recorded with its steps. A request's prefill step: its prefill engine (the real run's routing; the simulator's
+    round-robin in arrival order) serves prompts first come first served, one step each (no token budget), so each
+    step with prefill tokens takes the next ``num_seqs`` of its requests in arrival order."""
+    real = hasattr(result, "transfers")
+    reqs = list(result.requests if real else result.records)
+    order = sorted(reqs, key=lambda r: (r.arrival_time, r.request_id))
+    by_engine: dict[int, list[Any]] = {}
+    for i, r in enumerate(order):
+        p = result.engines.get(r.request_id, (i % num_prefill, 0))[0] if real else i % num_prefill
+        by_engine.setdefault(p, []).append(r)
+    step_of: dict[int, dict[str, Any]] = {}
+    for p, queue in by_engine.items():
+        steps = result.pools[f"prefill{p}"]["steps"] if real else result.step_logs[p].to_records()
+        it = iter(queue)
+        for step in steps:
+            for _ in range(step["num_seqs"] if step["num_prefill_tokens"] else 0):
+                r = next(it, None)
+                if r is not None:
+                    step_of[r.request_id] = step
+    names = ("queue", "prefill", "after", "ttft") + (("handoff", "decode_wait", "wire") if real else ())
+    values: dict[str, list[float]] = {n: [] for n in names}
+    for r in reqs:
+        step = step_of.get(r.request_id)
+        tl = result.transfers.get(r.request_id, {}).get("timeline") if real else None
+        if step is None or r.first_token_time is None or (real and tl is None):
+            continue
+        values["queue"].append(step["start_s"] - r.arrival_time)
+        values["prefill"].append(step["end_s"] - step["start_s"])
+        values["after"].append(r.first_token_time - step["end_s"])
+        values["ttft"].append(r.first_token_time - r.arrival_time)
+        if tl is not None:
+            values["handoff"].append(tl["announced_s"] - tl["prefill_token_s"])
+            values["decode_wait"].append(tl["receive_posted_s"] - tl["announced_s"])
+            values["wire"].append(tl["landed_s"] - tl["receive_posted_s"])
+    out: dict[str, Any] = {n: 1e3 * statistics.median(v) if v else None for n, v in values.items()}
+    if values["ttft"]:
+        out["sum_of_medians"] = out["queue"] + out["prefill"] + out["after"]
+    out["num_requests"] = len(values["ttft"])
+    return out
 
 
 def handoff_profile(results: Any) -> dict[str, Any]:

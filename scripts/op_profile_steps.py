@@ -106,6 +106,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
 
+    from workbench.sim.measure import enlarge_onednn_cache
+
+    enlarge_onednn_cache()  # before torch's first oneDNN primitive, here and in the engine processes started later
+
     import torch
 
     from workbench.experiments.hygiene import load_average

@@ -70,6 +70,10 @@ def main() -> int:
                    help="largest size the op profile measures when measured now (default 1024)")  # fmt: skip
     args = p.parse_args()
 
+    from workbench.sim.measure import enlarge_onednn_cache
+
+    enlarge_onednn_cache()  # before torch's first oneDNN primitive, here and in the engine processes started later
+
     import torch
 
     from workbench.config import ModelConfig, parse_disaggregate

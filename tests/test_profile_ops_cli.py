@@ -138,3 +138,16 @@ def test_warm_packed_linears_calls_each_shape_once_at_every_packed_row_count(mon
     assert {(i, o, r) for i, o, r in seen if (i, o) != (64, 256)} == {(*s, r) for s in layer_shapes
                                                                        for r in range(4, 11)}  # fmt: skip
     assert sorted(r for i, o, r in seen if (i, o) == (64, 256)) == [4, 5, 6]
+
+
+def test_the_onednn_cache_is_enlarged_unless_already_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from workbench.sim.measure import ONEDNN_CACHE_CAPACITY, enlarge_onednn_cache
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    enlarge_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY) == "4096"
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    enlarge_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"  # the user's setting stands

@@ -66,6 +66,9 @@ def default_op_profile_path(model: str, machine: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import check_output_file
     from workbench.errors import ConfigError
+    from workbench.sim.measure import enlarge_onednn_cache
+
+    enlarge_onednn_cache()  # before the first oneDNN primitive: the overhead fit's engine then keeps all its shapes
 
     counts = ("threads", "passes", "max_tokens", "max_repeats", "overhead_requests", "max_num_seqs", "max_model_len")
     for name in counts:

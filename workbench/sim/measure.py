@@ -74,6 +74,21 @@ def measure_engine_steps(
     return samples
 
 
+ONEDNN_CACHE_CAPACITY = 4096  # oneDNN primitives kept per process (its default, 1024, holds about 500 of our shapes)
+
+
+def enlarge_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Let this process (and the engine processes it starts) keep ``capacity`` oneDNN primitives, unless
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set already. It takes effect only before the process's first oneDNN
+    primitive, so the measuring entry points call it first. With oneDNN's default (1,024 entries, which on this
+    torch held about 500 (matrix, rows) shapes: two entries a product), a model's 4 packed matrices at 253 row
+    counts each do not fit, and a steady-state engine rebuilds evicted primitives (~0.5 ms each for tiny-gqa) on
+    token counts it has served before: the measurements then depend on the order of the row counts visited."""
+    import os
+
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+
+
 def warm_packed_linears(model: Any, max_rows: int, max_sampled: int) -> int:
     """Call every distinct oneDNN-packed matrix of ``model`` (``workbench.model.packed.PackedLinear``: the layers
     share a handful of shapes) once at each row count it packs, up to ``max_rows`` (the LM head up to
@@ -82,7 +97,8 @@ def warm_packed_linears(model: Any, max_rows: int, max_sampled: int) -> int:
     ~0.7 ms for tiny-gqa's matrices, ~1 ms for SmolLM2-135M's, once per process, against 0.03-0.2 ms for the product
     itself (``scripts/op_profile_steps.py`` shows it). Without this, the steps of a measurement are a mix of cold
     and warm shapes, set by which token counts earlier runs in the same process happened to visit, which the
-    simulator's steady-state cost cannot follow. Returns the number of calls made (0 for a model not packed)."""
+    simulator's steady-state cost cannot follow. The primitives must fit in oneDNN's cache (``enlarge_onednn_cache``,
+    called before the process's first one). Returns the number of calls made (0 for a model not packed)."""
     import torch
 
     from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear

@@ -30,8 +30,9 @@ and the wall time.
 ``--disaggregate P:D``: the real disaggregated engines instead (``workbench.dist.disagg``, one thread per engine
 process, as the profile was measured), ``--repeats`` times, against the simulator's disaggregated model with the
 same profile on every replica and the real engines' handoff: the KV link (fitted to the wire times), the handoff
-from a prefill's end to the decode side, each role's wake-up and idle-step excess, all measured on a calibration
-run of another workload (seed ``--seed + 1``) before the measured repeats (``fidelity.disaggregated_fidelity``).
+from a prefill's end to the decode side, each role's wake-up and idle-step excess, all measured on calibration runs
+of another workload (seed ``--seed + 1``), one before each measured repeat, pooled, after a warm-up that builds every
+shape's oneDNN primitive in the engine processes (``fidelity.disaggregated_fidelity``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def main() -> int:
     p.add_argument("--measure-max-tokens", type=int, default=1024,
                    help="largest size the op profile measures when measured now (default 1024)")  # fmt: skip
     args = p.parse_args()
+
+    from workbench.sim.measure import enlarge_onednn_cache
+
+    enlarge_onednn_cache()  # before torch's first oneDNN primitive, here and in the engine processes started later
 
     import torch
 
@@ -112,7 +117,14 @@ def main() -> int:
                                               args.seed, calibration)  # fmt: skip
         rows = res["rows"]
         out.update(disaggregate=args.disaggregate, link=res["link"], handoff=res["handoff"],
-                   idle_step_s=res["idle_step_s"], loads=res["loads"])  # fmt: skip
+                   idle_step_s=res["idle_step_s"], loads=res["loads"], ttft_parts=res["ttft_parts"])  # fmt: skip
+        keys = ("queue", "prefill", "after", "sum_of_medians", "ttft", "handoff", "decode_wait", "wire")
+        print("TTFT in parts, medians over the requests (ms; after = handoff + decode-side wait + wire):",
+              file=sys.stderr)  # fmt: skip
+        named = [(f"measured {i}", x) for i, x in enumerate(res["ttft_parts"]["measured"])]
+        for label, x in named + [(k, v) for k, v in res["ttft_parts"].items() if k != "measured"]:
+            print(f"  {label:18s} " + "  ".join(f"{k} {x[k]:.2f}" for k in keys if x.get(k) is not None),
+                  file=sys.stderr)  # fmt: skip
     else:
         net = load_model(args.model, seed=0)
         policies = [x for x in args.policies.split(",") if x]

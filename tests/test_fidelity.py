@@ -89,3 +89,74 @@ def test_the_published_claim_holds_the_issues_bar() -> None:
     assert published_claim(summary(0.08, 0.27))["verdict"] == CONFIRMED
     assert published_claim(summary(0.08, 0.31))["verdict"] == NOT_CONFIRMED  # one case beyond 30%
     assert published_claim(summary(0.16, 0.20))["verdict"] == NOT_CONFIRMED  # the median beyond 15%
+
+
+def test_the_handoff_leaves_out_announcements_that_waited_for_a_decode_step() -> None:
+    """The decode engine reads its inbox between steps: a KV announced mid-step waited for that step's end, which the
+    simulator adds itself, so it is not part of the handoff (1 and 2 ms are; 10 ms, sent mid-step, is not)."""
+    from types import SimpleNamespace
+
+    from workbench.dist.disagg import DisaggResult
+    from workbench.experiments.fidelity import handoff_profile
+
+    def transfer(num_bytes: int, token: float, handoff: float) -> dict:
+        return {"kv_transfer_bytes": num_bytes, "timeline": {"prefill_token_s": token, "sent_s": token + 0.0001,
+                "announced_s": token + handoff, "receive_posted_s": token + handoff,
+                "landed_s": token + handoff + 0.001 + num_bytes * 1e-6}}  # fmt: skip
+
+    transfers = {0: transfer(1000, 1.0, 0.001), 1: transfer(2000, 2.0, 0.010), 2: transfer(3000, 3.0, 0.002)}
+    pools = {"prefill0": {"steps": []}, "decode0": {"steps": [{"start_s": 1.995, "end_s": 2.0099}]}}
+    requests = [SimpleNamespace(request_id=i, arrival_time=float(i)) for i in range(3)]
+    profile = handoff_profile(DisaggResult(requests, transfers, pools, 4.0, 0, {i: (0, 0) for i in range(3)}))
+    assert profile["num_handoffs"] == 2
+    assert profile["kv_handoff_s"] == pytest.approx(0.0015)  # the median of 1 and 2 ms
+    assert min(profile["kv_handoff_quantiles_s"]) == pytest.approx(0.001)
+    assert max(profile["kv_handoff_quantiles_s"]) == pytest.approx(0.002)
+
+
+def test_the_warmup_workload_prefills_every_length_then_drains_every_batch_size() -> None:
+    from workbench.experiments.fidelity import warmup_workload
+
+    reqs = warmup_workload(max_model_len=10, max_num_seqs=3, gap_s=0.5)
+    singles, burst = reqs[:8], reqs[8:]
+    assert [r.prompt_len for r in singles] == list(range(1, 9))  # 1 .. max_model_len - 2
+    assert [r.arrival_time_s for r in singles] == [0.5 * i for i in range(8)]
+    assert [r.output_len for r in burst] == [2, 3, 4] and {r.arrival_time_s for r in burst} == {4.1}
+    assert [r.request_id for r in reqs] == list(range(11))
+
+
+def test_ttft_parts_of_a_real_and_a_simulated_run_by_hand() -> None:
+    """Requests 0 and 1 arrive at 1.0 and 1.001 s and are prefilled together in one step (1.002-1.006); request 2
+    arrives at 2.0 and has a step of its own (2.001-2.004). Real: the first tokens reach the decode side at 1.010,
+    1.012 and 2.006; the simulated run's at 1.009, 1.009 and 2.007."""
+    from types import SimpleNamespace
+
+    from workbench.dist.disagg import DisaggResult
+    from workbench.experiments.fidelity import ttft_parts
+
+    steps = [{"start_s": 1.002, "end_s": 1.006, "num_prefill_tokens": 20, "num_seqs": 2},
+             {"start_s": 2.001, "end_s": 2.004, "num_prefill_tokens": 9, "num_seqs": 1}]  # fmt: skip
+    arrivals, firsts = (1.0, 1.001, 2.0), (1.010, 1.012, 2.006)
+    requests = [SimpleNamespace(request_id=i, arrival_time=a, first_token_time=f)
+                for i, (a, f) in enumerate(zip(arrivals, firsts))]  # fmt: skip
+
+    def timeline(token: float, landed: float) -> dict:
+        return {"timeline": {"prefill_token_s": token, "sent_s": token, "announced_s": token + 0.001,
+                             "receive_posted_s": token + 0.0012, "landed_s": landed}}  # fmt: skip
+
+    transfers = {0: timeline(1.006, 1.010), 1: timeline(1.006, 1.012), 2: timeline(2.004, 2.006)}
+    real = DisaggResult(requests, transfers, {"prefill0": {"steps": steps}}, 3.0, 0, {i: (0, 0) for i in range(3)})
+    parts = ttft_parts(real)
+    assert parts["num_requests"] == 3
+    assert parts["queue"] == pytest.approx(1.0)  # waits of 2, 1 and 1 ms
+    assert parts["prefill"] == pytest.approx(4.0)  # steps of 4, 4 and 3 ms
+    assert parts["after"] == pytest.approx(4.0)  # 4, 6 and 2 ms
+    assert parts["ttft"] == pytest.approx(10.0)  # 10, 11 and 6 ms
+    assert parts["sum_of_medians"] == pytest.approx(9.0)
+    assert parts["handoff"] == pytest.approx(1.0) and parts["decode_wait"] == pytest.approx(0.2)
+    assert parts["wire"] == pytest.approx(2.8)  # 2.8, 4.8 and 0.8 ms
+    log = SimpleNamespace(to_records=lambda: steps)
+    records = [SimpleNamespace(request_id=i, arrival_time=a, first_token_time=f)
+               for i, (a, f) in enumerate(zip(arrivals, (1.009, 1.009, 2.007)))]  # fmt: skip
+    sim = ttft_parts(SimpleNamespace(records=records, step_logs=[log, None]))
+    assert sim["after"] == pytest.approx(3.0) and sim["ttft"] == pytest.approx(8.0) and "wire" not in sim

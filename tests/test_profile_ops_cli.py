@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from workbench import cli
+from workbench.model.packed import packing_available
 from workbench.sim.op_profile import OPS_1D, OPS_2D, OpProfileCostModel
 
 SMALL = ["--tokens", "1", "4", "16", "--rows", "1", "4", "--prompt-lens", "4", "32", "--contexts", "4", "32",
@@ -41,6 +43,44 @@ def test_the_profile_holds_every_operation_at_the_requested_sizes(profile_file: 
     assert over["fit"]["num_steps"] > 0 and over["host_gap_s"] >= 0
     assert {c["policy"] for c in over["fit"]["engine_configs"]} == {"continuous", "chunked"}
     assert isinstance(OpProfileCostModel.load(profile_file), OpProfileCostModel)
+    # the linears were timed as the engine runs them (EngineConfig.packed_linears' default)
+    assert data["packed_linears"] is packing_available(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_linears_are_timed_and_replayed_as_the_engine_runs_them(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With packed linears (the engine's default) the projections and the LM head are timed through
+    ``PackedLinear`` at the row counts it packs (4 here), and the overhead fit's engine packs its linears too;
+    without, neither does (an op profile of plain layers against a packed engine over-predicted its steps)."""
+    from workbench.engine.engine import Engine
+    from workbench.model import packed as packed_mod
+    from workbench.sim.op_timing import measure_training_steps, profile_ops
+
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    rows_seen: list[int] = []
+    forward = packed_mod.PackedLinear.forward
+
+    def spy(self, x):  # noqa: ANN001, ANN202
+        rows_seen.append(x.numel() // x.shape[-1])
+        return forward(self, x)
+
+    monkeypatch.setattr(packed_mod.PackedLinear, "forward", spy)
+    grids = {"tokens": [1, 4], "rows": [4], "prompt_lens": [4], "contexts": [4], "batch_sizes": [1]}
+    profile = profile_ops("tiny-gqa", "cpu", "fp32", grids=grids, warmup=0, max_repeats=3, progress=False, passes=1,
+                          packed_linears=packed)  # fmt: skip
+    assert profile["packed_linears"] is packed
+    assert (4 in rows_seen) is packed and (1 in rows_seen) is packed  # 1 row: PackedLinear falls back to the plain
+    configs: list[bool] = []
+    init = Engine.__init__
+
+    def engine_spy(self, model, config=None, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        configs.append(config.packed_linears)
+        return init(self, model, config, *a, **k)
+
+    monkeypatch.setattr(Engine, "__init__", engine_spy)
+    samples, _ = measure_training_steps(profile, policies=("continuous",), num_requests=2, max_model_len=64)
+    assert samples.stats and configs and set(configs) == {packed}
 
 
 def test_simulate_reads_it_back(profile_file: str, capsys: pytest.CaptureFixture) -> None:
@@ -70,3 +110,44 @@ def test_simulate_reads_it_back(profile_file: str, capsys: pytest.CaptureFixture
 def test_bad_arguments_are_clear(extra: list, message: str, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["profile-ops", "--model", "tiny-gqa", "--no-overhead", "--no-progress", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_warm_packed_linears_calls_each_shape_once_at_every_packed_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tiny-gqa's packed matrices: QKV 64->128, O 64->64, gate/up 64->320, down 160->64 (shared by both layers) and
+    the LM head 64->256; rows 4 to 10 for the layers' (max_rows), 4 to 6 for the head (max_sampled): 4 x 7 + 3."""
+    from workbench.model import packed as packed_mod
+    from workbench.model.checkpoint import load_model
+    from workbench.sim.measure import warm_packed_linears
+
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    net = load_model("tiny-gqa", seed=0)
+    assert warm_packed_linears(net, 10, 6) == 0  # nothing packed yet
+    packed_mod.pack_linears(net)
+    seen: list[tuple[int, int, int]] = []
+    forward = packed_mod.PackedLinear.forward
+
+    def spy(self, x):  # noqa: ANN001, ANN202
+        seen.append((self.in_features, self.out_features, x.shape[0]))
+        return forward(self, x)
+
+    monkeypatch.setattr(packed_mod.PackedLinear, "forward", spy)
+    assert warm_packed_linears(net, 10, 6) == 4 * 7 + 3
+    assert len(set(seen)) == len(seen) == 31
+    layer_shapes = {(64, 128), (64, 64), (64, 320), (160, 64)}
+    assert {(i, o, r) for i, o, r in seen if (i, o) != (64, 256)} == {(*s, r) for s in layer_shapes
+                                                                       for r in range(4, 11)}  # fmt: skip
+    assert sorted(r for i, o, r in seen if (i, o) == (64, 256)) == [4, 5, 6]
+
+
+def test_the_onednn_cache_is_enlarged_unless_already_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from workbench.sim.measure import ONEDNN_CACHE_CAPACITY, enlarge_onednn_cache
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    enlarge_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY) == "4096"
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    enlarge_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"  # the user's setting stands

@@ -2,7 +2,7 @@
 
     workbench profile-ops --model PRESET [--out data/profiles/op-MODEL-MACHINE.json] [--device auto|cpu|cuda]
         [--dtype fp32] [--threads N] [--max-tokens N] [--tokens ...] [--prompt-lens ...] [--contexts ...]
-        [--batch-sizes ...] [--max-repeats N] [--no-overhead] [--overhead-requests N] [--json]
+        [--batch-sizes ...] [--max-repeats N] [--no-packed-linears] [--no-overhead] [--overhead-requests N] [--json]
 
 Times the model's own layers (``workbench.sim.op_timing.profile_ops``): the QKV, O, gate/up and down projections,
 RMSNorm, rotary, the SiLU * up activation, the residual add and the KV write over the step's tokens; embedding and
@@ -10,7 +10,8 @@ the rotary table once a step; the LM head, the sampler and a pure decode's KV wr
 attention over prompt length (prefill), over context (a decode attended alone) and over batch x context (a pure
 decode in one gather). Each point is a median over repeats after warm-up, with min and max, in each of ``--passes``
 sweeps over all points; the profile keeps the median of the passes' medians (a burst of load from another process
-moves one pass, not the profile). Then, unless
+moves one pass, not the profile). The linear layers are timed as the engine runs them: with oneDNN-packed weights
+(``EngineConfig.packed_linears``, the default; ``--no-packed-linears`` for an engine without them). Then, unless
 ``--no-overhead``, it replays short workloads on the real engine and fits the per-step overhead the summed
 operations miss (``workbench.sim.op_profile``). The file records the machine (``workbench.hardware``), torch's thread
 count and the load average at the start and the end. Use it with ``workbench simulate --cost-model op-profile
@@ -41,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="warm-up calls per point")
     p.add_argument("--max-repeats", type=int, default=15, help="timed calls per point at most (at least 3)")
     p.add_argument("--target-ms", type=float, default=50.0, help="aim of the timed calls' total per point, ms")
+    p.add_argument("--no-packed-linears", action="store_true",
+                   help="time plain linear layers, for an engine run with packed_linears off (default: packed, as "
+                   "the engine runs them)")  # fmt: skip
     p.add_argument("--no-overhead", action="store_true", help="skip the engine runs that fit the per-step overhead")
     p.add_argument("--overhead-requests", type=int, default=24, help="requests per workload of the overhead fit")
     p.add_argument("--max-num-seqs", type=int, default=16, help="engine setting of the overhead fit")
@@ -62,6 +66,9 @@ def default_op_profile_path(model: str, machine: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import check_output_file
     from workbench.errors import ConfigError
+    from workbench.sim.measure import enlarge_onednn_cache
+
+    enlarge_onednn_cache()  # before the first oneDNN primitive: the overhead fit's engine then keeps all its shapes
 
     counts = ("threads", "passes", "max_tokens", "max_repeats", "overhead_requests", "max_num_seqs", "max_model_len")
     for name in counts:
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     profile = profile_ops(
         args.model, str(dev), args.dtype, args.attention_backend, {k: v for k, v in grids.items() if v},
         args.max_tokens, args.warmup, args.max_repeats, args.target_ms / 1e3, args.seed, not args.no_progress,
-        args.passes,
+        args.passes, not args.no_packed_linears,
     )  # fmt: skip
     profile["model"] = cfg.name
     if not args.no_overhead:

@@ -37,6 +37,22 @@ def held_out_workload(num_requests: int = 40, rate: float = 10.0, seed: int = 7)
                               seed=seed)  # fmt: skip
 
 
+def warmup_workload(max_model_len: int = 256, max_num_seqs: int = 16, gap_s: float = 0.01) -> list[Request]:
+    """A warm-up for engines in other processes (``disaggregated_fidelity``), where ``warm_packed_linears`` cannot
+    reach: one request of every prompt length from 1 to ``min(PACKED_MAX_ROWS, max_model_len - 2)``, ``gap_s``
+    apart (each prefilled alone when a prefill takes less: every token count a prefill step packs), then a burst of
+    ``max_num_seqs`` requests with 2 to ``max_num_seqs + 1`` output tokens (decode batches of every size from
+    ``max_num_seqs`` down to 1 as they finish). The first product of a (matrix, rows) shape in a process builds
+    oneDNN's primitive for it, a cost a steady-state server has long paid (``warm_packed_linears``)."""
+    from workbench.model.packed import PACKED_MAX_ROWS
+
+    top = max(1, min(PACKED_MAX_ROWS, max_model_len - 2))
+    out = [Request(i, i * gap_s, i + 1, 2) for i in range(top)]
+    burst = top * gap_s + 0.1
+    out += [Request(top + j, burst, 8, 2 + j) for j in range(max_num_seqs)]
+    return out
+
+
 def engine_config(policy: str, max_num_seqs: int = 16, max_model_len: int = 256) -> EngineConfig:
     """The engine of the fidelity check: the profiles' settings (chunked: a budget of half the context)."""
     budget = max_model_len // 2 if policy == "chunked" else None
@@ -63,14 +79,17 @@ def measure_policies(
 ) -> dict[str, Any]:
     """The real engine on ``requests`` under each policy, ``repeats`` times, interleaved: ``runs`` (per policy the
     metrics of each repeat), ``loads`` (per run: policy, repeat, load average before and after), ``pool`` (per
-    policy: num_blocks, block_size). One warm-up replay first, not measured."""
+    policy: num_blocks, block_size). One warm-up replay first, not measured, then every packed matrix at every row
+    count (``warm_packed_linears``): the measured runs are the engine's steady state, as the profiles'."""
     from workbench.engine.engine import Engine
+    from workbench.sim.measure import warm_packed_linears
 
     if repeats < 1:
         from workbench.errors import ConfigError
 
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
     Engine(net, engine_config(policies[0], max_num_seqs, max_model_len)).replay(list(requests[:4]))
+    warm_packed_linears(net, max_model_len, max_num_seqs)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     loads, pool = [], {}
     bar = None
@@ -173,13 +192,19 @@ def disaggregated_fidelity(
     or a list): ``rows`` as ``compare`` (models ``cost.name`` and ``cost.name + " noise"``), ``handoff``, ``loads``.
 
     The simulator models the real engines' handoff (``SimConfig.kv_handoff_s``, ``kv_receive='between-steps'``: the
-    decode engine receives between its steps), with the link, the handoff and each role's wake-up measured on a
-    **calibration run** of another workload (``calibration``; default: this one's lengths and rate, another seed)
-    by ``handoff_profile``; and each role's extra time of a step after an idle wait
-    (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on that run too
-    (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
+    decode engine receives between its steps), with the link, the handoff and each role's wake-up measured on
+    **calibration runs** of another workload (``calibration``; default: this one's lengths and rate, another seed)
+    by ``handoff_profile``: one before each measured repeat (calibration and repeats alternate, so a change of the
+    machine's load during the run falls on both alike), pooled. Each role's extra time of a step after an idle wait
+    (``idle_step_s``) and its steps' spread (the residuals the ``noise`` variant draws) are re-fitted on those runs
+    too (``_calibrate_roles``: the profile's come from the colocated replay loop, which sleeps on a timer where these
     engines block on a queue, and from another hour's load); the ``noise`` variant also draws each handoff from the
-    calibration run's. The measured repeats then replay the held-out ``requests``."""
+    calibration runs'. ``ttft_parts``: each measured repeat's and each simulation's TTFT in parts (``ttft_parts``).
+    The measured repeats replay the held-out ``requests``. Before all of them the engines serve
+    ``warmup_workload`` (every prefill length, every decode batch size), so that the calibration and every repeat
+    find oneDNN's primitives of their shapes built: without it the calibration run and the first repeat paid ~0.7
+    ms per new (matrix, rows) shape on nearly every tiny-gqa prefill (3 ms steps, ~1.9 ms of work), the later
+    repeats, on lengths seen before, did not, and the calibrated model carried the first runs' cost."""
     import dataclasses
 
     from workbench.config import ModelConfig
@@ -200,18 +225,20 @@ def disaggregated_fidelity(
     work = as_work(requests)
     dcfg = DisaggConfig(prefill=ecfg, decode=ecfg, num_prefill=split[0], num_decode=split[1],
                         threads_per_engine=threads)  # fmt: skip
-    runs, loads = [], []
+    runs, loads, measured = [], [], []
     with DisaggCluster(model, dcfg) as cluster:
-        cluster.run(work[:4], online=False)  # warm-up, not measured
-        before = load_average()
-        cal = cluster.run(as_work(calibration), online=True)
-        loads.append({"repeat": "calibration", "load_before": before, "load_after": load_average()})
-        for rep in range(repeats):
+        cluster.run(as_work(warmup_workload(max_model_len, max_num_seqs)), online=True)  # warm-up, not measured
+        cals = []
+        for rep in range(repeats):  # calibration and measured runs alternate: the same machine states feed both
+            before = load_average()
+            cals.append(cluster.run(as_work(calibration), online=True))
+            loads.append({"repeat": f"calibration {rep}", "load_before": before, "load_after": load_average()})
             before = load_average()
             result = cluster.run(work, online=True)
             loads.append({"repeat": rep, "load_before": before, "load_after": load_average()})
             runs.append(summarize(result.requests, duration_s=result.duration_s)["metrics"])
-    handoff = handoff_profile(cal)
+            measured.append(result)
+    handoff = handoff_profile(cals)
 
     def sim_config(**handoff_draws: Any) -> SimConfig:
         return SimConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -223,11 +250,12 @@ def disaggregated_fidelity(
     noisy = sim_config(kv_handoff_quantiles_s=tuple(handoff["kv_handoff_quantiles_s"]), kv_handoff_seed=noise_seed or 0)
     roles = ["prefill"] * split[0] + ["decode"] * split[1]
     rows, calibrated = [], {}
+    parts: dict[str, Any] = {"measured": [ttft_parts(r, split[0]) for r in measured]}
     setup = f"disaggregated {split[0]}:{split[1]}"
     for cost in costs if isinstance(costs, (list, tuple)) else [costs]:
         base = [dataclasses.replace(cost, noise_seed=None, wake_s=handoff["wake_s"][r], idle_step_s=0.0) for r in roles]
         plain = simulate(list(calibration), cfg_model, base, scfg, record_steps=True)
-        cal_roles = calibrated[cost.name] = _calibrate_roles(cal, plain, split)
+        cal_roles = calibrated[cost.name] = _calibrate_roles(cals, plain, split)
 
         def replicas(seeds: list[int | None], cost: Any = cost, cal_roles: dict = cal_roles) -> list:
             idle_key = "idle_step_s" if seeds[0] is None else "noise_idle_step_s"
@@ -239,32 +267,113 @@ def disaggregated_fidelity(
 
         for name, seeds in ((cost.name, [None] * len(roles)),
                             (f"{cost.name} noise", [noise_seed + i for i in range(len(roles))])):  # fmt: skip
-            sim = simulate(list(requests), cfg_model, replicas(seeds), noisy if seeds[0] is not None else scfg)
-            sim = sim.summary()["metrics"]
-            rows += compare({setup: runs}, {setup: sim}, name)
+            result = simulate(list(requests), cfg_model, replicas(seeds), noisy if seeds[0] is not None else scfg,
+                              record_steps=True)  # fmt: skip
+            parts[name] = ttft_parts(result, split[0])
+            rows += compare({setup: runs}, {setup: result.summary()["metrics"]}, name)
     link = {"latency_s": handoff["link_latency_s"], "gbps": handoff["link_gbps"],
             "num_transfers": handoff["num_transfers"], "fit": handoff["link_fit"]}  # fmt: skip
     idle = {name: {role: c["idle_step_s"] for role, c in roles_.items()} for name, roles_ in calibrated.items()}
-    return {"rows": rows, "link": link, "handoff": handoff, "idle_step_s": idle, "loads": loads, "repeats": repeats}
+    return {
+        "rows": rows,
+        "link": link,
+        "handoff": handoff,
+        "idle_step_s": idle,
+        "loads": loads,
+        "repeats": repeats,
+        "ttft_parts": parts,
+    }
 
 
-def handoff_profile(result: Any) -> dict[str, Any]:
-    """What a real disaggregated run (``workbench.dist.disagg.DisaggResult``) says about its handoff, in the
-    simulator's terms (``workbench.sim.cluster``; all medians):
+def ttft_parts(result: Any, num_prefill: int = 1) -> dict[str, Any]:
+    """A disaggregated run's TTFT in parts, medians over its requests in ms: ``queue`` (arrival to the start of the
+    prefill step that computed its prompt), ``prefill`` (that step), ``after`` (the step's end to the first token
+    at the decode side: handoff, the decode engine's wait and the wire), ``ttft``, ``sum_of_medians`` (the three
+    parts' medians added: short of the TTFT median when the parts' spreads are wide and skewed); of a real run
+    (``DisaggResult``) also ``handoff`` (first token to the announcement read by the decode engine), ``decode_wait``
+    (to the receive posted) and ``wire`` (to the KV landed). ``result``: a ``DisaggResult`` or a ``SimResult``
+    recorded with its steps. A request's prefill step: its prefill engine (the real run's routing; the simulator's
+    round-robin in arrival order) serves prompts first come first served, one step each (no token budget), so each
+    step with prefill tokens takes the next ``num_seqs`` of its requests in arrival order."""
+    real = hasattr(result, "transfers")
+    reqs = list(result.requests if real else result.records)
+    order = sorted(reqs, key=lambda r: (r.arrival_time, r.request_id))
+    by_engine: dict[int, list[Any]] = {}
+    for i, r in enumerate(order):
+        p = result.engines.get(r.request_id, (i % num_prefill, 0))[0] if real else i % num_prefill
+        by_engine.setdefault(p, []).append(r)
+    step_of: dict[int, dict[str, Any]] = {}
+    for p, queue in by_engine.items():
+        steps = result.pools[f"prefill{p}"]["steps"] if real else result.step_logs[p].to_records()
+        it = iter(queue)
+        for step in steps:
+            for _ in range(step["num_seqs"] if step["num_prefill_tokens"] else 0):
+                r = next(it, None)
+                if r is not None:
+                    step_of[r.request_id] = step
+    names = ("queue", "prefill", "after", "ttft") + (("handoff", "decode_wait", "wire") if real else ())
+    values: dict[str, list[float]] = {n: [] for n in names}
+    for r in reqs:
+        step = step_of.get(r.request_id)
+        tl = result.transfers.get(r.request_id, {}).get("timeline") if real else None
+        if step is None or r.first_token_time is None or (real and tl is None):
+            continue
+        values["queue"].append(step["start_s"] - r.arrival_time)
+        values["prefill"].append(step["end_s"] - step["start_s"])
+        values["after"].append(r.first_token_time - step["end_s"])
+        values["ttft"].append(r.first_token_time - r.arrival_time)
+        if tl is not None:
+            values["handoff"].append(tl["announced_s"] - tl["prefill_token_s"])
+            values["decode_wait"].append(tl["receive_posted_s"] - tl["announced_s"])
+            values["wire"].append(tl["landed_s"] - tl["receive_posted_s"])
+    out: dict[str, Any] = {n: 1e3 * statistics.median(v) if v else None for n, v in values.items()}
+    if values["ttft"]:
+        out["sum_of_medians"] = out["queue"] + out["prefill"] + out["after"]
+    out["num_requests"] = len(values["ttft"])
+    return out
+
+
+def handoff_profile(results: Any) -> dict[str, Any]:
+    """What real disaggregated runs (``workbench.dist.disagg.DisaggResult``, one or a list, pooled) say about their
+    handoff, in the simulator's terms (``workbench.sim.cluster``; all medians):
 
     - ``link_latency_s``, ``link_gbps``: ``time = latency + bytes / bandwidth`` fitted to the wire times (receive
       posted to KV landed; ``workbench.sim.comm.fit_latency_bandwidth``), else, when that fit is not physical (a
       loaded machine's outliers), the line through the medians of the smaller and the larger half of the transfers
       (``link_fit`` says which);
     - ``kv_handoff_s``: from the prefill side's first token to the announcement reaching the decode engine (the
-      sender's gather and the control message), and ``kv_handoff_quantiles_s``, 100 quantiles of them;
+      sender's gather and the control message), and ``kv_handoff_quantiles_s``, 100 quantiles of them, over the
+      transfers sent while the decode engine was between steps (one sent mid-step also waits for that step, which
+      the simulator models itself; ``num_handoffs`` counts those used);
     - ``wake_s``: per role, from a request's arrival (prefill) or announcement (decode) that finds its engine idle
       to the engine's next step or receive.
     """
     from workbench.sim.comm import fit_latency_bandwidth
 
-    lines = [(t["kv_transfer_bytes"], t["timeline"]) for t in result.transfers.values()
-             if t.get("kv_transfer_bytes", 0) > 0 and "timeline" in t]  # fmt: skip
+    runs = results if isinstance(results, (list, tuple)) else [results]
+    lines, free, wakes = [], [], {"prefill": [], "decode": []}
+    for result in runs:
+        for rid, t in result.transfers.items():
+            if t.get("kv_transfer_bytes", 0) <= 0 or "timeline" not in t:
+                continue
+            tl = t["timeline"]
+            lines.append((t["kv_transfer_bytes"], tl))
+            # the decode engine reads its inbox between its steps: an announcement sent while it was mid-step waited
+            # for that step's end, which the simulator adds itself (a transfer is admitted at the top of the
+            # replica's next step), so the handoff is measured on the announcements that found it between steps
+            d = result.engines.get(rid, (0, 0))[1]
+            steps = result.pools.get(f"decode{d}", {}).get("steps", [])
+            if not any(s["start_s"] <= tl["sent_s"] < s["end_s"] for s in steps):
+                free.append(tl)
+        by_id = {r.request_id: r for r in result.requests}
+        for rid, (p, d) in result.engines.items():
+            steps = result.pools.get(f"prefill{p}", {}).get("steps", [])
+            if rid in by_id and (w := _wake(steps, by_id[rid].arrival_time)) is not None:
+                wakes["prefill"].append(w)
+            tl = result.transfers.get(rid, {}).get("timeline")
+            steps = result.pools.get(f"decode{d}", {}).get("steps", [])
+            if tl is not None and not any(s["start_s"] <= tl["announced_s"] < s["end_s"] for s in steps):
+                wakes["decode"].append(tl["receive_posted_s"] - tl["announced_s"])
     if len(lines) < 2:
         from workbench.errors import ConfigError
 
@@ -275,25 +384,17 @@ def handoff_profile(result: Any) -> dict[str, Any]:
     if not (bandwidth > 0 and latency >= 0):  # noisy transfers on a loaded machine: the line through two medians
         latency, bandwidth = _two_medians_line(wire)
         fit = "the medians of the smaller and larger halves (the least-squares fit was not physical)"
-    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for _, tl in lines)
-    wakes: dict[str, list[float]] = {"prefill": [], "decode": []}
-    by_id = {r.request_id: r for r in result.requests}
-    for rid, (p, d) in result.engines.items():
-        steps = result.pools.get(f"prefill{p}", {}).get("steps", [])
-        if rid in by_id and (w := _wake(steps, by_id[rid].arrival_time)) is not None:
-            wakes["prefill"].append(w)
-        tl = result.transfers.get(rid, {}).get("timeline")
-        steps = result.pools.get(f"decode{d}", {}).get("steps", [])
-        if tl is not None and not any(s["start_s"] <= tl["announced_s"] < s["end_s"] for s in steps):
-            wakes["decode"].append(tl["receive_posted_s"] - tl["announced_s"])
+    handoffs = sorted(max(tl["announced_s"] - tl["prefill_token_s"], 0.0) for tl in (free or [tl for _, tl in lines]))
     return {
         "link_latency_s": latency,
         "link_gbps": bandwidth * 8 / 1e9,
         "link_fit": fit,
         "kv_handoff_s": statistics.median(handoffs),
         "kv_handoff_quantiles_s": [handoffs[round(q * (len(handoffs) - 1) / 99)] for q in range(100)],
+        "num_handoffs": len(handoffs),
         "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
         "num_transfers": len(lines),
+        "num_runs": len(runs),
     }
 
 
@@ -334,18 +435,21 @@ def _quantiles(values: list[float], n: int = 100) -> list[float]:
     return [v[min(len(v) - 1, round(q * (len(v) - 1) / (n - 1)))] for q in range(n)] if len(v) > 1 else []
 
 
-def _calibrate_roles(real: Any, sim: Any, split: tuple[int, int]) -> dict[str, dict[str, Any]]:
-    """Per role, from the calibration run and its simulation with no idle excess: ``idle_step_s``, the median of
+def _calibrate_roles(reals: Any, sim: Any, split: tuple[int, int]) -> dict[str, dict[str, Any]]:
+    """Per role, from the calibration runs (one ``DisaggResult`` or a list of runs of one workload, pooled) and its
+    simulation with no idle excess: ``idle_step_s``, the median of
     (real - simulated) duration of the step that serves a request which found its engine idle (the prefill step
     after its arrival; the decode step after its KV landed), at least 0; and ``residual_quantiles_s``, the spread of
     the real steps around the model (prefill: those paired differences less their median; decode: each real pure
     decode step less the median simulated one of as many sequences, so the draws carry the machine's speed during the
     calibration run), which the ``noise`` variant draws, with ``noise_idle_step_s`` (the excess less the residuals'
     median, not to count a slower machine twice)."""
-    by_id = {r.request_id: r for r in real.requests}
+    runs = reals if isinstance(reals, (list, tuple)) else [reals]
     sim_by_id = {r.request_id: r for r in sim.records}
     diffs: dict[str, list[float]] = {"prefill": [], "decode": []}
-    for rid, (p, d) in real.engines.items():
+    ids = [{r.request_id: r for r in run.requests} for run in runs]
+    pairs = [(run, by_id, rid, pd) for run, by_id in zip(runs, ids) for rid, pd in run.engines.items()]
+    for real, by_id, rid, (p, d) in pairs:
         r, s = by_id.get(rid), sim_by_id.get(rid)
         if r is None or s is None:
             continue
@@ -372,7 +476,7 @@ def _calibrate_roles(real: Any, sim: Any, split: tuple[int, int]) -> dict[str, d
                     if x["num_prefill_tokens"] == 0:
                         modelled.setdefault(x["num_seqs"], []).append(x["duration_s"])
             typical = {n: statistics.median(v) for n, v in modelled.items()}
-            spread = [x["duration_s"] - typical[x["num_seqs"]] for i in range(count)
+            spread = [x["duration_s"] - typical[x["num_seqs"]] for real in runs for i in range(count)
                       for x in real.pools[f"decode{i}"]["steps"]
                       if x["num_prefill_tokens"] == 0 and x["num_seqs"] in typical]  # fmt: skip
         shift = statistics.median(spread) if spread else 0.0

@@ -74,6 +74,51 @@ def measure_engine_steps(
     return samples
 
 
+ONEDNN_CACHE_CAPACITY = 4096  # oneDNN primitives kept per process (its default, 1024, holds about 500 of our shapes)
+
+
+def enlarge_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Let this process (and the engine processes it starts) keep ``capacity`` oneDNN primitives, unless
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set already. It takes effect only before the process's first oneDNN
+    primitive, so the measuring entry points call it first. With oneDNN's default (1,024 entries, which on this
+    torch held about 500 (matrix, rows) shapes: two entries a product), a model's 4 packed matrices at 253 row
+    counts each do not fit, and a steady-state engine rebuilds evicted primitives (~0.5 ms each for tiny-gqa) on
+    token counts it has served before: the measurements then depend on the order of the row counts visited."""
+    import os
+
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+
+
+def warm_packed_linears(model: Any, max_rows: int, max_sampled: int) -> int:
+    """Call every distinct oneDNN-packed matrix of ``model`` (``workbench.model.packed.PackedLinear``: the layers
+    share a handful of shapes) once at each row count it packs, up to ``max_rows`` (the LM head up to
+    ``max_sampled``, the most rows a step samples), so that the steps measured after it find oneDNN's primitive for
+    their shape already made. The first product of a (matrix, rows) shape in a process builds that primitive:
+    ~0.7 ms for tiny-gqa's matrices, ~1 ms for SmolLM2-135M's, once per process, against 0.03-0.2 ms for the product
+    itself (``scripts/op_profile_steps.py`` shows it). Without this, the steps of a measurement are a mix of cold
+    and warm shapes, set by which token counts earlier runs in the same process happened to visit, which the
+    simulator's steady-state cost cannot follow. The primitives must fit in oneDNN's cache (``enlarge_onednn_cache``,
+    called before the process's first one). Returns the number of calls made (0 for a model not packed)."""
+    import torch
+
+    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear
+
+    head = getattr(model, "lm_head", None)
+    shapes: dict[tuple[int, int, bool, bool], Any] = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            key = (module.in_features, module.out_features, module.bias is not None, module is head)
+            shapes.setdefault(key, module)
+    calls = 0
+    with torch.inference_mode():
+        for (width, _, _, is_head), module in shapes.items():
+            top = min(PACKED_MAX_ROWS, max_sampled if is_head else max_rows)
+            for rows in range(PACKED_MIN_ROWS, top + 1):
+                module(torch.zeros(rows, width, dtype=module.weight.dtype, device=module.weight.device))
+                calls += 1
+    return calls
+
+
 def training_workloads(max_model_len: int, num_requests: int = 24, seed: int = 1000) -> list[list[Request]]:
     """Synthetic workloads that cover the step mixes: a light and a heavy Poisson load, short and long prompts, a
     burst (all requests at once) whose batch fills to ``max_num_seqs`` and drains one finish at a time through
@@ -140,8 +185,8 @@ def fit_engine_profile(
 
     ``threads``: torch CPU threads while measuring (1 by default: a small model gains nothing from more, and on a
     shared machine extra threads wait on each other); the simulated engine should run with the same. Each policy
-    is measured after one warm-up replay of the first workload. ``progress``: a tqdm-like object updated once per
-    measured workload (``len(policies) * len(training_workloads(...))`` in all).
+    is measured after one warm-up replay of the first workload and ``warm_packed_linears``. ``progress``: a
+    tqdm-like object updated once per measured workload (``len(policies) * len(training_workloads(...))`` in all).
     """
     import torch
 
@@ -170,6 +215,7 @@ def fit_engine_profile(
         configs.append(asdict(cfg))
         workloads = training_workloads(max_model_len, num_requests, seed)
         Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
+        warm_packed_linears(net, max_model_len, max_num_seqs)  # every step then finds its shapes built
         samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(net, cfg), workloads, seed, progress))
     meta = {
         "model": model,

@@ -77,11 +77,15 @@ def profile_ops(
     seed: int = 0,
     progress: bool = True,
     passes: int = 3,
+    packed_linears: bool = True,
 ) -> dict[str, Any]:
     """Time every operation of ``model`` (a preset or config.json; random weights) on ``device``: the content of an
     op profile file (``OP_PROFILE_FORMAT``) without its overhead and machine facts (``workbench profile-ops``
     adds them). ``grids``: sizes per axis (``default_grids``). ``passes``: sweeps over every point, interleaved (each
-    point once per pass); a point's median is the median of its passes' medians."""
+    point once per pass); a point's median is the median of its passes' medians. ``packed_linears``: time the linear
+    layers (projections and LM head) as an engine with ``EngineConfig.packed_linears`` runs them (oneDNN-packed
+    weights from 4 to 256 rows, ``workbench.model.packed``, where the device and dtype allow it); the profile records
+    whether they were packed, and ``measure_overhead`` runs its engine the same way."""
     import torch
     import torch.nn.functional as F
 
@@ -91,12 +95,14 @@ def profile_ops(
     from workbench.model.attention import MAX_GATHER_KEY_SLOTS, build_decode_metadata, build_metadata
     from workbench.model.checkpoint import load_model
     from workbench.model.layers import apply_rotary_rolled, signed_sin
+    from workbench.model.packed import pack_linears
     from workbench.model.sampler import Sampler
     from workbench.request import SamplingParams
 
     dev = resolve_device(device)
     tdtype = torch_dtype(dtype)
     net = load_model(model, dtype=tdtype, device=dev, seed=seed)
+    packed = pack_linears(net) > 0 if packed_linears else False  # as the engine runs them (Engine.__init__)
     cfg = net.config
     g = {**default_grids(cfg, max_tokens), **(grids or {})}
     for axis, values in g.items():
@@ -305,6 +311,7 @@ def profile_ops(
         "device": str(dev),
         "dtype": dtype,
         "attention_backend": attention_backend,
+        "packed_linears": packed,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "platform": platform.platform(),
@@ -323,23 +330,25 @@ def profile_ops(
     }
 
 
-def measure_overhead(
+def measure_training_steps(
     profile: dict[str, Any],
     policies: tuple[str, ...] = ("continuous", "chunked"),
     num_requests: int = 24,
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     seed: int = 1000,
-) -> dict[str, Any]:
-    """Replay the fit-profile training workloads on the real engine (same model, device and dtype as ``profile``)
-    and fit the per-step overhead (``fit_overhead``); returns the profile's ``overhead`` section."""
+) -> tuple[Any, list[dict[str, Any]]]:
+    """(``StepSamples``, engine configs): the fit-profile training workloads of ``seed`` replayed on the real engine
+    (same model, device and dtype as ``profile``) under each policy. The engine packs its linear layers as the
+    profile's operations were timed (``packed_linears``; a profile without the key was timed with plain layers), and
+    its packed shapes are all built before the measured steps (``warm_packed_linears``), as profile-ops' warm-up
+    calls build them before the timed ones."""
     from workbench.device import resolve_device, torch_dtype
     from workbench.engine.config import EngineConfig
     from workbench.engine.engine import Engine
     from workbench.model.checkpoint import load_model
-    from workbench.sim.measure import StepSamples, measure_engine_steps, training_workloads
+    from workbench.sim.measure import StepSamples, measure_engine_steps, training_workloads, warm_packed_linears
 
-    cost = OpProfileCostModel.from_dict(profile)
     dev = resolve_device(profile["device"])
     net = load_model(profile["model"], dtype=torch_dtype(profile["dtype"]), device=dev, seed=0)
     samples = StepSamples()
@@ -348,12 +357,29 @@ def measure_overhead(
         budget = max_model_len // 2 if policy == "chunked" else None
         cfg = EngineConfig(policy=policy, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                            dtype=profile["dtype"], device=str(dev), token_budget=budget,
-                           attention_backend=profile.get("attention_backend", "torch"))  # fmt: skip
+                           attention_backend=profile.get("attention_backend", "torch"),
+                           packed_linears=bool(profile.get("packed_linears", False)))  # fmt: skip
         configs.append({"policy": policy, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                         "token_budget": budget})  # fmt: skip
         workloads = training_workloads(max_model_len, num_requests, seed)
         Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
+        warm_packed_linears(net, max_model_len, max_num_seqs)  # as profile-ops' warm-up calls find them
         samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(net, cfg), workloads, seed))
+    return samples, configs
+
+
+def measure_overhead(
+    profile: dict[str, Any],
+    policies: tuple[str, ...] = ("continuous", "chunked"),
+    num_requests: int = 24,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    seed: int = 1000,
+) -> dict[str, Any]:
+    """Replay the fit-profile training workloads on the real engine (``measure_training_steps``) and fit the
+    per-step overhead (``fit_overhead``); returns the profile's ``overhead`` section."""
+    cost = OpProfileCostModel.from_dict(profile)
+    samples, configs = measure_training_steps(profile, policies, num_requests, max_num_seqs, max_model_len, seed)
     over = fit_overhead(cost, samples.stats, samples.durations_s, samples.gaps_s, samples.after_idle,
                         samples.wakes_s)  # fmt: skip
     over["fit"]["engine_configs"] = configs

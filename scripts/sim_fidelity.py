@@ -125,6 +125,9 @@ def main() -> int:
         for label, x in named + [(k, v) for k, v in res["ttft_parts"].items() if k != "measured"]:
             print(f"  {label:18s} " + "  ".join(f"{k} {x[k]:.2f}" for k in keys if x.get(k) is not None),
                   file=sys.stderr)  # fmt: skip
+            p90 = x.get("p90") or {}
+            print(f"  {'  p90':18s} " + "  ".join(f"{k} {p90[k]:.2f}" for k in keys if p90.get(k) is not None),
+                  file=sys.stderr)  # fmt: skip
     else:
         net = load_model(args.model, seed=0)
         policies = [x for x in args.policies.split(",") if x]

@@ -155,8 +155,32 @@ def test_ttft_parts_of_a_real_and_a_simulated_run_by_hand() -> None:
     assert parts["sum_of_medians"] == pytest.approx(9.0)
     assert parts["handoff"] == pytest.approx(1.0) and parts["decode_wait"] == pytest.approx(0.2)
     assert parts["wire"] == pytest.approx(2.8)  # 2.8, 4.8 and 0.8 ms
+    # p90 by linear interpolation of the sorted values, position 0.9 x (3 - 1) = 1.8
+    assert parts["p90"]["ttft"] == pytest.approx(10.8)  # 6, 10, 11
+    assert parts["p90"]["queue"] == pytest.approx(1.8)  # 1, 1, 2
     log = SimpleNamespace(to_records=lambda: steps)
     records = [SimpleNamespace(request_id=i, arrival_time=a, first_token_time=f)
                for i, (a, f) in enumerate(zip(arrivals, (1.009, 1.009, 2.007)))]  # fmt: skip
     sim = ttft_parts(SimpleNamespace(records=records, step_logs=[log, None]))
     assert sim["after"] == pytest.approx(3.0) and sim["ttft"] == pytest.approx(8.0) and "wire" not in sim
+
+
+@pytest.mark.parametrize(
+    "kind, data, stale",
+    [
+        ("op-profile", {"device": "cpu"}, True),  # from before packed linears: timed plain layers
+        ("op-profile", {"device": "cpu", "packed_linears": True}, False),
+        ("op-profile", {"device": "cpu", "packed_linears": False}, True),  # for an engine run without them
+        ("op-profile", {"device": "cuda"}, False),  # the engine packs on a CPU only
+        ("profiled", {"meta": {"engine_configs": [{"device": "cpu"}, {"device": "cpu"}]}}, True),
+        ("profiled", {"meta": {"engine_configs": [{"device": "cpu", "packed_linears": True}] * 2}}, False),
+    ],
+)
+def test_a_committed_profile_timed_with_plain_linears_is_not_used_for_a_packing_engine(tmp_path, kind, data, stale):
+    import json
+
+    from workbench.experiments.fidelity import packed_mismatch
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(data))
+    assert packed_mismatch(kind, str(path)) is stale

@@ -294,7 +294,8 @@ def ttft_parts(result: Any, num_prefill: int = 1) -> dict[str, Any]:
     (to the receive posted) and ``wire`` (to the KV landed). ``result``: a ``DisaggResult`` or a ``SimResult``
     recorded with its steps. A request's prefill step: its prefill engine (the real run's routing; the simulator's
     round-robin in arrival order) serves prompts first come first served, one step each (no token budget), so each
-    step with prefill tokens takes the next ``num_seqs`` of its requests in arrival order."""
+    step with prefill tokens takes the next ``num_seqs`` of its requests in arrival order. ``p90``: each part's
+    p90 (as the engine's metrics compute it), to see which part carries the TTFT's tail."""
     real = hasattr(result, "transfers")
     reqs = list(result.requests if real else result.records)
     order = sorted(reqs, key=lambda r: (r.arrival_time, r.request_id))
@@ -326,9 +327,12 @@ def ttft_parts(result: Any, num_prefill: int = 1) -> dict[str, Any]:
             values["handoff"].append(tl["announced_s"] - tl["prefill_token_s"])
             values["decode_wait"].append(tl["receive_posted_s"] - tl["announced_s"])
             values["wire"].append(tl["landed_s"] - tl["receive_posted_s"])
+    from workbench.engine.metrics import stats
+
     out: dict[str, Any] = {n: 1e3 * statistics.median(v) if v else None for n, v in values.items()}
     if values["ttft"]:
         out["sum_of_medians"] = out["queue"] + out["prefill"] + out["after"]
+    out["p90"] = {n: 1e3 * stats(v)["p90"] if v else None for n, v in values.items()}  # where the tail is
     out["num_requests"] = len(values["ttft"])
     return out
 
@@ -505,6 +509,24 @@ def profile_provenance(kind: str, cost: Any) -> dict[str, Any]:
             "loaded": None if peak is None or not cpus else peak > cpus}  # fmt: skip
 
 
+def packed_mismatch(kind: str, path: str) -> bool:
+    """Whether the profile file at ``path`` timed its linear layers otherwise than today's default engine runs them
+    (``EngineConfig.packed_linears``): an op profile records ``packed_linears``, a fitted profile the engine configs
+    it ran; a file from before the option existed has neither and was timed with plain layers."""
+    import json
+
+    from workbench.engine.config import EngineConfig
+
+    with open(path) as f:
+        data = json.load(f)
+    engine_packs = EngineConfig().packed_linears  # on a CPU in fp32/bf16, which is what these profiles time
+    if kind == "op-profile":
+        return data.get("device", "cpu") == "cpu" and bool(data.get("packed_linears", False)) != engine_packs
+    configs = (data.get("meta") or {}).get("engine_configs") or [{}]
+    return any(c.get("device", "cpu") == "cpu" and bool(c.get("packed_linears", False)) != engine_packs
+               for c in configs)  # fmt: skip
+
+
 def profile_for_this_machine(
     kind: str,
     model: str,
@@ -544,9 +566,11 @@ def profile_for_this_machine(
         if Path(found).is_file():
             cost = (OpProfileCostModel if kind == "op-profile" else ProfiledCostModel).load(found)
             differ = identity_mismatch(profile_provenance(kind, cost)["machine"], machine_identity())
-            if not differ:
+            if not differ and not packed_mismatch(kind, found):
                 return cost, found
-            why = f" (the committed {found} is of another machine: {'; '.join(differ)})"
+            why = (f" (the committed {found} is of another machine: {'; '.join(differ)})" if differ else
+                   f" (the committed {found} timed plain linear layers; the engine packs them: "
+                   "EngineConfig.packed_linears)")  # fmt: skip
     if kind == "op-profile":
         from workbench.sim.op_timing import measure_overhead, profile_ops
 

@@ -164,4 +164,5 @@ def test_disaggregation_moved_exactly_the_prompts_kv(smoke: dict) -> None:
         "Disaggregation removes prefill-decode interference from ITL",
         "Disaggregation pays only under tight TTFT and TPOT SLOs",
         "A slow KV link erases disaggregation's gain",
+        "Prefill and decode want different tensor-parallel sizes",
     }

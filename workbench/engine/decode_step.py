@@ -72,6 +72,14 @@ def compile_buckets(max_batch: int) -> list[int]:
     return [b for b in sizes if b < max_batch] + [max_batch]
 
 
+def _pad_rows(
+    tokens: list[int], seq_lens: list[int], tables: list[list[int]], n: int
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """A decode batch padded to ``n`` rows with copies of its first row (a bucket of the compiled or graph step)."""
+    pad = n - len(tokens)
+    return tokens + tokens[:1] * pad, seq_lens + seq_lens[:1] * pad, tables + tables[:1] * pad
+
+
 def _rows(meta: DecodeMetadata, n: int) -> DecodeMetadata:
     """A view of the first ``n`` rows of every tensor of ``meta``."""
     return replace(meta, **{f.name: getattr(meta, f.name)[:n] for f in fields(meta) if f.name != "max_seq_len"})
@@ -161,9 +169,7 @@ class DecodeStep:
             ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
             return self.model.decode_step(ids, meta, self.cache, self.backend)[0]
         batch = len(tokens)
-        pad = self.padded_batch(batch) - batch  # rows that copy row 0; their results are dropped below
-        if pad:
-            tokens, seq_lens, tables = tokens + tokens[:1] * pad, seq_lens + seq_lens[:1] * pad, tables + tables[:1] * pad  # fmt: skip  # noqa: E501
+        tokens, seq_lens, tables = _pad_rows(tokens, seq_lens, tables, self.padded_batch(batch))  # dropped below
         meta = build_decode_metadata(seq_lens, tables, bs, dev)
         logits, k_new, v_new = self._call_compiled(torch.tensor(tokens, dtype=torch.int64, device=dev), meta)
         # the real rows only: a padding row's K/V would land in row 0's slot
@@ -198,8 +204,8 @@ class DecodeStep:
     def _run_static(self, tokens: list[int], seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
         batch = len(tokens)
         n = self.padded_batch(batch)
-        pad = n - batch  # rows that repeat row 0: same token, position and slot, so the same K/V written again
-        tokens, seq_lens, tables = tokens + tokens[:1] * pad, seq_lens + seq_lens[:1] * pad, tables + tables[:1] * pad
+        # the padding rows repeat row 0: same token, position and slot, so the same K/V written again
+        tokens, seq_lens, tables = _pad_rows(tokens, seq_lens, tables, n)
         meta, ids = _rows(self._meta, n), self._ids[:n]
         # one host-to-device copy per buffer, into the storage the graphs read
         meta.copy_(build_decode_metadata(seq_lens, tables, self.cache.block_size, ids.device, self.width,

@@ -147,6 +147,11 @@ def simulate_layout(
     r = evaluate(cand, list(requests), _settings(model, hardware, slos, link_gbps, dtype))
     if r["status"] != "ok":
         raise ConfigError(f"{cand.name}: {r['reason']}")
+    return _metrics(r)
+
+
+def _metrics(r: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures of a planner row (``workbench.sim.planner.evaluate``) that this notebook tabulates, in ms."""
     return {
         "ttft_p90_ms": r["ttft_p90_s"] * 1e3,
         "tpot_p90_ms": r["tpot_p90_s"] * 1e3,
@@ -253,9 +258,7 @@ def tp_sweep(
                 continue
             rows.append({
                 "layout": cand.name.removesuffix(" continuous"), "rate": rate, "split": cand.disaggregate is not None,
-                "prefill_tp": cand.prefill_tp or cand.tp, "decode_tp": cand.decode_tp or cand.tp,
-                "ttft_p90_ms": r["ttft_p90_s"] * 1e3, "tpot_p90_ms": r["tpot_p90_s"] * 1e3,
-                "slo_attainment": r["slo_attainment"], "goodput_per_gpu": r["goodput_per_gpu"],
+                "prefill_tp": cand.prefill_tp or cand.tp, "decode_tp": cand.decode_tp or cand.tp, **_metrics(r),
             })  # fmt: skip
     return pd.DataFrame(rows)
 

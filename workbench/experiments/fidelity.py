@@ -509,16 +509,11 @@ def profile_provenance(kind: str, cost: Any) -> dict[str, Any]:
             "loaded": None if peak is None or not cpus else peak > cpus}  # fmt: skip
 
 
-def packed_mismatch(kind: str, path: str) -> bool:
-    """Whether the profile file at ``path`` timed its linear layers otherwise than today's default engine runs them
-    (``EngineConfig.packed_linears``): an op profile records ``packed_linears``, a fitted profile the engine configs
-    it ran; a file from before the option existed has neither and was timed with plain layers."""
-    import json
-
-    from workbench.engine.config import EngineConfig
-
-    with open(path) as f:
-        data = json.load(f)
+def packed_mismatch(kind: str, data: Mapping[str, Any]) -> bool:
+    """Whether a profile (``data``: its file's content, ``to_dict()`` of the loaded cost model) timed its linear
+    layers otherwise than today's default engine runs them (``EngineConfig.packed_linears``): an op profile records
+    ``packed_linears``, a fitted profile the engine configs it ran; a file from before the option existed has
+    neither and was timed with plain layers."""
     engine_packs = EngineConfig().packed_linears  # on a CPU in fp32/bf16, which is what these profiles time
     if kind == "op-profile":
         return data.get("device", "cpu") == "cpu" and bool(data.get("packed_linears", False)) != engine_packs
@@ -566,7 +561,7 @@ def profile_for_this_machine(
         if Path(found).is_file():
             cost = (OpProfileCostModel if kind == "op-profile" else ProfiledCostModel).load(found)
             differ = identity_mismatch(profile_provenance(kind, cost)["machine"], machine_identity())
-            if not differ and not packed_mismatch(kind, found):
+            if not differ and not packed_mismatch(kind, cost.to_dict()):
                 return cost, found
             why = (f" (the committed {found} is of another machine: {'; '.join(differ)})" if differ else
                    f" (the committed {found} timed plain linear layers; the engine packs them: "

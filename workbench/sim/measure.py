@@ -119,6 +119,18 @@ def warm_packed_linears(model: Any, max_rows: int, max_sampled: int) -> int:
     return calls
 
 
+def measure_training_policy(net: Any, cfg: Any, num_requests: int, seed: int, progress: Any = None) -> StepSamples:
+    """The training workloads' steps (``training_workloads``) on engines of ``cfg`` over ``net``, in steady state:
+    one unmeasured replay of part of the first workload, then every packed shape built (``warm_packed_linears``),
+    then the measured replays (``measure_engine_steps``). Both profiles' fits measure their engine this way."""
+    from workbench.engine.engine import Engine
+
+    workloads = training_workloads(cfg.max_model_len, num_requests, seed)
+    Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
+    warm_packed_linears(net, cfg.max_model_len, cfg.max_num_seqs)  # every step then finds its shapes built
+    return measure_engine_steps(lambda: Engine(net, cfg), workloads, seed, progress)
+
+
 def training_workloads(max_model_len: int, num_requests: int = 24, seed: int = 1000) -> list[list[Request]]:
     """Synthetic workloads that cover the step mixes: a light and a heavy Poisson load, short and long prompts, a
     burst (all requests at once) whose batch fills to ``max_num_seqs`` and drains one finish at a time through
@@ -192,7 +204,6 @@ def fit_engine_profile(
 
     from workbench.device import resolve_device, torch_dtype
     from workbench.engine.config import EngineConfig
-    from workbench.engine.engine import Engine
     from workbench.hardware import cpu_model_name
     from workbench.model.checkpoint import load_model
 
@@ -213,10 +224,7 @@ def fit_engine_profile(
         cfg = EngineConfig(policy=policy, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
                            device=device, token_budget=budget)  # fmt: skip
         configs.append(asdict(cfg))
-        workloads = training_workloads(max_model_len, num_requests, seed)
-        Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
-        warm_packed_linears(net, max_model_len, max_num_seqs)  # every step then finds its shapes built
-        samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(net, cfg), workloads, seed, progress))
+        samples.extend(measure_training_policy(net, cfg, num_requests, seed, progress))
     meta = {
         "model": model,
         "machine": cpu_model_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev),

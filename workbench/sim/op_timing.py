@@ -345,9 +345,8 @@ def measure_training_steps(
     calls build them before the timed ones."""
     from workbench.device import resolve_device, torch_dtype
     from workbench.engine.config import EngineConfig
-    from workbench.engine.engine import Engine
     from workbench.model.checkpoint import load_model
-    from workbench.sim.measure import StepSamples, measure_engine_steps, training_workloads, warm_packed_linears
+    from workbench.sim.measure import StepSamples, measure_training_policy
 
     dev = resolve_device(profile["device"])
     net = load_model(profile["model"], dtype=torch_dtype(profile["dtype"]), device=dev, seed=0)
@@ -361,10 +360,7 @@ def measure_training_steps(
                            packed_linears=bool(profile.get("packed_linears", False)))  # fmt: skip
         configs.append({"policy": policy, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                         "token_budget": budget})  # fmt: skip
-        workloads = training_workloads(max_model_len, num_requests, seed)
-        Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
-        warm_packed_linears(net, max_model_len, max_num_seqs)  # as profile-ops' warm-up calls find them
-        samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(net, cfg), workloads, seed))
+        samples.extend(measure_training_policy(net, cfg, num_requests, seed))  # shapes built, as profile-ops' are
     return samples, configs
 
 

@@ -202,3 +202,5 @@ def test_handoff_profile_by_hand():
     assert profile["kv_handoff_s"] == pytest.approx(0.002)  # the median of 1, 2 and 3 ms
     assert profile["wake_s"]["prefill"] == pytest.approx((0.1 + 0.05) / 2)  # requests 0 and 2
     assert profile["wake_s"]["decode"] == pytest.approx((0.0002 + 0.0001) / 2)  # 0 and 2 (1 found a step running)
+    # 100 quantiles of the two prefill wakes (0.1 s and 0.05 s): the smaller for the lower half, then the larger
+    assert profile["wake_quantiles_s"]["prefill"] == pytest.approx([0.05] * 50 + [0.1] * 50)

@@ -139,10 +139,11 @@ def test_profile_round_trip_and_v1_files(tmp_path) -> None:
     import json
 
     model = ProfiledCostModel({"prefill_seqs": 1e-3}, host_gap_s=1e-4, batched_decode=(4, 2048),
-                              token_curve=([1, 8], [0.01, 0.03]), idle_step_s=2e-3, wake_s=3e-4)  # fmt: skip
+                              token_curve=([1, 8], [0.01, 0.03]), idle_step_s=2e-3, wake_s=3e-4,
+                              wake_quantiles_s=[2e-4, 3e-4, 5e-4])  # fmt: skip
     again = ProfiledCostModel.load(model.save(tmp_path / "v2.json"))
-    assert (again.batched_decode, again.token_curve, again.idle_step_s, again.wake_s) == (
-        (4, 2048), ([1, 8], [0.01, 0.03]), 2e-3, 3e-4)  # fmt: skip
+    assert (again.batched_decode, again.token_curve, again.idle_step_s, again.wake_s, again.wake_quantiles_s) == (
+        (4, 2048), ([1, 8], [0.01, 0.03]), 2e-3, 3e-4, [2e-4, 3e-4, 5e-4])  # fmt: skip
     v1 = {"format": "workbench-profile-v1", "coefficients": {f: 0.0 for f in FEATURES[:6]} | {"const": 0.02}}
     (tmp_path / "v1.json").write_text(json.dumps(v1))
     old = ProfiledCostModel.load(tmp_path / "v1.json")
@@ -309,6 +310,35 @@ def test_profiled_noise_is_seeded_and_drawn_from_the_residuals() -> None:
     assert all(0.009 - 1e-12 <= d <= 0.014 + 1e-12 for d in steps)
     with pytest.raises(ConfigError, match="residual"):
         ProfiledCostModel({"const": 0.01}, noise_seed=1)
+
+
+def test_profiled_wakes_are_drawn_from_their_quantiles_with_a_seed() -> None:
+    """Wake quantiles 1, 2, 3 ms: with a seed each wake-up is drawn uniformly from [1 ms, 3 ms] (linear between the
+    quantiles), so over 400 lone requests the queue's median is near 2 ms and its p90 near 2.8 ms; without a seed
+    every wake is ``wake_s``; and the wake draws leave the steps' residual draws as they were."""
+    noise = {"residual_quantiles_s": [-1e-4, 0.0, 1e-4]}
+    base = ProfiledCostModel({"const": 0.01}, wake_s=0.002, wake_quantiles_s=[0.003, 0.001, 0.002], **noise)
+    assert base.wake_quantiles_s == [0.001, 0.002, 0.003]  # sorted
+    reqs = [Request(i, float(i), 4, 1) for i in range(400)]  # 1 s apart: every one finds the replica idle
+    cfg = SimConfig(max_model_len=64, num_blocks=64)
+
+    def queues(cost: ProfiledCostModel) -> tuple[list[float], list[float]]:
+        result = simulate(list(reqs), "tiny-gqa", cost, cfg, record_steps=True)
+        steps = result.step_logs[0].to_records()
+        return [s["start_s"] - float(i) for i, s in enumerate(steps)], [s["end_s"] - s["start_s"] for s in steps]
+
+    drawn, durations = queues(base.with_noise(3))
+    assert min(drawn) >= 0.001 - 1e-12 and max(drawn) <= 0.003 + 1e-12
+    drawn.sort()
+    assert drawn[199] == pytest.approx(0.002, abs=2e-4) and drawn[359] == pytest.approx(0.0028, abs=1.5e-4)
+    assert queues(base.with_noise(None))[0] == pytest.approx([0.002] * 400)
+    without = ProfiledCostModel({"const": 0.01}, wake_s=0.002, **noise).with_noise(3)
+    steady, steady_durations = queues(without)
+    assert steady == pytest.approx([0.002] * 400) and steady_durations == pytest.approx(durations)
+    with pytest.raises(ConfigError, match="wake_quantiles_s"):
+        ProfiledCostModel({"const": 0.01}, wake_s=0.002, wake_quantiles_s=[0.001, -0.001])
+    with pytest.raises(ConfigError, match="needs wake_s"):
+        ProfiledCostModel({"const": 0.01}, wake_quantiles_s=[0.001, 0.002])
 
 
 def test_bulk_decode_stamps_the_first_token_of_a_prefill_that_ended_one_short() -> None:

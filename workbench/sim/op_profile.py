@@ -254,11 +254,6 @@ class OpProfileCostModel(ProfiledCostModel):
     ) -> tuple[list[float], list[float]]:
         return [], []  # a pure decode is priced at its longest context, which a bulk run does not know
 
-    def with_noise(self, seed: int | None) -> OpProfileCostModel:
-        return OpProfileCostModel({}, self.host_gap_s, dict(self.meta), list(self.residual_quantiles_s), seed,
-                                  None, None, self.idle_step_s, self.wake_s, dict(self.ops), self.num_layers,
-                                  self.max_key_slots, dict(self.overhead), self.source)  # fmt: skip
-
     # ---- persistence ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dict(self.source)
@@ -312,9 +307,9 @@ class OpProfileCostModel(ProfiledCostModel):
         meta = {"model": data["model"], "machine": (data.get("machine") or {}).get("name", "unknown machine"),
                 "device": data.get("device"), "dtype": data.get("dtype"), "threads": data.get("threads")}  # fmt: skip
         try:
-            return cls({}, float(gaps["host_gap_s"]), meta, list(residuals), None, None, None,
-                       float(gaps["idle_step_s"]), gaps["wake_s"], ops, nl,
-                       int(data.get("max_key_slots", 1 << 16)), dict(coef), data)  # fmt: skip
+            return cls({}, float(gaps["host_gap_s"]), meta, list(residuals), idle_step_s=float(gaps["idle_step_s"]),
+                       wake_s=gaps["wake_s"], ops=ops, num_layers=nl, overhead=dict(coef), source=data,
+                       max_key_slots=int(data.get("max_key_slots", 1 << 16)))  # fmt: skip
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
 

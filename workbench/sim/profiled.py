@@ -12,6 +12,7 @@ residuals can be drawn back in as seeded noise.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 from collections import deque
@@ -38,6 +39,10 @@ class ProfiledCostModel(CostModel):
     ``idle_step_s``: extra time of a step that starts after the replica idled (no step ended at the clock);
     ``wake_s``: the delay from the arrival to such a step's start (``host_gap_s`` when None). The idle
     rule keeps a short memory of step ends, so a model shared by replicas tells each one's idle waits apart.
+    ``wake_quantiles_s``: quantiles of the measured wake-up delays; with ``noise_seed`` set each wake is drawn from
+    them (its own seeded stream, so the steps' residual draws stay those of a model without them), as a real
+    engine's wake has a tail that a constant ``wake_s`` (their median) leaves out; without quantiles, or without
+    a seed, every wake is ``wake_s``.
     ``meta`` records where the profile came from (machine, model, engine settings, fit quality).
     ``residual_quantiles_s``: quantiles of (measured - fitted) step time over the measured steps. With
     ``noise_seed`` set, each step adds a residual drawn from them (seeded, so a run is reproducible): the host's
@@ -53,6 +58,7 @@ class ProfiledCostModel(CostModel):
     token_curve: tuple[list[int], list[float]] | None = None
     idle_step_s: float = 0.0
     wake_s: float | None = None
+    wake_quantiles_s: list[float] = field(default_factory=list)
     name = "profiled"
 
     def __post_init__(self) -> None:
@@ -80,6 +86,12 @@ class ProfiledCostModel(CostModel):
         check_gap(self.idle_step_s)
         if self.wake_s is not None:
             check_gap(self.wake_s)
+        for w in self.wake_quantiles_s:
+            if not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise ConfigError(f"profile: wake_quantiles_s must be finite seconds >= 0, got {w!r}")
+        self.wake_quantiles_s = sorted(float(w) for w in self.wake_quantiles_s)
+        if self.wake_quantiles_s and self.wake_s is None:
+            raise ConfigError("profile: wake_quantiles_s needs wake_s (the median wake-up delay)")
         self._coef = tuple(float(self.coefficients.get(f, 0.0)) for f in FEATURES)
         # idle tracking: a step starts after an idle wait unless its replica's clock stands at a step's end
         self._track_idle = self.wake_s is not None or self.idle_step_s > 0.0
@@ -88,25 +100,28 @@ class ProfiledCostModel(CostModel):
         # the bulk decode path knows only the summed context, not the longest one the looped rule needs
         self._bulk_decode = self.batched_decode is None or self._coef[6] == 0.0
         self.residual_quantiles_s = sorted(float(x) for x in self.residual_quantiles_s)
-        self._rng = None
+        self._rng = self._wake_rng = None
         if self.noise_seed is not None:
             if len(self.residual_quantiles_s) < 2:
                 raise ConfigError("profile: noise_seed needs residual_quantiles_s (at least two quantiles)")
             import random
 
             self._rng = random.Random(self.noise_seed)
+            if len(self.wake_quantiles_s) >= 2:
+                self._wake_rng = random.Random(f"wake {self.noise_seed}")
 
     def with_noise(self, seed: int | None) -> ProfiledCostModel:
-        """A copy that draws residual noise with ``seed`` (None: deterministic)."""
-        return ProfiledCostModel(dict(self.coefficients), self.host_gap_s, dict(self.meta),
-                                 list(self.residual_quantiles_s), seed, self.batched_decode,
-                                 self.token_curve, self.idle_step_s, self.wake_s)  # fmt: skip
+        """A fresh copy (of this class, its own noise and idle state) that draws its noise with ``seed`` (None:
+        deterministic)."""
+        return dataclasses.replace(self, noise_seed=seed, coefficients=dict(self.coefficients), meta=dict(self.meta))
 
     def start_time(self, now: float) -> float:
         if not self._track_idle:
             return now + self.host_gap_s
         self._after_idle = now not in self._recent_ends  # the replica's clock moved to an arrival: it idled
         if self._after_idle and self.wake_s is not None:
+            if self._wake_rng is not None:
+                return now + _draw(self.wake_quantiles_s, self._wake_rng.random())
             return now + self.wake_s
         return now + self.host_gap_s
 
@@ -134,11 +149,8 @@ class ProfiledCostModel(CostModel):
         return secs[i - 1] + f * (secs[i] - secs[i - 1])
 
     def _residual(self) -> float:
-        """A draw from the residual distribution (linear between the stored quantiles)."""
-        q = self.residual_quantiles_s
-        u = self._rng.random() * (len(q) - 1)  # type: ignore[union-attr]
-        i = int(u)
-        return q[i] + (q[i + 1] - q[i]) * (u - i) if i + 1 < len(q) else q[-1]
+        """A draw from the residual distribution."""
+        return _draw(self.residual_quantiles_s, self._rng.random())  # type: ignore[union-attr]
 
     def step_time(self, stats: StepStats) -> float:
         c = self._coef
@@ -189,6 +201,7 @@ class ProfiledCostModel(CostModel):
             "token_curve": None if self.token_curve is None else dict(zip(("tokens", "seconds"), self.token_curve)),
             "idle_step_s": self.idle_step_s,
             "wake_s": self.wake_s,
+            "wake_quantiles_s": self.wake_quantiles_s,
             "residual_quantiles_s": self.residual_quantiles_s,
             "meta": self.meta,
         }
@@ -222,7 +235,16 @@ class ProfiledCostModel(CostModel):
                               f"got {tc!r}") from None  # fmt: skip
         return cls(dict(data["coefficients"]), float(data.get("host_gap_s", 0.0)), dict(data.get("meta", {})),
                    list(data.get("residual_quantiles_s", [])), None, batched, curve,
-                   float(data.get("idle_step_s", 0.0)), data.get("wake_s"))  # fmt: skip
+                   float(data.get("idle_step_s", 0.0)), data.get("wake_s"),
+                   list(data.get("wake_quantiles_s") or []))  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, **self.to_dict()}
+
+
+def _draw(quantiles: list[float], u: float) -> float:
+    """The value at ``u`` in [0, 1) of a distribution given by sorted, equally spaced ``quantiles`` (linear between
+    them)."""
+    x = u * (len(quantiles) - 1)
+    i = int(x)
+    return quantiles[i] + (quantiles[i + 1] - quantiles[i]) * (x - i) if i + 1 < len(quantiles) else quantiles[-1]

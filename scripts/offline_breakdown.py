@@ -1,12 +1,13 @@
 """Where the offline set's time goes: the engine's steps by kind, model against engine overhead, and the top ops.
 
     .venv/bin/python scripts/offline_breakdown.py [--model bench-300m] [--threads 2] [--no-compile-decode] [--json]
-        [--no-packed-linears] [--policy continuous] [--no-profiler]
+        [--no-compile-prefill] [--no-packed-linears] [--policy continuous] [--no-profiler]
 
 The same 64-request set as ``workbench bench offline`` (``workbench.bench.offline_requests``), served at once by the
 engine ``bench offline`` builds (``workbench.bench.bench_engine``), with its pure decode steps compiled
-(``--no-compile-decode``: eager; every batch bucket is compiled first and that time reported apart), after a
-4-request warm-up. Pass 1 times every
+(``--no-compile-decode``: eager; every batch bucket is compiled first and that time reported apart) and its prefill
+and mixed steps compiled (``--no-compile-prefill``: eager; every token-count range compiled first, reported
+apart), after a 4-request warm-up. Pass 1 times every
 step (``ModelRunner.time_model``: the model's forward and LM head, synchronised) and sorts it into prefill-only,
 mixed (prefill chunks beside decodes) and pure-decode steps by batch size; what is left of a step outside the model
 is engine overhead (scheduling, batch preparation, sampling), and the run's wall time minus its steps is the time
@@ -50,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="the engine's compiled decode step, every batch bucket (default on)",
     )
+    p.add_argument(
+        "--compile-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's compiled prefill and mixed steps, every token-count range (default on)",
+    )
     p.add_argument("--no-packed-linears", action="store_true", help="plain F.linear only (EngineConfig.packed_linears)")
     p.add_argument("--policy", default="continuous", help="scheduler policy of the engine")
     p.add_argument("--top", type=int, default=12, help="operators listed from the profiler")
@@ -65,10 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     model = load_bench_model(args.model, "fp32", "cpu")
     requests = offline_requests(model.config.vocab_size, args.num_requests, args.context, 0)
     engine = bench_engine(model, args.max_num_seqs, max(len(q) + n for q, n in requests),
-                          compile_decode=args.compile_decode, packed_linears=not args.no_packed_linears,
+                          compile_decode=args.compile_decode, compile_prefill=args.compile_prefill,
+                          packed_linears=not args.no_packed_linears,
                           policy=args.policy)  # fmt: skip
     t0 = time.perf_counter()
     compile_s = engine.decode.warmup()  # every decode bucket, before anything is timed
+    prefill_compile_s = engine.prefill.warmup(engine.scheduler.config.token_budget)  # every token-count range
     startup_s = time.perf_counter() - t0
     run_engine_offline(model, requests[:4], args.max_num_seqs, engine)  # warm-up
     engine.runner.time_model = True
@@ -98,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         "compile_decode": args.compile_decode,
         "startup_s": startup_s,
         "compile_s": compile_s,
+        "compile_prefill": args.compile_prefill,
+        "prefill_compile_s": prefill_compile_s,
         "packed_linears": not args.no_packed_linears,
         "policy": args.policy,
         "wall_s": wall,
@@ -122,12 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"offline set: {result['output_tokens']} output tokens in {wall:.2f} s "
           f"({result['output_tokens'] / wall:.1f} tok/s), {len(rows)} steps, {args.threads} threads, "
-          f"compiled decode {'on' if args.compile_decode else 'off'}, packed linears "
+          f"compiled decode {'on' if args.compile_decode else 'off'}, compiled prefill "
+          f"{'on' if args.compile_prefill else 'off'}, packed linears "
           f"{'off' if args.no_packed_linears else 'on'}, policy {args.policy}")  # fmt: skip
-    if compile_s:
+    if compile_s or prefill_compile_s:
         print(
-            f"compiled decode buckets first (not timed): {startup_s:.1f} s; "
+            f"compiled first (not timed): {startup_s:.1f} s; decode "
             + ", ".join(f"b={b} {t:.1f} s" for b, t in compile_s.items())
+            + "; prefill "
+            + ", ".join(f"{n} tokens {t:.1f} s" for n, t in prefill_compile_s.items())
         )
     print(f"{'step kind':14s} {'steps':>6s} {'wall s':>8s} {'share':>6s} {'model s':>8s} {'overhead s':>10s}")
     for kind, v in table.items():

@@ -401,14 +401,19 @@ def bench_offline(
     repeats: int = 2,
     seed: int = 0,
     compile_decode: bool = False,
+    compile_prefill: bool = False,
 ) -> dict[str, Any]:
     """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up).
 
     ``compile_decode``: pure decodes run compiled (``EngineConfig.compile_decode``), every batch bucket compiled
-    before the timing; ``compile_s`` reports the seconds of each."""
+    before the timing; ``compile_s`` reports the seconds of each. ``compile_prefill``: prefill and mixed steps run
+    compiled (``EngineConfig.compile_prefill``), every token-count range compiled before the timing;
+    ``prefill_compile_s`` reports the seconds of each."""
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
-    engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode)
+    engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode,
+                          compile_prefill=compile_prefill)  # fmt: skip
     compile_s = engine.decode.warmup()
+    prefill_compile_s = engine.prefill.warmup(engine.scheduler.config.token_budget)
     run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up
     times = [run_engine_offline(model, requests, max_num_seqs, engine)[0] for _ in range(repeats)]
     out_tokens = sum(n for _, n in requests)
@@ -426,6 +431,8 @@ def bench_offline(
         "repeats": repeats,
         "compiled_decode": compile_decode,
         "compile_s": compile_s,
+        "compiled_prefill": compile_prefill,
+        "prefill_compile_s": prefill_compile_s,
     }
 
 

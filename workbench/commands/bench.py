@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="decode, hf, offline: the engine's torch.compile'd decode step (default: on for the CPU with "
                    "the torch backend; compiled before the timing, once per batch bucket)")  # fmt: skip
+    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="offline: the engine's compiled prefill and mixed steps (default: as --compile-decode; "
+                   "compiled before the timing, once per token-count range)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the offline draw")
     p.add_argument("--cached-ceilings", action="store_true",
                    help="reuse this machine's cached ceilings instead of measuring them again in this run")  # fmt: skip
@@ -163,9 +166,10 @@ def run(args: argparse.Namespace) -> int:
             for n in _progress(args.prompt_len or [128, 512, 1024], "prefill", "prompt"):
                 out["results"] += bench.bench_prefill(model, [n], args.repeats, args.warmup, hw, seed=args.seed)
         else:
+            compile_prefill = compile_decode if args.compile_prefill is None else args.compile_prefill
             out["offline"] = bench.bench_offline(
                 model, args.num_requests, args.context, args.max_num_seqs, args.repeats, seed=args.seed,
-                compile_decode=compile_decode,
+                compile_decode=compile_decode, compile_prefill=compile_prefill,
             )  # fmt: skip
     if args.json:
         print(json.dumps(out))
@@ -283,6 +287,8 @@ def format_table(out: dict[str, Any]) -> str:
         )
         if o.get("compile_s"):
             lines.append("decode compiled first (not timed): " + _compile_note(o["compile_s"]))
+        if o.get("prefill_compile_s"):
+            lines.append("prefill compiled first (not timed): " + _compile_note(o["prefill_compile_s"], "tokens="))
     else:
         for key in ("decode", "offline"):
             if key in out:
@@ -297,5 +303,5 @@ def format_table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _compile_note(compile_s: dict[int, float]) -> str:
-    return f"{sum(compile_s.values()):.0f} s (" + ", ".join(f"b={b} {t:.0f} s" for b, t in compile_s.items()) + ")"
+def _compile_note(compile_s: dict[int, float], key: str = "b=") -> str:
+    return f"{sum(compile_s.values()):.0f} s (" + ", ".join(f"{key}{b} {t:.0f} s" for b, t in compile_s.items()) + ")"

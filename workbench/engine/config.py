@@ -104,6 +104,11 @@ class EngineConfig(ServingConfig):
     them in ``Engine.decode.warmup()``. On CUDA, pure-decode steps replay CUDA graphs; otherwise they run eagerly
     (``decode_mode``).
 
+    ``compile_prefill`` (CPU, one process): ragged steps (prefill, chunks, prefill mixed with decodes) run each
+    layer's work around its attention as ``torch.compile``d graphs with the token count dynamic, attention eager
+    between them (``workbench.engine.prefill_step``); a token-count range compiles at its first step, or all of
+    them in ``Engine.prefill.warmup()``.
+
     ``quantization`` / ``group_size``: weight-only int8 or int4 linear layers (``workbench.model.quant``), applied
     by ``Engine.from_model`` at load time; ``kv_cache_dtype``: what the KV pool stores (``workbench.kv.cache``), and
     so how many blocks a byte budget buys (``plan_num_blocks`` counts int8's scales).
@@ -117,6 +122,7 @@ class EngineConfig(ServingConfig):
     attention_backend: str = "torch"
     device: str = "auto"
     compile_decode: bool = False
+    compile_prefill: bool = False  # CPU: each layer's parts around attention compiled (engine.prefill_step)
     tensor_parallel_size: int = 1  # ranks one model is sharded over (workbench.engine.tp_runner)
     quantization: str | None = None  # weight-only: None, 'int8' (per channel), 'int4' (group-wise); model.quant
     group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
@@ -134,7 +140,7 @@ class EngineConfig(ServingConfig):
             raise ConfigError(f"cache must be one of {CACHE_LAYOUTS}, got {self.cache!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for flag in ("compile_decode", "packed_linears"):
+        for flag in ("compile_decode", "compile_prefill", "packed_linears"):
             if getattr(self, flag) is not True and getattr(self, flag) is not False:
                 raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         _check_positive_int(self, ("tensor_parallel_size", "group_size"))
@@ -151,6 +157,13 @@ class EngineConfig(ServingConfig):
                 "compile_decode is not supported with tensor_parallel_size > 1 (decode runs eagerly there); "
                 "turn one of them off"
             )
+        if self.tensor_parallel_size > 1 and self.compile_prefill:
+            raise ConfigError(
+                "compile_prefill is not supported with tensor_parallel_size > 1 (ragged steps run eagerly there); "
+                "turn one of them off"
+            )
+        if self.compile_prefill and self.device.startswith("cuda"):
+            raise ConfigError(f"compile_prefill is for the CPU, got device {self.device!r}; turn it off")
         if self.tensor_parallel_size > 1 and self.cache != "paged":
             raise ConfigError("tensor_parallel_size > 1 needs cache='paged'")
         if self.compile_decode and self.attention_backend != "torch":

@@ -27,6 +27,7 @@ from workbench.dist.group import WorkerGroup, launched_by_torchrun
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.metrics import StepLog, StepRecord, summarize
+from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import Scheduler, StepPlan
 from workbench.engine.tp_runner import TensorParallelRunner, start_workers
@@ -160,6 +161,7 @@ class Engine:
         if workers is not None:  # every rank holds its shard of the pool and its own backend and decode step
             self.runner: ModelRunner = TensorParallelRunner(workers, num_blocks, block_size, self.config, max_len)
             self.cache, self.backend, self.decode = self.runner.cache, self.runner.backend, self.runner.decode
+            self.prefill = self.runner.prefill
         else:
             (pack_linears if self.config.packed_linears else unpack_linears)(model)
             self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device,
@@ -169,7 +171,8 @@ class Engine:
                 model, self.cache, self.backend, self.config.decode_mode(model.device.type), self.config.max_num_seqs,
                 max_len,
             )  # fmt: skip
-            self.runner = ModelRunner(model, self.cache, self.backend, self.decode)
+            self.prefill = PrefillStep(model, self.cache, self.backend, self.config.compile_prefill)
+            self.runner = ModelRunner(model, self.cache, self.backend, self.decode, self.prefill)
         self.step_log = StepLog()
         # called after every executed step with its plan and log record (``workbench.sim.measure`` pairs them)
         self.on_step: Callable[[StepPlan, StepRecord], None] | None = None

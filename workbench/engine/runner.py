@@ -4,7 +4,9 @@ Two named paths, as in the seed's pseudocode:
 
 - ``prepare_prefill`` / ``run_prefill``: a step with any prefill chunk (or a pure decode the decode executor
   refuses) lays every chunk's tokens into one flat ragged batch, with positions and cache slots from each
-  sequence's block table, and runs ``Transformer.forward`` once for the whole mixed step;
+  sequence's block table, and runs ``Transformer.forward`` once for the whole mixed step, through the one
+  ragged-step executor ``workbench.engine.prefill_step.PrefillStep`` (eager, or each layer's work around its
+  attention compiled: ``EngineConfig.compile_prefill``);
 - ``prepare_decode`` / ``run_decode``: a pure decode (``StepPlan.is_pure_decode``) goes to the one decode executor,
   ``workbench.engine.decode_step.DecodeStep`` (eager, compiled or CUDA graphs).
 
@@ -19,6 +21,7 @@ import torch
 
 from workbench.device import synchronize
 from workbench.engine.decode_step import DecodeStep
+from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.scheduler import StepPlan
 from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, build_metadata
@@ -27,8 +30,16 @@ from workbench.model.transformer import Transformer
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, cache: KVCache, backend: AttentionBackend, decode: DecodeStep) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        backend: AttentionBackend,
+        decode: DecodeStep,
+        prefill: PrefillStep | None = None,
+    ) -> None:
         self.model, self.cache, self.backend, self.decode = model, cache, backend, decode
+        self.prefill = PrefillStep(model, cache, backend, compile=False) if prefill is None else prefill
         self.sampler = Sampler()
         # when set, each execute() records the model's share of it (forward + LM head, synchronised) in
         # last_model_s: what is left of a step's time is engine overhead (scheduling, tensors, sampling)
@@ -74,12 +85,13 @@ class ModelRunner:
         return self.run_prefill(plan)
 
     def run_prefill(self, plan: StepPlan) -> dict[int, int]:
-        """The ragged step through ``Transformer.forward``, then the LM head on the chunks that sample."""
+        """The ragged step through ``PrefillStep.run`` (``Transformer.forward``), then the LM head on the chunks
+        that sample."""
         input_ids, meta = self.prepare_prefill(plan)
         rows = [i for i, c in enumerate(plan.chunks) if c.samples]
 
         def model() -> torch.Tensor | None:
-            hidden = self.model.forward(input_ids, meta, self.cache, self.backend)  # (num_tokens, hidden)
+            hidden = self.prefill.run(input_ids, meta)  # (num_tokens, hidden)
             if not rows:
                 return None
             last = meta.last_token_indices[rows] if len(rows) < len(plan.chunks) else meta.last_token_indices

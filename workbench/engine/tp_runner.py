@@ -30,6 +30,7 @@ from workbench.device import resolve_device, synchronize, torch_dtype
 from workbench.dist.group import DistConfig, WorkerGroup, launched_by_torchrun, run_worker
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
+from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.runner import ModelRunner
 from workbench.engine.scheduler import StepPlan
 from workbench.errors import ConfigError
@@ -87,6 +88,7 @@ class ShardWorker:
         self.cache = KVCache(self.model.config, num_blocks, block_size, dtype=self.model.dtype, device=self.device)
         self.backend = make_backend(attention_backend)
         self.decode = DecodeStep(self.model, self.cache, self.backend, "eager", max_num_seqs, max_model_len)
+        self.prefill = PrefillStep(self.model, self.cache, self.backend, compile=False)
 
     def run(self, step: dict[str, Any]) -> torch.Tensor | None:
         """One step on this rank from the driver's plain lists; rank 0 returns the full logits of the sampling
@@ -98,7 +100,7 @@ class ShardWorker:
             meta = build_metadata(step["query_lens"], step["seq_lens"], step["tables"], self.cache.block_size,
                                   self.device)  # fmt: skip
             ids = torch.tensor(step["tokens"], dtype=torch.long, device=self.device)
-            hidden = self.model.forward(ids, meta, self.cache, self.backend)
+            hidden = self.prefill.run(ids, meta)
             if not step["rows"]:
                 return None
             local = self.model.compute_logits(hidden[meta.last_token_indices[step["rows"]]])
@@ -123,7 +125,7 @@ class TensorParallelRunner(ModelRunner):
         group.call("setup_cache", num_blocks, block_size, config.attention_backend, config.max_num_seqs,
                    max_model_len)  # fmt: skip
         worker: ShardWorker = group.worker
-        super().__init__(worker.model, worker.cache, worker.backend, worker.decode)
+        super().__init__(worker.model, worker.cache, worker.backend, worker.decode, worker.prefill)
         self.group = group
 
     def execute(self, plan: StepPlan) -> dict[int, int]:

@@ -16,6 +16,7 @@ belongs to the caller (the engine), not to the model. MHA, GQA and MQA are one c
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -47,26 +48,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum over ranks
 
-    def forward(
+    def project(
         self,
-        x: torch.Tensor,  # (T, hidden)
+        x: torch.Tensor,  # (T, hidden), normed
         cos: torch.Tensor,  # (T, 1, head_dim)
         sin_signed: torch.Tensor,  # (T, 1, head_dim): layers.signed_sin(sin)
-        attend: Attend,
-        layer: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(output (T, hidden), this step's K (T, kv_heads, d), V): ``attend`` writes or keeps the K/V."""
+        """Q (T, heads, d) and K (T, kv_heads, d) with rotary applied, and V (T, kv_heads, d)."""
         t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # (T, q_size + 2 kv_size); nn.Linear or a quantized linear (model.quant)
         # rotary on Q and K together: their columns are adjacent, so one set of kernels serves both
         qk = apply_rotary_rolled(qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, d), cos, sin_signed)
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
-        o = attend(layer, q, k, v, self.scale)  # (T, heads, d)
-        out = self.o_proj.forward(o.reshape(t, self.q_size))  # row-parallel under TP
-        return (out if self.reduce is None else self.reduce(out)), k, v
+        return qk[:, :nh], qk[:, nh:], qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output (T, heads, d) projected back to (T, hidden) (summed over ranks under TP)."""
+        out = self.o_proj.forward(o.reshape(o.shape[0], self.q_size))  # row-parallel under TP
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm block, in two parts around its attention: ``pre_attention`` (norm, QKV, rotary) and
+    ``post_attention`` (O projection, residual, norm, MLP, residual). ``forward`` runs both with ``attend`` between;
+    the compiled ragged step (``workbench.engine.prefill_step``) compiles the two parts and keeps attention eager."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -74,13 +79,40 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, attend: Attend, layer: int
+    def pre_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, hidden) -> q (T, heads, d), k (T, kv_heads, d), v (T, kv_heads, d)."""
         # submodules' forward is called directly: nn.Module.__call__ costs more than a decode's small ops
-        o, k, v = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin_signed, attend, layer)
-        x = x + o
-        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x))), k, v  # x: this layer's own tensor
+        return self.self_attn.project(self.input_layernorm.forward(x), cos, sin_signed)
+
+    def post_attention(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) and the attention output o (T, heads, d) -> the layer's output (T, hidden)."""
+        x = x + self.self_attn.output(o)
+        return x.add_(self.mlp.forward(self.post_attention_layernorm.forward(x)))  # x: this function's own tensor
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        attend: Attend,
+        layer: int,
+        parts: LayerParts | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output (T, hidden), this step's K (T, kv_heads, d), V): ``attend`` writes or keeps the K/V.
+        ``parts``: the two parts to call instead of this layer's own methods (their compiled versions)."""
+        pre, post = (DecoderLayer.pre_attention, DecoderLayer.post_attention) if parts is None else parts
+        q, k, v = pre(self, x, cos, sin_signed)
+        o = attend(layer, q, k, v, self.self_attn.scale)  # (T, heads, d)
+        return post(self, x, o), k, v
+
+
+class LayerParts(NamedTuple):
+    """Stand-ins for ``DecoderLayer.pre_attention`` and ``post_attention``, called with the layer first."""
+
+    pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    post: Callable[..., torch.Tensor]
 
 
 class Transformer(nn.Module):
@@ -139,15 +171,16 @@ class Transformer(nn.Module):
 
     # ---- the two entry points over a paged cache: a ragged step, and a pure decode --------------------------------
     def _layers(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, parts: LayerParts | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Embed, every layer with ``attend`` as its attention, final norm: (hidden (T, hidden), K and V per layer)."""
+        """Embed, every layer with ``attend`` as its attention (and ``parts`` for the rest, when given), final norm:
+        (hidden (T, hidden), K and V per layer)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         sin_signed = signed_sin(sin)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer.forward(x, cos, sin_signed, attend, i)
+            x, k, v = layer.forward(x, cos, sin_signed, attend, i, parts)
             ks.append(k)
             vs.append(v)
         return self.norm.forward(x), ks, vs
@@ -159,16 +192,19 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
         cache: KVCache,
         backend: AttentionBackend = TORCH_BACKEND,
+        parts: LayerParts | None = None,
     ) -> torch.Tensor:
         """A ragged step (prefill, chunks, mixed): each layer writes its K/V into ``cache``, then attends.
-        Hidden states after the final norm for every new token; input_ids: (T,) -> (T, hidden)."""
+        Hidden states after the final norm for every new token; input_ids: (T,) -> (T, hidden).
+        ``parts``: what runs each layer around its attention (default: the layer's own eager methods; the
+        engine's compiled ragged step passes compiled ones, ``workbench.engine.prefill_step``)."""
         k_layers, v_layers = cache.layer_views()  # one view per layer (dequantizing ones for int8/fp8)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             cache.write(meta.slot_mapping, k, v, layer=i)
             return backend.forward(q, k_layers[i], v_layers[i], meta, scale)
 
-        return self._layers(input_ids, meta.positions, attend)[0]
+        return self._layers(input_ids, meta.positions, attend, parts)[0]
 
     def decode_step(
         self,

@@ -1,0 +1,116 @@
+"""The compiled ragged step (``EngineConfig.compile_prefill``): the engine's tokens against the eager engine's and
+transformers' on chunked prefills mixed with decodes, one ragged step's hidden states and cache writes against the
+eager ``Transformer.forward`` within the fp32 tolerance, one pair of graphs per token-count range (not per layer or
+per token count), and its configuration errors."""
+
+import pytest
+import torch
+
+from kernels.testing import TOLERANCES
+from workbench import bench
+from workbench.config import ModelConfig
+from workbench.engine.config import EngineConfig
+from workbench.engine.engine import Engine
+from workbench.engine.prefill_step import PrefillStep, num_compiled_graphs
+from workbench.errors import ConfigError
+from workbench.model import load_checkpoint
+from workbench.model.attention import build_metadata
+from workbench.model.transformer import Transformer
+from workbench.request import SamplingParams
+
+FP32 = TOLERANCES[torch.float32]
+# chunks of 8 in a budget of 16: the long prompts are prefilled in chunks that start mid-prompt, beside decodes
+CONFIG = dict(policy="chunked", token_budget=16, chunk_size=8, block_size=4, max_num_seqs=4, max_model_len=64)
+PROMPTS = [list(range(3, 24)), [7, 8, 9, 10, 11], [200 - i for i in range(13)], [40 + 3 * i for i in range(30)]]
+NEW = [6, 9, 4, 7]
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_checkpoint):
+    """One engine with compiled ragged steps (tiny-gqa, packed linears on), warmed up: (engine, graphs the warm-up
+    compiled)."""
+    engine = Engine(load_checkpoint(tiny_checkpoint("tiny-gqa")), EngineConfig(**CONFIG, compile_prefill=True))
+    before = num_compiled_graphs()
+    engine.prefill.warmup(engine.scheduler.config.token_budget)
+    return engine, num_compiled_graphs() - before
+
+
+def test_warmup_compiles_one_pair_of_graphs_per_token_count_range(compiled):
+    """Token counts 1, 2 and 4 (257 is past the budget): three ranges (dynamo specialises 1; the packed linears'
+    4-256 rows split the rest), two graphs each (before and after attention), however many layers."""
+    engine, graphs = compiled
+    assert engine.model.config.num_layers == 2 and engine.prefill.compiled
+    assert sorted(engine.prefill.compile_s) == [1, 2, 4] and all(t > 0 for t in engine.prefill.compile_s.values())
+    assert graphs == 2 * 3
+
+
+def test_compiled_prefill_engine_gives_eager_and_hf_tokens(tiny_checkpoint, compiled):
+    engine, _ = compiled
+    path = tiny_checkpoint("tiny-gqa")
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in NEW]
+    eager = Engine(load_checkpoint(path), EngineConfig(**CONFIG))
+    want = [r.tokens for r in eager.generate(PROMPTS, params).requests]
+    plans = []
+    engine.on_step = lambda plan, rec: plans.append(plan)
+    graphs, steps = num_compiled_graphs(), engine.prefill.steps
+    try:
+        got = [r.tokens for r in engine.generate(PROMPTS, params).requests]
+    finally:
+        engine.on_step = None
+    assert got == want
+    hf = bench.load_hf_model(path, "fp32", torch.device("cpu"))
+    assert got == [bench.hf_generate(hf, [p], n)[0] for p, n in zip(PROMPTS, NEW)]
+    ragged = [p for p in plans if not p.is_pure_decode]
+    assert engine.prefill.steps - steps == len(ragged)  # every ragged step went through the executor
+    mixed = [p for p in ragged if any(c.num_new_tokens == 1 and c.start > 0 for c in p.chunks)]
+    assert mixed and any(c.start > 0 and c.num_new_tokens > 1 for p in ragged for c in p.chunks)
+    assert len({sum(c.num_new_tokens for c in p.chunks) for p in ragged}) > 2  # several token counts
+    assert num_compiled_graphs() == graphs  # nothing compiled after the warm-up
+
+
+def test_compiled_ragged_step_matches_eager_forward(compiled):
+    """Three sequences in one step (a prompt's second chunk, a decode, a whole prompt), then steps of 2 and 1 tokens:
+    hidden states and the pool within fp32 tolerance of the eager forward, and no graph compiled."""
+    engine, _ = compiled
+    model, cache, step = engine.model, engine.cache, engine.prefill
+    gen = torch.Generator().manual_seed(3)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    ref_k, ref_v = cache.k.clone(), cache.v.clone()
+    steps = [
+        ([5, 1, 7], [12, 9, 7], [[9, 2, 11], [4, 0, 6], [1, 3]]),
+        ([1, 1], [6, 3], [[8, 5], [10]]),
+        ([1], [2], [[7]]),
+    ]
+    graphs = num_compiled_graphs()
+    for query_lens, seq_lens, tables in steps:
+        meta = build_metadata(query_lens, seq_lens, tables, cache.block_size)
+        ids = torch.randint(0, model.config.vocab_size, (sum(query_lens),), generator=gen)
+        got = step.run(ids, meta)
+        got_k, got_v = cache.k.clone(), cache.v.clone()
+        cache.k.copy_(ref_k)
+        cache.v.copy_(ref_v)
+        want = model.forward(ids, meta, cache, engine.backend)
+        torch.testing.assert_close(got, want, **FP32)
+        torch.testing.assert_close(got_k, cache.k, **FP32)
+        torch.testing.assert_close(got_v, cache.v, **FP32)
+        ref_k, ref_v = cache.k.clone(), cache.v.clone()
+    assert num_compiled_graphs() == graphs
+
+
+def test_compile_prefill_is_validated():
+    with pytest.raises(ConfigError, match="compile_prefill"):
+        EngineConfig(compile_prefill="yes")
+    with pytest.raises(ConfigError, match="compile_prefill"):
+        EngineConfig(compile_prefill=True, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="compile_prefill"):
+        EngineConfig(compile_prefill=True, device="cuda")
+
+
+def test_eager_prefill_step_is_the_default():
+    model = Transformer.from_config(ModelConfig.resolve("tiny-gqa"), seed=1)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=32))
+    assert isinstance(engine.prefill, PrefillStep) and not engine.prefill.compiled
+    assert engine.prefill.warmup() == {}
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.prefill.steps == 1 and engine.prefill.compile_s == {}

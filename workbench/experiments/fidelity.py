@@ -406,12 +406,6 @@ def handoff_profile(results: Any) -> dict[str, Any]:
     }
 
 
-def _quantiles(values: list[float], n: int = 100) -> list[float]:
-    """``n`` equally spaced order statistics of ``values`` (the smallest to the largest)."""
-    ordered = sorted(values)
-    return [ordered[round(q * (len(ordered) - 1) / (n - 1))] for q in range(n)]
-
-
 def _two_medians_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(latency, bytes per second) of the line through the (bytes, seconds) medians of the smaller and the larger
     half of ``points``; a flat or falling line is all latency (the median time) over a link of no cost per byte."""
@@ -445,6 +439,7 @@ def _first_step_after(steps: list[dict[str, Any]], t: float) -> dict[str, Any] |
 
 
 def _quantiles(values: list[float], n: int = 100) -> list[float]:
+    """``n`` equally spaced order statistics of ``values``, the smallest to the largest (none of fewer than two)."""
     v = sorted(values)
     return [v[min(len(v) - 1, round(q * (len(v) - 1) / (n - 1)))] for q in range(n)] if len(v) > 1 else []
 

@@ -260,7 +260,7 @@ def disaggregated_fidelity(
         def replicas(seeds: list[int | None], cost: Any = cost, cal_roles: dict = cal_roles) -> list:
             idle_key = "idle_step_s" if seeds[0] is None else "noise_idle_step_s"
             return [dataclasses.replace(cost, noise_seed=s, wake_s=handoff["wake_s"][role],
-                                        wake_quantiles_s=handoff["wake_quantiles_s"][role] if s is not None else [],
+                                        wake_quantiles_s=handoff["wake_quantiles_s"][role],
                                         idle_step_s=cal_roles[role][idle_key],
                                         residual_quantiles_s=cal_roles[role]["residual_quantiles_s"] or
                                         cost.residual_quantiles_s)
@@ -400,7 +400,7 @@ def handoff_profile(results: Any) -> dict[str, Any]:
         "kv_handoff_quantiles_s": _quantiles(handoffs),
         "num_handoffs": len(handoffs),
         "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
-        "wake_quantiles_s": {role: _quantiles(w) if w else [] for role, w in wakes.items()},
+        "wake_quantiles_s": {role: _quantiles(w) for role, w in wakes.items()},
         "num_transfers": len(lines),
         "num_runs": len(runs),
     }

@@ -83,12 +83,11 @@ class ProfiledCostModel(CostModel):
                 raise ConfigError("profile: token_curve must be (tokens, seconds): increasing integers >= 1 and as "
                                   f"many finite seconds >= 0; got {self.token_curve!r}")  # fmt: skip
             self.token_curve = (knots, [float(v) for v in secs])
-        check_gap(self.idle_step_s)
+        check_gap(self.idle_step_s, "idle_step_s")
         if self.wake_s is not None:
-            check_gap(self.wake_s)
+            check_gap(self.wake_s, "wake_s")
         for w in self.wake_quantiles_s:
-            if not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-                raise ConfigError(f"profile: wake_quantiles_s must be finite seconds >= 0, got {w!r}")
+            check_gap(w, "profile: each of wake_quantiles_s")
         self.wake_quantiles_s = sorted(float(w) for w in self.wake_quantiles_s)
         if self.wake_quantiles_s and self.wake_s is None:
             raise ConfigError("profile: wake_quantiles_s needs wake_s (the median wake-up delay)")

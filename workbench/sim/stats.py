@@ -125,6 +125,7 @@ class CostModel:
         return {"name": self.name, "host_gap_s": self.host_gap_s}
 
 
-def check_gap(host_gap_s: float) -> None:
-    if not isinstance(host_gap_s, (int, float)) or not (host_gap_s >= 0 and math.isfinite(host_gap_s)):
-        raise ConfigError(f"host_gap_s must be a number >= 0, got {host_gap_s!r}")
+def check_gap(seconds: float, name: str = "host_gap_s") -> None:
+    """ConfigError naming ``name`` unless ``seconds`` is a finite number >= 0."""
+    if not isinstance(seconds, (int, float)) or not (seconds >= 0 and math.isfinite(seconds)):
+        raise ConfigError(f"{name} must be a number >= 0, got {seconds!r}")

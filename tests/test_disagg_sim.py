@@ -64,3 +64,60 @@ def test_handoffs_drawn_from_measured_ones_are_seeded_and_come_from_them():
     offsets = {round(t - (0.1 * i + 0.01 + 100 * 1e-5) - wire, 9) for i, t in enumerate(first_tokens(3))}
     assert offsets == {0.001, 0.005}
     assert first_tokens(3) == first_tokens(3)
+
+
+def test_rank_correlation_by_hand() -> None:
+    from workbench.sim.stats import rank_correlation
+
+    assert rank_correlation([1.0, 2.0, 3.0, 4.0], [2.0, 1.0, 4.0, 3.0]) == pytest.approx(0.6)  # 1 - 6*4/(4*15)
+    # a tie takes the average rank: x ranks (0.5, 0.5, 2), y (0, 1, 2); Pearson of the ranks 1.5 / sqrt(1.5 * 2)
+    assert rank_correlation([1.0, 1.0, 2.0], [1.0, 2.0, 3.0]) == pytest.approx(1.5 / 3**0.5)
+    assert rank_correlation([1.0, 2.0, 3.0], [5.0, 5.0, 5.0]) == 0.0  # no spread: no correlation to measure
+
+
+def test_a_gaussian_copula_gives_uniform_draws_with_the_rank_correlation_asked_for() -> None:
+    import random
+
+    from workbench.sim.stats import correlated_uniform, rank_correlation
+
+    rng, src = random.Random(1), random.Random(2)
+    us = [src.random() for _ in range(4000)]
+    for target in (0.0, 0.4, -0.7):
+        vs = [correlated_uniform(u, target, rng) for u in us]
+        # Spearman's estimate over 4000 pairs has a standard error of about 1/sqrt(4000) = 0.016
+        assert rank_correlation(us, vs) == pytest.approx(target, abs=0.06)
+        deciles = [sum(int(10 * v) == k for v in vs) for k in range(10)]
+        assert all(330 <= n <= 470 for n in deciles)  # uniform: 400 each, binomial sd 19
+    assert all(correlated_uniform(u, 1.0, rng) == pytest.approx(u, abs=1e-9) for u in us[:50])
+
+
+def test_drawn_handoffs_follow_their_prefill_steps_noise_by_the_rank_correlation_asked_for() -> None:
+    from workbench.sim.stats import rank_correlation
+
+    quantiles = [0.001 * i for i in range(101)]  # 0 .. 100 ms, uniform
+    cost = ProfiledCostModel({"const": 0.01, "decode_seqs": 1e-3}, residual_quantiles_s=quantiles)
+    work = [Request(i, 1.0 * i, 100, 2) for i in range(400)]  # each prefilled alone, the decode side idle
+
+    def steps_and_handoffs(rho: float, noise: int | None) -> tuple[list[float], list[float]]:
+        cfg = SimConfig(num_blocks=1000, disaggregate=(1, 1), link_gbps=100.0, kv_handoff_quantiles_s=quantiles,
+                        kv_handoff_seed=5, kv_handoff_rank_correlation=rho)  # fmt: skip
+        res = simulate(work, LLAMA, [cost.with_noise(noise), cost.with_noise(None)], cfg, record_steps=True)
+        prefills = [s for s in res.step_logs[0].to_records() if s["num_prefill_tokens"]]
+        wire = 100 * 131072 / 12.5e9
+        after = [r.first_token_time - s["end_s"] - wire for r, s in zip(res.records, prefills)]
+        return [s["duration_s"] for s in prefills], after
+
+    steps, handoffs = steps_and_handoffs(0.6, noise=3)
+    assert len(steps) == 400 and min(handoffs) >= -1e-9 and max(handoffs) <= 0.1 + 1e-9
+    assert rank_correlation(steps, handoffs) == pytest.approx(0.6, abs=0.1)  # standard error ~0.04 at n = 400
+    steps, handoffs = steps_and_handoffs(0.0, noise=3)
+    assert abs(rank_correlation(steps, handoffs)) < 0.15
+    # without step noise there is nothing to follow: the handoffs are drawn as without a correlation
+    assert steps_and_handoffs(0.6, noise=None)[1] == pytest.approx(steps_and_handoffs(0.0, noise=None)[1], abs=1e-12)
+
+
+def test_a_handoff_correlation_needs_drawn_handoffs_and_a_coefficient() -> None:
+    with pytest.raises(ConfigError, match="needs kv_handoff_quantiles_s"):
+        SimConfig(disaggregate=(1, 1), kv_handoff_rank_correlation=0.3)
+    with pytest.raises(ConfigError, match=r"kv_handoff_rank_correlation must be a number in \[-1, 1\]"):
+        SimConfig(disaggregate=(1, 1), kv_handoff_quantiles_s=(0.001, 0.002), kv_handoff_rank_correlation=1.5)

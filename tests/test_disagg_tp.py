@@ -190,7 +190,12 @@ def test_handoff_profile_by_hand():
     transfers = {0: transfer(1000, 1.0, 1.001, 1.0012, 0.001), 1: transfer(3000, 2.0, 2.002, 2.1, 0.002),
                  2: transfer(5000, 3.0, 3.003, 3.0031, 0.003)}  # fmt: skip
     pools = {
-        "prefill0": {"steps": [{"start_s": 0.5, "end_s": 0.9}, {"start_s": 2.5, "end_s": 2.6}]},
+        "prefill0": {
+            "steps": [
+                {"start_s": 0.5, "end_s": 0.9, "duration_s": 0.4, "num_seqs": 1, "num_prefill_tokens": 8},
+                {"start_s": 2.5, "end_s": 2.6, "duration_s": 0.1, "num_seqs": 1, "num_prefill_tokens": 8},
+            ]
+        },
         "decode0": {"steps": [{"start_s": 2.0, "end_s": 2.05}]},  # busy when request 1's announcement arrives
     }
     # request 0 arrives at an idle prefill engine 0.1 s before its step; 1 during a step; 2 after the last one

@@ -114,6 +114,31 @@ def test_the_handoff_leaves_out_announcements_that_waited_for_a_decode_step() ->
     assert max(profile["kv_handoff_quantiles_s"]) == pytest.approx(0.002)
 
 
+def test_the_handoffs_rank_correlation_with_their_prefill_steps_by_hand() -> None:
+    """Four requests, each prefilled alone in a step of the same size: the steps' residuals are their durations less
+    the mean, and the handoffs' ranks against theirs give Spearman's 1 - 6 * 4 / (4 * 15) = 0.6."""
+    from types import SimpleNamespace
+
+    from workbench.dist.disagg import DisaggResult
+    from workbench.experiments.fidelity import handoff_profile
+
+    durations, handoffs = [0.001, 0.002, 0.003, 0.004], [0.0020, 0.0010, 0.0040, 0.0030]
+    steps, transfers = [], {}
+    for i, (d, h) in enumerate(zip(durations, handoffs)):
+        start = float(i)
+        steps.append({"start_s": start, "end_s": start + d, "duration_s": d, "num_seqs": 1, "num_prefill_tokens": 50})
+        token = start + d
+        transfers[i] = {"kv_transfer_bytes": 1000 * (i + 1), "timeline": {"prefill_token_s": token,
+                        "sent_s": token + 1e-4, "announced_s": token + h, "receive_posted_s": token + h,
+                        "landed_s": token + h + 0.001 + 1e-6 * 1000 * (i + 1)}}  # fmt: skip
+    requests = [SimpleNamespace(request_id=i, arrival_time=float(i)) for i in range(4)]
+    pools = {"prefill0": {"steps": steps}, "decode0": {"steps": []}}
+    result = DisaggResult(requests, transfers, pools, 5.0, 0, {i: (0, 0) for i in range(4)})
+    assert handoff_profile(result)["kv_handoff_rank_correlation"] == pytest.approx(0.6)
+    # twice the same run: the pooled pairs rank alike
+    assert handoff_profile([result, result])["kv_handoff_rank_correlation"] == pytest.approx(0.6)
+
+
 def test_the_warmup_workload_prefills_every_length_then_drains_every_batch_size() -> None:
     from workbench.experiments.fidelity import warmup_workload
 

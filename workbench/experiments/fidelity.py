@@ -24,6 +24,7 @@ from workbench.engine.config import EngineConfig
 from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED, make_claim
 from workbench.experiments.hygiene import load_average
 from workbench.sim.cluster import SimConfig, simulate
+from workbench.sim.stats import rank_correlation
 from workbench.workloads import Request, synthetic_workload
 
 FIDELITY_TOLERANCE = 0.10  # the simulator's target: within 10% of the measured median (or the spread, if larger)
@@ -247,7 +248,8 @@ def disaggregated_fidelity(
                          kv_handoff_s=handoff["kv_handoff_s"], kv_receive="between-steps", **handoff_draws)  # fmt: skip
 
     scfg = sim_config()
-    noisy = sim_config(kv_handoff_quantiles_s=tuple(handoff["kv_handoff_quantiles_s"]), kv_handoff_seed=noise_seed or 0)
+    noisy = sim_config(kv_handoff_quantiles_s=tuple(handoff["kv_handoff_quantiles_s"]), kv_handoff_seed=noise_seed or 0,
+                       kv_handoff_rank_correlation=handoff["kv_handoff_rank_correlation"])  # fmt: skip
     roles = ["prefill"] * split[0] + ["decode"] * split[1]
     rows, calibrated = [], {}
     parts: dict[str, Any] = {"measured": [ttft_parts(r, split[0]) for r in measured]}
@@ -299,20 +301,7 @@ def ttft_parts(result: Any, num_prefill: int = 1) -> dict[str, Any]:
     p90 (as the engine's metrics compute it), to see which part carries the TTFT's tail."""
     real = hasattr(result, "transfers")
     reqs = list(result.requests if real else result.records)
-    order = sorted(reqs, key=lambda r: (r.arrival_time, r.request_id))
-    by_engine: dict[int, list[Any]] = {}
-    for i, r in enumerate(order):
-        p = result.engines.get(r.request_id, (i % num_prefill, 0))[0] if real else i % num_prefill
-        by_engine.setdefault(p, []).append(r)
-    step_of: dict[int, dict[str, Any]] = {}
-    for p, queue in by_engine.items():
-        steps = result.pools[f"prefill{p}"]["steps"] if real else result.step_logs[p].to_records()
-        it = iter(queue)
-        for step in steps:
-            for _ in range(step["num_seqs"] if step["num_prefill_tokens"] else 0):
-                r = next(it, None)
-                if r is not None:
-                    step_of[r.request_id] = step
+    step_of = _prefill_steps(result, num_prefill)
     names = ("queue", "prefill", "after", "ttft") + (("handoff", "decode_wait", "wire") if real else ())
     values: dict[str, list[float]] = {n: [] for n in names}
     for r in reqs:
@@ -338,6 +327,39 @@ def ttft_parts(result: Any, num_prefill: int = 1) -> dict[str, Any]:
     return out
 
 
+def _prefill_steps(result: Any, num_prefill: int = 1) -> dict[int, dict[str, Any]]:
+    """Each request's prefill step (``ttft_parts``' rule: its prefill engine serves prompts first come first
+    served, one step each, so each step with prefill tokens takes the next ``num_seqs`` of its requests in arrival
+    order), by request id. ``result``: a ``DisaggResult`` or a ``SimResult`` recorded with its steps."""
+    real = hasattr(result, "transfers")
+    order = sorted(result.requests if real else result.records, key=lambda r: (r.arrival_time, r.request_id))
+    by_engine: dict[int, list[Any]] = {}
+    for i, r in enumerate(order):
+        p = result.engines.get(r.request_id, (i % num_prefill, 0))[0] if real else i % num_prefill
+        by_engine.setdefault(p, []).append(r)
+    step_of: dict[int, dict[str, Any]] = {}
+    for p, queue in by_engine.items():
+        steps = result.pools[f"prefill{p}"]["steps"] if real else result.step_logs[p].to_records()
+        it = iter(queue)
+        for step in steps:
+            for _ in range(step["num_seqs"] if step["num_prefill_tokens"] else 0):
+                r = next(it, None)
+                if r is not None:
+                    step_of[r.request_id] = step
+    return step_of
+
+
+def _step_residuals(steps: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Each step's duration less a least-squares plane in its prefill tokens and sequences (a plane through the
+    mean when the steps cannot fix one): how much slower than steps of its size it ran."""
+    import numpy as np
+
+    y = np.array([s["duration_s"] for s in steps], dtype=float)
+    x = np.array([[1.0, s["num_prefill_tokens"], s["num_seqs"]] for s in steps], dtype=float)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return [float(v) for v in y - x @ coef]
+
+
 def handoff_profile(results: Any) -> dict[str, Any]:
     """What real disaggregated runs (``workbench.dist.disagg.DisaggResult``, one or a list, pooled) say about their
     handoff, in the simulator's terms (``workbench.sim.cluster``; all medians):
@@ -354,12 +376,21 @@ def handoff_profile(results: Any) -> dict[str, Any]:
       to the engine's next step or receive, and ``wake_quantiles_s``, 100 quantiles of them (the ``noise`` variant
       draws each wake from these: the median alone left the real TTFT's tail out, a prefill engine's wake being
       1.3 ms at the median and 1.8-1.9 ms at the p90 on tiny-gqa);
+    - ``kv_handoff_rank_correlation``: Spearman's rank correlation, over those handoffs, of each with its request's
+      prefill step's residual (``_step_residuals``, within each run): a slow step and a slow handoff come
+      together (0.25-0.29 on tiny-gqa, where after-parts and steps of shuffled requests give about 0); the
+      ``noise`` variant draws each handoff so correlated with its prefill step's residual draw
+      (``SimConfig.kv_handoff_rank_correlation``).
     """
     from workbench.sim.comm import fit_latency_bandwidth
 
     runs = results if isinstance(results, (list, tuple)) else [results]
     lines, free, wakes = [], [], {"prefill": [], "decode": []}
+    pairs: list[tuple[float, float]] = []  # (prefill step residual, handoff) of the free handoffs
     for result in runs:
+        step_of = _prefill_steps(result, 1 + max((p for p, _ in result.engines.values()), default=0))
+        own = list({id(s): s for s in step_of.values()}.values())  # each step once
+        residual = dict(zip(map(id, own), _step_residuals(own))) if len(own) >= 3 else {}
         for rid, t in result.transfers.items():
             if t.get("kv_transfer_bytes", 0) <= 0 or "timeline" not in t:
                 continue
@@ -372,6 +403,8 @@ def handoff_profile(results: Any) -> dict[str, Any]:
             steps = result.pools.get(f"decode{d}", {}).get("steps", [])
             if not any(s["start_s"] <= tl["sent_s"] < s["end_s"] for s in steps):
                 free.append(tl)
+                if (step := step_of.get(rid)) is not None and id(step) in residual:
+                    pairs.append((residual[id(step)], max(tl["announced_s"] - tl["prefill_token_s"], 0.0)))
         by_id = {r.request_id: r for r in result.requests}
         for rid, (p, d) in result.engines.items():
             steps = result.pools.get(f"prefill{p}", {}).get("steps", [])
@@ -399,6 +432,7 @@ def handoff_profile(results: Any) -> dict[str, Any]:
         "kv_handoff_s": statistics.median(handoffs),
         "kv_handoff_quantiles_s": _quantiles(handoffs),
         "num_handoffs": len(handoffs),
+        "kv_handoff_rank_correlation": rank_correlation([p for p, _ in pairs], [h for _, h in pairs]),
         "wake_s": {role: statistics.median(w) if w else 0.0 for role, w in wakes.items()},
         "wake_quantiles_s": {role: _quantiles(w) for role, w in wakes.items()},
         "num_transfers": len(lines),

@@ -25,9 +25,11 @@ disaggregated engine's), so it counts the prefill, the transfer and any wait for
 Two settings describe a real engine's handoff rather than a dedicated link (``workbench.dist.disagg`` on gloo, and
 ``scripts/sim_fidelity.py --disaggregate``, which measures both): ``kv_handoff_s``, host time from the prefill
 step's end to the transfer's start (the sender's gather and the control message; or drawn, seeded, from measured
-ones: ``kv_handoff_quantiles_s``), and ``kv_receive='between-steps'``: the decode replica receives each admitted
-request's KV before its next step, which the wire time then delays (TTFT ends when the KV has landed); the default
-``'overlapped'`` moves it beside the decode replica's steps.
+ones: ``kv_handoff_quantiles_s``, each draw rank-correlated with the noise of the prefill step before it by
+``kv_handoff_rank_correlation``, as the real engines' slow moments fall on both), and
+``kv_receive='between-steps'``: the decode replica receives each admitted request's KV before its next step, which
+the wire time then delays (TTFT ends when the KV has landed); the default ``'overlapped'`` moves it beside the
+decode replica's steps.
 
 Events are processed in time order: at equal times, step completions come before arrivals and KV transfers,
 and both before a step that starts at that time (so such a step admits them, as the engine does).
@@ -61,6 +63,7 @@ from workbench.kv.block_manager import BlockManager
 from workbench.kv.sizing import plan_num_blocks
 from workbench.request import RequestRecord, SamplingParams, Sequence
 from workbench.sim.costmodel import CostModel, plan_stats
+from workbench.sim.stats import correlated_uniform
 from workbench.workloads import Request, prompt_token_ids
 
 ROUTERS = ("round-robin", "least-outstanding", "shortest-queue")
@@ -96,6 +99,9 @@ class SimConfig(ServingConfig):
     # measured handoffs to draw each one from (seeded by kv_handoff_seed) in place of kv_handoff_s; () = constant
     kv_handoff_quantiles_s: tuple[float, ...] = ()
     kv_handoff_seed: int = 0
+    # Spearman's rank correlation of a drawn handoff with the noise of the prefill step before it (a Gaussian
+    # copula; the real engines' slow moments fall on both); needs kv_handoff_quantiles_s and a noisy cost model
+    kv_handoff_rank_correlation: float = 0.0
     kv_receive: str = "overlapped"  # or 'between-steps': the decode replica spends the wire time before a step
     quantization: str | None = None  # the weights: None, 'int8', 'int4' (weight-only), 'fp8' (FP8 compute)
     group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
@@ -148,6 +154,11 @@ class SimConfig(ServingConfig):
         self.kv_handoff_quantiles_s = tuple(float(x) for x in self.kv_handoff_quantiles_s)
         if not all(x >= 0 and math.isfinite(x) for x in self.kv_handoff_quantiles_s):
             raise ConfigError("kv_handoff_quantiles_s must be numbers >= 0")
+        rc = self.kv_handoff_rank_correlation
+        if not isinstance(rc, (int, float)) or isinstance(rc, bool) or not -1.0 <= rc <= 1.0:
+            raise ConfigError(f"kv_handoff_rank_correlation must be a number in [-1, 1], got {rc!r}")
+        if rc and not self.kv_handoff_quantiles_s:
+            raise ConfigError("kv_handoff_rank_correlation correlates drawn handoffs: it needs kv_handoff_quantiles_s")
         if self.kv_receive not in KV_RECEIVE:
             raise ConfigError(f"kv_receive must be one of {', '.join(KV_RECEIVE)}; got {self.kv_receive!r}")
 
@@ -226,7 +237,8 @@ class Replica:
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.cost = cost_model
         self.clock = 0.0  # when the replica became free (end of its last step, or an arrival while idle)
-        self.inflight: tuple[StepPlan, float, float] | None = None  # (plan, start, end)
+        self.inflight: tuple[StepPlan, float, float, float | None] | None = None  # (plan, start, end, noise u)
+        self.step_noise_u: float | None = None  # the last completed step's noise uniform (CostModel.last_noise_u)
         self.ready: deque[Sequence] = deque()  # disaggregated decode: KV arrived, not yet admitted
         self.receive_s: dict[int, float] = {}  # kv_receive 'between-steps': each ready request's wire time here
         self.on_finish = on_finish
@@ -269,7 +281,7 @@ class Replica:
         cost = self.cost
         while True:
             if self.inflight is not None:
-                plan, start, end = self.inflight
+                plan, start, end, self.step_noise_u = self.inflight
                 if end > until:
                     return
                 self.inflight = None
@@ -310,7 +322,7 @@ class Replica:
                 self._finish(finished, start)
                 continue
             end = cost.end_time(start, plan_stats(plan))
-            self.inflight = (plan, start, end)
+            self.inflight = (plan, start, end, cost.last_noise_u)  # kept with its step: a model may be shared
 
     def _complete(self, plan: StepPlan, start: float, end: float) -> None:
         sampled = {c.seq.seq_id: SIM_TOKEN for c in plan.chunks if c.samples}
@@ -466,7 +478,13 @@ def simulate(
         nxt.first_scheduled_time = seq.first_scheduled_time
         nxt.num_preemptions = seq.num_preemptions
         wire = seq.num_prompt_tokens * kv_bytes_per_token / link_bytes_per_s + config.link_latency_s
-        handoff = handoffs[handoff_rng.randrange(len(handoffs))] if handoffs else config.kv_handoff_s
+        if not handoffs:
+            handoff = config.kv_handoff_s
+        elif replica.step_noise_u is None or not config.kv_handoff_rank_correlation:
+            handoff = handoffs[handoff_rng.randrange(len(handoffs))]
+        else:  # drawn with the prefill step's noise: a slow step is followed by a slow handoff as often as measured
+            u = correlated_uniform(replica.step_noise_u, config.kv_handoff_rank_correlation, handoff_rng)
+            handoff = handoffs[min(int(u * len(handoffs)), len(handoffs) - 1)]
         arrive = now + handoff + (0.0 if between_steps else wire)
         heapq.heappush(transfers, (arrive, seq.seq_id, nxt, wire if between_steps else 0.0))
 

@@ -148,8 +148,9 @@ class ProfiledCostModel(CostModel):
         return secs[i - 1] + f * (secs[i] - secs[i - 1])
 
     def _residual(self) -> float:
-        """A draw from the residual distribution."""
-        return _draw(self.residual_quantiles_s, self._rng.random())  # type: ignore[union-attr]
+        """A draw from the residual distribution (its uniform kept as ``last_noise_u``)."""
+        u = self.last_noise_u = self._rng.random()  # type: ignore[union-attr]
+        return _draw(self.residual_quantiles_s, u)
 
     def step_time(self, stats: StepStats) -> float:
         c = self._coef

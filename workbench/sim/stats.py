@@ -18,6 +18,8 @@ The models, one per file: ``roofline_cost``, ``profiled`` (fitted by ``fit``), `
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from workbench.errors import ConfigError
@@ -89,6 +91,9 @@ class CostModel:
 
     name = "cost"
     host_gap_s: float = 0.0
+    # the uniform in [0, 1) behind the last step's noise draw (its rank among the model's residuals), None when
+    # the model draws none: the simulator draws a request's handoff correlated with its prefill step's (SimConfig)
+    last_noise_u: float | None = None
 
     def step_time(self, stats: StepStats) -> float:
         """Seconds the device spends on a step."""
@@ -129,3 +134,40 @@ def check_gap(seconds: float, name: str = "host_gap_s") -> None:
     """ConfigError naming ``name`` unless ``seconds`` is a finite number >= 0."""
     if not isinstance(seconds, (int, float)) or not (seconds >= 0 and math.isfinite(seconds)):
         raise ConfigError(f"{name} must be a number >= 0, got {seconds!r}")
+
+
+def correlated_uniform(u: float, rank_correlation: float, rng: random.Random) -> float:
+    """A uniform draw in (0, 1) whose Spearman rank correlation with the uniform ``u`` is ``rank_correlation``: a
+    Gaussian copula, whose normal scores correlate with Pearson's ``2 sin(pi rho_s / 6)`` (the bivariate normal's
+    relation between the two coefficients, Kruskal 1958). 0: independent of ``u``; 1: ``u`` itself."""
+    rho = rank_correlation if abs(rank_correlation) == 1.0 else 2.0 * math.sin(math.pi * rank_correlation / 6.0)
+    normal = statistics.NormalDist()
+    z = normal.inv_cdf(min(max(u, 1e-12), 1.0 - 1e-12))
+    return normal.cdf(rho * z + math.sqrt(max(1.0 - rho * rho, 0.0)) * rng.gauss(0.0, 1.0))
+
+
+def rank_correlation(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation of two equally long samples (ties get their average rank); 0.0 when either
+    has no spread or there are fewer than three pairs."""
+    if len(x) != len(y):
+        raise ValueError(f"rank_correlation: {len(x)} values against {len(y)}")
+    if len(x) < 3:
+        return 0.0
+    rx, ry = _ranks(x), _ranks(y)
+    if len(set(rx)) < 2 or len(set(ry)) < 2:
+        return 0.0
+    return statistics.correlation(rx, ry)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2.0
+        i = j + 1
+    return ranks

@@ -74,3 +74,16 @@ def test_flag_vocabulary():
     assert resolve_kv_cache_dtype("fp8", "bf16") == "fp8"
     with pytest.raises(ConfigError, match="unknown kv cache dtype 'fp4'"):
         resolve_kv_cache_dtype("fp4", "bf16")
+    assert resolve_kv_cache_dtype("bf16", "bfloat16") == "bf16"  # what 'auto' resolved to resolves again
+    with pytest.raises(ConfigError, match="unknown kv cache dtype 'fp32'"):
+        resolve_kv_cache_dtype("fp32", "bf16")  # another float dtype than the activations' is not a KV format
+
+
+def test_a_resolved_simulator_config_can_be_copied_with_a_change() -> None:
+    import dataclasses
+
+    from workbench.sim.cluster import SimConfig
+
+    cfg = SimConfig(dtype="fp32", max_num_seqs=16)
+    copy = dataclasses.replace(cfg, max_num_seqs=8)
+    assert (copy.kv_cache_dtype, copy.max_num_seqs) == ("fp32", 8)

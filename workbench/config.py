@@ -72,10 +72,14 @@ def canonical_quantization(name: str | None) -> str | None:
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str | None, dtype: str) -> str:
-    """The KV cache's element dtype: 'auto' (or None) is the activation ``dtype``; 'int8' and 'fp8' as given."""
+    """The KV cache's element dtype: 'auto' (or None) is the activation ``dtype``; 'int8' and 'fp8' as given; the
+    activation dtype itself (what 'auto' resolved to: a resolved config, copied with ``dataclasses.replace``,
+    resolves again to the same)."""
     if kv_cache_dtype is None or str(kv_cache_dtype).lower() == "auto":
         return canonical_dtype(dtype)
     key = str(kv_cache_dtype).lower()
+    if key == canonical_dtype(dtype):
+        return key
     if key not in KV_CACHE_DTYPES:
         raise ConfigError(f"unknown kv cache dtype {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
     return key

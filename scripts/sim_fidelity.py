@@ -33,7 +33,9 @@ same profile on every replica and the real engines' handoff: the KV link (fitted
 from a prefill's end to the decode side, each role's wake-up and idle-step excess, all measured on calibration runs
 of another workload (seed ``--seed + 1``), one before each measured repeat, pooled, after a warm-up that builds every
 shape's oneDNN primitive in the engine processes (``fidelity.disaggregated_fidelity``). Each model's ``noise``
-variant draws every step's residual, every handoff and every wake-up from the calibration runs' measured ones.
+variant draws every step's residual, every handoff (rank-correlated with its prefill step's residual, as measured)
+and every wake-up from the calibration runs' measured ones, with ``--repeats`` seeds: its statistics are the
+seeded simulations' medians, as the measured ones are the repeats'.
 """
 
 from __future__ import annotations

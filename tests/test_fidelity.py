@@ -139,6 +139,16 @@ def test_the_handoffs_rank_correlation_with_their_prefill_steps_by_hand() -> Non
     assert handoff_profile([result, result])["kv_handoff_rank_correlation"] == pytest.approx(0.6)
 
 
+def test_seeded_simulations_are_summarised_by_each_statistics_median() -> None:
+    from workbench.experiments.fidelity import median_metrics
+
+    def run(t50: float, t90: float, i50: float, i90: float) -> dict:
+        return {"ttft_s": {"median": t50, "p90": t90, "mean": 9.0}, "itl_s": {"median": i50, "p90": i90}}
+
+    runs = [run(1.0, 5.0, 0.3, 0.9), run(3.0, 4.0, 0.1, 0.7), run(2.0, 9.0, 0.2, 0.8)]
+    assert median_metrics(runs) == {"ttft_s": {"median": 2.0, "p90": 5.0}, "itl_s": {"median": 0.2, "p90": 0.8}}
+
+
 def test_the_warmup_workload_prefills_every_length_then_drains_every_batch_size() -> None:
     from workbench.experiments.fidelity import warmup_workload
 

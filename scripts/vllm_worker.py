@@ -39,6 +39,7 @@ def main(job_path: str, out_path: str) -> int:
         # previous run did, which the workbench's engine (prefix caching off by default) recomputes
         enable_prefix_caching=job.get("enable_prefix_caching", False),
         seed=0,
+        **({"max_num_batched_tokens": job["token_budget"]} if job.get("token_budget") else {}),
     )
     startup_s = time.perf_counter() - t0
 

@@ -238,16 +238,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:  # noqa: ANN001
     from workbench.bench import offline_requests
     from workbench.config import ModelConfig
+    from workbench.engine.scheduler import SchedulerConfig
     from workbench.hardware import cpu_model_name
     from workbench.model.checkpoint import save_random_checkpoint
     from workbench.timing import random_prompts
 
     cfg = ModelConfig.resolve(args.model)
-    if args.token_budget is not None and args.token_budget < 1:
-        raise ConfigError(f"--token-budget must be a positive integer, got {args.token_budget}")
-    if args.token_budget is not None and args.policy != "chunked" and args.token_budget < args.context:
-        raise ConfigError(f"--token-budget {args.token_budget} below --context {args.context} needs --policy chunked "
-                          "(the other policies prefill a whole prompt in one step)")  # fmt: skip
+    # the workbench engine's scheduler settings, checked before vLLM's minutes of start-up
+    SchedulerConfig(policy=args.policy, max_num_seqs=args.max_num_seqs, token_budget=args.token_budget,
+                    max_model_len=args.context)  # fmt: skip
     if cfg.head_dim not in VLLM_HEAD_SIZES:
         raise ConfigError(f"{cfg.name} has head size {cfg.head_dim}; vLLM's CPU attention takes {VLLM_HEAD_SIZES}")
     python = setup_vllm(Path(args.vllm_venv).expanduser())

@@ -313,7 +313,7 @@ def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: i
     """TP over the worker group at size 1 (NCCL on CUDA) against the plain engine, and a disaggregated pair."""
     import torch
 
-    from workbench.dist.disagg import DisaggCluster, DisaggConfig
+    from workbench.cluster.disagg import DisaggCluster, DisaggConfig
     from workbench.engine.config import EngineConfig
     from workbench.engine.engine import Engine
     from workbench.engine.tp_runner import start_workers

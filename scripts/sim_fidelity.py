@@ -27,7 +27,7 @@ torch's instruction set). Each cost model's provenance (its machine, the load av
 whether that load exceeded the CPUs) is printed and kept in the JSON; so are the load averages of the measured runs
 and the wall time.
 
-``--disaggregate P:D``: the real disaggregated engines instead (``workbench.dist.disagg``, one thread per engine
+``--disaggregate P:D``: the real disaggregated engines instead (``workbench.cluster.disagg``, one thread per engine
 process, as the profile was measured), ``--repeats`` times, against the simulator's disaggregated model with the
 same profile on every replica and the real engines' handoff: the KV link (fitted to the wire times), the handoff
 from a prefill's end to the decode side, each role's wake-up and idle-step excess, all measured on calibration runs

@@ -11,13 +11,13 @@ import random
 
 import pytest
 
-from workbench.config import ModelConfig, parse_disaggregate
-from workbench.dist.disagg import (
+from workbench.cluster.disagg import (
     DisaggCluster,
     DisaggConfig,
     DisaggregationError,
     Faults,
 )
+from workbench.config import ModelConfig, parse_disaggregate
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.errors import ConfigError

@@ -12,8 +12,8 @@ import random
 
 import pytest
 
+from workbench.cluster.disagg import DisaggCluster, DisaggConfig, Layout
 from workbench.config import ModelConfig
-from workbench.dist.disagg import DisaggCluster, DisaggConfig, Layout
 from workbench.dist.kv_connector import Piece, transfer_plan
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
@@ -132,8 +132,8 @@ def test_pack_then_unpack_moves_a_tokens_kv_heads_into_other_slots(kv_dtype):
 def test_cli_prefill_and_decode_tp_give_each_pool_its_tp():
     import argparse
 
+    from workbench.cluster.disagg import disagg_config_from_args
     from workbench.commands.generate import add_arguments, engine_config_from_args
-    from workbench.dist.disagg import disagg_config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -157,7 +157,7 @@ def test_a_message_that_overtakes_the_start_of_a_run_is_kept_for_that_run():
     # (two writers, two feeder threads): it belongs to the new run and must not be dropped
     import queue
 
-    from workbench.dist.disagg import Faults, _next_run
+    from workbench.cluster.disagg import Faults, _next_run
 
     class Stub:
         sequences = {7: None}
@@ -179,7 +179,7 @@ def test_a_message_that_overtakes_the_start_of_a_run_is_kept_for_that_run():
 def test_handoff_profile_by_hand():
     from types import SimpleNamespace
 
-    from workbench.dist.disagg import DisaggResult
+    from workbench.cluster.disagg import DisaggResult
     from workbench.experiments.fidelity import handoff_profile
 
     def transfer(num_bytes, token, announced, posted, wire):

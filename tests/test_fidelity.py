@@ -96,7 +96,7 @@ def test_the_handoff_leaves_out_announcements_that_waited_for_a_decode_step() ->
     simulator adds itself, so it is not part of the handoff (1 and 2 ms are; 10 ms, sent mid-step, is not)."""
     from types import SimpleNamespace
 
-    from workbench.dist.disagg import DisaggResult
+    from workbench.cluster.disagg import DisaggResult
     from workbench.experiments.fidelity import handoff_profile
 
     def transfer(num_bytes: int, token: float, handoff: float) -> dict:
@@ -119,7 +119,7 @@ def test_the_handoffs_rank_correlation_with_their_prefill_steps_by_hand() -> Non
     the mean, and the handoffs' ranks against theirs give Spearman's 1 - 6 * 4 / (4 * 15) = 0.6."""
     from types import SimpleNamespace
 
-    from workbench.dist.disagg import DisaggResult
+    from workbench.cluster.disagg import DisaggResult
     from workbench.experiments.fidelity import handoff_profile
 
     durations, handoffs = [0.001, 0.002, 0.003, 0.004], [0.0020, 0.0010, 0.0040, 0.0030]
@@ -166,7 +166,7 @@ def test_ttft_parts_of_a_real_and_a_simulated_run_by_hand() -> None:
     1.012 and 2.006; the simulated run's at 1.009, 1.009 and 2.007."""
     from types import SimpleNamespace
 
-    from workbench.dist.disagg import DisaggResult
+    from workbench.cluster.disagg import DisaggResult
     from workbench.experiments.fidelity import ttft_parts
 
     steps = [{"start_s": 1.002, "end_s": 1.006, "num_prefill_tokens": 20, "num_seqs": 2},

@@ -31,16 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
-def default_profile_path(model: str) -> str:
-    import re
-
-    from workbench.config import DATA_DIR
-    from workbench.hardware import cpu_model_name
-
-    machine = re.sub(r"[^a-z0-9]+", "-", cpu_model_name().lower()).strip("-") or "cpu"
-    return str(DATA_DIR / "profiles" / f"{model}-{machine}.json")
-
-
 def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import check_output_file, progress_bar
     from workbench.engine.scheduler import POLICIES
@@ -48,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from workbench.sim.measure import enlarge_onednn_cache
 
     enlarge_onednn_cache()  # before the first oneDNN primitive: the measured engine keeps all its shapes
-    from workbench.sim.measure import fit_engine_profile, training_workloads
+    from workbench.sim.measure import default_profile_path, fit_engine_profile, training_workloads
 
     for name in ("num_requests", "threads", "max_num_seqs", "max_model_len"):
         value = getattr(args, name)

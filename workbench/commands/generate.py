@@ -55,7 +55,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "32, ...; each compiles at its first decode step; replay compiles all first)")  # fmt: skip
     g.add_argument("--disaggregate", default=None, metavar="P:D",
                    help="serve through P prefill and D decode engine processes, the KV sent between them "
-                   "(workbench.dist.disagg; default: one colocated engine)")  # fmt: skip
+                   "(workbench.cluster.disagg; default: one colocated engine)")  # fmt: skip
     g.add_argument("--threads-per-engine", type=int, default=1,
                    help="with --disaggregate: torch threads of each engine process (default 1)")  # fmt: skip
     g.add_argument("--prefill-tp", type=int, default=None,
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     warn_if_emulated(args.dtype, resolve_device(args.device))  # a line on stderr where bf16/fp16 is emulated
     if args.disaggregate:
-        from workbench.dist.disagg import disagg_config_from_args, run_disaggregated
+        from workbench.cluster.disagg import disagg_config_from_args, run_disaggregated
 
         cfg = disagg_config_from_args(args, engine_config_from_args(args))
         requests = [(p, sp, 0.0) for p, sp in zip(prompts, params)]

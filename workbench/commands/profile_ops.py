@@ -54,19 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
-def default_op_profile_path(model: str, machine: str) -> str:
-    import re
-
-    from workbench.config import DATA_DIR
-
-    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-") or "machine"
-    return str(DATA_DIR / "profiles" / f"op-{model}-{slug}.json")
-
-
 def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import check_output_file
     from workbench.errors import ConfigError
-    from workbench.sim.measure import enlarge_onednn_cache
+    from workbench.sim.measure import default_op_profile_path, enlarge_onednn_cache
 
     enlarge_onednn_cache()  # before the first oneDNN primitive: the overhead fit's engine then keeps all its shapes
 

@@ -16,7 +16,7 @@ replay's clock started).
 Before it starts it prints the wall-clock span of the arrivals (stderr) and refuses a span beyond
 ``--max-duration`` (default one hour). The exit code is 1 when every request was rejected.
 
-With ``--disaggregate P:D`` the trace goes through P prefill and D decode engine processes (``workbench.dist.disagg``;
+With ``--disaggregate P:D`` the trace goes through P prefill and D decode engines (``workbench.cluster.disagg``;
 TTFT counts the KV transfer) and the object also holds ``kv_transfer`` (``bytes``, ``seconds``, ``num_transfers``,
 ``num_retries``, ``num_recomputed``, ``num_backpressure``), a ``requests`` list (``request_id``, ``prompt_len``,
 ``output_len``, ``kv_transfer_bytes``, ``kv_transfer_s``, ...) and ``pools``, each pool's step log. Each pool has its
@@ -130,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], num_clipped: int, max_len: int) -> int:
     """``replay --disaggregate P:D``: the same trace through prefill and decode engine processes; the colocated
     JSON plus ``kv_transfer``, a ``requests`` list and the per-pool step logs (``pools``)."""
+    from workbench.cluster.disagg import disagg_config_from_args, run_disaggregated
     from workbench.config import ModelConfig
-    from workbench.dist.disagg import disagg_config_from_args, run_disaggregated
     from workbench.engine.metrics import summarize
     from workbench.request import SamplingParams
     from workbench.workloads import prompt_token_ids

@@ -1,1 +1,2 @@
-"""Several processes serving one engine: the worker group over torch.distributed (``group``)."""
+"""The process-group layer, below the engine: ranks, spawn/torchrun and timeouts (``group``), the KV connector's
+transport (``kv_connector``) and the collectives' benchmark (``collective_bench``)."""

@@ -28,14 +28,13 @@ from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.metrics import StepLog, StepRecord, summarize
 from workbench.engine.prefill_step import PrefillStep
-from workbench.engine.runner import ModelRunner
+from workbench.engine.runner import ModelRunner, check_triton_backend, make_backend
 from workbench.engine.scheduler import Scheduler, StepPlan
 from workbench.engine.tp_runner import TensorParallelRunner, start_workers
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
 from workbench.kv.ledger import MemoryLedger
-from workbench.model.attention import AttentionBackend, TorchAttentionBackend
 from workbench.model.packed import pack_linears, unpack_linears
 from workbench.model.sharding import check_tensor_parallel_size
 from workbench.model.transformer import Transformer
@@ -99,30 +98,6 @@ class RunResult:
     def summary(self, **slos: float | None) -> dict[str, Any]:
         """The contract JSON of ``workbench replay`` (``workbench.engine.metrics.summarize``)."""
         return summarize(self.sequences, duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
-
-
-def make_backend(name: str) -> AttentionBackend:
-    """The attention backend called ``name`` (``EngineConfig.attention_backend``)."""
-    if name == "triton":
-        from workbench.model.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    return TorchAttentionBackend()
-
-
-def check_triton_backend(device: Any) -> None:
-    """ConfigError unless the Triton kernels can run on ``device``: CUDA, or the interpreter (``TRITON_INTERPRET=1``
-    in the environment before start)."""
-    try:
-        from kernels._common import INTERPRET
-    except ImportError as exc:
-        raise ConfigError(f"attention_backend 'triton' needs the triton package ({exc}); use attention_backend "
-                          "'torch'") from None  # fmt: skip
-    if device.type != "cuda" and not INTERPRET:
-        raise ConfigError(
-            f"attention_backend 'triton' needs a CUDA device (the model is on {device}); on the CPU set "
-            "TRITON_INTERPRET=1 in the environment (the slow interpreter) or use attention_backend 'torch'"
-        )
 
 
 class Engine:

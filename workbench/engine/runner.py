@@ -16,6 +16,7 @@ Either way a token is sampled for every chunk that ends at its sequence's last t
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -23,10 +24,35 @@ from workbench.device import synchronize
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.scheduler import StepPlan
+from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
-from workbench.model.attention import AttentionBackend, AttentionMetadata, build_metadata
+from workbench.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, build_metadata
 from workbench.model.sampler import Sampler
 from workbench.model.transformer import Transformer
+
+
+def make_backend(name: str) -> AttentionBackend:
+    """The attention backend called ``name`` (``EngineConfig.attention_backend``)."""
+    if name == "triton":
+        from workbench.model.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
+def check_triton_backend(device: Any) -> None:
+    """ConfigError unless the Triton kernels can run on ``device``: CUDA, or the interpreter (``TRITON_INTERPRET=1``
+    in the environment before start)."""
+    try:
+        from kernels._common import INTERPRET
+    except ImportError as exc:
+        raise ConfigError(f"attention_backend 'triton' needs the triton package ({exc}); use attention_backend "
+                          "'torch'") from None  # fmt: skip
+    if device.type != "cuda" and not INTERPRET:
+        raise ConfigError(
+            f"attention_backend 'triton' needs a CUDA device (the model is on {device}); on the CPU set "
+            "TRITON_INTERPRET=1 in the environment (the slow interpreter) or use attention_backend 'torch'"
+        )
 
 
 class ModelRunner:

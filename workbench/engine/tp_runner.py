@@ -31,7 +31,7 @@ from workbench.dist.group import DistConfig, WorkerGroup, launched_by_torchrun, 
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.prefill_step import PrefillStep
-from workbench.engine.runner import ModelRunner
+from workbench.engine.runner import ModelRunner, make_backend
 from workbench.engine.scheduler import StepPlan
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
@@ -83,8 +83,6 @@ class ShardWorker:
         self, num_blocks: int, block_size: int, attention_backend: str, max_num_seqs: int, max_model_len: int
     ) -> None:
         """Allocate this rank's shard of a pool of ``num_blocks`` blocks, its backend and its decode step."""
-        from workbench.engine.engine import make_backend
-
         self.cache = KVCache(self.model.config, num_blocks, block_size, dtype=self.model.dtype, device=self.device)
         self.backend = make_backend(attention_backend)
         self.decode = DecodeStep(self.model, self.cache, self.backend, "eager", max_num_seqs, max_model_len)

@@ -4,7 +4,7 @@ Two halves, as the notebook has them:
 
 - **real, on this machine**: the same workload through one colocated engine (``continuous`` and ``chunked``, one
   process with ``threads`` torch threads) and through a disaggregated 1:1 pair (two processes of
-  ``threads // 2`` threads each, the same compute; ``workbench.dist.disagg``). ``real_comparison`` gives one row
+  ``threads // 2`` threads each, the same compute; ``workbench.cluster.disagg``). ``real_comparison`` gives one row
   per setup: TTFT, ITL, TPOT and E2E percentiles, goodput under the SLOs, and the KV bytes moved and the seconds
   spent moving them.
 - **at datasheet scale, simulated**: ``num_gpus`` accelerators as colocated replicas or as P:D splits, each
@@ -53,7 +53,7 @@ def real_comparison(
 
     import torch
 
-    from workbench.dist.disagg import DisaggCluster, DisaggConfig
+    from workbench.cluster.disagg import DisaggCluster, DisaggConfig
 
     slos = dict(slos or {})
     setups = {

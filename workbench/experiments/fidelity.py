@@ -10,7 +10,7 @@ own spread (``scripts/sim_fidelity.py`` and notebook 07).
   repeats and their spread: ``tolerance = max(FIDELITY_TOLERANCE, spread)``, where ``spread`` is the largest
   deviation of one repeat from their median, relative to it; a statistic is ``within`` when its relative error is at
   most that. ``fidelity_claim`` states the verdict.
-- ``disaggregated_fidelity`` does the same for the real disaggregated engines (``workbench.dist.disagg``) against
+- ``disaggregated_fidelity`` does the same for the real disaggregated engines (``workbench.cluster.disagg``) against
   the simulator's disaggregated model, the KV link fitted to the real transfers.
 """
 
@@ -221,8 +221,8 @@ def disaggregated_fidelity(
     repeats, on lengths seen before, did not, and the calibrated model carried the first runs' cost."""
     import dataclasses
 
+    from workbench.cluster.disagg import DisaggCluster, DisaggConfig
     from workbench.config import ModelConfig
-    from workbench.dist.disagg import DisaggCluster, DisaggConfig
     from workbench.engine.metrics import summarize
     from workbench.request import SamplingParams
     from workbench.workloads import prompt_token_ids
@@ -381,7 +381,7 @@ def _step_residuals(steps: Sequence[Mapping[str, Any]]) -> list[float]:
 
 
 def handoff_profile(results: Any) -> dict[str, Any]:
-    """What real disaggregated runs (``workbench.dist.disagg.DisaggResult``, one or a list, pooled) say about their
+    """What real disaggregated runs (``workbench.cluster.disagg.DisaggResult``, one or a list, pooled) say about their
     handoff, in the simulator's terms (``workbench.sim.cluster``; all medians):
 
     - ``link_latency_s``, ``link_gbps``: ``time = latency + bytes / bandwidth`` fitted to the wire times (receive
@@ -600,12 +600,15 @@ def profile_for_this_machine(
     then shares the fidelity check's machine and conditions)."""
     from pathlib import Path
 
-    from workbench.commands.fit_profile import default_profile_path
-    from workbench.commands.profile_ops import default_op_profile_path
     from workbench.errors import ConfigError
     from workbench.hardware import cpu_model_name
     from workbench.sim.costmodel import ProfiledCostModel
-    from workbench.sim.measure import identity_mismatch, machine_identity
+    from workbench.sim.measure import (
+        default_op_profile_path,
+        default_profile_path,
+        identity_mismatch,
+        machine_identity,
+    )
     from workbench.sim.op_profile import OpProfileCostModel
 
     if kind not in ("op-profile", "profiled"):

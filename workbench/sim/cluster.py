@@ -22,7 +22,7 @@ decode replica chosen by the router when the transfer completes; that replica ad
 tokens, FCFS, keeping the watermark) at the top of its next step, and its next token is a decode. TTFT ends at
 that admission: the first token reaches the client from the decode side (DistServe's definition, and the real
 disaggregated engine's), so it counts the prefill, the transfer and any wait for room.
-Two settings describe a real engine's handoff rather than a dedicated link (``workbench.dist.disagg`` on gloo, and
+Two settings describe a real engine's handoff rather than a dedicated link (``workbench.cluster.disagg`` on gloo, and
 ``scripts/sim_fidelity.py --disaggregate``, which measures both): ``kv_handoff_s``, host time from the prefill
 step's end to the transfer's start (the sender's gather and the control message; or drawn, seeded, from measured
 ones: ``kv_handoff_quantiles_s``, each draw rank-correlated with the noise of the prefill step before it by
@@ -296,7 +296,7 @@ class Replica:
             received = 0.0
             while ready and sched.admit_prefilled(ready[0]):
                 # its first token reaches the client from here, now that this replica holds its KV (DistServe's
-                # TTFT, as the real disaggregated engine measures it: workbench.dist.disagg)
+                # TTFT, as the real disaggregated engine measures it: workbench.cluster.disagg)
                 seq = ready.popleft()
                 received += self.receive_s.pop(seq.seq_id, 0.0)
                 seq.first_token_time = seq.token_times[0] = max(start + received, seq.token_times[0])

@@ -151,6 +151,27 @@ def training_workloads(max_model_len: int, num_requests: int = 24, seed: int = 1
     ]  # fmt: skip
 
 
+def default_profile_path(model: str) -> str:
+    """Where ``workbench fit-profile`` writes the fitted profile of ``model`` on this machine by default."""
+    import re
+
+    from workbench.config import DATA_DIR
+    from workbench.hardware import cpu_model_name
+
+    machine = re.sub(r"[^a-z0-9]+", "-", cpu_model_name().lower()).strip("-") or "cpu"
+    return str(DATA_DIR / "profiles" / f"{model}-{machine}.json")
+
+
+def default_op_profile_path(model: str, machine: str) -> str:
+    """Where ``workbench profile-ops`` writes the op profile of ``model`` on ``machine`` (a CPU model), by default."""
+    import re
+
+    from workbench.config import DATA_DIR
+
+    slug = re.sub(r"[^a-z0-9]+", "-", machine.lower()).strip("-") or "machine"
+    return str(DATA_DIR / "profiles" / f"op-{model}-{slug}.json")
+
+
 def machine_identity() -> dict[str, Any]:
     """What a profile's step times depend on, beyond the model: the CPU model as the OS names it (a VM's name can be
     as generic as "Intel(R) Xeon(R) Processor" for parts of several generations), its number of CPUs and the vector

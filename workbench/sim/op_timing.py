@@ -90,7 +90,7 @@ def profile_ops(
     import torch.nn.functional as F
 
     from workbench.device import resolve_device, synchronize, torch_dtype
-    from workbench.engine.engine import make_backend
+    from workbench.engine.runner import make_backend
     from workbench.kv.cache import KVCache
     from workbench.model.attention import MAX_GATHER_KEY_SLOTS, build_decode_metadata, build_metadata
     from workbench.model.checkpoint import load_model

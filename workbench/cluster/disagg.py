@@ -717,4 +717,3 @@ def disagg_config_from_args(args: Any, engine: EngineConfig) -> DisaggConfig:
         decode=dataclasses.replace(engine, tensor_parallel_size=decode_tp or engine.tensor_parallel_size),
         num_prefill=num_p, num_decode=num_d, threads_per_engine=args.threads_per_engine,
     )  # fmt: skip
-

@@ -1,0 +1,1 @@
+"""Several engines serving one workload: prefill/decode disaggregation over the process-group layer (``disagg``)."""

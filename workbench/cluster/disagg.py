@@ -12,7 +12,9 @@ every rank moves its own KV heads (``transfer_plan``: rank i to rank i with equa
 Control messages travel on multiprocessing queues between the coordinator and each engine's first rank.
 Request ``i`` goes to prefill engine ``i mod P`` and decode engine ``i mod D``. The prefill engine serves it with
 ``max_tokens=1``: its first token ends it there, its blocks are held (``Scheduler.hold_finished``) and its prompt's
-KV is sent; the decode engine admits it with that KV (``Scheduler.admit_prefilled``) and decodes the rest.
+KV is sent; the decode engine admits it with that KV (``Scheduler.admit_prefilled``) and decodes the rest, its sampling
+generator continued from the prefill's (``Engine.handoff_state``, ``Engine.resume_sampling``): seeded sampling gives
+the colocated tokens.
 
 Definitions (DistServe's): TTFT is from arrival to the moment the first token reaches the client **from the decode
 side**, i.e. when the decode engine has the request's KV and first token (so TTFT includes the prefill, any wait
@@ -376,7 +378,7 @@ def _prefill_run(
         inboxes[spec.decode_rank].put(("kv", spec, meta, *first_tokens[spec.request_id]))
 
     specs: dict[int, RequestSpec] = {}
-    first_tokens: dict[int, tuple[int, float]] = {}
+    first_tokens: dict[int, tuple[int, float, Any]] = {}  # rid -> (first token, when, the generator's state)
     attempts: dict[int, int] = {}
     stopping = False
     max_len = engine.scheduler.config.max_model_len
@@ -412,12 +414,13 @@ def _prefill_run(
                     or spec.sampling.max_tokens == 1
                     or len(spec.prompt_ids) + 1 >= max_len
                 )
+                state = engine.handoff_state(seq.seq_id)
                 if done_here:  # nothing for a decode engine to do
                     if seq.seq_id in engine.scheduler.held:
                         engine.scheduler.release_held(seq.seq_id)
                     out.put(("done", result, {}))
                     continue
-                first_tokens[seq.seq_id] = (seq.output_token_ids[0], seq.first_token_time)
+                first_tokens[seq.seq_id] = (seq.output_token_ids[0], seq.first_token_time, state)
                 send(spec, seq.block_table, 0)
         if stopping and not engine.has_unfinished() and not in_flight:
             break
@@ -438,7 +441,7 @@ def _decode_run(
     cfg: DisaggConfig, inboxes: dict[int, mp.Queue], out: mp.Queue,
 ) -> None:  # fmt: skip
     clock, inbox, prefill_inboxes = wall_clock(t0), inboxes[rank], inboxes
-    arrived: deque[tuple[RequestSpec, KVTransfer, int, float, float]] = deque()
+    arrived: deque[tuple[RequestSpec, KVTransfer, int, float, Any, float]] = deque()
     recomputed: dict[int, tuple[int, float]] = {}  # rid -> (first token, when it reached the client)
     transfers: dict[int, dict[str, Any]] = {}
     waited: set[int] = set()
@@ -453,7 +456,7 @@ def _decode_run(
             elif message[0] == "stop":
                 stopping = True
         while arrived:
-            spec, meta, first, first_at, announced = arrived[0]
+            spec, meta, first, first_at, state, announced = arrived[0]  # state: the prefill's generator
             rid = spec.request_id
             seq = Sequence(rid, spec.prompt_ids, spec.sampling, spec.arrival_time, eos_token_ids=eos)
             seq.output_token_ids = [first]  # its KV is the prompt's, to be received; the first token's comes next
@@ -480,6 +483,7 @@ def _decode_run(
                 seq.first_token_time = landed
                 seq.token_times = [landed]
                 engine.sequences[rid] = seq
+                engine.resume_sampling(rid, state)  # the next draw follows the prefill's, as on one engine
                 prefill_inboxes[meta.src_rank].put(("ack", rid))
                 continue
             engine.scheduler.abort(rid)
@@ -497,6 +501,7 @@ def _decode_run(
                 spec.arrival_time,
                 rid,
             )
+            engine.resume_sampling(rid, state)
         if engine.has_unfinished():
             for seq in engine.step():
                 result = RequestResult.from_sequence(seq)

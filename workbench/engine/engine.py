@@ -154,6 +154,7 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self._early_finished: list[Sequence] = []
+        self._handoff_states: dict[int, torch.Tensor] = {}  # held requests' generators (handoff_state)
         self.reset_clock()
 
     @classmethod
@@ -294,8 +295,23 @@ class Engine:
             if self.on_step is not None:
                 self.on_step(plan, record)
         for seq in finished:
+            if seq.seq_id in self.scheduler.held:  # a finished prefill to hand off: its sampling continues there
+                state = self.runner.sampler.generator_state(seq.seq_id)
+                if state is not None:
+                    self._handoff_states[seq.seq_id] = state
             self.runner.release(seq.seq_id)
         return finished
+
+    def handoff_state(self, seq_id: int) -> torch.Tensor | None:
+        """The sampling generator's state of held request ``seq_id`` as it finished here (taken: asked once), for
+        ``resume_sampling`` on the engine that continues the request; None when it sampled greedily."""
+        return self._handoff_states.pop(seq_id, None)
+
+    def resume_sampling(self, seq_id: int, state: torch.Tensor | None) -> None:
+        """Continue request ``seq_id``'s sampling from ``state`` (another engine's ``handoff_state``): a seeded
+        request then draws the same tokens as on one engine, instead of reseeding and repeating its first draw."""
+        if state is not None:
+            self.runner.sampler.resume(seq_id, state, self.model.device)
 
     # ---- serving a batch or a workload ---------------------------------------------------------------------
     def generate(

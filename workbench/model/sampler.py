@@ -49,6 +49,18 @@ class Sampler:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
+    def generator_state(self, seq_id: int) -> torch.Tensor | None:
+        """The state of the request's generator (None when it has none: greedy so far), to continue it elsewhere."""
+        gen = self._generators.get(seq_id)
+        return None if gen is None else gen.get_state()
+
+    def resume(self, seq_id: int, state: torch.Tensor, device: torch.device) -> None:
+        """Give the request a generator in ``state`` (``generator_state`` of another engine's sampler), so that its
+        next draw continues that engine's sequence of draws instead of repeating it from the seed."""
+        gen = torch.Generator(device=device)
+        gen.set_state(state)
+        self._generators[seq_id] = gen
+
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
         """logits: (num_seqs, vocab) fp32 -> one token id per row."""
         out = torch.argmax(logits, dim=-1)  # (num_seqs,)

@@ -60,6 +60,29 @@ def test_a_killed_decode_engine_ends_the_run_with_the_finished_requests(checkpoi
     assert not any(p.is_alive() for p in cluster.processes.processes)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_stopped_engine_ends_the_run_within_15_s_naming_the_rank(checkpoint, role, monkeypatch):
+    """Issue 35, case 11: an engine process stopped by SIGSTOP is killed by the liveness watchdog at the default
+    bound, and the run ends with a DisaggregationError naming its rank instead of waiting ``stall_timeout_s``."""
+    import os
+    import signal
+    import time
+
+    monkeypatch.delenv("WORKBENCH_LIVENESS_TIMEOUT", raising=False)
+    cluster = DisaggCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=PREFILL))
+    try:
+        assert len(cluster.run(offline(PROMPTS[:2]), online=False).requests) == 2
+        stopped = next(p for p in cluster.processes.processes if p.name == f"workbench-{role}0")
+        os.kill(stopped.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(DisaggregationError, match=rf"rank \d+ \(workbench-{role}0.*no sign of life"):
+            cluster.run(offline(PROMPTS), online=False)
+        assert time.monotonic() - started < 15
+        assert not any(p.is_alive() for p in cluster.processes.processes)
+    finally:
+        cluster.close()
+
+
 def test_tokens_equal_colocated_and_each_transfer_is_the_prompts_kv_bytes(checkpoint, cluster):
     result = cluster.run(offline(PROMPTS), online=False)
     assert [r.tokens for r in result.requests] == colocated(checkpoint, PROMPTS)

@@ -49,6 +49,36 @@ def test_a_killed_worker_makes_the_engine_raise_and_leaves_no_process(tiny_check
         engine.shutdown()
 
 
+def test_a_stopped_worker_ends_the_run_within_15_s_naming_the_rank(tiny_checkpoint, monkeypatch):
+    """Issue 35, case 11: a worker stopped by SIGSTOP (as a hung process looks) is alive to ``is_alive()``; the
+    liveness watchdog (default bound) kills it so the driver's collective fails, and the error names the rank."""
+    monkeypatch.delenv("WORKBENCH_LIVENESS_TIMEOUT", raising=False)
+    engine = Engine.from_model(str(tiny_checkpoint("tiny-gqa")), EngineConfig(device="cpu", tensor_parallel_size=2))
+    try:
+        assert len(engine.generate(PROMPTS[:2], GREEDY).requests) == 2
+        worker = engine.workers._processes[0]
+        os.kill(worker.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=r"rank 1 .*no sign of life.*WORKBENCH_LIVENESS_TIMEOUT"):
+            engine.generate(PROMPTS[:2], GREEDY)
+        assert time.monotonic() - started < 15
+        worker.join(5)
+        assert not worker.is_alive()
+    finally:
+        engine.shutdown()
+
+
+def test_a_bad_liveness_bound_is_a_config_error(monkeypatch):
+    from workbench.dist.group import liveness_timeout_s
+
+    for bad in ("soon", "0", "-3", "inf", "nan", "1"):
+        monkeypatch.setenv("WORKBENCH_LIVENESS_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match="WORKBENCH_LIVENESS_TIMEOUT"):
+            liveness_timeout_s()
+    monkeypatch.setenv("WORKBENCH_LIVENESS_TIMEOUT", "30")
+    assert liveness_timeout_s() == 30.0
+
+
 def test_sizes_that_cannot_work_are_config_errors_before_any_process_starts(monkeypatch):
     with pytest.raises(ConfigError, match="num_heads"):
         Engine.from_model("tiny-gqa", EngineConfig(device="cpu", tensor_parallel_size=3))

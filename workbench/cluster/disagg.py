@@ -24,8 +24,9 @@ for room in the decode pool, and the transfer). ITL and TPOT are the decode engi
 
 Nothing is lost: a full decode pool leaves the KV held on the prefill side (whose pool then fills and stops
 admitting: backpressure, counted); a transfer whose checksum fails is retried (``max_retries``), then recomputed
-from the prompt on the decode side, as is one that times out (counted); a process that dies ends the run with a
-``DisaggregationError`` that names it and carries the requests that had finished.
+from the prompt on the decode side, as is one that times out (counted); a process that dies, or stops beating for
+the liveness bound (``workbench.dist.group.liveness_timeout_s``: stopped, frozen; it is then killed), ends the run
+with a ``DisaggregationError`` that names it and carries the requests that had finished.
 
 Every process stamps times on one clock: ``time.perf_counter`` is CLOCK_MONOTONIC, shared by the processes of a
 machine, and the run's zero is sent to every engine once all have loaded their model.
@@ -559,7 +560,7 @@ class DisaggCluster:
         try:
             self._wait(lambda m: ready.add(m[1]) if m[0] == "ready" else None, lambda: len(ready) == engines, {})
         except BaseException:
-            self.close()
+            self.close(grace_s=1.0)
             raise
 
     def __enter__(self) -> DisaggCluster:
@@ -568,13 +569,15 @@ class DisaggCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 10.0) -> None:
+        """Ask every engine to exit, give them ``grace_s``, then kill what is left (after a failure: 1 s, since
+        engines waiting on a dead peer would spend the grace period for nothing)."""
         if self._closed:
             return
         self._closed = True
         for inbox in self.inboxes.values():
             inbox.put(("exit",))
-        self.processes.stop(grace_s=10.0)
+        self.processes.stop(grace_s=grace_s)
 
     def run(
         self,
@@ -626,7 +629,7 @@ class DisaggCluster:
 
             self._wait(on_pool, lambda: len(pools) == len(self.inboxes), results)
         except BaseException:
-            self.close()
+            self.close(grace_s=1.0)
             raise
         backpressure = sum(p.get("num_backpressure", 0) for p in pools.values())
         engines = {i: (n % self.num_p, n % self.num_d) for n, i in enumerate(order)}

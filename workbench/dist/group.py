@@ -51,6 +51,26 @@ class WorkerError(WorkbenchError, RuntimeError):
 
 
 STARTUP_TIMEOUT_S = 60.0  # the least time the ranks get to meet: spawned ranks import torch first (seconds on 2 cores)
+LIVENESS_ENV = "WORKBENCH_LIVENESS_TIMEOUT"  # seconds without a heartbeat before a spawned rank is given up on
+LIVENESS_TIMEOUT_S = 8.0  # its default: a stopped (SIGSTOP) or frozen rank ends the run in seconds, not at a timeout
+HEARTBEAT_S = 0.5  # how often a spawned rank's watcher thread beats
+
+
+def liveness_timeout_s() -> float:
+    """The liveness bound: ``$WORKBENCH_LIVENESS_TIMEOUT`` seconds when set, else ``LIVENESS_TIMEOUT_S``."""
+    raw = os.environ.get(LIVENESS_ENV)
+    if raw is None or not raw.strip():
+        return LIVENESS_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 4 * HEARTBEAT_S or value == float("inf"):
+        raise ConfigError(
+            f"{LIVENESS_ENV}={raw!r}: the liveness bound must be a number of seconds, at least {4 * HEARTBEAT_S:g} "
+            f"(a rank beats every {HEARTBEAT_S:g} s); unset it for the default {LIVENESS_TIMEOUT_S:g} s"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -114,10 +134,13 @@ def _init(backend: str, init_method: str, rank: int, world_size: int, timeout_s:
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """A daemon thread of each spawned worker: the worker ends itself if its driver process is gone."""
+def _exit_with_parent(parent_pid: int, heartbeat: Any) -> None:
+    """A daemon thread of each spawned worker: it beats (``heartbeat``, a shared double, CLOCK_MONOTONIC, which the
+    processes of a machine share) every ``HEARTBEAT_S``, and ends the worker if its driver process is gone. A rank
+    stopped (SIGSTOP) or frozen stops beating with it, which the parent's ``ProcessSet`` watches for."""
     while True:
-        time.sleep(0.5)
+        heartbeat.value = time.monotonic()
+        time.sleep(HEARTBEAT_S)
         if os.getppid() != parent_pid:
             os._exit(3)
 
@@ -162,10 +185,11 @@ def _spawned_rank(
     entry: Callable[..., Any],
     entry_args: tuple[Any, ...],
     report: Connection,
+    heartbeat: Any,
 ) -> None:
-    """A spawned process: watch the parent, join the group, run ``entry(rank, world_size, report, *entry_args)``;
-    an exception is reported on the pipe (one line and the traceback) before the process fails."""
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    """A spawned process: watch the parent (and beat), join the group, run ``entry(rank, world_size, report,
+    *entry_args)``; an exception is reported on the pipe (one line and the traceback) before the process fails."""
+    threading.Thread(target=_exit_with_parent, args=(parent_pid, heartbeat), daemon=True).start()
     try:
         _init(backend, init_method, rank, world_size, timeout_s)
     except BaseException:
@@ -191,6 +215,10 @@ class ProcessSet:
 
     ``problem()`` polls them without blocking: the first report or unexpected exit, or None. ``stop()`` joins
     them for a grace period and then terminates and kills what is left: no process outlives the set.
+
+    Liveness: every rank beats every ``HEARTBEAT_S``; a watchdog thread here kills a rank that has beaten once and
+    then not for ``liveness_s`` (stopped by SIGSTOP, frozen), so that a collective or a queue waiting on it fails at
+    once, and ``problem()`` names that rank and why it was killed. ``liveness_s`` None: ``liveness_timeout_s()``.
     """
 
     def __init__(
@@ -203,34 +231,60 @@ class ProcessSet:
         entry: Callable[..., Any],
         entry_args: Callable[[int], tuple[Any, ...]],
         names: Callable[[int], str] = lambda rank: f"workbench-rank{rank}",
+        liveness_s: float | None = None,
     ) -> None:
         context = mp.get_context("spawn")
         self.ranks = list(ranks)
         self.processes: list[mp.Process] = []
         self.reports: list[Connection] = []
-        for rank in self.ranks:
+        self.liveness_s = liveness_timeout_s() if liveness_s is None else liveness_s
+        self._beats = [context.Value("d", 0.0, lock=False) for _ in self.ranks]
+        self._unresponsive: tuple[str, str] | None = None
+        self._done = threading.Event()
+        for rank, beat in zip(self.ranks, self._beats):
             receive, send = context.Pipe(duplex=False)
             process = context.Process(
                 target=_spawned_rank,
-                args=(rank, world_size, backend, init_method, timeout_s, os.getpid(), entry, entry_args(rank), send),
+                args=(rank, world_size, backend, init_method, timeout_s, os.getpid(), entry, entry_args(rank), send,
+                      beat),
                 name=names(rank),
                 daemon=True,
-            )
+            )  # fmt: skip
             process.start()
             send.close()
             self.processes.append(process)
             self.reports.append(receive)
+        threading.Thread(target=self._watch, daemon=True, name="workbench-liveness").start()
+
+    def _watch(self) -> None:
+        """Kill the first rank that stops beating for ``liveness_s`` (and remember why, for ``problem()``)."""
+        while not self._done.wait(HEARTBEAT_S / 2):
+            now = time.monotonic()
+            for rank, process, beat in zip(self.ranks, self.processes, self._beats):
+                last = beat.value
+                if last > 0 and now - last > self.liveness_s and process.is_alive():
+                    self._unresponsive = (
+                        f"rank {rank} ({process.name}, pid {process.pid}) gave no sign of life for "
+                        f"{now - last:.1f} s (stopped or frozen) and was killed; the liveness bound is "
+                        f"{self.liveness_s:g} s (${LIVENESS_ENV})",
+                        "",
+                    )
+                    process.kill()
+                    return
 
     @classmethod
     def none(cls) -> ProcessSet:
         """A set of no processes (the driver under torchrun, which spawns nothing)."""
         empty = cls.__new__(cls)
-        empty.ranks, empty.processes, empty.reports = [], [], []
+        empty.ranks, empty.processes, empty.reports, empty._beats = [], [], [], []
+        empty._unresponsive, empty._done, empty.liveness_s = None, threading.Event(), LIVENESS_TIMEOUT_S
         return empty
 
     def problem(self, clean_exit_ok: bool = False) -> tuple[str, str] | None:
         """(what went wrong with a process, its traceback), or None while all are alive (or exited with 0,
         when ``clean_exit_ok``) and quiet."""
+        if self._unresponsive is not None:
+            return self._unresponsive
         for rank, process, report in zip(self.ranks, self.processes, self.reports):
             if report.poll():
                 try:
@@ -251,6 +305,7 @@ class ProcessSet:
         return found
 
     def stop(self, grace_s: float = 5.0) -> None:
+        self._done.set()
         deadline = time.monotonic() + grace_s
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -263,6 +318,7 @@ class ProcessSet:
                 process.join(2.0)
 
     def kill(self) -> None:
+        self._done.set()
         for process in self.processes:
             if process.is_alive():
                 process.kill()

@@ -131,6 +131,14 @@ class TextCodec:
         return self.hf.decode(ids, skip_special_tokens=True)
 
     @property
+    def max_token_bytes(self) -> int:
+        """The UTF-8 length of the vocabulary's longest token string: an upper bound on the bytes of text one token
+        covers (a byte-level BPE writes each byte as one 1-2 byte character, SentencePiece a space as 3 bytes), so
+        text of ``n`` bytes has at least ``n / max_token_bytes`` tokens (unless a normalizer deletes text)."""
+        vocab = self.hf.get_vocab()
+        return max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=1)
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 

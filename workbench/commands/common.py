@@ -95,10 +95,19 @@ LATENCY_LABELS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL", "e2el_s": 
 
 
 def clip_to_context(requests: list[Any], max_len: int) -> tuple[list[Any], int]:
-    """``truncate_to_context(requests, max_len)`` and how many requests it shortened (to be reported, not hidden)."""
+    """``truncate_to_context(requests, max_len)`` and how many requests it shortened (to be reported, not hidden).
+
+    A TraceError when there is no request to run (a header-only csv, an empty jsonl, ``--limit 0``): latencies of
+    zero requests are not a result."""
+    from workbench.errors import TraceError
     from workbench.workloads import truncate_to_context
 
     clipped = truncate_to_context(requests, max_len)
+    if not clipped:
+        raise TraceError(
+            "the trace has no requests (an empty or header-only file, or --limit 0): give a trace with at least one "
+            "request, or a --limit of 1 or more"
+        )
     changed = sum(1 for a, b in zip(requests, clipped) if (a.prompt_len, a.output_len) != (b.prompt_len, b.output_len))
     return clipped, changed
 
@@ -145,6 +154,13 @@ def check_output_file(path: str | Path | None, option: str) -> None:
         raise ConfigError(f"{option} {path}: folder {parent} does not exist; create it first or choose another path")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ConfigError(f"{option} {path}: not writable here; choose a path you can write")
+
+
+def write_failed(option: str, path: str | Path, exc: BaseException) -> ConfigError:
+    """The error of an output that passed ``check_output_file``/``check_output_dir`` but could not be written (a
+    full disk, a name taken by a folder, a figure format matplotlib does not know)."""
+    reason = getattr(exc, "strerror", None) or str(exc)
+    return ConfigError(f"{option} {path}: cannot be written ({reason}); choose another path")
 
 
 def check_output_dir(path: str | Path, option: str) -> None:

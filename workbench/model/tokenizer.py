@@ -118,7 +118,20 @@ class TextCodec:
             )
         from transformers import PreTrainedTokenizerFast
 
-        return cls(PreTrainedTokenizerFast.from_pretrained(str(path)))
+        fix = "write it again (workbench checkpoint), or remove the tokenizer files to pass token ids"
+        for name in (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"):
+            file = Path(path) / name
+            if file.exists():
+                try:
+                    json.loads(file.read_bytes().decode("utf-8"))
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    raise CheckpointError(f"{file}: not a readable tokenizer file ({exc}); {fix}") from None
+        try:
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(path)))
+        except Exception as exc:  # tokenizers raises a bare Exception on a bad file; transformers ValueError/OSError
+            raise CheckpointError(
+                f"{Path(path) / TOKENIZER_FILE}: not a usable tokenizer ({type(exc).__name__}: {str(exc)[:200]}); {fix}"
+            ) from None
 
     def encode(self, text: str) -> list[int]:
         """The token ids of ``text`` (no special tokens added)."""

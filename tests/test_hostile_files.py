@@ -125,3 +125,35 @@ def test_plan_refuses_ray_arguments_that_would_hang(capsys):
     ]
     one_line_error(capsys, main([*base, "--num-cpus", "0"]), "--num-cpus must be >= 1")
     one_line_error(capsys, main([*base, "--ray-address", "127.0.0.1:1"]), "--ray-address 127.0.0.1:1")
+
+
+def test_bench_decode_schemes_with_no_accuracy_prompts():
+    """``bench decode --quantization none int8 --accuracy-prompts 0`` decodes both schemes and skips the accuracy
+    check (it was a torch.cat error after the benchmark had run); a negative count is refused first."""
+    from workbench.cli import build_parser
+    from workbench.commands.bench import _check_schemes, _schemes, compare_schemes, format_table
+    from workbench.errors import ConfigError
+
+    argv = ["bench", "decode", "--model", "tiny-gqa", "--quantization", "none", "int8", "--accuracy-prompts", "0",
+            "--batch", "1", "--steps", "2", "--warmup", "1", "--prompt-len", "8"]  # fmt: skip
+    args = build_parser("bench").parse_args(argv)
+    schemes = _schemes(args)
+    _check_schemes(args, schemes)
+    from workbench.hardware import get_hardware
+
+    out = compare_schemes(args, schemes, get_hardware("a100-80gb"), "cpu", False)
+    assert out["accuracy"] == [] and [r["scheme"] for r in out["results"]] == ["fp32", "int8"]
+    table = format_table({"bench": "decode", "model": "tiny-gqa", "dtype": "fp32", "num_threads": 1, **out})
+    assert "not measured (--accuracy-prompts 0)" in table
+    args.accuracy_prompts = -1
+    with pytest.raises(ConfigError, match="--accuracy-prompts must be >= 0"):
+        _check_schemes(args, schemes)
+
+
+def test_a_float_kv_cache_dtype_other_than_the_activations_names_both(capsys):
+    from workbench.config import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("fp16", "fp16") == "fp16"
+    assert resolve_kv_cache_dtype("int8", "bf16") == "int8"
+    rc = main(["generate", "--model", "tiny-gqa", "--dtype", "bf16", "--kv-cache-dtype", "fp16", "--prompt-ids", "1"])
+    one_line_error(capsys, rc, "'fp16' differs from the activation dtype 'bf16'", "--dtype fp16")

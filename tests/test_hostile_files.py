@@ -157,3 +157,24 @@ def test_a_float_kv_cache_dtype_other_than_the_activations_names_both(capsys):
     assert resolve_kv_cache_dtype("int8", "bf16") == "int8"
     rc = main(["generate", "--model", "tiny-gqa", "--dtype", "bf16", "--kv-cache-dtype", "fp16", "--prompt-ids", "1"])
     one_line_error(capsys, rc, "'fp16' differs from the activation dtype 'bf16'", "--dtype fp16")
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [(["generate", "--prompt-ids", "1", "--disaggregate", "100:100"], ["starts 200 processes", "--max-processes"]),
+     (["generate", "--prompt-ids", "1", "--disaggregate", "1:1", "--prefill-tp", "4"], ["starts 5 processes"]),
+     (["generate", "--prompt-ids", "1", "--disaggregate", "1:1", "--prefill-tp", "0"], ["--prefill-tp must be >= 1"]),
+     (["replay", "--trace", "poisson:5", "--disaggregate", "1:1", "--decode-tp", "3"], ["--decode-tp 3", "num_heads"]),
+     (["bench", "decode", "--tensor-parallel-size", "64"], ["--tensor-parallel-size 64", "num_heads (4)"]),
+     (["bench", "decode", "--tensor-parallel-size", "0"], ["--tensor-parallel-size must be >= 1"]),
+     (["bench", "decode", "--tensor-parallel-size", "-1"], ["--tensor-parallel-size must be >= 1"]),
+     (["bench", "decode", "--tensor-parallel-size", "3"], ["--tensor-parallel-size 3", "num_heads (4)"]),
+     (["bench", "decode", "--tensor-parallel-size", "4", "--max-processes", "2"], ["starts 4 processes"])],
+)  # fmt: skip
+def test_parallel_layouts_are_checked_before_any_process_starts(capsys, argv, needles):
+    import os
+
+    if "starts 5 processes" in needles and (os.cpu_count() or 1) >= 5:
+        pytest.skip("this case assumes fewer than 5 cores")
+    rc = main([*argv, "--model", "tiny-gqa"])
+    one_line_error(capsys, rc, *needles)

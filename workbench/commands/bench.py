@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="decode: shard the model over N processes, --threads each (default 1); rows add the "
                    "all-reduce share of a step and its bandwidth")  # fmt: skip
+    p.add_argument("--max-processes", type=int, default=None,
+                   help="most worker processes --tensor-parallel-size may start (default: the CPU cores of this "
+                   "machine)")  # fmt: skip
     p.add_argument("--prompt-len", type=int, nargs="+", default=None,
                    help="prompt lengths (prefill: 128 512 1024; decode: 128; hf: 32)")  # fmt: skip
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
@@ -197,6 +200,10 @@ def _check_schemes(args: argparse.Namespace, schemes: list | None) -> None:
                           "decode, prefill and offline")  # fmt: skip
     if args.kind in ("prefill", "offline") and (args.kv_cache_dtype or ["auto"]) != ["auto"]:
         raise ConfigError(f"--kv-cache-dtype applies to bench decode; bench {args.kind} takes --quantization")
+    from workbench.commands.common import check_parallel_layout
+
+    if args.kind in ("decode", "prefill", "offline"):
+        check_parallel_layout(args)  # before any rank starts: sizes >= 1, the head split, the process count
     if args.accuracy_prompts < 0:
         raise ConfigError(f"--accuracy-prompts must be >= 0 (0 skips the accuracy check), got {args.accuracy_prompts}")
     if schemes is not None and args.kind != "decode":

@@ -156,6 +156,50 @@ def check_output_file(path: str | Path | None, option: str) -> None:
         raise ConfigError(f"{option} {path}: not writable here; choose a path you can write")
 
 
+def check_parallel_layout(args: Any, count_processes: bool = True) -> None:
+    """ConfigError before any process starts, unless the layout of ``--tensor-parallel-size``, ``--disaggregate P:D``,
+    ``--prefill-tp`` and ``--decode-tp`` can run: every size >= 1, every tensor-parallel size splits the model's
+    heads, and (``count_processes``) the ranks it starts fit ``--max-processes`` (default: this machine's CPU
+    cores; each rank needs a core to make progress, so more only thrash and leak on a failure)."""
+    from workbench.config import ModelConfig, parse_disaggregate
+    from workbench.model.sharding import check_tensor_parallel_size
+
+    tp = args.tensor_parallel_size
+    sizes = {"--tensor-parallel-size": tp}
+    for flag, name in (("--prefill-tp", "prefill_tp"), ("--decode-tp", "decode_tp")):
+        if getattr(args, name, None) is not None:
+            sizes[flag] = getattr(args, name)
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if getattr(args, "threads_per_engine", 1) < 1:
+        raise ConfigError(f"--threads-per-engine must be >= 1, got {args.threads_per_engine}")
+    ranks, what = tp, f"--tensor-parallel-size {tp}"
+    if getattr(args, "disaggregate", None):
+        num_p, num_d = parse_disaggregate(args.disaggregate)
+        ptp, dtp = sizes.get("--prefill-tp", tp), sizes.get("--decode-tp", tp)
+        ranks = num_p * ptp + num_d * dtp
+        what = f"--disaggregate {args.disaggregate} ({num_p} x {ptp} prefill + {num_d} x {dtp} decode ranks)"
+    cfg = ModelConfig.resolve(args.model)
+    for flag, value in sizes.items():
+        if value > 1:
+            try:
+                check_tensor_parallel_size(cfg, value)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag} {value}: {exc}") from None
+    if not count_processes:
+        return
+    from workbench.dist.group import launched_by_torchrun
+
+    cores = os.cpu_count() or 1
+    limit = getattr(args, "max_processes", None) or cores
+    if ranks > limit and not launched_by_torchrun():
+        raise ConfigError(
+            f"{what} starts {ranks} processes, more than the limit of {limit} (--max-processes; default: the "
+            f"{cores} CPU cores of this machine): choose a smaller layout"
+        )
+
+
 def write_failed(option: str, path: str | Path, exc: BaseException) -> ConfigError:
     """The error of an output that passed ``check_output_file``/``check_output_dir`` but could not be written (a
     full disk, a name taken by a folder, a figure format matplotlib does not know)."""

@@ -178,3 +178,15 @@ def test_parallel_layouts_are_checked_before_any_process_starts(capsys, argv, ne
         pytest.skip("this case assumes fewer than 5 cores")
     rc = main([*argv, "--model", "tiny-gqa"])
     one_line_error(capsys, rc, *needles)
+
+
+def test_ctrl_c_ends_a_command_with_one_line(monkeypatch, capsys):
+    import workbench.commands.trace_stats as trace_stats
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trace_stats, "run", interrupted)
+    assert main(["trace-stats", "azure-conv"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "workbench trace-stats: interrupted" and "Traceback" not in err

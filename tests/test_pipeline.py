@@ -11,6 +11,7 @@ import math
 import platform
 import re
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -370,6 +371,30 @@ def test_failed_atomic_write_keeps_the_old_file(tmp_path: Path) -> None:
     assert _leftovers(tmp_path) == []
 
 
+def test_sigterm_marks_the_running_experiment_interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import signal
+
+    spec = load_spec(TEST_SPEC)
+    plan = runner.plan_run(spec, profile="smoke", kernel="python3", probe=lambda r: None)
+
+    def fake_execute(planned, run_dir, *, kernel, timeout_s=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill PID` does while a notebook runs
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM did not interrupt the run")
+
+    monkeypatch.setattr(runner, "execute_experiment", fake_execute)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        runner.run_pipeline(plan, tmp_path, progress=False, measure_ceilings=False)
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["interrupted"] is True and manifest["complete"] is False
+    assert [(e["name"], e["status"], e["interrupted"]) for e in manifest["experiments"]] == [("tiny", "failed", True)]
+    assert "SIGTERM" in manifest["experiments"][0]["error"]["evalue"]
+
+
 def test_interrupted_run_reads_as_incomplete(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = load_spec(TEST_SPEC)
     plan = runner.plan_run(spec, profile="smoke", kernel="python3", probe=lambda r: None)
@@ -394,8 +419,11 @@ def test_interrupted_run_reads_as_incomplete(tmp_path: Path, monkeypatch: pytest
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["complete"] is False and manifest["interrupted"] is True
-    assert [e["name"] for e in manifest["experiments"]] == ["tiny"]
-    assert manifest["pending"] == ["broken", "needs_cuda"]
+    # the experiment that was running is failed and interrupted, not left pending
+    assert [(e["name"], e["status"], e.get("interrupted")) for e in manifest["experiments"]] == [
+        ("tiny", "ok", None), ("broken", "failed", True)]  # fmt: skip
+    assert manifest["experiments"][1]["error"]["ename"] == "KeyboardInterrupt"
+    assert manifest["pending"] == ["needs_cuda"]
     assert "interrupted" in (run_dir / "index.html").read_text()
     assert "incomplete" in (tmp_path / "index.html").read_text()
     assert (run_dir / "environment.json").is_file()

@@ -75,7 +75,7 @@ def test_flag_vocabulary():
     with pytest.raises(ConfigError, match="unknown kv cache dtype 'fp4'"):
         resolve_kv_cache_dtype("fp4", "bf16")
     assert resolve_kv_cache_dtype("bf16", "bfloat16") == "bf16"  # what 'auto' resolved to resolves again
-    with pytest.raises(ConfigError, match="unknown kv cache dtype 'fp32'"):
+    with pytest.raises(ConfigError, match="'fp32' differs from the activation dtype 'bf16'"):
         resolve_kv_cache_dtype("fp32", "bf16")  # another float dtype than the activations' is not a KV format
 
 

@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except WorkbenchError as exc:
         print(f"workbench {args.command}: error: {exc}", file=sys.stderr)
         code = 2
+    except KeyboardInterrupt as exc:  # Ctrl-C (or a SIGTERM a command turned into one): one line, not a traceback
+        how = f" ({exc})" if str(exc) else ""
+        print(f"workbench {args.command}: interrupted{how}", file=sys.stderr)
+        code = 130
     from workbench.dist.group import launched_by_torchrun
 
     if launched_by_torchrun():  # a rank torchrun started: its process group is gone by now

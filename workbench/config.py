@@ -80,6 +80,13 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str | None, dtype: str) -> str:
     key = str(kv_cache_dtype).lower()
     if key == canonical_dtype(dtype):
         return key
+    as_float = DTYPE_ALIASES.get(key.removeprefix("torch."))
+    if as_float in ("fp16", "bf16", "fp32"):  # a float dtype other than the activations'
+        raise ConfigError(
+            f"kv cache dtype {kv_cache_dtype!r} differs from the activation dtype {canonical_dtype(dtype)!r}: a "
+            f"floating-point KV cache is kept in the activation dtype; use 'auto' (= {canonical_dtype(dtype)}), "
+            f"'int8' or 'fp8', or set --dtype {as_float}"
+        )
     if key not in KV_CACHE_DTYPES:
         raise ConfigError(f"unknown kv cache dtype {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
     return key

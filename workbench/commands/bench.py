@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="decode: shard the model over N processes, --threads each (default 1); rows add the "
                    "all-reduce share of a step and its bandwidth")  # fmt: skip
+    p.add_argument("--max-processes", type=int, default=None,
+                   help="most worker processes --tensor-parallel-size may start (default: the CPU cores of this "
+                   "machine)")  # fmt: skip
     p.add_argument("--prompt-len", type=int, nargs="+", default=None,
                    help="prompt lengths (prefill: 128 512 1024; decode: 128; hf: 32)")  # fmt: skip
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
@@ -68,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_quantization_arguments(p, many=True)
     p.add_argument("--accuracy-prompts", type=int, default=4,
                    help="decode with several schemes: random prompts of --prompt-len tokens whose logits are compared "
-                   "with the unquantized model's (default 4)")  # fmt: skip
+                   "with the unquantized model's (default 4; 0 skips the accuracy check)")  # fmt: skip
     from workbench.commands.bench_serve import add_serve_arguments
 
     add_serve_arguments(p)  # ``bench serve``: a client of an OpenAI-compatible server (vLLM's flags)
@@ -197,6 +200,12 @@ def _check_schemes(args: argparse.Namespace, schemes: list | None) -> None:
                           "decode, prefill and offline")  # fmt: skip
     if args.kind in ("prefill", "offline") and (args.kv_cache_dtype or ["auto"]) != ["auto"]:
         raise ConfigError(f"--kv-cache-dtype applies to bench decode; bench {args.kind} takes --quantization")
+    from workbench.commands.common import check_parallel_layout
+
+    if args.kind in ("decode", "prefill", "offline"):
+        check_parallel_layout(args)  # before any rank starts: sizes >= 1, the head split, the process count
+    if args.accuracy_prompts < 0:
+        raise ConfigError(f"--accuracy-prompts must be >= 0 (0 skips the accuracy check), got {args.accuracy_prompts}")
     if schemes is not None and args.kind != "decode":
         raise ConfigError("several --quantization / --group-size / --kv-cache-dtype values are compared by "
                           "bench decode only; give one value each")  # fmt: skip
@@ -229,7 +238,7 @@ def compare_schemes(args: argparse.Namespace, schemes: list, hw: Any, device: st
     return {
         "schemes": [s.label for s in schemes],
         "results": rows,
-        "accuracy": levers.accuracy_schemes(reference, models, schemes, prompts),
+        "accuracy": levers.accuracy_schemes(reference, models, schemes, prompts) if prompts else [],
         "kv_capacity": levers.kv_capacity(
             cfg, args.dtype, kv_dtypes, prompt_len + args.warmup + args.steps + 2, DEFAULT_KV_BUDGET_BYTES
         ),  # fmt: skip
@@ -251,7 +260,10 @@ def format_table(out: dict[str, Any]) -> str:
                 f"{r['tokens_per_s']:>8.1f} {r['bytes_per_step'] / 1e6:>8.1f} {r['achieved_bytes_per_s'] / 1e9:>6.2f} "
                 f"{r['mbu']:>5.2f} {r['speedup']:>6.2f}x {r['bytes_ratio']:>10.2f}x"
             )
-        lines.append("accuracy against the unquantized model (logits at every position of the prompts):")
+        if not out["accuracy"]:
+            lines.append("accuracy against the unquantized model: not measured (--accuracy-prompts 0)")
+        else:
+            lines.append("accuracy against the unquantized model (logits at every position of the prompts):")
         for a in out["accuracy"]:
             lines.append(f"{a['scheme']:>16}  cosine {a['cosine']:.5f}  KL {a['kl']:.2e} nats  top-1 agreement "
                          f"{a['top1_agreement']:.1%} of {a['num_positions']} positions")  # fmt: skip

@@ -26,7 +26,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--endpoint", default=None, help="default /v1/completions (/v1/chat/completions for openai-chat)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (sharegpt lengths)")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory (sharegpt lengths; with a chat endpoint, random ids decoded to text)",
+    )
     g.add_argument("--dataset-name", default="random", choices=("random", "sharegpt", "trace"))
     g.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT JSON file; trace: a trace name/file")
     g.add_argument("--num-prompts", type=int, default=1000)
@@ -86,7 +90,12 @@ def run_serve(args: argparse.Namespace) -> int:
         max_len = asyncio.run(b.server_max_model_len(base_url, args.model))
         reqs = b.trace_requests(args.dataset_path, args.num_prompts, max_len, args.random_vocab_size, args.seed)
     if "chat" in endpoint and not all(isinstance(r.prompt, str) for r in reqs):
-        raise ConfigError("a chat endpoint needs text prompts: use --dataset-name sharegpt")
+        if args.tokenizer is None:
+            raise ConfigError(
+                "a chat endpoint needs text prompts: pass --tokenizer DIR to decode the random ids into text, or "
+                "use --dataset-name sharegpt"
+            )
+        reqs = b.decode_prompts(reqs, args.tokenizer)
     outputs, duration = asyncio.run(b.run_benchmark(
         base_url, endpoint, args.model, reqs, args.request_rate, args.burstiness, args.max_concurrency, args.seed,
         args.ignore_eos))  # fmt: skip
@@ -104,4 +113,10 @@ def run_serve(args: argparse.Namespace) -> int:
         path.write_text(json.dumps(result))
         if not args.json:
             print(f"result written to {path}")
+    if result["completed"] == 0:
+        import sys
+
+        first = b.first_errors(result["errors"], 1)
+        reason = first[0][0] if first else "no request completed"
+        print(f"workbench bench serve: every request failed; the first error: {reason}", file=sys.stderr)
     return 0 if result["completed"] == len(reqs) else 1

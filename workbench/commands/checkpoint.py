@@ -20,13 +20,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from workbench.commands.common import check_output_dir
+    from workbench.commands.common import check_output_dir, write_failed
     from workbench.model.checkpoint import save_random_checkpoint
 
     check_output_dir(args.out, "--out")
     hf_logging.disable_progress_bar()  # transformers' shard bars say nothing useful for a one-file checkpoint
     cfg = ModelConfig.resolve(args.preset)
-    out = save_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype, tokenizer=not args.no_tokenizer)
+    try:
+        out = save_random_checkpoint(cfg, args.out, seed=args.seed, dtype=args.dtype, tokenizer=not args.no_tokenizer)
+    except OSError as exc:
+        raise write_failed("--out", args.out, exc) from None
     summary = {"checkpoint": str(out), "preset": cfg.name, "params": cfg.num_params(), "dtype": args.dtype}
     print(json.dumps(summary | {"tokenizer": not args.no_tokenizer}))
     return 0

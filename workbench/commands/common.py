@@ -95,10 +95,19 @@ LATENCY_LABELS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL", "e2el_s": 
 
 
 def clip_to_context(requests: list[Any], max_len: int) -> tuple[list[Any], int]:
-    """``truncate_to_context(requests, max_len)`` and how many requests it shortened (to be reported, not hidden)."""
+    """``truncate_to_context(requests, max_len)`` and how many requests it shortened (to be reported, not hidden).
+
+    A TraceError when there is no request to run (a header-only csv, an empty jsonl, ``--limit 0``): latencies of
+    zero requests are not a result."""
+    from workbench.errors import TraceError
     from workbench.workloads import truncate_to_context
 
     clipped = truncate_to_context(requests, max_len)
+    if not clipped:
+        raise TraceError(
+            "the trace has no requests (an empty or header-only file, or --limit 0): give a trace with at least one "
+            "request, or a --limit of 1 or more"
+        )
     changed = sum(1 for a, b in zip(requests, clipped) if (a.prompt_len, a.output_len) != (b.prompt_len, b.output_len))
     return clipped, changed
 
@@ -145,6 +154,57 @@ def check_output_file(path: str | Path | None, option: str) -> None:
         raise ConfigError(f"{option} {path}: folder {parent} does not exist; create it first or choose another path")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ConfigError(f"{option} {path}: not writable here; choose a path you can write")
+
+
+def check_parallel_layout(args: Any, count_processes: bool = True) -> None:
+    """ConfigError before any process starts, unless the layout of ``--tensor-parallel-size``, ``--disaggregate P:D``,
+    ``--prefill-tp`` and ``--decode-tp`` can run: every size >= 1, every tensor-parallel size splits the model's
+    heads, and (``count_processes``) the ranks it starts fit ``--max-processes`` (default: this machine's CPU
+    cores; each rank needs a core to make progress, so more only thrash and leak on a failure)."""
+    from workbench.config import ModelConfig, parse_disaggregate
+    from workbench.model.sharding import check_tensor_parallel_size
+
+    tp = args.tensor_parallel_size
+    sizes = {"--tensor-parallel-size": tp}
+    for flag, name in (("--prefill-tp", "prefill_tp"), ("--decode-tp", "decode_tp")):
+        if getattr(args, name, None) is not None:
+            sizes[flag] = getattr(args, name)
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if getattr(args, "threads_per_engine", 1) < 1:
+        raise ConfigError(f"--threads-per-engine must be >= 1, got {args.threads_per_engine}")
+    ranks, what = tp, f"--tensor-parallel-size {tp}"
+    if getattr(args, "disaggregate", None):
+        num_p, num_d = parse_disaggregate(args.disaggregate)
+        ptp, dtp = sizes.get("--prefill-tp", tp), sizes.get("--decode-tp", tp)
+        ranks = num_p * ptp + num_d * dtp
+        what = f"--disaggregate {args.disaggregate} ({num_p} x {ptp} prefill + {num_d} x {dtp} decode ranks)"
+    cfg = ModelConfig.resolve(args.model)
+    for flag, value in sizes.items():
+        if value > 1:
+            try:
+                check_tensor_parallel_size(cfg, value)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag} {value}: {exc}") from None
+    if not count_processes:
+        return
+    from workbench.dist.group import launched_by_torchrun
+
+    cores = os.cpu_count() or 1
+    limit = getattr(args, "max_processes", None) or cores
+    if ranks > limit and not launched_by_torchrun():
+        raise ConfigError(
+            f"{what} starts {ranks} processes, more than the limit of {limit} (--max-processes; default: the "
+            f"{cores} CPU cores of this machine): choose a smaller layout"
+        )
+
+
+def write_failed(option: str, path: str | Path, exc: BaseException) -> ConfigError:
+    """The error of an output that passed ``check_output_file``/``check_output_dir`` but could not be written (a
+    full disk, a name taken by a folder, a figure format matplotlib does not know)."""
+    reason = getattr(exc, "strerror", None) or str(exc)
+    return ConfigError(f"{option} {path}: cannot be written ({reason}); choose another path")
 
 
 def check_output_dir(path: str | Path, option: str) -> None:

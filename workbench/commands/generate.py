@@ -22,7 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from workbench.commands.common import ArgumentContainer, add_scheduler_arguments, serving_config_kwargs
+from workbench.commands.common import (
+    ArgumentContainer,
+    add_scheduler_arguments,
+    check_parallel_layout,
+    serving_config_kwargs,
+)
 from workbench.errors import ConfigError, RequestError
 
 
@@ -67,6 +72,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over N processes (torch.distributed: gloo on the CPU, NCCL on CUDA; "
                    "default 1)")  # fmt: skip
+    g.add_argument("--max-processes", type=int, default=None,
+                   help="most worker processes a tensor-parallel or disaggregated layout may start (default: the "
+                   "CPU cores of this machine); a larger layout is refused before anything starts")  # fmt: skip
     add_quantization_arguments(g)
 
 
@@ -93,6 +101,7 @@ def add_quantization_arguments(p: ArgumentContainer, many: bool = False) -> None
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineConfig)
     from workbench.engine.config import EngineConfig
 
+    check_parallel_layout(args, count_processes=False)
     if (getattr(args, "prefill_tp", None) or getattr(args, "decode_tp", None)) and not args.disaggregate:
         raise ConfigError("--prefill-tp and --decode-tp need --disaggregate (one engine runs both phases otherwise)")
     return EngineConfig(
@@ -134,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.prompt_ids and not args.prompt:
         raise RequestError("give at least one prompt: --prompt-ids 1,2,3 or --prompt TEXT")
+    check_parallel_layout(args)
     codec = TextCodec.from_dir(args.model) if has_tokenizer(args.model) else None
     if args.prompt and codec is None:
         raise CheckpointError(

@@ -59,6 +59,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+def check_ray_args(address: str | None, num_cpus: int) -> None:
+    """ConfigError before Ray starts: a local Ray needs a CPU per task (``--num-cpus 0`` would wait forever), and a
+    ``HOST:PORT`` cluster address must accept a TCP connection within ``RAY_CONNECT_TIMEOUT_S`` (Ray itself retries
+    an unreachable address for minutes)."""
+    import socket
+
+    if address is None:
+        if num_cpus < 1:
+            raise ConfigError(f"--num-cpus must be >= 1 (each candidate runs as a 1-CPU Ray task), got {num_cpus}")
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local" or a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"--ray-address {address}: nothing accepts connections there ({exc.strerror or exc}); start the cluster "
+            "(ray start --head) or drop --ray-address for a local Ray"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import clip_to_context
     from workbench.commands.sim_args import format_kwargs
@@ -68,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     from workbench.workloads import load_workload
 
     formats = format_kwargs(args)
+    if not args.serial:
+        check_ray_args(args.ray_address, args.num_cpus)
     get_hardware(args.hardware)
     cfg = ModelConfig.resolve(args.model)
     if args.step_overhead_s is not None and args.step_overhead_s < 0:

@@ -86,10 +86,12 @@ def _workload(args: argparse.Namespace, max_len: int) -> tuple[list[Any], int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from workbench.commands.common import check_parallel_layout
     from workbench.config import ModelConfig
     from workbench.engine.engine import Engine
 
     config = engine_config_from_args(args)
+    check_parallel_layout(args)
     max_len = config.resolved_max_model_len(ModelConfig.resolve(args.model))
     requests, num_clipped = _workload(args, max_len)
     if args.disaggregate:

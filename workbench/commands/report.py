@@ -78,9 +78,15 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_run(spec, profile=args.profile, only=args.only, overrides=parse_params(args.param), kernel=args.kernel)
     if plan.kernel_note:
         print(f"workbench report: note: {plan.kernel_note}", file=sys.stderr)
-    result = run_pipeline(
-        plan, args.out, progress=not args.no_progress, measure_ceilings=not args.no_ceilings, num_threads=args.threads
-    )
+    try:
+        result = run_pipeline(
+            plan, args.out, progress=not args.no_progress, measure_ceilings=not args.no_ceilings,
+            num_threads=args.threads,
+        )  # fmt: skip
+    except OSError as exc:  # the folder passed the check but a file in it could not be written
+        from workbench.commands.common import write_failed
+
+        raise write_failed("--out", args.out, exc) from None
     counts = result.manifest["counts"]
     print(
         f"report {result.manifest['run_id']} (profile {plan.profile}): {counts['ok']} ok, {counts['failed']} failed, "

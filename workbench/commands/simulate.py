@@ -20,13 +20,15 @@ keys of ``workbench replay --json`` (``num_requests``, ``num_finished``, ``num_p
 (simulation speed), ``num_steps``, ``us_per_step``, ``replicas`` (per-replica steps and utilisation), ``hardware``
 and ``cost_model``. A profile fitted on another model, or a ``--hardware`` accelerator other than the profile's
 machine, is an error unless ``--force-profile``. The exit code is 1 when every request was rejected;
-``--step-log``'s folder is checked before the simulation runs.
+``--step-log``'s folder is checked before the simulation runs; the results are printed before ``--step-log`` and
+``--plot`` are written, so a file that cannot be written (exit 2, one line) does not lose them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict
 
 from workbench.commands.common import (
@@ -39,6 +41,7 @@ from workbench.commands.common import (
     print_serving_metrics,
     progress_bar,
     serving_config_kwargs,
+    write_failed,
 )
 from workbench.commands.sim_args import (
     add_calibration_arguments,
@@ -161,34 +164,44 @@ def run(args: argparse.Namespace) -> int:
     summary["cost_model"] = result.cost_model
     summary["num_clipped"] = num_clipped
     summary["max_model_len"] = max_len
-    if args.step_log:
-        with open(args.step_log, "w") as fh:
-            json.dump([log.to_records() if log is not None else [] for log in result.step_logs], fh)
+    timeline = None
     if args.plot:
         from pathlib import Path
 
+        target = Path(args.plot)
+        timeline = target.with_name(f"{target.stem}-timeline{target.suffix or '.png'}")
+        summary["plots"] = [str(target), str(timeline)]
+    # the results first, then the files: a file that cannot be written does not lose the simulation's result
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        cost_name = result.cost_model.get("name", args.cost_model)
+        print(f"simulated {args.trace}: model {args.model}, hardware {summary['hardware']}, cost model "
+              f"{cost_name}; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
+        print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} "
+              f"preemptions, {summary['duration_s']:.2f} s simulated in {summary['wall_s']:.2f} s "
+              f"({summary['requests_per_wall_s']:.0f} req/s, {summary['us_per_step']:.1f} us/step)")  # fmt: skip
+        print_serving_metrics(summary["metrics"])
+        for rep in summary["replicas"]:
+            print(f"  replica {rep['index']} ({rep['role']}): {rep['num_steps']} steps, "
+                  f"utilisation {100 * rep['utilization']:.0f}%")  # fmt: skip
+        for path in summary.get("plots", []):
+            print(f"  figure: {path}")
+    sys.stdout.flush()
+    if args.step_log:
+        try:
+            with open(args.step_log, "w") as fh:
+                json.dump([log.to_records() if log is not None else [] for log in result.step_logs], fh)
+        except OSError as exc:
+            raise write_failed("--step-log", args.step_log, exc) from None
+    if args.plot:
         from workbench import plots
 
         plots.use_file_backend()
         title = f"{args.model} on {summary['hardware']}, {args.trace}, {result.cost_model.get('name')} cost model"
-        target = Path(args.plot)
-        timeline = target.with_name(f"{target.stem}-timeline{target.suffix or '.png'}")
-        plots.save_figure(plots.plot_latency_cdfs(result.records, title), str(target))
-        plots.save_figure(plots.plot_serving_timelines(result.records, result.step_logs, title), str(timeline))
-        summary["plots"] = [str(target), str(timeline)]
-    if args.json:
-        print(json.dumps(summary))
-        return all_rejected_exit_code("simulate", summary)
-    cost_name = result.cost_model.get("name", args.cost_model)
-    print(f"simulated {args.trace}: model {args.model}, hardware {summary['hardware']}, cost model "
-          f"{cost_name}; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
-    print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} preemptions, "
-          f"{summary['duration_s']:.2f} s simulated in {summary['wall_s']:.2f} s "
-          f"({summary['requests_per_wall_s']:.0f} req/s, {summary['us_per_step']:.1f} us/step)")  # fmt: skip
-    print_serving_metrics(summary["metrics"])
-    for rep in summary["replicas"]:
-        print(f"  replica {rep['index']} ({rep['role']}): {rep['num_steps']} steps, "
-              f"utilisation {100 * rep['utilization']:.0f}%")  # fmt: skip
-    for path in summary.get("plots", []):
-        print(f"  figure: {path}")
+        try:
+            plots.save_figure(plots.plot_latency_cdfs(result.records, title), str(target))
+            plots.save_figure(plots.plot_serving_timelines(result.records, result.step_logs, title), str(timeline))
+        except (OSError, ValueError) as exc:  # ValueError: a format matplotlib does not know
+            raise write_failed("--plot", args.plot, exc) from None
     return all_rejected_exit_code("simulate", summary)

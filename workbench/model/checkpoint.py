@@ -28,6 +28,7 @@ from workbench.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes a weight may have
 
 
 @contextmanager
@@ -165,6 +166,11 @@ def load_checkpoint(
                     if tuple(t.get_shape()) != expected[name]:
                         raise CheckpointError(
                             f"{ckpt}: tensor {name} has shape {tuple(t.get_shape())}, expected {expected[name]}"
+                        )
+                    if t.get_dtype() not in FLOAT_DTYPES:  # an integer tensor would be cast silently
+                        raise CheckpointError(
+                            f"{file}: tensor {name} has dtype {t.get_dtype()}; weights must be floating point "
+                            f"({', '.join(FLOAT_DTYPES)}): write the checkpoint again with float weights"
                         )
                     value = _read_slice(t, file, name, shard)
                     if value.is_floating_point() and not bool(torch.isfinite(value).all()):

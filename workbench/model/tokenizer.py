@@ -118,7 +118,20 @@ class TextCodec:
             )
         from transformers import PreTrainedTokenizerFast
 
-        return cls(PreTrainedTokenizerFast.from_pretrained(str(path)))
+        fix = "write it again (workbench checkpoint), or remove the tokenizer files to pass token ids"
+        for name in (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json"):
+            file = Path(path) / name
+            if file.exists():
+                try:
+                    json.loads(file.read_bytes().decode("utf-8"))
+                except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                    raise CheckpointError(f"{file}: not a readable tokenizer file ({exc}); {fix}") from None
+        try:
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(path)))
+        except Exception as exc:  # tokenizers raises a bare Exception on a bad file; transformers ValueError/OSError
+            raise CheckpointError(
+                f"{Path(path) / TOKENIZER_FILE}: not a usable tokenizer ({type(exc).__name__}: {str(exc)[:200]}); {fix}"
+            ) from None
 
     def encode(self, text: str) -> list[int]:
         """The token ids of ``text`` (no special tokens added)."""
@@ -129,6 +142,14 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids``, special tokens skipped (vLLM's default)."""
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The UTF-8 length of the vocabulary's longest token string: an upper bound on the bytes of text one token
+        covers (a byte-level BPE writes each byte as one 1-2 byte character, SentencePiece a space as 3 bytes), so
+        text of ``n`` bytes has at least ``n / max_token_bytes`` tokens (unless a normalizer deletes text)."""
+        vocab = self.hf.get_vocab()
+        return max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=1)
 
     @property
     def has_chat_template(self) -> bool:

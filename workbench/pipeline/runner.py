@@ -413,6 +413,41 @@ def _skipped_entry(planned: PlannedExperiment) -> dict[str, Any]:
     return {**_base_entry(planned, "skipped"), "skip_reason": planned.skip_reason, "duration_s": 0.0}
 
 
+def _interrupted_entry(planned: PlannedExperiment, exc: BaseException) -> dict[str, Any]:
+    """The entry of the experiment that was running when the run was interrupted (Ctrl-C, SIGINT, SIGTERM)."""
+    what = str(exc) or type(exc).__name__
+    return {
+        **_base_entry(planned, "failed"),
+        "interrupted": True,
+        "error": {
+            "cell_index": None,
+            "execution_count": None,
+            "ename": type(exc).__name__,
+            "evalue": f"the run was interrupted ({what}) while this experiment ran; its .partial notebook says "
+            "which cells ran",
+            "traceback": "",
+            "source": None,
+        },
+    }
+
+
+def _sigterm_as_interrupt() -> Callable[[], None]:
+    """From now on SIGTERM raises KeyboardInterrupt, as SIGINT does, so both leave the manifest marked interrupted
+    (the default SIGTERM ends the process with nothing written); returns the function that restores the handler.
+    A no-op off the main thread, where signal handlers cannot be set."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    before = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, before)
+
+
 def _make_run_dir(out_dir: Path, run_id: str) -> tuple[Path, str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     candidate, n = run_id, 1
@@ -490,6 +525,8 @@ def run_pipeline(
     write_reports_index(out_path)  # the run's "all runs" link resolves from the start
 
     bar = tqdm(plan.experiments, desc="report", unit="notebook", disable=not progress, file=sys.stderr)
+    planned: PlannedExperiment | None = None
+    restore_sigterm = _sigterm_as_interrupt()
     try:
         for planned in bar:
             bar.set_postfix_str(planned.name)
@@ -505,14 +542,18 @@ def run_pipeline(
             manifest["running"] = None
             atomic_write_json(run_dir / MANIFEST, manifest)
             write_run_index(run_dir, manifest)
-    except BaseException:
+    except BaseException as exc:
         manifest["interrupted"] = True
+        if planned is not None and planned.name in manifest["pending"]:  # it was running: failed, interrupted
+            manifest["experiments"].append(_interrupted_entry(planned, exc))
+            manifest["pending"].remove(planned.name)
         manifest["running"] = None
         atomic_write_json(run_dir / MANIFEST, manifest)
         write_run_index(run_dir, manifest)
         write_reports_index(out_path)
         raise
     finally:
+        restore_sigterm()
         bar.close()
 
     statuses = [e["status"] for e in manifest["experiments"]]

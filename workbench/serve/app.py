@@ -12,6 +12,15 @@ the KV pool can never hold) is still a 400, since nothing was sent yet. Then it 
 text before it and aborts the request in the engine. A client that goes away (aiohttp cancels its handler) has its
 request aborted and its KV blocks freed; the others keep streaming.
 
+Hostile input: a body larger than ``max_body_bytes`` is a 413 (by default sized to what the context can hold), a
+body not received within ``body_timeout_s`` a 408, a connection that has not sent a request's headers within
+``header_timeout_s`` is closed; ``POST`` bodies must be ``Content-Type: application/json`` (a 415 otherwise, so that a
+web page cannot make a browser send a CORS "simple request" that generates); text that cannot fit the context
+(``protocol.check_text_fits``) is a 400 before it is tokenized, and parsing and tokenizing run on one worker thread,
+off the event loop, so one large prompt does not stall the other clients' streams. With ``api_key``, the ``/v1``
+routes need ``Authorization: Bearer KEY`` (a 401 otherwise); ``/health`` and ``/metrics`` stay open unless
+``api_key_all_routes``.
+
 SIGTERM or SIGINT: the server stops admitting (503), lets the requests in flight finish for up to
 ``drain_timeout_s``, aborts the rest, and returns (``workbench serve`` then exits 0).
 """
@@ -19,12 +28,15 @@ SIGTERM or SIGINT: the server stops admitting (503), lets the requests in flight
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import signal
+import socket
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -32,10 +44,38 @@ from aiohttp import web
 from workbench.engine.engine import Engine
 from workbench.serve.async_engine import AsyncEngine, Output, RequestHandle
 from workbench.serve.prom import ServerMetrics
-from workbench.serve.protocol import GenerationRequest, ProtocolError, error_body, parse_chat, parse_completion
+from workbench.serve.protocol import (
+    DEFAULT_MAX_BYTES_PER_TOKEN,
+    GenerationRequest,
+    ProtocolError,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
 
 log = logging.getLogger("workbench.serve")
-MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_BODY_BYTES = 16 * 1024 * 1024  # the ceiling of the default body limit
+MIN_BODY_BYTES = 1024 * 1024  # its floor
+BODY_BYTES_PER_TOKEN_SLOTS = 8  # a JSON body may spend 8x the text it carries (escapes, token-id lists, fields)
+
+
+def default_max_body_bytes(max_model_len: int, max_bytes_per_token: int) -> int:
+    """The body limit sized to the model: room for ``max_model_len`` tokens of the longest text, 8x for JSON, within
+    [1 MiB, 16 MiB]."""
+    want = BODY_BYTES_PER_TOKEN_SLOTS * max_model_len * max_bytes_per_token
+    return max(MIN_BODY_BYTES, min(MAX_BODY_BYTES, want))
+
+
+@dataclass
+class ServerLimits:
+    """The server's policies against hostile clients (``workbench serve`` flags of the same names)."""
+
+    max_bytes_per_token: int | None = None  # None: the tokenizer's longest token (``TextCodec.max_token_bytes``)
+    max_body_bytes: int | None = None  # None: ``default_max_body_bytes``
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    api_key: str | None = None
+    api_key_all_routes: bool = False  # also /health and /metrics
 
 
 @dataclass
@@ -47,8 +87,12 @@ class ServerState:
     model_name: str
     max_model_len: int
     vocab_size: int
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN
     draining: bool = False
     created: int = 0
+    # parsing and tokenizing, off the event loop; one thread, since a fast tokenizer is not safe to share
+    parser: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="parse"))
 
 
 STATE = web.AppKey("state", ServerState)
@@ -58,12 +102,35 @@ def _error(message: str, status: int = 400, param: str | None = None) -> web.Res
     return web.json_response(error_body(message, status, param), status=status)
 
 
-async def _read_json(request: web.Request) -> Any:
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+    if request.content_type != "application/json":
+        raise ProtocolError(
+            f"the request body must be JSON with Content-Type: application/json, got {request.content_type!r}",
+            status=415,
+        )
     try:
-        raw = await request.read()
+        return await asyncio.wait_for(request.read(), timeout=timeout_s)
+    except TimeoutError:
+        raise ProtocolError(f"the request body did not arrive within {timeout_s:g} s", status=408) from None
+
+
+def _loads(raw: bytes) -> Any:
+    try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ProtocolError("the request body is not acceptable JSON (nested too deeply)") from None
+
+
+def _parse(state: ServerState, raw: bytes, chat: bool) -> GenerationRequest:
+    """The body -> a request (runs on ``state.parser``, off the event loop)."""
+    body = _loads(raw)
+    if chat:
+        return parse_chat(body, state.model_name, state.codec, state.max_model_len, state.max_bytes_per_token)
+    return parse_completion(
+        body, state.model_name, state.codec, state.vocab_size, state.max_model_len, state.max_bytes_per_token
+    )
 
 
 class _Completion:
@@ -150,11 +217,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if state.draining:
         return _error("the server is shutting down", 503)
     try:
-        body = await _read_json(request)
-        if chat:
-            req = parse_chat(body, state.model_name, state.codec, state.max_model_len)
-        else:
-            req = parse_completion(body, state.model_name, state.codec, state.vocab_size, state.max_model_len)
+        raw = await _read_body(request, state.limits.body_timeout_s)
+        req = await asyncio.get_running_loop().run_in_executor(state.parser, _parse, state, raw, chat)
     except ProtocolError as exc:
         return _error(str(exc), exc.status, exc.param)
     except Exception as exc:  # a tokenizer or template failure on this input
@@ -258,25 +322,54 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.engine.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
+# the connections that have not yet sent a request's headers; their header-timeout timer closes them
+_AWAITING_HEADERS: set[Any] = set()
+
+
 @web.middleware
 async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
     """aiohttp's own errors (unknown route, wrong method, body too large) as OpenAI error bodies."""
+    _AWAITING_HEADERS.discard(request.protocol)
     try:
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(exc.reason or str(exc), exc.status)
+        message = exc.reason or str(exc)
+        if exc.status == 413:
+            message = f"{exc.text or message}: the body limit is --max-body-bytes"
+        return _error(message, exc.status)
 
 
-def build_app(engine: Engine, codec: Any | None, model_name: str) -> web.Application:
+@web.middleware
+async def _check_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """With an API key, a request to a protected route needs ``Authorization: Bearer KEY``."""
+    limits = request.app[STATE].limits
+    protected = limits.api_key_all_routes or request.path.startswith("/v1")
+    if limits.api_key is not None and protected:
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {limits.api_key}"
+        if not hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode("utf-8")):
+            return _error("a valid API key is required: send the header Authorization: Bearer KEY", 401)
+    return await handler(request)
+
+
+def build_app(
+    engine: Engine, codec: Any | None, model_name: str, limits: ServerLimits | None = None
+) -> web.Application:
     """The aiohttp application over ``engine``; the engine loop starts and stops with the app."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
+    limits = limits or ServerLimits()
     max_len = engine.scheduler.config.max_model_len
+    bytes_per_token = limits.max_bytes_per_token
+    if bytes_per_token is None:
+        bytes_per_token = codec.max_token_bytes if codec is not None else DEFAULT_MAX_BYTES_PER_TOKEN
+    body_limit = limits.max_body_bytes or default_max_body_bytes(max_len, bytes_per_token)
+    app = web.Application(client_max_size=body_limit, middlewares=[_errors_as_json, _check_api_key])
     app[STATE] = ServerState(
         AsyncEngine(engine, ServerMetrics(model_name)), codec, model_name, max_len, engine.model.config.vocab_size,
-        created=int(time.time()),
+        limits=limits, max_bytes_per_token=bytes_per_token, created=int(time.time()),
     )  # fmt: skip
+    log.info("body limit %d bytes, at most %d bytes of text per token", body_limit, bytes_per_token)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -288,18 +381,63 @@ def build_app(engine: Engine, codec: Any | None, model_name: str) -> web.Applica
         yield
         app[STATE].engine.stop()
         await task
+        app[STATE].parser.shutdown(wait=False, cancel_futures=True)
 
     app.cleanup_ctx.append(engine_loop)
     return app
 
 
-async def serve(app: web.Application, host: str, port: int, drain_timeout_s: float = 30.0) -> None:
-    """Serve until SIGTERM/SIGINT, then drain: stop admitting, wait for in-flight requests, abort the rest."""
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, made before the model loads so that a busy port or a bad host fails
+    at once; ``OSError`` when it cannot be bound."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    sock = socket.create_server(address[:2] if family == socket.AF_INET else address, family=family)
+    sock.setblocking(False)
+    return sock
+
+
+class _TimedSockSite(web.SockSite):
+    """A site on a bound socket that closes a connection which has not sent a request's headers in time."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, header_timeout_s: float) -> None:
+        super().__init__(runner, sock)
+        self._header_timeout_s = header_timeout_s
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        factory = self._runner.server
+
+        def close_if_silent(proto: Any) -> None:
+            if proto in _AWAITING_HEADERS:
+                _AWAITING_HEADERS.discard(proto)
+                proto.force_close()
+
+        def make() -> Any:
+            proto = factory()
+            _AWAITING_HEADERS.add(proto)
+            loop.call_later(self._header_timeout_s, close_if_silent, proto)
+            return proto
+
+        self._server = await loop.create_server(make, sock=self._sock, backlog=self._backlog)
+
+
+async def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    drain_timeout_s: float = 30.0,
+    sock: socket.socket | None = None,
+) -> None:
+    """Serve on ``sock`` (or a socket bound to ``host:port``) until SIGTERM/SIGINT, then drain: stop admitting, wait
+    for in-flight requests, abort the rest."""
+    sock = sock or bind(host, port)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = _TimedSockSite(runner, sock, app[STATE].limits.header_timeout_s)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else port
+    bound = sock.getsockname()[1]
     print(json.dumps({"event": "listening", "host": host, "port": bound}), flush=True)
 
     stop = asyncio.Event()

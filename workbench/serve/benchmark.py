@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -70,6 +71,24 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
 
     ins, outs = lengths(input_len), lengths(output_len)
     return [BenchRequest(rng.integers(0, vocab_size, size=int(n)).tolist(), int(n), int(m)) for n, m in zip(ins, outs)]
+
+
+def decode_prompts(reqs: list[BenchRequest], tokenizer_dir: str) -> list[BenchRequest]:
+    """Token-id prompts as text, for a chat endpoint (as vLLM's random dataset does): each prompt's ids decoded by
+    the tokenizer, special tokens left out, its length counted again on the decoded text (decoding and encoding
+    again need not give back the same ids)."""
+    from workbench.model.tokenizer import TextCodec
+
+    codec = TextCodec.from_dir(tokenizer_dir)
+    special = set(codec.hf.all_special_ids)
+    out = []
+    for r in reqs:
+        assert isinstance(r.prompt, list)
+        text = codec.hf.decode([t for t in r.prompt if t not in special and t < len(codec.hf)])
+        if not text:
+            text = codec.hf.decode([t for t in range(len(codec.hf)) if t not in special][:1])
+        out.append(BenchRequest(text, len(codec.encode(text)), r.output_len))
+    return out
 
 
 def sharegpt_requests(path: str, num: int, tokenizer_dir: str | None, output_len: int | None,
@@ -183,14 +202,18 @@ def arrival_gaps(num: int, request_rate: float, burstiness: float, seed: int) ->
 async def run_benchmark(base_url: str, endpoint: str, model: str, requests: list[BenchRequest], request_rate: float,
                         burstiness: float, max_concurrency: int | None, seed: int, ignore_eos: bool,
                         timeout_s: float = 600.0) -> tuple[list[RequestOutput], float]:  # fmt: skip
-    """Send every request on its schedule; returns the outputs (in request order) and the run's duration (s)."""
+    """Send every request on its schedule; returns the outputs (in request order) and the run's duration (s).
+    With ``OPENAI_API_KEY`` in the environment, every request carries it as ``Authorization: Bearer``."""
     import aiohttp
 
     chat = "chat" in endpoint
     gaps = arrival_gaps(len(requests), request_rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    key = os.environ.get("OPENAI_API_KEY")  # as vLLM's client: the server's --api-key
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout, headers=headers) as session:
 
         async def one(req: BenchRequest) -> RequestOutput:
             if limit is None:
@@ -293,8 +316,9 @@ def _peaks(done: list[RequestOutput], duration: float) -> dict[str, float]:
     return {"max_output_tokens_per_s": float(bins.max()), "max_concurrent_requests": peak}
 
 
-def print_result(result: dict[str, Any], selected: list[str], percentiles: list[float]) -> None:
-    """The summary table, in vLLM's layout."""
+def print_result(result: dict[str, Any], selected: list[str], percentiles: list[float], max_errors: int = 3) -> None:
+    """The summary table, in vLLM's layout; below it, when requests failed, the first ``max_errors`` distinct
+    errors and how many requests each failed."""
     rows = [("Successful requests:", result["completed"]), ("Failed requests:", result["failed"]),
             ("Benchmark duration (s):", result["duration"]), ("Total input tokens:", result["total_input_tokens"]),
             ("Total generated tokens:", result["total_output_tokens"]),
@@ -314,6 +338,17 @@ def print_result(result: dict[str, Any], selected: list[str], percentiles: list[
         for p in percentiles:
             print(f"{'P' + _p_word(p) + ' ' + names[m] + ' (ms):':<40} {result[f'p{_p_word(p)}_{m}_ms']:<10.2f}")
     print("=" * 50)
+    for error, count in first_errors(result["errors"], max_errors):
+        print(f"failed ({count} request{'s' if count > 1 else ''}): {error}")
+
+
+def first_errors(errors: list[str], num: int) -> list[tuple[str, int]]:
+    """The first ``num`` distinct non-empty errors, in the order they first occur, with how often each occurred."""
+    counts: dict[str, int] = {}
+    for e in errors:
+        if e:
+            counts[e] = counts.get(e, 0) + 1
+    return list(counts.items())[:num]
 
 
 async def server_max_model_len(base_url: str, model: str) -> int | None:

@@ -41,6 +41,8 @@ _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream",
            "stream_options", "user", "return_token_ids"} | set(_NO_OP_VALUES)  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt"}
+# bytes of text one token covers at most, when the tokenizer does not say (``max_token_bytes`` measures it)
+DEFAULT_MAX_BYTES_PER_TOKEN = 64
 CHAT_FIELDS = (_COMMON | {"messages", "max_completion_tokens"}) - {"echo", "suffix", "best_of"}
 
 
@@ -53,11 +55,17 @@ class ProtocolError(WorkbenchError):
         self.status = status
 
 
+def error_type(status: int) -> str:
+    """OpenAI's ``type`` for an HTTP status: every 4xx is the client's error, every 5xx the server's."""
+    special = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+    if status in special:
+        return special[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
 def error_body(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(
-        status, "server_error"
-    )
+    kind = error_type(status)
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -189,6 +197,30 @@ def _finish(body: dict[str, Any], prompt_ids: list[int], max_tokens: int | None,
     )
 
 
+def _utf8_len(text: str, what: str, param: str) -> int:
+    """The UTF-8 length of ``text``; a 400 for a string JSON can carry but UTF-8 cannot (a lone surrogate)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(
+            f"{what} is not valid Unicode text ({exc.reason} at position {exc.start}): send UTF-8 text without lone "
+            "surrogates",
+            param=param,
+        ) from None
+
+
+def check_text_fits(num_bytes: int, max_model_len: int, max_bytes_per_token: int, param: str) -> None:
+    """A 400, before tokenizing, for text that cannot fit ``max_model_len`` tokens: no token of the vocabulary
+    covers more than ``max_bytes_per_token`` bytes, so such text has more tokens than the context holds."""
+    limit = max_model_len * max_bytes_per_token
+    if num_bytes > limit:
+        raise ProtocolError(
+            f"the prompt text has {num_bytes} bytes; this model's maximum context length is {max_model_len} tokens "
+            f"and no token covers more than {max_bytes_per_token} bytes, so at most {limit} bytes can fit",
+            param=param,
+        )
+
+
 def _token_ids(value: list[Any], vocab_size: int) -> list[int]:
     if not value:
         raise ProtocolError("prompt is empty: give text or at least one token id", param="prompt")
@@ -201,9 +233,16 @@ def _token_ids(value: list[Any], vocab_size: int) -> list[int]:
 
 
 def parse_completion(
-    body: Any, served_model: str, codec: Any | None, vocab_size: int, max_model_len: int
+    body: Any,
+    served_model: str,
+    codec: Any | None,
+    vocab_size: int,
+    max_model_len: int,
+    max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN,
 ) -> GenerationRequest:
-    """A ``/v1/completions`` body: ``prompt`` is a string, a list of token ids, or a one-element list of either."""
+    """A ``/v1/completions`` body: ``prompt`` is a string, a list of token ids, or a one-element list of either.
+
+    A text prompt longer than ``max_model_len * max_bytes_per_token`` bytes is refused before it is tokenized."""
     body = _check_fields(body, COMPLETION_FIELDS)
     _check_model(body, served_model)
     if "prompt" not in body:
@@ -223,6 +262,7 @@ def parse_completion(
             )
         if prompt == "":
             raise ProtocolError("prompt is empty: give text or at least one token id", param="prompt")
+        check_text_fits(_utf8_len(prompt, "prompt", "prompt"), max_model_len, max_bytes_per_token, "prompt")
         text, prompt_ids = prompt, codec.encode(prompt)
     elif isinstance(prompt, list):
         prompt_ids = _token_ids(prompt, vocab_size)
@@ -244,8 +284,17 @@ def _message_text(message: Any, i: int) -> dict[str, str]:
     return {"role": message["role"], "content": content}
 
 
-def parse_chat(body: Any, served_model: str, codec: Any | None, max_model_len: int) -> GenerationRequest:
-    """A ``/v1/chat/completions`` body, rendered by the tokenizer's chat template."""
+def parse_chat(
+    body: Any,
+    served_model: str,
+    codec: Any | None,
+    max_model_len: int,
+    max_bytes_per_token: int = DEFAULT_MAX_BYTES_PER_TOKEN,
+) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body, rendered by the tokenizer's chat template.
+
+    Messages whose roles and contents together exceed ``max_model_len * max_bytes_per_token`` bytes are refused
+    before the template renders them."""
     body = _check_fields(body, CHAT_FIELDS)
     _check_model(body, served_model)
     if codec is None or not codec.has_chat_template:
@@ -255,6 +304,12 @@ def parse_chat(body: Any, served_model: str, codec: Any | None, max_model_len: i
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("messages must be a non-empty list", param="messages")
     chat = [_message_text(m, i) for i, m in enumerate(messages)]
+    num_bytes = sum(
+        _utf8_len(m["role"], f"messages[{i}].role", "messages")
+        + _utf8_len(m["content"], f"messages[{i}].content", "messages")
+        for i, m in enumerate(chat)
+    )
+    check_text_fits(num_bytes, max_model_len, max_bytes_per_token, "messages")
     max_tokens = _int(body, "max_completion_tokens", None)
     max_tokens = _int(body, "max_tokens", None) if max_tokens is None else max_tokens
     return _finish(body, codec.encode_chat(chat), max_tokens, max_model_len, None)

@@ -52,3 +52,12 @@ def test_measured_distinct_experts_of_a_real_router():
     assert claim["verdict"] == CONFIRMED
     off = [dict(r, measured_experts=r["expected_experts"] * 2) for r in rows]
     assert distinct_experts_as_predicted(off)["verdict"] == NOT_CONFIRMED
+
+
+def test_attention_variants_of_an_mla_model_name_its_own_row():
+    from workbench.kv.sizing import attention_variants
+
+    rows = attention_variants(V3)
+    assert [r["kind"] for r in rows] == ["MHA", "GQA", "MQA", "MLA"]
+    assert [r["kind"] for r in rows if r["is_model"]] == ["MLA"]
+    assert rows[-1]["ratio_to_mha"] == (512 + 64) / (128 * (192 + 128))

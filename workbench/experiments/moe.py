@@ -21,6 +21,7 @@ from workbench.config import ModelConfig, dtype_bytes
 from workbench.errors import ConfigError
 from workbench.experiments.claims import CONFIRMED, NOT_CONFIRMED, make_claim
 from workbench.hardware import HardwareSpec
+from workbench.kv.sizing import attention_variants
 from workbench.roofline import expected_distinct_experts, moe_decode_cost
 
 
@@ -32,22 +33,18 @@ def mla_variants(
     ``kv_read_ms``: one decode step of ``batch`` such sequences reading their caches at ``hw.mem_bandwidth``."""
     if not cfg.is_mla:
         raise ConfigError(f"{cfg.name} is not an MLA model (kv_lora_rank 0); pick one such as DeepSeek-V3")
-    b = dtype_bytes(kv_dtype)
-    per_head = cfg.head_dim + cfg.v_head_dim  # K (nope + rope) and V values of one head
-    kinds = [("MHA", cfg.num_heads), ("GQA", 8), ("MQA", 1)]
-    sizes = [(k, h, cfg.num_layers * h * per_head * b) for k, h in kinds]
-    sizes.append(("MLA", None, cfg.kv_bytes_per_token(kv_dtype)))
-    mha = sizes[0][2]
+    sizes = [(v["kind"], v["num_kv_heads"], v["bytes_per_token"], v["ratio_to_mha"])
+             for v in attention_variants(cfg, kv_dtype, gqa_kv_heads=8)]  # fmt: skip
     return [
         {
             "kind": kind,
             "num_kv_heads": heads,
             "bytes_per_token": bpt,
-            "ratio_to_mha": bpt / mha,
+            "ratio_to_mha": ratio,
             "max_seqs": int(kv_budget_bytes // (bpt * seq_len)),
             "kv_read_ms": batch * seq_len * bpt / hw.mem_bandwidth * 1e3,
         }
-        for kind, heads, bpt in sizes
+        for kind, heads, bpt, ratio in sizes
     ]
 
 

@@ -3,9 +3,10 @@
 ``ModelConfig`` is the one description of a decoder-only Llama-family transformer that every room of the
 workbench reads: the model code builds layers from it, the roofline model counts FLOPs and bytes from it,
 the KV-cache calculator sizes caches from it. It understands the keys of Llama (1/2/3.x), Mistral and
-Qwen2 configs. Presets live in ``data/models/<name>.json`` as plain HF config files (sources in
-``data/models/README.md``); ``ModelConfig.from_name`` looks them up and ``ModelConfig.resolve`` accepts a
-preset name, a ``config.json`` path or a checkpoint directory.
+Qwen2 configs, and of the mixture-of-experts / MLA ones of Mixtral, Qwen2-MoE and DeepSeek-V3. Presets live
+in ``data/models/<name>.json`` as plain HF config files (sources in ``data/models/README.md``);
+``ModelConfig.from_name`` looks them up and ``ModelConfig.resolve`` accepts a preset name, a ``config.json``
+path or a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -442,7 +443,7 @@ class ModelConfig:
     # ---- HF config.json ---------------------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], name: str | None = None) -> ModelConfig:
-        """Build from the dict of an HF ``config.json`` (Llama, Mistral, Qwen2 keys)."""
+        """Build from the dict of an HF ``config.json`` (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V3)."""
         where = name or hf.get("_name_or_path") or "config.json"
         archs = hf.get("architectures") or []
         if not archs:

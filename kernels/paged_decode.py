@@ -12,6 +12,10 @@ to read each K/V byte once, at full speed:
 - Head sizes that are not powers of two are padded to the next power of two and masked.
 - Tokens of a tile are gathered through the block table one by one, so any block size (1, 16, 32, ...)
   works; offsets into the pool are int64.
+- Multi-head latent attention (``paged_mla_decode_attention``; DeepSeek-V2/V3, ``workbench.model.mla``): the pool
+  holds one entry per token, ``[latent, rotary key]``, and V is the entry's first ``latent_dim`` values: the same
+  kernel, with V a view of the K pool and ``HEAD_DIM_V < HEAD_DIM`` (the absorbed form is an MQA of head size
+  ``latent + rope``), so each entry is read once for every query head.
 - A quantized pool (``KV_QUANT``) is dequantized as it is loaded, in fp32: int8 with one fp32 scale per (token,
   KV head) read beside each row (``KV_QUANT = 1``), fp8 e4m3 with one scale for the layer (``KV_QUANT = 2``). The
   kernel then reads 1 byte per cached value (plus 4 per token and head for int8's scale) instead of 2 or 4.
@@ -89,6 +93,7 @@ def _paged_decode_kernel(
     GROUP_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM padded to a power of two >= 16
+    HEAD_DIM_V: tl.constexpr,  # V's (and the output's) head size: HEAD_DIM, or MLA's latent (<= HEAD_DIM)
     PAGE_SIZE: tl.constexpr,  # tokens per cache block
     WRITE_FINAL: tl.constexpr,  # one split: write the normalised output instead of partials
     IEEE_DOT: tl.constexpr,  # fp32 inputs: full-precision dot instead of TF32
@@ -107,6 +112,7 @@ def _paged_decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
+    dv_mask = offs_d < HEAD_DIM_V
     heads = kv_head * GROUP + offs_g  # (GROUP_PAD,) query heads of this KV group
     q_ptrs = q_ptr + seq * stride_q_s + heads[:, None] * stride_q_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (GROUP_PAD, HEAD_DIM_PAD)
@@ -131,9 +137,9 @@ def _paged_decode_kernel(
         )  # (BLOCK_N, HEAD_DIM_PAD)
         v = tl.load(
             vc_head + block[:, None] * stride_vc_b + row[:, None] * stride_vc_s + offs_d[None, :],
-            mask=kv_mask,
+            mask=n_mask[:, None] & dv_mask[None, :],
             other=0.0,
-        )
+        )  # columns past HEAD_DIM_V are 0, so are the output's
         if KV_QUANT == 1:
             sc_off = block * stride_sc_b + row * stride_sc_s + kv_head  # (BLOCK_N,)
             k_sc = tl.load(k_scale_ptr + sc_off, mask=n_mask, other=0.0)
@@ -162,7 +168,7 @@ def _paged_decode_kernel(
     if WRITE_FINAL:
         out = acc / l_i[:, None]
         o_ptrs = out_ptr + seq * stride_o_s + heads[:, None] * stride_o_h + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & dv_mask[None, :])
     else:
         # an empty split (a sequence shorter than the longest) has l_i = 0: output 0, lse -inf (weight 0)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
@@ -261,14 +267,37 @@ def paged_decode_attention(
             if k_scale.numel() != 1 or v_scale.numel() != 1:
                 raise KernelInputError("fp8 caches take one scale each for K and V")
         check_device(q, k_scale, v_scale)
-    num_heads = q.shape[1]
     if seq_lens.shape != (num_seqs,):
         raise KernelInputError(f"seq_lens must be ({num_seqs},), got {tuple(seq_lens.shape)}")
     check_dtype("seq_lens", seq_lens, INDEX_DTYPES)
     check_device(q, k_cache, v_cache, block_tables, seq_lens)
     check_last_dim_contiguous(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables)
 
-    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    return _launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, max_seq_len, k_scale,
+                          v_scale, kv_quant, page_size, num_kv_heads, head_dim, head_dim)  # fmt: skip
+
+
+def _launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None,
+    num_splits: int | None,
+    max_seq_len: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    kv_quant: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: int,
+) -> torch.Tensor:
+    """The split-K decode kernel and the merge of its partials, on checked inputs; output (seqs, heads, head_dim_v)."""
+    num_seqs, num_heads = q.shape[0], q.shape[1]
+    quantized = kv_quant != 0
+    out = torch.empty((num_seqs, num_heads, head_dim_v), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -311,6 +340,7 @@ def paged_decode_attention(
         GROUP_PAD=next_pow2(group, 16),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
+        HEAD_DIM_V=head_dim_v,
         PAGE_SIZE=page_size,
         WRITE_FINAL=write_final,
         IEEE_DOT=q.dtype == torch.float32,
@@ -324,9 +354,38 @@ def paged_decode_attention(
             num_splits,
             out.stride(0),
             out.stride(1),
-            HEAD_DIM=head_dim,
+            HEAD_DIM=head_dim_v,
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=next_pow2(num_splits),
             num_warps=4 if head_dim_pad >= 128 else 1,
         )
     return out
+
+
+def paged_mla_decode_attention(
+    q: torch.Tensor,  # (num_seqs, num_heads, latent_dim + rope_dim): absorbed queries (workbench.model.mla)
+    kv_cache: torch.Tensor,  # (num_blocks, block_size, 1, latent_dim + rope_dim): [latent, rotary key] per token
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+    seq_lens: torch.Tensor,  # (num_seqs,) int32/int64, each >= 1
+    latent_dim: int,
+    scale: float,  # MLA's (qk_nope_head_dim + qk_rope_head_dim)^-0.5, not the entry's size
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:  # (num_seqs, num_heads, latent_dim), q's dtype
+    """MLA decode over a paged pool of latent entries: softmax(q . entry * scale) . entry[:latent_dim], every
+    query head against the one shared entry per token (an MQA whose V is the latent part of K)."""
+    num_seqs = q.shape[0] if q.dim() == 3 else -1
+    page_size, num_kv_heads, head_dim = check_paged_attention_inputs(
+        q, kv_cache, kv_cache, block_tables, num_seqs, "num_seqs"
+    )
+    if num_kv_heads != 1:
+        raise KernelInputError(f"an MLA pool has one entry per token (num_kv_heads 1), got {num_kv_heads}")
+    if not 0 < latent_dim <= head_dim:
+        raise KernelInputError(f"latent_dim must be in [1, {head_dim}] (the entry's size), got {latent_dim}")
+    if seq_lens.shape != (num_seqs,):
+        raise KernelInputError(f"seq_lens must be ({num_seqs},), got {tuple(seq_lens.shape)}")
+    check_dtype("seq_lens", seq_lens, INDEX_DTYPES)
+    check_device(q, kv_cache, block_tables, seq_lens)
+    check_last_dim_contiguous(q=q, kv_cache=kv_cache, block_tables=block_tables)
+    return _launch_decode(q, kv_cache, kv_cache[..., :latent_dim], block_tables, seq_lens, scale, num_splits,
+                          max_seq_len, None, None, 0, page_size, 1, head_dim, latent_dim)  # fmt: skip

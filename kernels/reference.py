@@ -129,3 +129,21 @@ def paged_decode_attention_quantized_reference(
     k = dequantize_paged_cache(k_cache, k_scale)
     v = dequantize_paged_cache(v_cache, v_scale)
     return paged_decode_attention_reference(q.float(), k, v, block_tables, seq_lens, scale).to(q.dtype)
+
+
+def paged_mla_decode_attention_reference(
+    q: torch.Tensor,  # (num_seqs, num_heads, latent_dim + rope_dim)
+    kv_cache: torch.Tensor,  # (num_blocks, block_size, 1, latent_dim + rope_dim)
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks)
+    seq_lens: torch.Tensor,  # (num_seqs,)
+    latent_dim: int,
+    scale: float,
+) -> torch.Tensor:  # (num_seqs, num_heads, latent_dim), q's dtype
+    """MLA decode in fp32, one sequence at a time: each head's scores over the whole entries, values their first
+    ``latent_dim`` values."""
+    out = torch.empty((*q.shape[:2], latent_dim), dtype=torch.float32, device=q.device)
+    for s, s_len in enumerate(seq_lens.tolist()):
+        entries, _ = gather_sequence_kv(kv_cache, kv_cache, block_tables[s], s_len)  # (s_len, 1, d)
+        probs = torch.softmax(q[s].float() @ entries[:, 0].T * scale, dim=-1)  # (heads, s_len)
+        out[s] = probs @ entries[:, 0, :latent_dim]
+    return out.to(q.dtype)

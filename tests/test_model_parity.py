@@ -14,6 +14,7 @@ from workbench.model import load_checkpoint
 from workbench.model.generate import generate_static
 from workbench.request import SamplingParams
 
+MOE_MLA_PRESETS = ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3")  # model.moe, model.mla
 ATOL, RTOL = 1e-4, 1e-4  # fp32; observed differences are ~1e-7
 NUM_DECODE_STEPS = 16
 PROMPTS = [
@@ -28,7 +29,7 @@ def hf_model(path):
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("preset", TINY_PRESETS)
+@pytest.mark.parametrize("preset", TINY_PRESETS + MOE_MLA_PRESETS)
 def test_prefill_and_decode_logits_match_hf(preset, tiny_checkpoint):
     path = tiny_checkpoint(preset)
     ours, theirs = load_checkpoint(path), hf_model(path)
@@ -49,7 +50,7 @@ def test_prefill_and_decode_logits_match_hf(preset, tiny_checkpoint):
             logits = ours.decode(nxt, cache, slots)
 
 
-@pytest.mark.parametrize("preset", TINY_PRESETS)
+@pytest.mark.parametrize("preset", TINY_PRESETS + MOE_MLA_PRESETS)
 def test_greedy_generation_identical_to_hf(preset, tiny_checkpoint):
     path = tiny_checkpoint(preset)
     ours, theirs = load_checkpoint(path), hf_model(path)

@@ -3,9 +3,10 @@
 ``ModelConfig`` is the one description of a decoder-only Llama-family transformer that every room of the
 workbench reads: the model code builds layers from it, the roofline model counts FLOPs and bytes from it,
 the KV-cache calculator sizes caches from it. It understands the keys of Llama (1/2/3.x), Mistral and
-Qwen2 configs. Presets live in ``data/models/<name>.json`` as plain HF config files (sources in
-``data/models/README.md``); ``ModelConfig.from_name`` looks them up and ``ModelConfig.resolve`` accepts a
-preset name, a ``config.json`` path or a checkpoint directory.
+Qwen2 configs, and of the mixture-of-experts / MLA ones of Mixtral, Qwen2-MoE and DeepSeek-V3. Presets live
+in ``data/models/<name>.json`` as plain HF config files (sources in ``data/models/README.md``);
+``ModelConfig.from_name`` looks them up and ``ModelConfig.resolve`` accepts a preset name, a ``config.json``
+path or a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -19,9 +20,24 @@ from workbench.errors import ConfigError, read_json_file
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 MODELS_DIR = DATA_DIR / "models"
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 # model_type as transformers writes it, per architecture
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+ROUTER_SCORINGS = ("softmax", "sigmoid")  # softmax: Mixtral, Qwen-MoE; sigmoid (group-limited): DeepSeek-V3
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 DTYPE_ALIASES = {
@@ -120,6 +136,14 @@ class ModelConfig:
     """Shape of a Llama-family decoder. Field names follow the workbench, not HF (see ``from_hf_config``).
 
     MHA, GQA and MQA are the same model with ``num_kv_heads`` equal to ``num_heads``, a divisor of it, or 1.
+
+    Mixture of experts (``num_experts > 0``; ``workbench.model.moe``): every layer not in ``dense_layers`` replaces
+    its MLP by ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, of which a router picks
+    ``num_experts_per_tok`` per token, plus an optional shared expert of ``shared_expert_intermediate_size``
+    (behind a sigmoid gate when ``shared_expert_gated``, as in Qwen2-MoE). Multi-head latent attention
+    (``kv_lora_rank > 0``; ``workbench.model.mla``, DeepSeek-V2/V3): ``head_dim`` is the query/key head size
+    ``qk_nope_head_dim + qk_rope_head_dim`` and the cache holds one latent of ``kv_lora_rank`` plus one shared rotary
+    key of ``qk_rope_head_dim`` per token and layer.
     """
 
     name: str
@@ -141,6 +165,25 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
     torch_dtype: str = "bf16"
+    # ---- mixture of experts (0 experts: a dense model) ----
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to 1 (Mixtral always; Qwen-MoE optional)
+    router_scoring: str = "softmax"  # 'softmax' over all experts, or DeepSeek-V3's 'sigmoid' with expert groups
+    n_group: int = 1  # sigmoid router: experts are split into n_group groups, of which topk_group are eligible
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek-V3: 2.5)
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = False  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP (intermediate_size)
+    # ---- multi-head latent attention (kv_lora_rank 0: plain MHA/GQA/MQA) ----
+    q_lora_rank: int | None = None  # None: a full-rank q_proj
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # HF DeepSeek: the checkpoint's rotary dims are interleaved pairs
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -176,7 +219,9 @@ class ModelConfig:
             raise ConfigError(f"{self.name}: rope_scaling must be a dict or None, got {self.rope_scaling!r}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind == "llama3":
+            if kind == "yarn" and self.kv_lora_rank > 0:
+                pass  # DeepSeek-V3's long-context rope: recorded for counting; the model refuses it (model.mla)
+            elif kind == "llama3":
                 for key in (
                     "factor",
                     "low_freq_factor",
@@ -187,12 +232,85 @@ class ModelConfig:
                         raise ConfigError(f"{self.name}: rope_scaling of type llama3 needs {key!r}")
             elif kind not in (None, "default"):
                 raise ConfigError(
-                    f"{self.name}: rope_scaling type {kind!r} is not supported; supported: llama3 (or none)"
+                    f"{self.name}: rope_scaling type {kind!r} is not supported; supported: llama3 (or none; yarn "
+                    "recorded for MLA presets)"
                 )
         for tok in self.eos_token_ids:
             if not 0 <= tok < self.vocab_size:
                 raise ConfigError(f"{self.name}: eos token id {tok} outside the vocabulary [0, {self.vocab_size})")
         canonical_dtype(self.torch_dtype)
+        self._check_moe()
+        self._check_mla()
+
+    def _check_moe(self) -> None:
+        if self.num_experts == 0:
+            return
+        e, k = self.num_experts, self.num_experts_per_tok
+        if not (isinstance(e, int) and e > 0 and isinstance(k, int) and 0 < k <= e):
+            raise ConfigError(f"{self.name}: num_experts_per_tok must be in [1, num_experts={e}], got {k!r}")
+        if not (isinstance(self.moe_intermediate_size, int) and self.moe_intermediate_size > 0):
+            raise ConfigError(f"{self.name}: moe_intermediate_size must be a positive integer for an MoE model")
+        if self.router_scoring not in ROUTER_SCORINGS:
+            raise ConfigError(
+                f"{self.name}: router_scoring {self.router_scoring!r}; expected one of {', '.join(ROUTER_SCORINGS)}"
+            )
+        if e % self.n_group or not 0 < self.topk_group <= self.n_group:
+            raise ConfigError(
+                f"{self.name}: n_group ({self.n_group}) must divide num_experts ({e}) and topk_group "
+                f"({self.topk_group}) be in [1, n_group]"
+            )
+        if self.topk_group * (e // self.n_group) < k:
+            raise ConfigError(f"{self.name}: topk_group groups of experts hold fewer than num_experts_per_tok ({k})")
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"{self.name}: dense_layers {bad} outside [0, num_layers={self.num_layers})")
+
+    def _check_mla(self) -> None:
+        if self.kv_lora_rank == 0:
+            return
+        for fname in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, fname)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{self.name}: {fname} must be a positive integer for MLA, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"{self.name}: qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ConfigError(
+                f"{self.name}: MLA head_dim ({self.head_dim}) must be qk_nope_head_dim + qk_rope_head_dim "
+                f"({self.qk_nope_head_dim} + {self.qk_rope_head_dim})"
+            )
+        if self.q_lora_rank is not None and not (isinstance(self.q_lora_rank, int) and self.q_lora_rank > 0):
+            raise ConfigError(f"{self.name}: q_lora_rank must be a positive integer or null, got {self.q_lora_rank!r}")
+
+    # ---- mixture of experts and MLA ----------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (False for every layer of a dense model)."""
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions rotary embeddings rotate: the head for MHA/GQA/MQA, the decoupled rope part for MLA."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def cache_entry(self) -> tuple[int, int]:
+        """(heads, dim) of one token's K in one layer's pool: (num_kv_heads, head_dim), or MLA's one compressed
+        entry (1, kv_lora_rank + qk_rope_head_dim) whose first kv_lora_rank values serve as V."""
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return self.num_kv_heads, self.head_dim
 
     # ---- derived sizes -------------------------------------------------------------------------------
     @property
@@ -209,21 +327,47 @@ class ModelConfig:
 
     @property
     def attention_kind(self) -> str:
-        """'MHA', 'MQA' or 'GQA' from the number of KV heads."""
+        """'MHA', 'MQA' or 'GQA' from the number of KV heads; 'MLA' for multi-head latent attention."""
+        if self.is_mla:
+            return "MLA"
         if self.num_kv_heads == self.num_heads:
             return "MHA"
         if self.num_kv_heads == 1:
             return "MQA"
         return "GQA"
 
-    def num_params(self, include_embeddings: bool = True) -> int:
-        """Number of parameters, counted from the shapes (biases and norms included)."""
-        h, i = self.hidden_size, self.intermediate_size
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention (projections, biases, MLA's two latent norms)."""
+        h = self.hidden_size
+        if self.is_mla:
+            qd, nh = self.head_dim, self.num_heads
+            q = h * nh * qd if self.q_lora_rank is None else h * self.q_lora_rank + self.q_lora_rank * (1 + nh * qd)
+            r = self.kv_lora_rank
+            kv = h * (r + self.qk_rope_head_dim) + r + r * nh * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + nh * self.v_head_dim * h
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h  # q,k,v,o + gate,up,down + two RMSNorm weights
-        total = self.num_layers * per_layer + h  # final norm
+        return attn
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """Parameters of one layer's MLP; ``active``: only the experts one token uses (top-k routed + shared)."""
+        h = self.hidden_size
+        if not self.is_moe_layer(layer):
+            return 3 * h * self.intermediate_size
+        e = self.num_experts_per_tok if active else self.num_experts
+        router = h * self.num_experts + (self.num_experts if self.router_scoring == "sigmoid" else 0)
+        shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_gated else 0)
+        return e * 3 * h * self.moe_intermediate_size + router + shared
+
+    def num_params(self, include_embeddings: bool = True, active: bool = False) -> int:
+        """Number of parameters, counted from the shapes (biases and norms included). ``active``: an MoE model's
+        parameters one token runs through (its top-k routed experts and the shared one; equal to the total for
+        a dense model)."""
+        h = self.hidden_size
+        total = h  # final norm
+        for layer in range(self.num_layers):  # attention + MLP + two RMSNorm weights
+            total += self.attention_params() + self.mlp_params(layer, active) + 2 * h
         if include_embeddings:
             total += self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return total
@@ -232,9 +376,12 @@ class ModelConfig:
         """Bytes of K and V cached per token over all layers: 2 * layers * kv_heads * (head_dim * bytes + scale).
 
         The scale term is ``KV_INT8_SCALE_BYTES`` for an int8 cache (one fp32 scale per token and KV head) and 0
-        otherwise (fp8 keeps per-layer scales, not per-token ones).
+        otherwise (fp8 keeps per-layer scales, not per-token ones). MLA: layers * (kv_lora_rank +
+        qk_rope_head_dim) * bytes (DeepSeek-V2 paper, section 2.1.4: one compressed latent and one rotary key).
         """
         scale = KV_INT8_SCALE_BYTES if canonical_dtype(kv_dtype) == "int8" else 0
+        if self.is_mla:  # one latent + one rotary key per token and layer, no separate V
+            return self.num_layers * (self.cache_entry[1] * dtype_bytes(kv_dtype) + scale)
         return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes(kv_dtype) + scale)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -257,6 +404,11 @@ class ModelConfig:
     def check_quantization(self, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         """A ``ConfigError`` naming the matrix when ``quantization`` cannot apply to this shape (before any load)."""
         q = canonical_quantization(quantization)
+        if q is not None and (self.is_moe or self.is_mla):
+            raise ConfigError(
+                f"{self.name}: weight quantization of mixture-of-experts and MLA models is not implemented; "
+                "run it unquantized (--quantization none)"
+            )
         if q != "int4":
             return
         if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
@@ -298,7 +450,7 @@ class ModelConfig:
     # ---- HF config.json ---------------------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], name: str | None = None) -> ModelConfig:
-        """Build from the dict of an HF ``config.json`` (Llama, Mistral, Qwen2 keys)."""
+        """Build from the dict of an HF ``config.json`` (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE, DeepSeek-V3)."""
         where = name or hf.get("_name_or_path") or "config.json"
         archs = hf.get("architectures") or []
         if not archs:
@@ -350,6 +502,11 @@ class ModelConfig:
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
         attention_bias = bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM"))
+        if arch == "Qwen2MoeForCausalLM":
+            attention_bias = bool(hf.get("qkv_bias", True))
+        moe_mla = _moe_mla_fields(arch, hf, where)
+        if moe_mla.get("kv_lora_rank"):
+            head_dim = moe_mla["qk_nope_head_dim"] + moe_mla["qk_rope_head_dim"]
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "MistralForCausalLM") else None
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
         known = {
@@ -357,7 +514,7 @@ class ModelConfig:
             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
             "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias",
             "bos_token_id", "eos_token_id", "sliding_window", "torch_dtype", "dtype", "model_type",
-        }  # fmt: skip
+        } | _MOE_MLA_KEYS  # fmt: skip
         return cls(
             name=name or str(hf.get("_name_or_path") or arch),
             architecture=arch,
@@ -379,6 +536,7 @@ class ModelConfig:
             sliding_window=sliding,
             torch_dtype=canonical_dtype(dtype),
             extra={k: v for k, v in hf.items() if k not in known},
+            **moe_mla,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -413,7 +571,41 @@ class ModelConfig:
                 raise ConfigError(f"{self.name}: Qwen2 always has QKV bias; attention_bias=False is not Qwen2")
             hf["use_sliding_window"] = False
             hf["sliding_window"] = None
+        hf |= self._moe_mla_hf_keys()
         return hf
+
+    def _moe_mla_hf_keys(self) -> dict[str, Any]:
+        """The HF keys of the MoE and MLA architectures (the inverse of ``_moe_mla_fields``)."""
+        arch = self.architecture
+        if arch == "MixtralForCausalLM":
+            if self.intermediate_size != self.moe_intermediate_size or self.dense_layers or not self.norm_topk_prob:
+                raise ConfigError(f"{self.name}: Mixtral has only MoE layers of intermediate_size, top-k renormalised")
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                    "sliding_window": self.sliding_window}  # fmt: skip
+        if arch == "Qwen2MoeForCausalLM":
+            return {
+                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                "decoder_sparse_step": 1, "mlp_only_layers": list(self.dense_layers), "qkv_bias": self.attention_bias,
+                "use_sliding_window": False,
+            }  # fmt: skip
+        if arch == "DeepseekV3ForCausalLM":
+            first_dense = len(self.dense_layers)
+            if tuple(range(first_dense)) != tuple(self.dense_layers):
+                raise ConfigError(f"{self.name}: DeepSeek-V3's dense layers are the first k (first_k_dense_replace)")
+            shared = self.shared_expert_intermediate_size // self.moe_intermediate_size
+            return {
+                "n_routed_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "n_shared_experts": shared, "n_group": self.n_group, "topk_group": self.topk_group,
+                "routed_scaling_factor": self.routed_scaling_factor, "first_k_dense_replace": first_dense,
+                "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+                "qk_rope_head_dim": self.qk_rope_head_dim, "qk_nope_head_dim": self.qk_nope_head_dim,
+                "v_head_dim": self.v_head_dim, "rope_interleave": self.rope_interleave,
+                "head_dim": self.qk_rope_head_dim, "attention_bias": False,
+            }  # fmt: skip
+        return {}
 
     @classmethod
     def from_json(cls, path: str | Path, name: str | None = None) -> ModelConfig:
@@ -456,6 +648,61 @@ class ModelConfig:
             "params_M": round(self.num_params() / 1e6, 1),
             "kv_bytes_per_token_bf16": self.kv_bytes_per_token("bf16"),
         }
+
+
+_MOE_MLA_KEYS = {
+    "num_local_experts", "num_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "norm_topk_prob", "shared_expert_intermediate_size", "n_shared_experts", "decoder_sparse_step", "mlp_only_layers",
+    "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "scoring_func", "topk_method",
+    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave", "qkv_bias",
+    "moe_layer_freq",
+}  # fmt: skip
+
+
+def _moe_mla_fields(arch: str, hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig's MoE and MLA fields from the HF keys of Mixtral, Qwen2-MoE and DeepSeek-V3 configs."""
+    layers = hf["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": hf.get("num_local_experts", 8), "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
+                "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True}  # fmt: skip
+    if arch == "Qwen2MoeForCausalLM":
+        step = hf.get("decoder_sparse_step", 1)
+        only = set(hf.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
+        return {
+            "num_experts": hf.get("num_experts", 60),
+            "num_experts_per_tok": hf.get("num_experts_per_tok", 4),
+            "moe_intermediate_size": hf.get("moe_intermediate_size", 1408),
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 0),
+            "shared_expert_gated": True,
+            "dense_layers": dense,
+        }
+    if arch == "DeepseekV3ForCausalLM":
+        if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ConfigError(f"{where}: DeepSeek-V3 routing is scoring_func 'sigmoid' with topk_method 'noaux_tc'")
+        if hf.get("moe_layer_freq", 1) != 1:
+            raise ConfigError(f"{where}: moe_layer_freq {hf['moe_layer_freq']} is not supported (only 1)")
+        moe_size = hf.get("moe_intermediate_size", 2048)
+        return {
+            "num_experts": hf.get("n_routed_experts", 256),
+            "num_experts_per_tok": hf.get("num_experts_per_tok", 8),
+            "moe_intermediate_size": moe_size,
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "router_scoring": "sigmoid",
+            "n_group": hf.get("n_group", 8),
+            "topk_group": hf.get("topk_group", 4),
+            "routed_scaling_factor": float(hf.get("routed_scaling_factor", 2.5)),
+            "shared_expert_intermediate_size": moe_size * hf.get("n_shared_experts", 1),
+            "dense_layers": tuple(range(min(hf.get("first_k_dense_replace", 3), layers))),
+            "q_lora_rank": hf.get("q_lora_rank", 1536),
+            "kv_lora_rank": hf.get("kv_lora_rank", 512),
+            "qk_rope_head_dim": hf.get("qk_rope_head_dim", 64),
+            "qk_nope_head_dim": hf.get("qk_nope_head_dim", 128),
+            "v_head_dim": hf.get("v_head_dim", 128),
+            "rope_interleave": bool(hf.get("rope_interleave", True)),
+        }
+    return {}
 
 
 def preset_names() -> list[str]:

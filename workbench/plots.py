@@ -324,6 +324,30 @@ def plot_waste(waste: Any, trace: str, ax: Axes | None = None) -> Axes:
     return ax
 
 
+def plot_moe_decode_bytes(predicted: Any, measured: Any, model: str, measured_model: str,
+                          axes: Sequence[Axes] | None = None) -> Sequence[Axes]:  # fmt: skip
+    """Left: an MoE model's decode weight bytes and bytes per sequence against batch size (roofline, expected
+    distinct experts). Right: distinct experts per step on this machine's model, counted from its routers,
+    against E(1-(1-k/E)^B)."""
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    axes[0].plot(predicted.batch, predicted.weight_bytes / 2**30, "o-", label="weights read per step")
+    axes[0].plot(predicted.batch, predicted.bytes_per_seq / 2**30, "s--", label="per sequence")
+    axes[0].set(xscale="log", yscale="log", xlabel="batch size (sequences)", ylabel="GiB",
+                title=f"{model}: decode weight bytes (expected distinct experts)")  # fmt: skip
+    _log_ticks(axes[0], predicted.batch)
+    axes[0].legend()
+    axes[1].plot(measured.batch, measured.measured_experts, "o-", label="counted from the routers")
+    axes[1].plot(measured.batch, measured.expected_experts, "s--", label="E(1-(1-k/E)^B)")
+    axes[1].set(xscale="log", xlabel="batch size (sequences)", ylabel="distinct experts per MoE layer",
+                title=f"{measured_model}: experts one decode step reads")  # fmt: skip
+    _log_ticks(axes[1], measured.batch)
+    axes[1].legend()
+    return axes
+
+
 def plot_batch_sweep(sweep: Any, kv_len: int, axes: Sequence[Axes] | None = None) -> Sequence[Axes]:
     """Decode throughput (output tokens/s) and ITL against batch size, measured with min..max bars and the
     roofline's prediction."""

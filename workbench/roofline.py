@@ -512,6 +512,11 @@ class RooflineModel:
         pipeline_parallel_size: int = 1,
         calibration: Calibration | str | None = None,
     ) -> None:
+        if cfg.is_moe or cfg.is_mla:
+            raise ConfigError(
+                f"{cfg.name}: the per-operation roofline counts dense Llama-family layers; for a mixture-of-experts "
+                "or MLA model use workbench.roofline.moe_decode_cost (decode bytes from the distinct experts)"
+            )
         self.cfg = cfg
         self.hw = get_hardware(hw)
         self.act_dtype, self.kv_dtype, self.quantization = resolve_dtypes(dtype, act_dtype, kv_dtype, quantization)
@@ -1051,6 +1056,130 @@ def reference_step_cost(
     return out
 
 
+# ---- mixture of experts and MLA: decode cost from active parameters and distinct experts ------------------------
+def expected_distinct_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Expected number of different experts ``num_tokens`` tokens route to, each choosing ``top_k`` of
+    ``num_experts``, when every token's choice is a uniform random k-subset and tokens are independent:
+    an expert is missed by one token with probability ``1 - k/E``, by all ``B`` with ``(1 - k/E)^B``, so
+
+        E * (1 - (1 - k/E)^B)
+
+    (``k`` at B = 1, tending to ``E``). Real routers are not uniform (load balancing pushes them towards it)."""
+    if not (0 < top_k <= num_experts) or num_tokens < 0:
+        raise ConfigError(
+            f"need 0 < top_k <= num_experts and num_tokens >= 0, got {top_k}, {num_experts}, {num_tokens}"
+        )
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+def simulated_distinct_experts(
+    num_experts: int, top_k: int, num_tokens: int, trials: int = 2000, seed: int = 0
+) -> float:
+    """The mean number of distinct experts over ``trials`` seeded draws of uniform top-k routing (the Monte-Carlo
+    check of ``expected_distinct_experts``)."""
+    import random
+
+    rng = random.Random(seed)
+    experts = range(num_experts)
+    total = 0
+    for _ in range(trials):
+        hit: set[int] = set()
+        for _ in range(num_tokens):
+            hit.update(rng.sample(experts, top_k))
+        total += len(hit)
+    return total / trials
+
+
+def check_expert_parallel(cfg: ModelConfig, expert_parallel_size: int) -> None:
+    """ConfigError naming the constraint when ``cfg``'s experts cannot be spread over ``expert_parallel_size``
+    GPUs: the size must be a positive integer, 1 for a dense model, and divide the number of routed experts."""
+    ep = expert_parallel_size
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ConfigError(f"expert_parallel_size must be a positive integer, got {ep!r}")
+    if ep > 1 and not cfg.is_moe:
+        raise ConfigError(f"{cfg.name} is a dense model: expert_parallel_size {ep} needs a mixture of experts (use 1)")
+    if cfg.is_moe and cfg.num_experts % ep:
+        raise ConfigError(
+            f"expert_parallel_size {ep} must divide {cfg.name}'s {cfg.num_experts} routed experts "
+            f"(each GPU holds the same number of experts)"
+        )
+
+
+@dataclass(frozen=True)
+class MoEDecodeCost:
+    """One decode step of ``batch`` sequences at ``context_len`` tokens on one GPU of an expert-parallel group."""
+
+    batch: int
+    context_len: int
+    expert_parallel_size: int
+    distinct_experts: float  # expected experts read per MoE layer, on the whole group
+    weight_bytes: float  # on one GPU: the non-expert weights plus its share of the distinct experts
+    kv_bytes: float  # the cache read (context) and written (the new token)
+    flops: float  # 2 x active parameters x tokens + attention
+    all_to_all_bytes: float  # sent by one GPU per step: dispatch and combine of every MoE layer
+    time_s: float | None  # max(compute, memory) + all-to-all, when a hardware spec is given
+
+    @property
+    def bytes_total(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+
+def moe_decode_cost(
+    cfg: ModelConfig,
+    batch: int,
+    context_len: int,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    expert_parallel_size: int = 1,
+    hw: HardwareSpec | str | None = None,
+) -> MoEDecodeCost:
+    """Bytes, FLOPs and (with ``hw``) time of one decode step of an MoE and/or MLA model (a dense one too).
+
+    Weights read: every non-expert weight once (attention, norms, router, shared and dense MLPs, the LM head; one
+    embedding row per token), and in each MoE layer only the experts the batch routes to,
+    ``expected_distinct_experts(E, k, batch)`` of them, each ``3 * hidden * moe_intermediate_size`` values; with
+    expert parallelism each GPU holds ``E / ep`` experts (and reads ``1 / ep`` of the distinct ones) and the
+    non-expert weights are replicated. FLOPs: ``2 * batch`` times the active parameters (the LM head included,
+    the embedding table not) plus attention over ``context_len`` keys per sequence (MHA/GQA/MQA:
+    ``4 * heads * head_dim`` per key; MLA absorbed: ``2 * heads * (2 r + dr)``). All-to-all: each token's hidden
+    state goes to its ``k`` experts and comes back, ``(ep - 1) / ep`` of them on other GPUs:
+    ``2 * batch * k * hidden * bytes * (ep - 1) / ep`` per MoE layer; timed at the interconnect's bandwidth plus
+    its base latency twice per layer.
+    """
+    check_expert_parallel(cfg, expert_parallel_size)
+    if batch < 1 or context_len < 0:
+        raise ConfigError(f"batch must be >= 1 and context_len >= 0, got {batch}, {context_len}")
+    ep = expert_parallel_size
+    a = dtype_bytes(dtype)
+    kv_dtype = resolve_kv_cache_dtype(kv_dtype, dtype)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    expert_params = 3 * h * cfg.moe_intermediate_size if cfg.is_moe else 0
+    moe_layers = cfg.num_moe_layers
+    routed_total = moe_layers * cfg.num_experts * expert_params
+    lm_head = v * h  # read whole (tied: the embedding table)
+    non_expert = cfg.num_params(include_embeddings=False) - routed_total + lm_head + batch * h
+    distinct = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) if cfg.is_moe else 0.0
+    weight_bytes = (non_expert + moe_layers * distinct / ep * expert_params) * a
+    kv_bytes = batch * (context_len + 1) * cfg.kv_bytes_per_token(kv_dtype)
+    active_linear = cfg.num_params(include_embeddings=False, active=True) + lm_head
+    if cfg.is_mla:
+        per_key = 2 * cfg.num_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    else:
+        per_key = 4 * cfg.num_heads * cfg.head_dim
+    flops = 2.0 * batch * active_linear + cfg.num_layers * batch * (context_len + 1) * per_key
+    a2a = moe_layers * 2 * batch * cfg.num_experts_per_tok * h * a * (ep - 1) / ep
+    time_s = None
+    if hw is not None:
+        spec = get_hardware(hw)
+        time_s = max(flops / spec.peak(dtype), (weight_bytes + kv_bytes) / spec.mem_bandwidth)
+        if ep > 1:
+            if spec.interconnect is None:
+                raise ConfigError(f"hardware {spec.name!r} has no interconnect: expert parallelism cannot be timed")
+            bw, _ = spec.interconnect.link(ep)
+            time_s += a2a / bw + 2 * moe_layers * spec.interconnect.base_latency_s
+    return MoEDecodeCost(batch, context_len, ep, distinct, weight_bytes, kv_bytes, flops, a2a, time_s)
+
+
 __all__ = [
     "LAYER_OPS",
     "MODEL_OPS",
@@ -1072,4 +1201,9 @@ __all__ = [
     "utilization",
     "reference_step_cost",
     "with_op",
+    "expected_distinct_experts",
+    "simulated_distinct_experts",
+    "check_expert_parallel",
+    "MoEDecodeCost",
+    "moe_decode_cost",
 ]

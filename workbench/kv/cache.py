@@ -8,6 +8,10 @@ A token at position p of a sequence lives in slot ``block_table[p // block_size]
 ``slot_mapping`` lists that slot for every new token of a step. Which blocks a sequence owns is decided by the
 torch-free ``BlockManager``; this module only holds the memory.
 
+Multi-head latent attention (``cfg.is_mla``, ``workbench.model.mla``) stores one entry per token and layer,
+``[latent (kv_lora_rank), rotary key (qk_rope_head_dim)]`` as a single "KV head" of ``k``; ``v`` is a view of its
+first ``kv_lora_rank`` values (no second copy), so ``write`` stores K only.
+
 The *contiguous* cache of a static-batching framework (gpt-fast, HF's static cache) is the same pool with
 ``block_size = max_len`` and one block per batch slot: sequence ``i`` owns block ``i`` and its tokens are a plain
 slice ``k[layer][i, :len]``. ``ContiguousKVCache`` adds the per-slot lengths that ``Transformer.prefill`` and
@@ -81,15 +85,17 @@ class KVCache:
         self.num_layers = cfg.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
+        self.num_kv_heads, self.head_dim = cfg.cache_entry  # MLA: (1, kv_lora_rank + qk_rope_head_dim)
+        self.latent_dim = cfg.kv_lora_rank if cfg.is_mla else None  # MLA: V is k[..., :latent_dim]
         self.dtype = dtype  # what attention reads: the activation dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, str(dtype))  # what the pool stores
         self.quantized = self.kv_cache_dtype in ("int8", "fp8")
+        if self.quantized and cfg.is_mla:
+            raise ConfigError(f"{cfg.name}: a quantized KV cache of an MLA model is not implemented; use auto")
         storage = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(self.kv_cache_dtype, dtype)
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         self.k = torch.zeros(shape, dtype=storage, device=device)  # (L, num_blocks, block_size, kv_heads, head_dim)
-        self.v = torch.zeros(shape, dtype=storage, device=device)
+        self.v = self.k[..., : self.latent_dim] if cfg.is_mla else torch.zeros(shape, dtype=storage, device=device)
         # int8: one fp32 scale per (token, KV head), (L, num_blocks, block_size, kv_heads); fp8: one per layer, (L,),
         # 1.0 as in vLLM when a checkpoint brings no calibrated scales (the values are saturated at +-448)
         self.k_scale: torch.Tensor | None = None
@@ -110,6 +116,8 @@ class KVCache:
         """K and V bytes of one token over all layers: 2 * layers * kv_heads * (head_dim * element size + scale),
         the scale being int8's fp32 per token and head (``ModelConfig.kv_bytes_per_token`` counts the same)."""
         scale = KV_INT8_SCALE_BYTES if self.kv_cache_dtype == "int8" else 0
+        if self.latent_dim is not None:  # MLA: one entry, V inside it
+            return self.num_layers * self.head_dim * self.k.element_size()
         return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.k.element_size() + scale)
 
     @property
@@ -126,6 +134,12 @@ class KVCache:
         with the layer's scale.
         """
         rows = (self.num_kv_heads, self.head_dim)
+        if self.latent_dim is not None:  # MLA: k is the whole entry, v its first latent_dim values (already in k)
+            if layer is None:
+                self.k.view(self.num_layers, -1, *rows).index_copy_(1, slot_mapping, k)
+            else:
+                self.k[layer].view(-1, *rows).index_copy_(0, slot_mapping, k)
+            return
         for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             if self.kv_cache_dtype == "int8":
                 x, s = quantize_kv_int8(x)
@@ -168,6 +182,9 @@ class KVCache:
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``slots`` (any shape of slot ids) in one layer, dequantized: (*slots.shape, kv_heads, d)."""
         rows = (self.num_kv_heads, self.head_dim)
+        if self.latent_dim is not None:  # MLA: V is the latent part of the entry
+            entry = self.k[layer].view(-1, *rows)[slots]
+            return entry, entry[..., : self.latent_dim]
         if not self.quantized:
             return self.k[layer].view(-1, *rows)[slots], self.v[layer].view(-1, *rows)[slots]
         k, v = (_unbits(_bits(pool[layer]).view(-1, *rows)[slots], pool.dtype) for pool in (self.k, self.v))

@@ -2,7 +2,7 @@
 
 - bytes per token: ``ModelConfig.kv_bytes_per_token`` (K and V, all layers: 2 * layers * kv_heads * head_dim * B).
 - ``attention_variants``: the same for the model's MHA, GQA and MQA counterparts (same query heads and head
-  size, different numbers of KV heads), to show what grouping saves.
+  size, different numbers of KV heads), to show what grouping saves; an MLA model's own row beside them.
 - ``plan_num_blocks``: the one KV-pool planner: how many blocks of ``block_size`` tokens a pool gets (given,
   or as many as fit a byte budget, capped at what the wanted tokens need). The engine (``EngineConfig``), the
   simulator (``SimConfig``) and ``max_concurrent_sequences`` size their pools through it.
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.config import ModelConfig, ceil_div
+from workbench.config import ModelConfig, ceil_div, dtype_bytes
 from workbench.errors import ConfigError
 
 
@@ -40,6 +40,8 @@ def attention_variants(
     bytes_per_token, ratio_to_mha, is_model). The GQA row uses the model's own KV heads when it is GQA, else
     ``gqa_kv_heads`` (default 8 where that divides the heads); it is omitted when no grouping exists."""
     nh = cfg.num_heads
+    if cfg.is_mla:
+        return _mla_variants(cfg, kv_dtype, gqa_kv_heads or _default_gqa_kv_heads(nh))
     if gqa_kv_heads is None:
         gqa_kv_heads = cfg.num_kv_heads if cfg.attention_kind == "GQA" else _default_gqa_kv_heads(nh)
     elif not (1 < gqa_kv_heads < nh and nh % gqa_kv_heads == 0):
@@ -62,6 +64,18 @@ def attention_variants(
             }
         )
     return rows
+
+
+def _mla_variants(cfg: ModelConfig, kv_dtype: str, gqa_kv_heads: int | None) -> list[dict[str, Any]]:
+    """An MLA model's own row (kind 'MLA', one latent + rope entry per token and layer) after its MHA / GQA / MQA
+    counterparts, which cache K (``qk_nope + qk_rope``) and V (``v_head_dim``) per KV head."""
+    per_head = (cfg.head_dim + cfg.v_head_dim) * dtype_bytes(kv_dtype)
+    kinds = [("MHA", cfg.num_heads), ("GQA", gqa_kv_heads), ("MQA", 1)]
+    sizes = [(k, h, cfg.num_layers * h * per_head) for k, h in kinds if h is not None]
+    sizes.append(("MLA", None, cfg.kv_bytes_per_token(kv_dtype)))
+    mha = sizes[0][2]
+    return [{"kind": k, "num_kv_heads": h, "bytes_per_token": b, "ratio_to_mha": b / mha, "is_model": k == "MLA"}
+            for k, h, b in sizes]  # fmt: skip
 
 
 def plan_num_blocks(

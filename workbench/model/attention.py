@@ -232,9 +232,9 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        n_kv, d = k_cache.shape[2], k_cache.shape[3]
+        n_kv, d, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]  # dv < d: MLA's latent (model.mla)
         group = q.shape[1] // n_kv  # query heads per KV head (1: MHA)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[0], q.shape[1], dv)
         start = 0
         for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
             ids = meta.seq_block_ids[i]
@@ -242,14 +242,14 @@ class TorchAttentionBackend:
                 ks, vs = k_cache[ids[0], :s_len], v_cache[ids[0], :s_len]
             else:
                 ks = k_cache[ids].view(-1, n_kv, d)[:s_len]
-                vs = v_cache[ids].view(-1, n_kv, d)[:s_len]
+                vs = v_cache[ids].reshape(-1, n_kv, dv)[:s_len]
             kt, vt = ks.transpose(0, 1), vs.transpose(0, 1)  # (kv_heads, s_len, d)
             if q_len == 1:
                 # a decode sees its whole context: the group's query heads are the rows of one unmasked product
                 # 4-D inputs select SDPA's fused CPU kernel (3-D ones take the slower math path)
                 qg = q[start].view(1, n_kv, group, d)  # (1, kv_heads, group, d)
                 o = F.scaled_dot_product_attention(qg, kt[None], vt[None], scale=scale)  # (1, kv_heads, group, d)
-                out[start] = o.view(n_kv * group, d)
+                out[start] = o.view(n_kv * group, dv)
                 start += 1
                 continue
             if group > 1:  # expanded K/V keep SDPA on its fused kernel (enable_gqa falls back to the math path)
@@ -289,7 +289,7 @@ class TorchAttentionBackend:
         vv = torch.cat((v_old, v[:, None]), dim=1).transpose(1, 2)
         qg = q.reshape(b, n_kv, group, d)  # GQA without copies: a KV head's query heads are its query rows
         out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=meta.key_mask, scale=scale)  # (B, kv, group, d)
-        return out.reshape(b, n_kv * group, d)
+        return out.reshape(b, n_kv * group, -1)  # (B, heads, dv)
 
 
 TORCH_BACKEND = TorchAttentionBackend()  # stateless: what a model's forward uses unless given another

@@ -2,7 +2,9 @@
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file). Supported architectures:
-LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM. Our model fuses q/k/v into ``qkv_proj`` and gate/up into
+LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, and the MoE / MLA ones MixtralForCausalLM,
+Qwen2MoeForCausalLM, DeepseekV3ForCausalLM (their per-expert and MLA tensors: ``model.moe``, ``model.mla``). Our
+model fuses q/k/v into ``qkv_proj`` and gate/up into
 ``gate_up_proj``; the loader concatenates the HF tensors into them (rows in q, k, v and gate, up order).
 
 No weights can be downloaded where this workbench is tested, so ``save_random_checkpoint`` builds a randomly
@@ -23,6 +25,8 @@ import torch
 from workbench.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from workbench.device import torch_dtype
 from workbench.errors import CheckpointError, ConfigError
+from workbench.model.mla import hf_mla_shapes, mla_state
+from workbench.model.moe import hf_moe_shapes, moe_state
 from workbench.model.sharding import TensorParallelShard, all_reduce, empty_shard_model, shard_from_full, shard_model
 from workbench.model.transformer import Transformer
 
@@ -96,16 +100,20 @@ def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for layer in range(cfg.num_layers):
         p = f"model.layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        if cfg.is_moe_layer(layer):
+            shapes |= hf_moe_shapes(cfg, layer)
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
+        if cfg.is_mla:
+            shapes |= hf_mla_shapes(cfg, layer)
+            continue
         shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         }
         if cfg.attention_bias:
             shapes |= {
@@ -193,16 +201,22 @@ def load_checkpoint(
         attn = p + "self_attn."
         state[o + "input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
         state[o + "post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        if cfg.is_moe_layer(layer):
+            state |= moe_state(cfg, layer, tensors)
+        else:
+            state[o + "mlp.gate_up_proj.weight"] = torch.cat(
+                [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
+            )
+            state[o + "mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
+        if cfg.is_mla:
+            state |= mla_state(cfg, layer, tensors)
+            continue
         state[o + "self_attn.qkv_proj.weight"] = torch.cat([tensors[attn + f"{x}_proj.weight"] for x in "qkv"])
         if cfg.attention_bias:
             state[o + "self_attn.qkv_proj.bias"] = torch.cat([tensors[attn + f"{x}_proj.bias"] for x in "qkv"])
         state[o + "self_attn.o_proj.weight"] = tensors[attn + "o_proj.weight"]
-        state[o + "mlp.gate_up_proj.weight"] = torch.cat(
-            [tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]]
-        )
-        state[o + "mlp.down_proj.weight"] = tensors[p + "mlp.down_proj.weight"]
     with torch.no_grad():
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters()) | dict(model.named_buffers())  # buffers: a router's bias
         for name, value in state.items():
             params[name].copy_(value.float())
     if shard is not None:

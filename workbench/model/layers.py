@@ -40,7 +40,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     divided by `factor`; wavelengths shorter than original_context / high_freq_factor are kept; in between the
     two are blended linearly in original_context / wavelength.
     """
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim  # the head, or MLA's decoupled rope part
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (d/2,)
     scaling = cfg.rope_scaling
     if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":

@@ -38,6 +38,11 @@ def check_tensor_parallel_size(cfg: ModelConfig, tp: int) -> None:
     """ConfigError naming the constraint when ``cfg`` cannot be split over ``tp`` ranks."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    if tp > 1 and (cfg.is_moe or cfg.is_mla):
+        raise ConfigError(
+            f"{cfg.name}: tensor parallelism of mixture-of-experts and MLA models is not implemented in the engine; "
+            "run it with tensor_parallel_size 1 (the simulator and the planner model expert parallelism)"
+        )
     if cfg.num_heads % tp:
         raise ConfigError(
             f"tensor_parallel_size {tp} must divide {cfg.name}'s num_heads ({cfg.num_heads}): each rank holds "

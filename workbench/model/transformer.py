@@ -33,6 +33,8 @@ from workbench.model.attention import (
     build_metadata,
 )
 from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary_rolled, signed_sin
+from workbench.model.mla import MLAttention
+from workbench.model.moe import MoE
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 """(layer, q (T, heads, d), k (T, kv_heads, d), v, scale) -> attention output (T, heads, d)."""
@@ -72,12 +74,13 @@ class DecoderLayer(nn.Module):
     ``post_attention`` (O projection, residual, norm, MLP, residual). ``forward`` runs both with ``attend`` between;
     the compiled ragged step (``workbench.engine.prefill_step``) compiles the two parts and keeps attention eager."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        # MLA (model.mla) presents the same project/output/scale as Attention; an MoE (model.moe) the same forward
+        self.self_attn = MLAttention(cfg) if cfg.is_mla else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def pre_attention(
         self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
@@ -122,7 +125,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -154,6 +157,9 @@ class Transformer(nn.Module):
                     p.zero_()
                 else:
                     p.normal_(0.0, init_std, generator=gen)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.zero_()  # as a fresh HF DeepSeek-V3 router has it
         model.rotary = RotaryEmbedding(cfg)  # buffers are not parameters: rebuild after to_empty
         return model.to(device=device, dtype=dtype).eval()
 

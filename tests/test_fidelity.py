@@ -215,3 +215,67 @@ def test_a_committed_profile_timed_with_plain_linears_is_not_used_for_a_packing_
     from workbench.experiments.fidelity import packed_mismatch
 
     assert packed_mismatch(kind, data) is stale
+
+
+def test_repeats_in_two_separate_modes_are_bimodal_and_the_larger_mode_is_typical() -> None:
+    from workbench.experiments.fidelity import bimodal_split
+
+    # the AMD EPYC's continuous TTFT p90 over three repeats (issue 33): one fast repeat, two slow ones
+    split = bimodal_split([1.760, 0.730, 1.660])
+    assert split is not None and split["counts"] == [1, 2]
+    assert split["modes"] == pytest.approx([0.730, 1.710]) and split["typical"] == pytest.approx(1.710)
+    # scatter about one value (the same run's static TTFT median): gap 0.48 s is 9% of the median
+    assert bimodal_split([4.818, 5.301, 5.421]) is None
+    # a wide but even scatter: the widest gap (0.06) is not twice the lower group's range (0.04)
+    assert bimodal_split([0.10, 0.14, 0.20]) is None
+    # two values cannot say; an even split has no typical mode
+    assert bimodal_split([1.0, 2.0]) is None
+    tie = bimodal_split([1.0, 1.05, 2.0, 2.1])
+    assert tie is not None and tie["typical"] is None and tie["modes"] == pytest.approx([1.025, 2.05])
+
+
+def test_the_fidelity_table_marks_a_bimodal_measurement_and_the_error_against_its_typical_mode() -> None:
+    runs = {"continuous": [metrics(0.73, 0.01), metrics(1.66, 0.0101), metrics(1.76, 0.0099)]}
+    rows = compare(runs, {"continuous": metrics(1.5, 0.01)}, "m")
+    ttft = rows[0]
+    assert ttft["bimodal"] and ttft["typical_ms"] == pytest.approx(1710.0)
+    assert ttft["rel_error_typical"] == pytest.approx((1.5 - 1.71) / 1.71)
+    assert not rows[2]["bimodal"]  # ITL median: 1% scatter
+    assert "continuous ttft median" in fidelity_claim(rows, "m")["evidence"]["bimodal"]
+
+
+def test_workbench_fidelity_runs_on_a_tiny_model_and_names_the_machine(tmp_path, capsys) -> None:
+    """`workbench fidelity` end to end on tiny settings: the real engine (tiny-gqa, 4 requests, 3 repeats) against
+    a hand-written profile (10 ms a step, 1 ms between steps); the JSON names the machine as torch sees it."""
+    import json
+
+    import torch
+
+    from workbench.cli import main
+    from workbench.hardware import cpu_model_name
+    from workbench.sim.costmodel import ProfiledCostModel
+
+    profile = tmp_path / "p.json"
+    meta = {"model": "tiny-gqa", "machine": cpu_model_name()}
+    ProfiledCostModel({"const": 0.010}, 0.001, meta, [-0.001, 0.0, 0.001]).save(profile)
+    out = tmp_path / "f.json"
+    rc = main(["fidelity", "--model", "tiny-gqa", "--cost-model", "profiled", "--fit-profile", str(profile),
+               "--num-requests", "4", "--rate", "50", "--repeats", "3", "--policies", "continuous,static",
+               "--no-progress", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpu"] == cpu_model_name()
+    assert data["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    # 2 policies x 4 statistics, each for the model and its noise variant; one run per policy and repeat
+    assert len(data["rows"]) == 16 and {r["model"] for r in data["rows"]} == {"profiled", "profiled noise"}
+    assert len(data["loads"]) == 6 and data["cost_models"]["profiled"]["source"] == str(profile)
+    assert all(isinstance(r["bimodal"], bool) for r in data["rows"])
+    err = capsys.readouterr().err
+    assert "torch dispatches to" in err and "statistics within" in err
+
+
+def test_workbench_fidelity_refuses_an_unknown_cost_model(capsys) -> None:
+    from workbench.cli import main
+
+    assert main(["fidelity", "--cost-model", "roofline"]) == 2
+    assert "op-profile, profiled" in capsys.readouterr().err

@@ -205,3 +205,14 @@ def test_the_factory_loads_an_op_profile_with_noise(tmp_path) -> None:  # noqa: 
     stats = StepStats(decode_seqs=2, decode_context=30, decode_max_context=20)
     times = [cost.step_time(stats) for _ in range(50)]
     assert all(137 * US <= t <= 139 * US for t in times) and len(set(times)) > 1
+
+
+def test_an_op_profile_names_the_machine_its_identity_records() -> None:
+    # profile-ops records machine_identity() (cpu, cpu_count, cpu_capability), older files a "name": both are named
+    data = {**synthetic_profile(), "machine": {"cpu": "AMD EPYC", "cpu_count": 2, "cpu_capability": "AVX512"}}
+    meta = OpProfileCostModel.from_dict(data, "test").meta
+    assert (meta["machine"], meta["cpu_count"], meta["cpu_capability"]) == ("AMD EPYC", 2, "AVX512")
+    assert OpProfileCostModel.from_dict(synthetic_profile(), "test").meta["machine"] == "test machine"
+    assert (
+        OpProfileCostModel.from_dict({**synthetic_profile(), "machine": None}, "t").meta["machine"] == "unknown machine"
+    )

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fit-profile": ("workbench.commands.fit_profile", "measure the engine's step times here and fit a cost profile"),
     "profile-ops": ("workbench.commands.profile_ops", "time every operation of a model here into an op profile"),
     "roofline": ("workbench.commands.roofline", "per-operation roofline of prefill and decode on a hardware"),
+    "fidelity": ("workbench.commands.fidelity", "the simulator against the real engine here, per policy, with spreads"),
     "plan": ("workbench.commands.plan", "search deployments (replicas, TP, PP, P:D, policy) for goodput per GPU"),
     "hardware": ("workbench.commands.hardware", "accelerator table and this machine's measured ceilings"),
     "bench": ("workbench.commands.bench", "benchmark decode, prefill, an offline set and HF transformers"),

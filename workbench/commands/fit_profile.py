@@ -7,7 +7,9 @@ Replays synthetic workloads (a light and a heavy Poisson load and a burst) on th
 every step with what it computed (its tokens, prefill sequences, prefill attention pairs, decode context tokens read,
 decodes attended one at a time) and fits step time to them by non-negative least squares: a token curve (the dense
 layers' time, piecewise linear in the step's tokens) plus linear attention and per-sequence terms, the extra time of
-a step after an idle wait, the wake-up delay and the median busy host gap between steps. The profile is written as
+a step after an idle wait, the wake-up delay and the median busy host gap between steps; the curve rises within each
+kernel's range of rows (``fit_profile``'s ``kernel_breaks``), every coefficient gets a bootstrap interval, and the fit's
+quality warnings (a kind of step priced more than 10% off, a coefficient at its bound) go to stderr. Written as
 JSON for ``workbench simulate --cost-model profiled --profile FILE``.
 """
 
@@ -58,13 +60,19 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads, progress=bar,
         )  # fmt: skip
     path = profile.save(out)
+    import sys
+
+    for warning in profile.meta["fit"].get("warnings") or []:  # the fit's quality checks (fit.fit_quality)
+        print(f"workbench fit-profile: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps({**profile.to_dict(), "path": str(path)}))
         return 0
     fit = profile.meta["fit"]
     print(f"profile written to {path}")
+    ci = fit.get("coefficient_ci") or {}
     for name, value in profile.coefficients.items():
-        print(f"  {name:18s} {value:.6g} s")
+        band = f"  (bootstrap 5-95%: {ci[name][0]:.3g}..{ci[name][2]:.3g})" if name in ci else ""
+        print(f"  {name:18s} {value:.6g} s{band}")
     if profile.token_curve is not None:
         knots, secs = profile.token_curve
         print("  token curve        " + ", ".join(f"{k}: {v * 1e3:.3g}" for k, v in zip(knots, secs)) + " (tokens: ms)")

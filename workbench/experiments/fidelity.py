@@ -1,5 +1,9 @@
 """Simulator fidelity on this machine: the simulator against the real engine, per policy, with the measured runs'
-own spread (``scripts/sim_fidelity.py`` and notebook 07).
+own spread (``workbench fidelity`` and notebook 07).
+
+- ``fidelity_report`` is the whole check of ``workbench fidelity``: the cost models (read or measured now), the
+  measured runs (or the real disaggregated pair), the simulated ones, the table and the claims, in one JSON-able
+  dict; ``print_report`` writes its table.
 
 - ``measure_policies`` replays one held-out workload on the real engine under every policy, ``repeats`` times,
   interleaved (repeat 1 of every policy, then repeat 2, ...), so that a change of the machine's load during the
@@ -29,6 +33,8 @@ from workbench.workloads import Request, synthetic_workload
 
 FIDELITY_TOLERANCE = 0.10  # the simulator's target: within 10% of the measured median (or the spread, if larger)
 NOISY_SPREAD = 0.25  # a spread beyond this makes the comparison inconclusive: the runs do not bound the error
+BIMODAL_GAP = 0.25  # repeats split by a gap beyond 25% of their median (and far wider than each cluster): two modes
+BIMODAL_SEPARATION = 2.0
 STATISTICS = (("ttft_s", "median"), ("ttft_s", "p90"), ("itl_s", "median"), ("itl_s", "p90"))
 
 
@@ -146,21 +152,53 @@ def _spread(values: Sequence[float]) -> tuple[float, float, float, float]:
     return min(values), mid, max(values), dev
 
 
+def bimodal_split(values: Sequence[float]) -> dict[str, Any] | None:
+    """Whether repeated measurements of one statistic fall in two separate modes rather than scatter about one:
+    sorted, the values split at their widest gap; the split is bimodal when that gap exceeds ``BIMODAL_GAP`` of the
+    median and ``BIMODAL_SEPARATION`` times the wider group's own range (two tight clusters far apart; one stray
+    value counts as a mode of its own). None when not bimodal or fewer than 3 values (two values cannot say).
+    Otherwise ``modes``: each group's median, low first; ``counts``; ``typical``: the median of the larger group
+    (None on a tie: more repeats are needed to say which mode is typical)."""
+    xs = sorted(values)
+    if len(xs) < 3:
+        return None
+    gaps = [b - a for a, b in zip(xs, xs[1:])]
+    i = max(range(len(gaps)), key=gaps.__getitem__)
+    low, high = xs[: i + 1], xs[i + 1 :]
+    mid = statistics.median(xs)
+    width = max(low[-1] - low[0], high[-1] - high[0])
+    if mid <= 0 or gaps[i] <= BIMODAL_GAP * mid or gaps[i] <= BIMODAL_SEPARATION * width:
+        return None
+    modes = [statistics.median(low), statistics.median(high)]
+    typical = None if len(low) == len(high) else modes[0] if len(low) > len(high) else modes[1]
+    return {"modes": modes, "counts": [len(low), len(high)], "typical": typical}
+
+
 def compare(runs: Mapping[str, Sequence[Mapping]], simulated: Mapping[str, Mapping], label: str) -> list[dict]:
     """One row per policy and statistic: the measured repeats' min, median, max and ``spread``, the simulated
-    value, its ``rel_error`` against the median, the ``tolerance`` and whether it is ``within`` it."""
+    value, its ``rel_error`` against the median, the ``tolerance`` and whether it is ``within`` it; ``bimodal``:
+    whether the repeats fall in two modes (``bimodal_split``), and then ``modes_ms``, ``typical_ms`` (the larger
+    mode's median, None on a tie) and ``rel_error_typical`` (the simulated value against it, None on a tie)."""
     rows = []
     for policy, reps in runs.items():
         sim = simulated[policy]
         for metric, stat in STATISTICS:
-            lo, mid, hi, spread = _spread([r[metric][stat] for r in reps])
+            values = [r[metric][stat] for r in reps]
+            lo, mid, hi, spread = _spread(values)
             s = sim[metric][stat]
             err = (s - mid) / mid if mid else 0.0
             tol = max(FIDELITY_TOLERANCE, spread)
-            rows.append({"model": label, "policy": policy, "statistic": f"{metric.removesuffix('_s')} {stat}",
-                         "measured_min_ms": lo * 1e3, "measured_ms": mid * 1e3, "measured_max_ms": hi * 1e3,
-                         "spread": spread, "simulated_ms": s * 1e3, "rel_error": err, "tolerance": tol,
-                         "within": abs(err) <= tol})  # fmt: skip
+            row = {"model": label, "policy": policy, "statistic": f"{metric.removesuffix('_s')} {stat}",
+                   "measured_min_ms": lo * 1e3, "measured_ms": mid * 1e3, "measured_max_ms": hi * 1e3,
+                   "spread": spread, "simulated_ms": s * 1e3, "rel_error": err, "tolerance": tol,
+                   "within": abs(err) <= tol, "bimodal": False}  # fmt: skip
+            split = bimodal_split(values)
+            if split is not None:
+                typical = split["typical"]
+                row.update(bimodal=True, modes_ms=[m * 1e3 for m in split["modes"]], mode_counts=split["counts"],
+                           typical_ms=None if typical is None else typical * 1e3,
+                           rel_error_typical=None if typical is None else (s - typical) / typical)  # fmt: skip
+            rows.append(row)
     return rows
 
 
@@ -174,9 +212,12 @@ def fidelity_claim(rows: Sequence[Mapping[str, Any]], label: str) -> dict[str, A
     noisy = [r for r in mine if abs(r["rel_error"]) > FIDELITY_TOLERANCE and r["spread"] > NOISY_SPREAD]
     evidence = {"num_statistics": len(mine), "num_within": len(mine) - len(outside),
                 "worst": {k: worst[k] for k in ("policy", "statistic", "rel_error", "tolerance")},
-                "max_spread": max(r["spread"] for r in mine)}  # fmt: skip
+                "max_spread": max(r["spread"] for r in mine),
+                "bimodal": [f"{r['policy']} {r['statistic']}" for r in mine if r.get("bimodal")]}  # fmt: skip
     text = (f"worst {worst['policy']} {worst['statistic']}: {100 * worst['rel_error']:+.1f}% against a tolerance of "
             f"{100 * worst['tolerance']:.0f}%; {evidence['num_within']}/{len(mine)} statistics within")  # fmt: skip
+    if evidence["bimodal"]:
+        text += f"; measured bimodal across repeats: {', '.join(evidence['bimodal'])}"
     claim = f"The simulator ({label}) reproduces every policy's TTFT and ITL within 10% or the run-to-run spread"
     if outside:
         return make_claim(claim, NOT_CONFIRMED, evidence, text)
@@ -731,3 +772,147 @@ def published_claim(summary: Mapping[str, Mapping[str, float]]) -> dict[str, Any
     text = f"{held['n']} held-out rows: median |error| {100 * med:.1f}%, largest {100 * top:.1f}%"
     ok = med <= HELD_OUT_MEDIAN_TARGET and top <= HELD_OUT_MAX_TARGET
     return make_claim(claim, CONFIRMED if ok else NOT_CONFIRMED, dict(held), text, uses=("published",))
+
+
+# ---- workbench fidelity: the whole check -------------------------------------------------------------------------
+def fidelity_report(
+    model: str = "tiny-gqa",
+    kinds: Sequence[str] = ("op-profile", "profiled"),
+    paths: Mapping[str, str | None] | None = None,
+    num_requests: int = 40,
+    rate: float = 10.0,
+    policies: Sequence[str] | None = None,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    seed: int = 7,
+    threads: int = 1,
+    repeats: int = 3,
+    disaggregate: str | None = None,
+    measure_profiles: bool = False,
+    measure_max_tokens: int = 1024,
+    progress: bool = False,
+    log: Any = None,
+) -> dict[str, Any]:
+    """The fidelity check of ``workbench fidelity``: each cost model of ``kinds`` (``op-profile``, ``profiled``) from
+    ``paths[kind]``, else this machine's committed profile, else measured now (``profile_for_this_machine``; always
+    with ``measure_profiles``); the real engine on the held-out workload under every policy, ``repeats`` times
+    interleaved (or the real disaggregated pair ``disaggregate`` "P:D", ``disaggregated_fidelity``); the simulator
+    on the same, deterministic and with seeded noise; the table (``compare``), the claims, the load averages, the
+    machine (``machine_identity``: the CPU model, its CPUs, the instruction set torch dispatches to) and wall
+    times. ``log``: a callable given one line per profile read or measured (None: quiet)."""
+    import os
+    import time
+
+    import torch
+
+    from workbench.config import ModelConfig, parse_disaggregate
+    from workbench.engine.scheduler import POLICIES
+    from workbench.errors import ConfigError
+    from workbench.model.checkpoint import load_model
+    from workbench.sim.measure import machine_identity
+
+    kinds = list(kinds)
+    bad = [k for k in kinds if k not in ("op-profile", "profiled")]
+    if bad or not kinds:
+        raise ConfigError(f"cost models must be some of op-profile, profiled (--cost-model), got {kinds!r}")
+    policies = list(policies or POLICIES)
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ConfigError(f"unknown policy {unknown!r} (--policies); expected some of {', '.join(POLICIES)}")
+    for name, value in (("num_requests", num_requests), ("repeats", repeats), ("threads", threads)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    torch.set_num_threads(threads)  # as the profile was measured (fit-profile / profile-ops --threads, 1)
+    load_start = load_average()
+    t_start = time.perf_counter()
+    costs, sources = {}, {}
+    for kind in kinds:
+        costs[kind], sources[kind] = profile_for_this_machine(
+            kind, model, (paths or {}).get(kind), max_num_seqs, max_model_len, measure_max_tokens,
+            measure=measure_profiles,
+        )  # fmt: skip
+        prov = profile_provenance(kind, costs[kind])
+        if log is not None:
+            quality = (getattr(costs[kind], "meta", None) or {}).get("fit", {}).get("warnings") or []
+            log(f"{kind}: {sources[kind]}; machine {prov['machine']}; load average while measured "
+                f"{prov['load_average_1min']}{'  LOADED: its times hold other processes' if prov['loaded'] else ''}"
+                + "".join(f"\n  FIT WARNING: {w}" for w in quality))  # fmt: skip
+    profile_s = time.perf_counter() - t_start
+    held_out = held_out_workload(num_requests, rate, seed)
+    models = {k: {"source": sources[k], **c.describe(), "provenance": profile_provenance(k, c)}
+              for k, c in costs.items()}  # fmt: skip
+    out: dict[str, Any] = {"model": model, "machine": machine_identity(), "cost_models": models,
+                           "num_requests": num_requests, "rate": rate, "repeats": repeats, "threads": threads,
+                           "load_average_start": load_start}  # fmt: skip
+    labels = [name for kind in kinds for name in (kind, f"{kind} noise")]
+    rows: list[dict] = []
+    if disaggregate:
+        split = parse_disaggregate(disaggregate)
+        calibration = held_out_workload(num_requests, rate, seed + 1)
+        res = disaggregated_fidelity(model, list(costs.values()), held_out, split, repeats, threads, max_num_seqs,
+                                     max_model_len, seed, calibration)  # fmt: skip
+        rows = res["rows"]
+        out.update(disaggregate=disaggregate, link=res["link"], handoff=res["handoff"],
+                   idle_step_s=res["idle_step_s"], loads=res["loads"], ttft_parts=res["ttft_parts"])  # fmt: skip
+    else:
+        net = load_model(model, seed=0)
+        measured = measure_policies(net, held_out, policies, repeats, max_num_seqs, max_model_len, progress)
+        cfg = ModelConfig.resolve(model)
+        for kind, cost in costs.items():
+            for name, noise_seed in ((kind, None), (f"{kind} noise", seed)):
+                sim = simulate_policies(held_out, cfg, cost, measured, max_num_seqs, max_model_len, noise_seed)
+                rows += compare(measured["runs"], sim, name)
+        out["loads"] = measured["loads"]
+    out["rows"] = rows
+    out["claims"] = [fidelity_claim(rows, name) for name in labels]
+    out["max_abs_rel_error"] = {name: max(abs(r["rel_error"]) for r in rows if r["model"] == name)
+                                for name in labels}  # fmt: skip
+    out["load_average_end"] = load_average()
+    out["wall_s"] = {"profiles": profile_s, "total": time.perf_counter() - t_start}
+    loads = [x for run in out.get("loads", []) for x in (run["load_before"], run["load_after"]) if x]
+    out["measured_runs_loaded"] = bool(loads) and max(x[0] for x in loads) > (os.cpu_count() or 1)
+    return out
+
+
+def print_report(out: Mapping[str, Any], file: Any = None) -> None:
+    """The table of ``fidelity_report``'s result: one line per model, policy and statistic (BIMODAL where the
+    measured repeats fall in two modes, with the modes and the error against the typical one), the TTFT parts of a
+    disaggregated run, the load averages and each model's count within tolerance."""
+    import os
+    import sys
+
+    def say(line: str) -> None:
+        print(line, file=file or sys.stderr)
+
+    if out.get("ttft_parts"):
+        keys = ("queue", "prefill", "after", "sum_of_medians", "ttft", "handoff", "decode_wait", "wire")
+        say("TTFT in parts, medians over the requests (ms; after = handoff + decode-side wait + wire):")
+        parts = out["ttft_parts"]
+        named = [(f"measured {i}", x) for i, x in enumerate(parts["measured"])]
+        for label, x in named + [(k, v) for k, v in parts.items() if k != "measured"]:
+            say(f"  {label:18s} " + "  ".join(f"{k} {x[k]:.2f}" for k in keys if x.get(k) is not None))
+            p90 = x.get("p90") or {}
+            say(f"  {'  p90':18s} " + "  ".join(f"{k} {p90[k]:.2f}" for k in keys if p90.get(k) is not None))
+    for r in out["rows"]:
+        mode = ""
+        if r.get("bimodal"):
+            modes = "/".join(f"{m:.0f}" for m in r["modes_ms"])
+            typical = ("no typical mode (even split)" if r.get("typical_ms") is None else
+                       f"vs typical {100 * r['rel_error_typical']:+.1f}%")  # fmt: skip
+            mode = f"  BIMODAL (modes {modes} ms, {typical})"
+        say(f"{r['model']:18s} {r['policy']:18s} {r['statistic']:11s} measured {r['measured_ms']:8.2f} ms "
+            f"[{r['measured_min_ms']:.2f}..{r['measured_max_ms']:.2f}] simulated {r['simulated_ms']:8.2f} ms "
+            f"{100 * r['rel_error']:+6.1f}% (spread {100 * r['spread']:.0f}%, tol {100 * r['tolerance']:.0f}%)"
+            f"{'' if r['within'] else '  OUTSIDE'}{mode}")  # fmt: skip
+    loads = [x for run in out.get("loads", []) for x in (run["load_before"], run["load_after"]) if x]
+    if loads:
+        warn = "  LOADED: other processes shared the CPUs, the errors are not the simulator's"
+        say(
+            f"load average (1 min) over the measured runs: {min(x[0] for x in loads):.2f}.."
+            f"{max(x[0] for x in loads):.2f} on {os.cpu_count()} CPUs{warn if out['measured_runs_loaded'] else ''}"
+        )
+    m = out.get("machine") or {}
+    say(f"machine: {m.get('cpu')}, {m.get('cpu_count')} CPUs, torch dispatches to {m.get('cpu_capability')}")
+    for claim in out["claims"]:
+        say(f"{claim['claim']}: {claim['verdict']} ({claim['detail']})")
+    say(f"wall time {out['wall_s']['total']:.0f} s (profiles {out['wall_s']['profiles']:.0f} s)")

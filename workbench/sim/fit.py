@@ -55,6 +55,69 @@ def token_knots(num_tokens: list[int], dense_until: int = 16, ratio: float = 1.5
     return knots
 
 
+def _segments(knots: list[int], breaks: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Index ranges [a, b) of ``knots`` between consecutive ``breaks`` (a break starts the segment of the knots at
+    and above it)."""
+    starts = sorted({0} | {i for i, k in enumerate(knots) if k in set(breaks) or
+                           any(knots[i - 1] < b <= k for b in breaks if i)})  # fmt: skip
+    return [(a, b) for a, b in zip(starts, starts[1:] + [len(knots)])]
+
+
+def _curve_values(increments: Any, segments: list[tuple[int, int]]) -> Any:
+    """The knots' values from a segment's first value and its increments (``fit_profile``'s parameterisation)."""
+    import numpy as np
+
+    values = np.array(increments, dtype=np.float64)
+    for a, b in segments:
+        values[a:b] = np.cumsum(values[a:b])
+    return values
+
+
+# the coefficients physics says are positive: attention work and the looped decodes' per-sequence host overhead
+POSITIVE_FEATURES = ("prefill_pairs", "decode_context", "decode_looped_seqs")
+MAX_CLASS_BIAS = 0.10  # a kind of step the fit prices more than 10% off (median signed error): a warning
+
+
+def step_kind(stats: StepStats) -> str:
+    """ "decode" (decodes only), "prefill" (prefill chunks only) or "mixed"."""
+    if not stats.prefill_tokens:
+        return "decode"
+    return "mixed" if stats.decode_seqs else "prefill"
+
+
+def fit_quality(
+    all_stats: list[StepStats],
+    measured_s: Any,
+    fitted_s: Any,
+    coefficients: dict[str, float],
+    batched_decode: tuple[int, int] | None,
+    fitted_stats: list[StepStats],
+    keep: Any,
+) -> list[str]:
+    """Warnings about a fit (empty: none): a kind of step (``step_kind``) whose median signed error exceeds
+    ``MAX_CLASS_BIAS`` (the fit would price that kind of step systematically off, as a simulated policy that runs
+    many of them), and a ``POSITIVE_FEATURES`` coefficient at its bound 0 although its feature varies in the steps
+    (its cost then sits in other terms, which carry it only as far as the training steps' mix does)."""
+    import numpy as np
+
+    steps = [s for s, k in zip(fitted_stats, keep) if k]
+    warnings = []
+    rel = (np.asarray(fitted_s) - np.asarray(measured_s)) / np.asarray(measured_s)
+    for kind in ("decode", "prefill", "mixed"):
+        mask = np.asarray([step_kind(s) == kind for s in steps], dtype=bool)
+        if mask.sum() >= 5:
+            bias = float(np.median(rel[mask]))
+            if abs(bias) > MAX_CLASS_BIAS:
+                warnings.append(f"{kind} steps ({int(mask.sum())}) fitted {100 * bias:+.1f}% off (median)")
+    for name in POSITIVE_FEATURES:
+        j = FEATURES.index(name)
+        varies = len({s.features(batched_decode)[j] for s in all_stats}) > 1
+        if varies and coefficients.get(name, 0.0) <= 0.0:
+            warnings.append(f"{name} fitted at its bound 0 although the steps vary in it: its cost sits in other "
+                            "terms (collinear features; measure steps that vary it alone)")  # fmt: skip
+    return warnings
+
+
 def nnls(a: Any, b: Any, free: int = 0, tol: float = 1e-12) -> Any:
     """``min |a x - b|`` with ``x[free:] >= 0`` (the first ``free`` columns unconstrained, each split into a
     non-negative pair ``x+ - x-``): Lawson and Hanson's active-set method, exact for a full-rank ``a``."""
@@ -100,7 +163,9 @@ def fit_profile(
     knots: list[int] | None = None,
     after_idle: list[bool] | None = None,
     wakes_s: list[float] | None = None,
-    monotone_from: int = 16,
+    kernel_breaks: tuple[int, ...] = (),
+    bootstrap: int = 50,
+    seed: int = 0,
 ) -> ProfiledCostModel:
     """Non-negative least-squares fit of step time to measured step durations (relative error weighted, so short
     decode steps count as much as long prefills). No coefficient may be negative (but ``const`` in the linear form):
@@ -109,9 +174,15 @@ def fit_profile(
     Without ``knots`` the model is linear in ``FEATURES``. With ``knots`` the constant and the per-token term
     (``const``, ``prefill_tokens``) become a token curve: the time of a step's dense layers as a piecewise-linear
     function of its tokens (prefill + decode), one value per knot (``token_knots``), since a CPU BLAS library is
-    not linear in the batch (16 rows can run faster than 12); from the knot ``monotone_from`` on the curve may only
-    rise (a prefill of more tokens never computes faster; the fit solves for its non-negative increments there).
+    not linear in the batch. The curve may only rise (more rows never compute faster on one kernel: the fit solves
+    for a non-negative first value and non-negative increments) except at ``kernel_breaks``, the token counts where
+    the engine switches to another kernel (the CPU engine's packed linears from ``PACKED_MIN_ROWS`` rows on: on an
+    EPYC 3 rows on the plain path take 3x as long as 4 packed ones); each break starts a new rising segment.
     The attention and per-sequence terms ``CURVE_FEATURES`` stay linear.
+
+    ``bootstrap``: refits on that many resamples (with replacement, ``seed``) of the fitted steps; ``fit`` in the
+    meta then holds each coefficient's (and each knot's) 5th, 50th and 95th percentile (``coefficient_ci``,
+    ``token_curve_ci``). ``fit_quality`` checks the fit and its ``warnings`` are kept in ``fit``.
 
     Steps measured at more than ``outlier_ratio`` times the first fit's prediction (the process descheduled by
     others on a shared machine) are left out of a second fit. ``host_gap_s`` is the median of ``gaps_s``.
@@ -136,9 +207,10 @@ def fit_profile(
         cols = [FEATURES.index(f) for f in CURVE_FEATURES]
         tokens = [s.prefill_tokens + s.decode_seqs for s in stats]
         hats = _hat_weights(knots, tokens)  # (steps, knots)
-        rising = next((i for i, k in enumerate(knots) if k >= monotone_from), len(knots))
-        # from knot `rising` on, value_j = value_rising + sum of increments up to j: column i sums the hats j >= i
-        hats[:, rising:] = np.cumsum(hats[:, rising:][:, ::-1], axis=1)[:, ::-1]
+        segments = _segments(knots, kernel_breaks)
+        # within a segment [a, b), value_j = value_a + the increments up to j: column i sums the hats a <= i <= j < b
+        for a, b in segments:
+            hats[:, a:b] = np.cumsum(hats[:, a:b][:, ::-1], axis=1)[:, ::-1]
         x_all = np.hstack([feats[:, cols], hats])
         active = [j for j in range(x_all.shape[1]) if np.any(x_all[:, j] != 0)]
     idle = np.zeros(len(stats), dtype=bool)
@@ -171,14 +243,30 @@ def fit_profile(
     else:
         coefficients = {f: 0.0 for f in FEATURES}
         coefficients.update({f: float(c) for f, c in zip(CURVE_FEATURES, step_coef)})
-        values = np.array(step_coef[len(CURVE_FEATURES) :])
-        values[rising:] = np.cumsum(values[rising:])
+        values = _curve_values(step_coef[len(CURVE_FEATURES) :], segments)
         curve = (list(knots), [float(v) for v in values])
     fitted = x_all @ coef + idle * max(idle_step_s, 0.0)
     rel = np.abs(fitted - y_all) / y_all
     info = {"method": "nnls" if knots is None else "nnls-token-curve", "num_steps": len(stats),
             "num_idle_steps": int(idle.sum()), "num_outliers": int((~keep).sum()),
             "median_rel_error": float(np.median(rel)), "p90_rel_error": float(np.percentile(rel, 90))}  # fmt: skip
+    fitted_rows = np.flatnonzero(busy)[keep]
+    if bootstrap > 0 and len(fitted_rows) > 1:
+        rng = np.random.default_rng(seed)
+        draws = []
+        for _ in range(bootstrap):
+            pick = rng.choice(fitted_rows, size=len(fitted_rows), replace=True)
+            draws.append(solve(x_all[pick], y_all[pick]))
+        d = np.asarray(draws)
+        q = np.percentile(d, [5.0, 50.0, 95.0], axis=0)  # (3, columns)
+        names = list(FEATURES) if knots is None else list(CURVE_FEATURES)
+        info["bootstrap"] = bootstrap
+        info["coefficient_ci"] = {f: [float(v) for v in q[:, j]] for j, f in enumerate(names)}
+        if knots is not None:
+            curves = np.asarray([_curve_values(c[len(CURVE_FEATURES) :], segments) for c in d])
+            info["token_curve_ci"] = np.percentile(curves, [5.0, 50.0, 95.0], axis=0).T.tolist()
+    info["warnings"] = fit_quality(stats, y_all[busy][keep], fitted[busy][keep], coefficients, batched_decode,
+                                   [s for s, b in zip(stats, busy) if b], keep)  # fmt: skip
     gap = float(np.median(gaps_s)) if gaps_s else 0.0
     residuals = np.quantile(y_busy - x_busy @ coef, np.linspace(0.0, 1.0, 101)).tolist()
     wake = float(np.median(wakes_s)) if wakes_s else None

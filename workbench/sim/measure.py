@@ -261,7 +261,21 @@ def fit_engine_profile(
     knots = token_knots([s.prefill_tokens + s.decode_seqs for s in samples.stats])
     return fit_profile(samples.stats, samples.durations_s, samples.gaps_s, meta, knots=knots,
                        batched_decode=engine_batched_decode(dev), after_idle=samples.after_idle,
-                       wakes_s=samples.wakes_s)  # fmt: skip
+                       wakes_s=samples.wakes_s, kernel_breaks=engine_kernel_breaks(dev, dtype))  # fmt: skip
+
+
+def engine_kernel_breaks(device: Any, dtype: str = "fp32") -> tuple[int, ...]:
+    """The token counts where the engine's dense layers switch kernels (``fit_profile``'s ``kernel_breaks``): on a
+    CPU whose engine packs its linears (``workbench.model.packed``), products of ``PACKED_MIN_ROWS`` to
+    ``PACKED_MAX_ROWS`` rows run oneDNN's packed kernel, the others the plain one; none elsewhere."""
+    import torch
+
+    from workbench.device import torch_dtype
+    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, packing_available
+
+    if not packing_available(torch.device(str(device)), torch_dtype(dtype)):
+        return ()
+    return (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)
 
 
 def engine_batched_decode(device: Any) -> tuple[int, int] | None:

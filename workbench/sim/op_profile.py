@@ -304,7 +304,9 @@ class OpProfileCostModel(ProfiledCostModel):
         residuals = over.get("residual_quantiles_s", [])
         if not isinstance(residuals, list) or not all(isinstance(v, (int, float)) for v in residuals):
             raise ConfigError(f'{where}: "overhead.residual_quantiles_s" must be a list of numbers')
-        meta = {"model": data["model"], "machine": (data.get("machine") or {}).get("name", "unknown machine"),
+        machine = data.get("machine") or {}  # machine_identity(): cpu, cpu_count, cpu_capability (older: name)
+        meta = {"model": data["model"], "machine": machine.get("cpu") or machine.get("name") or "unknown machine",
+                "cpu_count": machine.get("cpu_count"), "cpu_capability": machine.get("cpu_capability"),
                 "device": data.get("device"), "dtype": data.get("dtype"), "threads": data.get("threads")}  # fmt: skip
         try:
             return cls({}, float(gaps["host_gap_s"]), meta, list(residuals), idle_step_s=float(gaps["idle_step_s"]),

@@ -101,12 +101,32 @@ class RunResult:
         return summarize(self.sequences, duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """The attention backend called ``name`` (``EngineConfig.attention_backend``)."""
+def resolve_attention_backend(name: str, device_type: str | None = None) -> str:
+    """``name`` with 'auto' decided: 'cpu' (the paged C++ decode, ``kernels.paged_decode_cpu``) on a CPU where it
+    builds, 'torch' otherwise (CUDA, or no compiler). ``device_type`` None: CUDA if present, else the CPU."""
+    if name != "auto":
+        return name
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    from workbench.model.cpu_backend import default_backend
+
+    return default_backend(device_type).name
+
+
+def make_backend(name: str, device_type: str | None = None) -> AttentionBackend:
+    """The attention backend called ``name`` (``EngineConfig.attention_backend``; 'auto' by
+    ``resolve_attention_backend``)."""
+    name = resolve_attention_backend(name, device_type)
     if name == "triton":
         from workbench.model.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "cpu":
+        if device_type not in (None, "cpu"):
+            raise ConfigError(f"attention_backend 'cpu' runs on the CPU, the model is on {device_type}; use 'auto'")
+        from workbench.model.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     return TorchAttentionBackend()
 
 
@@ -166,7 +186,7 @@ class Engine:
             (pack_linears if self.config.packed_linears else unpack_linears)(model)
             self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device,
                                  kv_cache_dtype=kv_dtype)  # fmt: skip
-            self.backend = make_backend(self.config.attention_backend)  # the engine's, never set on the model
+            self.backend = make_backend(self.config.attention_backend, model.device.type)  # never set on the model
             self.decode = DecodeStep(
                 model, self.cache, self.backend, self.config.decode_mode(model.device.type), self.config.max_num_seqs,
                 max_len,

@@ -43,6 +43,26 @@ struct Fp8Table {
 };
 const Fp8Table FP8;
 
+// exp(x) for x <= 0 in a form the vectorizer takes (a libm call per score was most of the op's time): x = n ln2 + r,
+// |r| <= ln2 / 2, Cephes' degree-6 polynomial for exp(r) (relative error about 2e-7), 2^n from the exponent bits;
+// x is clamped at -87 (exp(-87) ~ 1.6e-38, a weight of 0 to fp32 next to the running maximum's 1)
+static inline __attribute__((always_inline)) float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
 struct Args {
   const float* q;         // (B, H, D) fp32, already scaled
   const uint8_t* k;       // pool (num_blocks, block_size, KVH, D) of `kind`
@@ -59,15 +79,14 @@ struct Args {
   int64_t s_sb, s_st;        // int8 scale strides (block, token); the head is contiguous
 };
 
-// one cached row (token `t` of physical block `blk`, KV head `h`) of K or V as fp32
-#define LOAD_ROW(POOL, SCALE, DST)                                                             \
+// one cached row of K or V as fp32: OFF its offset in the pool (elements), SOFF its int8 scale's
+#define LOAD_ROW(POOL, SCALE, OFF, SOFF, DST)                                                  \
   do {                                                                                         \
-    const int64_t off = blk * a.s_kb + t * a.s_kt + h * a.s_kh;                                \
     if (a.kind == KV_F32) {                                                                    \
-      const float* src = reinterpret_cast<const float*>(POOL) + off;                           \
+      const float* src = reinterpret_cast<const float*>(POOL) + OFF;                           \
       for (int64_t d = 0; d < D; ++d) DST[d] = src[d];                                         \
     } else if (a.kind == KV_BF16) {                                                            \
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(POOL) + off;                     \
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(POOL) + OFF;                     \
       for (int64_t d = 0; d < D; ++d) {                                                        \
         uint32_t bits = uint32_t(src[d]) << 16;                                                \
         float f;                                                                               \
@@ -75,83 +94,103 @@ struct Args {
         DST[d] = f;                                                                            \
       }                                                                                        \
     } else if (a.kind == KV_INT8) {                                                            \
-      const int8_t* src = reinterpret_cast<const int8_t*>(POOL) + off;                         \
-      const float sc = SCALE[blk * a.s_sb + t * a.s_st + h];                                   \
+      const int8_t* src = reinterpret_cast<const int8_t*>(POOL) + OFF;                         \
+      const float sc = SCALE[SOFF];                                                            \
       for (int64_t d = 0; d < D; ++d) DST[d] = float(src[d]) * sc;                             \
     } else {                                                                                   \
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(POOL) + off;                       \
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(POOL) + OFF;                       \
       const float sc = SCALE[0];                                                               \
       for (int64_t d = 0; d < D; ++d) DST[d] = FP8.v[src[d]] * sc;                             \
     }                                                                                          \
   } while (0)
 
-// Attention of the G query rows of (sequence b, KV head h). kbuf: TILE * D, p: G * TILE, acc: G * D floats.
+
+// 8 floats: GCC's vector extension, lowered to one ymm register under AVX2/AVX-512, two xmm ones on the baseline
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+#define V8(PTR) (*reinterpret_cast<v8f*>(PTR))
+#define CV8(PTR) (*reinterpret_cast<const v8f*>(PTR))
+
+// Attention of the G query rows of (sequence b, KV head h). Rows are padded with zeros to DP (a multiple of 8)
+// floats; work holds q: G * DP, acc: G * DP, the tile's rows: TILE * DP, its weights p: G * TILE.
 #define TASK_BODY                                                                               \
-  const int64_t D = a.D, G = a.H / a.KVH;                                                      \
-  const float* qg = a.q + (b * a.H + h * G) * D;                                               \
-  float* acc = work;                                                                           \
-  float* kbuf = acc + G * D;                                                                   \
-  float* p = kbuf + TILE * D;                                                                  \
+  const int64_t D = a.D, DP = (D + 7) / 8 * 8, NC = DP / 8, G = a.H / a.KVH;                   \
+  float* qg = work;                                                                            \
+  float* acc = qg + G * DP;                                                                    \
+  float* kbuf = acc + G * DP;                                                                  \
+  float* p = kbuf + TILE * DP;                                                                 \
+  std::fill(work, p, 0.0f);                                                                    \
+  for (int64_t g = 0; g < G; ++g)                                                              \
+    for (int64_t d = 0; d < D; ++d) qg[g * DP + d] = a.q[(b * a.H + h * G + g) * D + d];       \
   float m[64], l[64];                                                                          \
+  int64_t off[TILE], soff[TILE];                                                               \
   for (int64_t g = 0; g < G; ++g) { m[g] = -std::numeric_limits<float>::infinity(); l[g] = 0; } \
-  std::fill(acc, acc + G * D, 0.0f);                                                           \
   const int64_t n_cached = a.lens[b];                                                          \
   const int64_t total = n_cached + (a.k_new ? 1 : 0);                                          \
   const int32_t* table = a.tables + b * a.max_blocks;                                          \
   for (int64_t start = 0; start < total; start += TILE) {                                      \
     const int64_t n = std::min(TILE, total - start);                                           \
-    for (int64_t i = 0; i < n; ++i) { /* K rows of the tile, fp32 */                           \
-      const int64_t pos = start + i;                                                           \
-      float* dst = kbuf + i * D;                                                               \
-      if (pos == n_cached) {                                                                   \
-        const float* src = a.k_new + (b * a.KVH + h) * D;                                      \
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d];                                       \
-      } else {                                                                                 \
-        const int64_t blk = table[pos / a.block_size], t = pos % a.block_size;                 \
-        LOAD_ROW(a.k, a.k_scale, dst);                                                         \
-      }                                                                                        \
+    const int64_t n_pool = std::max<int64_t>(0, std::min(n, n_cached - start)); /* rest: new */\
+    int64_t logical = start / a.block_size, t = start % a.block_size; /* one division a tile */\
+    for (int64_t i = 0; i < n_pool; ++i) { /* where each row lives: walk the block table */    \
+      const int64_t blk = table[logical];                                                      \
+      off[i] = blk * a.s_kb + t * a.s_kt + h * a.s_kh;                                         \
+      soff[i] = blk * a.s_sb + t * a.s_st + h;                                                 \
+      if (++t == a.block_size) { t = 0; ++logical; }                                           \
+    }                                                                                          \
+    for (int64_t i = 0; i < n_pool; ++i) { /* K rows of the tile, fp32 */                      \
+      float* dst = kbuf + i * DP;                                                              \
+      LOAD_ROW(a.k, a.k_scale, off[i], soff[i], dst);                                          \
+    }                                                                                          \
+    if (n_pool < n) { /* the new token's K, the last key */                                    \
+      const float* src = a.k_new + (b * a.KVH + h) * D;                                        \
+      for (int64_t d = 0; d < D; ++d) kbuf[n_pool * DP + d] = src[d];                          \
     }                                                                                          \
     for (int64_t g = 0; g < G; ++g) { /* scores, then the online-softmax update */             \
-      const float* qr = qg + g * D;                                                            \
+      const float* qr = qg + g * DP;                                                           \
       float* pg = p + g * TILE;                                                                \
       float tile_max = -std::numeric_limits<float>::infinity();                                \
       for (int64_t i = 0; i < n; ++i) {                                                        \
-        const float* kr = kbuf + i * D;                                                        \
-        float s = 0.0f;                                                                        \
-        _Pragma("omp simd reduction(+ : s)") for (int64_t d = 0; d < D; ++d) s += qr[d] * kr[d]; \
+        const float* kr = kbuf + i * DP;                                                       \
+        v8f sv = CV8(qr) * CV8(kr);                                                            \
+        for (int64_t c = 1; c < NC; ++c) sv += CV8(qr + 8 * c) * CV8(kr + 8 * c);              \
+        const float s = ((sv[0] + sv[4]) + (sv[1] + sv[5])) + ((sv[2] + sv[6]) + (sv[3] + sv[7])); \
         pg[i] = s;                                                                             \
         tile_max = std::max(tile_max, s);                                                      \
       }                                                                                        \
       const float m_new = std::max(m[g], tile_max);                                            \
-      const float corr = std::exp(m[g] - m_new);                                               \
+      const float corr = exp_neg(m[g] - m_new);                                                \
       float sum = 0.0f;                                                                        \
-      for (int64_t i = 0; i < n; ++i) { pg[i] = std::exp(pg[i] - m_new); sum += pg[i]; }       \
+      _Pragma("omp simd reduction(+ : sum)") for (int64_t i = 0; i < n; ++i) {                 \
+        pg[i] = exp_neg(pg[i] - m_new);                                                        \
+        sum += pg[i];                                                                          \
+      }                                                                                        \
       l[g] = l[g] * corr + sum;                                                                \
       m[g] = m_new;                                                                            \
-      float* ag = acc + g * D;                                                                 \
-      for (int64_t d = 0; d < D; ++d) ag[d] *= corr;                                           \
+      float* ag = acc + g * DP;                                                                \
+      for (int64_t d = 0; d < DP; ++d) ag[d] *= corr;                                          \
     }                                                                                          \
-    for (int64_t i = 0; i < n; ++i) { /* V rows: each loaded once for the whole group */       \
-      const int64_t pos = start + i;                                                           \
-      float* vr = kbuf; /* K of the tile is no longer needed: row 0 holds this V row */        \
-      if (pos == n_cached) {                                                                   \
-        const float* src = a.v_new + (b * a.KVH + h) * D;                                      \
-        for (int64_t d = 0; d < D; ++d) vr[d] = src[d];                                        \
-      } else {                                                                                 \
-        const int64_t blk = table[pos / a.block_size], t = pos % a.block_size;                 \
-        LOAD_ROW(a.v, a.v_scale, vr);                                                          \
-      }                                                                                        \
-      for (int64_t g = 0; g < G; ++g) {                                                        \
-        const float w = p[g * TILE + i];                                                       \
-        float* ag = acc + g * D;                                                               \
-        for (int64_t d = 0; d < D; ++d) ag[d] += w * vr[d];                                    \
+    for (int64_t i = 0; i < n_pool; ++i) { /* V rows of the tile into the K buffer */          \
+      float* dst = kbuf + i * DP;                                                              \
+      LOAD_ROW(a.v, a.v_scale, off[i], soff[i], dst);                                          \
+    }                                                                                          \
+    if (n_pool < n) {                                                                          \
+      const float* src = a.v_new + (b * a.KVH + h) * D;                                        \
+      for (int64_t d = 0; d < D; ++d) kbuf[n_pool * DP + d] = src[d];                          \
+    }                                                                                          \
+    for (int64_t g = 0; g < G; ++g) { /* acc += p V, 8 columns at a time held in a register */ \
+      const float* pg = p + g * TILE;                                                          \
+      float* ag = acc + g * DP;                                                                \
+      for (int64_t c = 0; c < NC; ++c) {                                                       \
+        v8f av = CV8(ag + 8 * c);                                                              \
+        for (int64_t i = 0; i < n; ++i) av += pg[i] * CV8(kbuf + i * DP + 8 * c);              \
+        V8(ag + 8 * c) = av;                                                                   \
       }                                                                                        \
     }                                                                                          \
   }                                                                                            \
   for (int64_t g = 0; g < G; ++g) {                                                            \
     float* o = a.out + (b * a.H + h * G + g) * D;                                              \
     const float inv = l[g] > 0 ? 1.0f / l[g] : 0.0f;                                           \
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;                               \
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[g * DP + d] * inv;                              \
   }
 
 __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void task_avx512(const Args& a, int64_t b,
@@ -219,7 +258,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   a.s_kb = k_cache.stride(0);
   a.s_kt = k_cache.stride(1);
   a.s_kh = k_cache.stride(2);
-  const int64_t G = H / KVH, work_floats = G * D + TILE * D + G * TILE;
+  const int64_t G = H / KVH, DP = (D + 7) / 8 * 8, work_floats = 2 * G * DP + TILE * DP + G * TILE;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(work_floats);
     for (int64_t i = begin; i < end; ++i) {

@@ -243,7 +243,7 @@ def test_decodes_past_the_gather_limit_take_the_ragged_path(tiny_checkpoint, mon
     path = tiny_checkpoint("tiny-gqa")
     expected = _hf_tokens(path, PROMPTS, 6)
     monkeypatch.setattr(decode_step, "MAX_GATHER_KEY_SLOTS", 32)
-    engine = Engine(load_checkpoint(path), EngineConfig(max_num_seqs=3, max_model_len=64))
+    engine = Engine(load_checkpoint(path), EngineConfig(max_num_seqs=3, max_model_len=64, attention_backend="torch"))
     assert not engine.decode.supports([40, 20, 18]) and engine.decode.supports([9])
     got = [r.tokens for r in engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True)).requests]
     assert got == expected

@@ -190,7 +190,7 @@ def bench_decode(
     hw: HardwareSpec | None = None,
     sweep: LinearSweep | None = None,
     seed: int = 0,
-    attention_backend: str = "torch",
+    attention_backend: str = "auto",
     compile_decode: bool = False,
     workers: Any = None,
     kv_cache_dtype: str = "auto",
@@ -298,7 +298,7 @@ def bench_decode(
             "model_s": median(model_s),
             "overhead_share": median([(a - b) / a for a, b in zip(step_s, model_s)]),
             "steps": steps,
-            "attention_backend": attention_backend,
+            "attention_backend": engine.backend.name,  # the one that ran ('auto' decided)
             "cuda_graphs": engine.decode.num_graphs > 0,  # the timed steps replayed a recorded graph
             "compiled_decode": compile_decode,
             "first_step_s": first_step_s,

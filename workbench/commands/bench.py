@@ -55,10 +55,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=256, help="offline set: longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=32, help="offline: engine batch and HF static batch size")
     p.add_argument("--no-offline", action="store_true", help="hf: batch-1 decode only")
-    p.add_argument("--attention-backend", default="torch", choices=("torch", "triton"), help="decode: backend")
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "torch", "triton", "cpu"),
+        help="decode: backend (auto: the paged C++ decode 'cpu' on the CPU where it builds, else torch)",
+    )
     p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="decode, hf, offline: the engine's torch.compile'd decode step (default: on for the CPU with "
-                   "the torch backend; compiled before the timing, once per batch bucket)")  # fmt: skip
+                   "the torch or cpu backend; compiled before the timing, once per batch bucket)")  # fmt: skip
     p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="offline: the engine's compiled prefill and mixed steps (default: as --compile-decode; "
                    "compiled before the timing, once per token-count range)")  # fmt: skip
@@ -109,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     emulated = warn_if_emulated(args.dtype, device)
     compile_decode = args.compile_decode
     if compile_decode is None:  # CUDA replays CUDA graphs instead; the Triton backend is not compiled
-        compile_decode = device.type == "cpu" and args.attention_backend == "torch"
+        compile_decode = device.type == "cpu" and args.attention_backend != "triton"
     out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
     if emulated:
         out["warning"] = emulated

@@ -28,7 +28,7 @@ from workbench.errors import ConfigError
 from workbench.kv.sizing import plan_num_blocks
 
 CACHE_LAYOUTS = ("paged", "contiguous")
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")  # auto: cpu on the CPU where it builds, else torch
 ENGINE_DTYPES = ("fp32", "fp16", "bf16")  # int8/fp8 are roofline and simulator dtypes, not engine ones
 DEFAULT_KV_BUDGET_BYTES = 2 * 1024**3
 
@@ -119,7 +119,7 @@ class EngineConfig(ServingConfig):
     """
 
     cache: str = "paged"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     device: str = "auto"
     compile_decode: bool = False
     compile_prefill: bool = False  # CPU: each layer's parts around attention compiled (engine.prefill_step)
@@ -166,8 +166,9 @@ class EngineConfig(ServingConfig):
             raise ConfigError(f"compile_prefill is for the CPU, got device {self.device!r}; turn it off")
         if self.tensor_parallel_size > 1 and self.cache != "paged":
             raise ConfigError("tensor_parallel_size > 1 needs cache='paged'")
-        if self.compile_decode and self.attention_backend != "torch":
-            raise ConfigError("compile_decode compiles the torch attention path; use attention_backend='torch'")
+        if self.compile_decode and self.attention_backend == "triton":
+            raise ConfigError("compile_decode compiles the torch or cpu attention path; use attention_backend "
+                              "'auto', 'torch' or 'cpu'")  # fmt: skip
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ConfigError("give num_blocks or kv_cache_bytes, not both")
         if self.cache == "contiguous" and self.enable_prefix_caching:

@@ -180,6 +180,7 @@ class DecodeStep:
         """The compiled step on a bucket-sized batch (writes nothing); a bucket's first call compiles, and is timed."""
         torch._dynamo.mark_dynamic(meta.key_slots, 1)
         torch._dynamo.mark_dynamic(meta.key_mask, 3)
+        torch._dynamo.maybe_mark_dynamic(meta.block_tables, 1)  # read by a paged backend (cpu): grows with context
         n = ids.shape[0]
         first = n not in self.compile_s
         t0 = time.perf_counter()

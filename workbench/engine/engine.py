@@ -141,7 +141,7 @@ class Engine:
             (pack_linears if self.config.packed_linears else unpack_linears)(model)
             self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device,
                                  kv_cache_dtype=kv_dtype)  # fmt: skip
-            self.backend = make_backend(self.config.attention_backend)  # the engine's, never set on the model
+            self.backend = make_backend(self.config.attention_backend, model.device.type)  # never set on the model
             self.decode = DecodeStep(
                 model, self.cache, self.backend, self.config.decode_mode(model.device.type), self.config.max_num_seqs,
                 max_len,

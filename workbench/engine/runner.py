@@ -31,12 +31,32 @@ from workbench.model.sampler import Sampler
 from workbench.model.transformer import Transformer
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """The attention backend called ``name`` (``EngineConfig.attention_backend``)."""
+def resolve_attention_backend(name: str, device_type: str | None = None) -> str:
+    """``name`` with 'auto' decided: 'cpu' (the paged C++ decode, ``kernels.paged_decode_cpu``) on a CPU where it
+    builds, 'torch' otherwise (CUDA, or no compiler). ``device_type`` None: CUDA if present, else the CPU."""
+    if name != "auto":
+        return name
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    from workbench.model.cpu_backend import default_backend
+
+    return default_backend(device_type).name
+
+
+def make_backend(name: str, device_type: str | None = None) -> AttentionBackend:
+    """The attention backend called ``name`` (``EngineConfig.attention_backend``; 'auto' by
+    ``resolve_attention_backend``)."""
+    name = resolve_attention_backend(name, device_type)
     if name == "triton":
         from workbench.model.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "cpu":
+        if device_type not in (None, "cpu"):
+            raise ConfigError(f"attention_backend 'cpu' runs on the CPU, the model is on {device_type}; use 'auto'")
+        from workbench.model.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     return TorchAttentionBackend()
 
 

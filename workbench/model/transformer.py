@@ -282,9 +282,14 @@ class Transformer(nn.Module):
         tokens: list[int],
         cache: ContiguousKVCache,
         slots: list[int],
-        backend: AttentionBackend = TORCH_BACKEND,
+        backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """One new token per slot, attending to the slot's whole cache; return next-token logits (num_seqs, vocab)."""
+        """One new token per slot, attending to the slot's whole cache; return next-token logits (num_seqs, vocab).
+        ``backend`` None: ``workbench.model.cpu_backend.default_backend`` (the paged C++ decode on the CPU)."""
+        if backend is None:
+            from workbench.model.cpu_backend import default_backend
+
+            backend = default_backend(self.device.type)
         cache.check_slots(slots)
         if len(tokens) != len(slots):
             raise RequestError(f"{len(tokens)} tokens but {len(slots)} slots")

@@ -1,0 +1,175 @@
+"""Paged decode attention on the CPU, as a small C++ op: one query token per sequence read against its blocks.
+
+Why our own op (measured on this project's 2-core AMD EPYC, torch 2.13 CPU, 2026-12-02): the torch decode path
+(``TorchAttentionBackend.decode``) gathers every row's K/V out of the pool, concatenates the new key and runs a
+masked SDPA, several full copies of the KV per layer per step; the maintained routes do not avoid that on the CPU
+today: ``flex_attention`` lowers on the CPU through inductor's C++ template only for dense (B, H, S, D) K/V, so a
+paged pool needs a gathered copy (a block mask only skips blocks of a dense tensor), and a compiled split-K over
+the block tables compiles to the same gather (indexing the pool by slot) before its reduction. vLLM's CPU backend
+has such a kernel (``csrc/cpu``), as a C++ op of its own; this file is ours, written from the algorithm
+(flash-decoding's online softmax, Dao et al. 2023), not from that code.
+
+The op (``kernels/csrc/paged_decode_cpu.cpp``): one task per (sequence, KV head), the group's query heads sharing
+each K/V row (GQA/MQA without expanding K/V), the context walked block table by block table in tiles of 32 tokens,
+an online softmax in fp32, int8 (a scale per token and head) and fp8 e4m3 (one scale) rows dequantized as they
+are loaded, bf16 widened by a shift. The new token's K/V can be passed as the last key (``k_new``/``v_new``,
+``cached_lens`` then counts the keys before it), which lets a compiled decode step attend before the step's one
+write (``KVCache.write``) instead of writing a view of a graph input inside the graph.
+
+Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under
+``TORCH_EXTENSIONS_DIR``) and registered as ``torch.ops.workbench_cpu.paged_decode`` with a fake kernel, so
+``torch.compile`` keeps it as one opaque call. The C++ body is compiled three times (AVX-512, AVX2+FMA, baseline
+x86-64, GCC target attributes); ``isa`` picks one per call, by default the best that both the CPU and torch's
+dispatch (``torch.backends.cpu.get_cpu_capability()``) support, so an AVX-512 path is never chosen on an AVX2
+machine. ``available()`` is False when no compiler is present (or the build fails); callers then use the
+plain-PyTorch path (the torch backend; ``kernels.reference`` is the fp32 reference the tests compare with).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+ISAS = {"default": 0, "avx2": 1, "avx512": 2}
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+_SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+class CpuKernelError(ValueError):
+    """Inputs the CPU decode op cannot take, or an ISA this CPU lacks (the message says which and what fits)."""
+
+
+def _build() -> None:
+    """Compile and load the op once per process (the build itself is cached on disk across processes)."""
+    with _lock:
+        if "ok" in _state:
+            return
+        try:
+            from torch.utils.cpp_extension import load
+
+            load(
+                name="workbench_paged_decode_cpu",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-fopenmp-simd", "-fno-math-errno"],
+                is_python_module=False,
+                verbose=os.environ.get("WORKBENCH_VERBOSE_BUILD") == "1",
+            )
+
+            @torch.library.register_fake("workbench_cpu::paged_decode")
+            def _fake(q, k_cache, v_cache, block_tables, cached_lens, k_scale, v_scale, k_new, v_new, scale, kind, isa):
+                return torch.empty_like(q)
+
+            _state["ok"] = True
+        except Exception as exc:  # no compiler, no headers: the caller falls back to plain PyTorch
+            _state["ok"] = False
+            _state["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def available() -> bool:
+    """Whether the op could be built and loaded here (first call builds it)."""
+    if torch.device("cpu").type != "cpu":  # pragma: no cover
+        return False
+    _build()
+    return bool(_state["ok"])
+
+
+def build_error() -> str | None:
+    """Why the op is not available (None when it is)."""
+    _build()
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def supported_isas() -> list[str]:
+    """The code paths this CPU can run, best last: always 'default', then 'avx2', 'avx512' where the CPU has them
+    and torch's own dispatch would use them too."""
+    if not available():
+        return []
+    cap = torch.backends.cpu.get_cpu_capability()  # 'DEFAULT', 'AVX2', 'AVX512', ...
+    out = ["default"]
+    if cap in ("AVX2", "AVX512") and torch.ops.workbench_cpu.cpu_supports(ISAS["avx2"]):
+        out.append("avx2")
+    if cap == "AVX512" and torch.ops.workbench_cpu.cpu_supports(ISAS["avx512"]):
+        out.append("avx512")
+    return out
+
+
+def default_isa() -> str:
+    """The best code path here (``WORKBENCH_CPU_ISA`` forces one of ``supported_isas()``)."""
+    isas = supported_isas()
+    forced = os.environ.get("WORKBENCH_CPU_ISA")
+    if forced:
+        if forced not in isas:
+            raise CpuKernelError(f"WORKBENCH_CPU_ISA={forced!r} is not supported on this CPU; use one of {isas}")
+        return forced
+    return isas[-1]
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,  # (num_seqs, num_heads, head_dim) fp32 or bf16
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim) fp32, bf16, int8 or float8_e4m3fn
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int32
+    seq_lens: torch.Tensor,  # (num_seqs,) keys per sequence (with k_new: the cached keys before the new one)
+    scale: float | None = None,
+    k_scale: torch.Tensor | None = None,  # int8: (num_blocks, block_size, num_kv_heads) fp32; fp8: one element
+    v_scale: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,  # (num_seqs, num_kv_heads, head_dim): the new token's K, attended last
+    v_new: torch.Tensor | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:  # (num_seqs, num_heads, head_dim), q's dtype
+    """One query per sequence over its paged context (plus ``k_new``/``v_new`` when given), read in place.
+
+    Same op as ``kernels.reference.paged_decode_attention_reference`` (and, with scales, the quantized reference);
+    ``isa`` one of ``supported_isas()`` (default ``default_isa()``)."""
+    if not available():
+        raise CpuKernelError(f"the CPU decode op could not be built ({build_error()}); use the torch backend")
+    isa = default_isa() if isa is None else isa
+    if isa not in supported_isas():
+        raise CpuKernelError(f"isa {isa!r} is not supported on this CPU; use one of {supported_isas()}")
+    if q.device.type != "cpu" or k_cache.device.type != "cpu":
+        raise CpuKernelError(f"the CPU decode op needs CPU tensors, got {q.device} and {k_cache.device}")
+    if k_cache.dtype not in KINDS or k_cache.dtype != v_cache.dtype:
+        raise CpuKernelError(f"caches must share one of {list(KINDS)}, got {k_cache.dtype}, {v_cache.dtype}")
+    if q.dim() != 3 or k_cache.dim() != 4 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:
+        raise CpuKernelError(
+            f"need q (B, H, D) and caches (blocks, block_size, KVH, D) with H a multiple of KVH, got "
+            f"{tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
+    if q.shape[1] // k_cache.shape[2] > 64:
+        raise CpuKernelError(f"at most 64 query heads per KV head, got {q.shape[1] // k_cache.shape[2]}")
+    quantized = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    if quantized and (k_scale is None or v_scale is None):
+        raise CpuKernelError("a quantized cache needs k_scale and v_scale (fp32)")
+    if (k_new is None) != (v_new is None):
+        raise CpuKernelError("give both k_new and v_new, or neither")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return paged_decode_cpu_op(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale, v_scale, k_new, v_new, isa)
+
+
+def paged_decode_cpu_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    isa: str,
+) -> torch.Tensor:
+    """The op itself, without the checks of ``paged_decode_attention_cpu`` (what a compiled step traces: the
+    caller has checked its inputs once, e.g. ``CpuAttentionBackend``, and ``available()`` has built the op)."""
+    quantized = k_cache.dtype in (torch.int8, torch.float8_e4m3fn)
+    return torch.ops.workbench_cpu.paged_decode(
+        q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), seq_lens,
+        k_scale.float() if quantized else None, v_scale.float() if quantized else None,
+        k_new, v_new, scale, KINDS[k_cache.dtype], ISAS[isa],
+    )  # fmt: skip

@@ -1,0 +1,226 @@
+"""The CPU paged decode op (``kernels.paged_decode_cpu``) against the fp32 references, on a vLLM-style grid, on every
+code path this CPU can run (the baseline, AVX2 and, on an AVX-512 machine, AVX-512); the backend built on it against
+the torch backend, eagerly and compiled; and the engine's greedy tokens with it against the torch backend's."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from kernels.paged_decode_cpu import (
+    CpuKernelError,
+    available,
+    default_isa,
+    paged_decode_attention_cpu,
+    supported_isas,
+)
+from kernels.reference import paged_decode_attention_quantized_reference, paged_decode_attention_reference
+from kernels.testing import TOLERANCES, random_block_tables, random_paged_batch, repage
+from workbench.config import ModelConfig
+from workbench.engine.config import EngineConfig
+from workbench.engine.engine import Engine
+from workbench.kv.cache import KVCache, quantize_kv_fp8, quantize_kv_int8
+from workbench.model.attention import TorchAttentionBackend, build_decode_metadata
+from workbench.model.transformer import Transformer
+from workbench.request import SamplingParams
+
+pytestmark = pytest.mark.skipif(not available(), reason="the CPU decode op needs a C++ compiler")
+
+NUM_HEADS = [(4, 4), (8, 2), (8, 1)]  # MHA, GQA, MQA
+HEAD_SIZES = [24, 64, 80]  # 24 and 80: not powers of two
+BLOCK_SIZES = [1, 16, 32]
+SEQ_LENS = [1, 17, 40, 75, 130]  # ending mid-block; 130 spans several 32-token tiles
+ISAS = ["default", "avx2", "avx512"]
+
+
+def need_isa(isa: str) -> None:
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU has no {isa} path ({torch.backends.cpu.get_cpu_capability()})")
+
+
+def batch_of(num_heads, head_size, block_size, dtype=torch.float32, seed=0, **kw):
+    n_q, n_kv = num_heads
+    return random_paged_batch([1] * len(SEQ_LENS), SEQ_LENS, n_q, n_kv, head_size, block_size, dtype, seed=seed, **kw)
+
+
+def reference(batch):
+    return paged_decode_attention_reference(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("num_heads", NUM_HEADS)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_decode_matches_reference_fp32(isa, num_heads, head_size, block_size):
+    need_isa(isa)
+    batch = batch_of(num_heads, head_size, block_size)
+    out = paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                     isa=isa)  # fmt: skip
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("num_heads", NUM_HEADS)
+def test_decode_matches_reference_bf16(isa, num_heads):
+    need_isa(isa)
+    batch = batch_of(num_heads, 80, 16, torch.bfloat16)
+    out = paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                     isa=isa)  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("num_heads", NUM_HEADS)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_quantized_decode_matches_reference(isa, kv_dtype, num_heads, block_size):
+    need_isa(isa)
+    batch = batch_of(num_heads, 24, block_size)
+    if kv_dtype == "int8":
+        (kq, ks), (vq, vs) = quantize_kv_int8(batch.k_cache), quantize_kv_int8(batch.v_cache)
+    else:
+        ks, vs = torch.tensor([0.5]), torch.tensor([0.25])
+        kq, vq = quantize_kv_fp8(batch.k_cache, ks), quantize_kv_fp8(batch.v_cache, vs)
+    args = (batch.q, kq, vq, batch.block_tables, batch.seq_lens)
+    out = paged_decode_attention_cpu(*args, k_scale=ks, v_scale=vs, isa=isa)
+    ref = paged_decode_attention_quantized_reference(*args, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_new_key_given_equals_new_key_written(isa):
+    """k_new/v_new as the last key (the pool's last slot holding junk) equals the pool holding them."""
+    need_isa(isa)
+    batch = batch_of((8, 2), 24, 16)
+    bs = batch.k_cache.shape[1]
+    last = [(t[(n - 1) // bs], (n - 1) % bs) for t, n in zip(batch.block_tables_list, batch.seq_lens_list)]
+    k_new = torch.stack([batch.k_cache[b, r] for b, r in last])  # (B, kv_heads, d)
+    v_new = torch.stack([batch.v_cache[b, r] for b, r in last])
+    k_junk, v_junk = batch.k_cache.clone(), batch.v_cache.clone()
+    for b, r in last:
+        k_junk[b, r], v_junk[b, r] = 1e3, -1e3
+    out = paged_decode_attention_cpu(batch.q, k_junk, v_junk, batch.block_tables, batch.seq_lens - 1,
+                                     k_new=k_new, v_new=v_new, isa=isa)  # fmt: skip
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
+
+
+def test_block_size_1_equals_block_size_16():
+    batch = batch_of((8, 2), 64, 16)
+    other = repage(batch, 1)
+    outs = [paged_decode_attention_cpu(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens) for b in (batch, other)]
+    torch.testing.assert_close(outs[0], outs[1], **TOLERANCES[torch.float32])
+
+
+def test_large_pool():
+    """Sequences in the last blocks of a pool past 2**24 rows (offsets beyond what a float or a small int can index)."""
+    block_size, n_kv, d = 16, 1, 64
+    num_blocks = (1 << 24) // block_size + 64  # 2**24 token rows, 256 MiB per fp32 pool
+    batch = random_paged_batch([1, 1], [40, 70], 4, n_kv, d, block_size)
+    k_cache = torch.zeros((num_blocks, block_size, n_kv, d))
+    v_cache = torch.zeros_like(k_cache)
+    tables = [[num_blocks - 1 - 8 * s - i for i in range(len(t))] for s, t in enumerate(batch.block_tables_list)]
+    for old, new in zip(batch.block_tables_list, tables):
+        k_cache[new] = batch.k_cache[old]
+        v_cache[new] = batch.v_cache[old]
+    bt = torch.tensor([t + [0] * (5 - len(t)) for t in tables], dtype=torch.int32)
+    out = paged_decode_attention_cpu(batch.q, k_cache, v_cache, bt, batch.seq_lens)
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
+
+
+def test_isa_choice_follows_the_cpu(monkeypatch):
+    cap = torch.backends.cpu.get_cpu_capability()
+    isas = supported_isas()
+    assert isas[0] == "default" and default_isa() == isas[-1]
+    assert ("avx512" in isas) == (cap == "AVX512")  # never an AVX-512 path where torch itself does not use one
+    if cap in ("AVX2", "AVX512"):
+        assert "avx2" in isas
+        monkeypatch.setenv("WORKBENCH_CPU_ISA", "avx2")  # what forces the AVX2 path on an AVX-512 machine
+        assert default_isa() == "avx2"
+    batch = batch_of((4, 4), 24, 16)
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    for isa in set(ISAS) - set(isas):
+        monkeypatch.setenv("WORKBENCH_CPU_ISA", isa)
+        with pytest.raises(CpuKernelError, match="not supported on this CPU"):
+            default_isa()
+        with pytest.raises(CpuKernelError, match="not supported on this CPU"):
+            paged_decode_attention_cpu(*args, isa=isa)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
+def test_avx512_path_is_compiled():
+    """The AVX-512 body is in the library even where it cannot run (it uses zmm registers, the AVX2 one ymm)."""
+    lib = next(p for p in torch.ops.loaded_libraries if "workbench_paged_decode_cpu" in p)
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", lib], capture_output=True, text=True).stdout
+
+    def body(name: str) -> str:  # the function's own listing: from its label to the next blank line
+        match = re.search(rf"^[0-9a-f]+ <\(anonymous namespace\)::{name}\(.*?\)>:\n(.*?)\n\n", asm, re.M | re.S)
+        assert match, name
+        return match.group(1)
+
+    assert "zmm" in body("task_avx512")
+    assert "ymm" in body("task_avx2") and "zmm" not in body("task_avx2")
+    assert "ymm" not in body("task_default")
+
+
+def test_rejects_bad_inputs():
+    batch = batch_of((8, 2), 24, 16)
+    with pytest.raises(CpuKernelError, match="multiple of KVH"):
+        paged_decode_attention_cpu(batch.q[:, :7], batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    kq, ks = quantize_kv_int8(batch.k_cache)
+    with pytest.raises(CpuKernelError, match="k_scale and v_scale"):
+        paged_decode_attention_cpu(batch.q, kq, kq, batch.block_tables, batch.seq_lens)
+    with pytest.raises(CpuKernelError, match="both k_new and v_new"):
+        paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                   k_new=batch.k_cache[0, :5])  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa", "tiny-mqa"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_backend_decode_matches_torch_backend(preset, kv_dtype, compiled):
+    from workbench.model.cpu_backend import CpuAttentionBackend
+
+    if compiled and preset != "tiny-gqa":
+        pytest.skip("one compiled preset is enough")
+    cfg = ModelConfig.from_name(preset)
+    seq_lens, bs = [1, 9, 16, 33, 20], 16
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 2
+    tables = random_block_tables(seq_lens, bs, num_blocks, gen)
+    meta = build_decode_metadata(seq_lens, tables, bs)
+    cache = KVCache(cfg, num_blocks, bs, kv_cache_dtype=kv_dtype)
+    n_tok = num_blocks * bs
+    shape = (cfg.num_layers, n_tok, cfg.num_kv_heads, cfg.head_dim)
+    cache.write(torch.arange(n_tok), torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    b, n_kv, d = len(seq_lens), cfg.num_kv_heads, cfg.head_dim
+    q = torch.randn(b, cfg.num_heads, d, generator=gen)
+    k, v = torch.randn(b, n_kv, d, generator=gen), torch.randn(b, n_kv, d, generator=gen)
+    cpu = CpuAttentionBackend()
+    fn = torch.compile(cpu.decode, fullgraph=True) if compiled else cpu.decode
+    out = fn(1, q, k, v, cache, meta, 0.2)
+    ref = TorchAttentionBackend().decode(1, q, k, v, cache, meta, 0.2)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_engine_greedy_tokens_identical(compile_decode):
+    prompts = [list(range(3, 40)), list(range(100, 140)), [5, 6, 7]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "cpu"):
+        cfg = EngineConfig(block_size=16, num_blocks=32, max_num_seqs=4, attention_backend=backend, dtype="fp32",
+                           device="cpu", compile_decode=compile_decode)  # fmt: skip
+        engine = Engine(Transformer.from_config(ModelConfig.from_name("tiny-gqa"), device="cpu", seed=0), cfg)
+        assert engine.backend.name == backend
+        results[backend] = [r.tokens for r in engine.generate(prompts, params).requests]
+    assert results["cpu"] == results["torch"]
+    assert all(len(t) == 20 for t in results["torch"])
+
+
+def test_auto_is_cpu_on_the_cpu():
+    engine = Engine(Transformer.from_config(ModelConfig.from_name("tiny-gqa"), device="cpu", seed=0),
+                    EngineConfig(block_size=16, num_blocks=8, max_num_seqs=2, dtype="fp32", device="cpu"))  # fmt: skip
+    assert engine.backend.name == "cpu"

@@ -71,6 +71,12 @@ def median_time(
     return time_stats(fn, device, warmup, repeats, sync)["median_s"]
 
 
+def now() -> float:
+    """Seconds on the monotonic clock every timing here reads (``time.perf_counter``): for time budgets and
+    timestamps that must be comparable with the timings."""
+    return time.perf_counter()
+
+
 def timed(fn: Callable[[], Any], device: Any = None) -> tuple[float, Any]:
     """(seconds, value) of one synchronised call of ``fn``."""
     sync = _sync_for(device, None)

@@ -1,0 +1,152 @@
+"""The trial harness (workbench/experiments/trials.py) on a synthetic machine with a virtual clock: a true effect
+under drift and noise is confirmed, no effect is (almost) never confirmed, a small effect is called equivalent, and a
+failed A/A control voids the verdict. Pure Python: no engine, no wall time."""
+
+import math
+import random
+
+import pytest
+
+from workbench.errors import ConfigError
+from workbench.experiments.trials import (
+    CONFIRMED,
+    INCONCLUSIVE,
+    NOT_CONFIRMED,
+    DecisionRule,
+    compare,
+    decide,
+    run_rounds,
+    t_quantile,
+)
+
+
+class SyntheticMachine:
+    """Every trial costs one virtual second; the machine's speed drifts linearly by ``drift`` over ``span`` trials
+    (50%: the last trials of the span take 1.5x as long), and each trial carries lognormal noise of ``noise``."""
+
+    def __init__(self, seed: int, drift: float = 0.5, noise: float = 0.15, span: int = 300):
+        self.rng = random.Random(seed)
+        self.drift, self.noise, self.span = drift, noise, span
+        self.t = 0.0
+
+    def clock(self) -> float:
+        return self.t
+
+    def arm(self, true_time_s: float):
+        def run(_round: int) -> float:
+            slow = 1.0 + self.drift * min(self.t / self.span, 1.0)
+            self.t += 1.0
+            return true_time_s * slow * math.exp(self.rng.gauss(0.0, self.noise))
+
+        return run
+
+
+# Student-t quantiles from the printed tables (e.g. NIST/SEMATECH e-Handbook, table 1.3.6.7.2)
+T_TABLE = [(0.975, 5, 2.571), (0.975, 10, 2.228), (0.975, 30, 2.042), (0.995, 10, 3.169), (0.999, 5, 5.893)]
+
+
+@pytest.mark.parametrize("p, df, expected", T_TABLE)
+def test_t_quantile_matches_the_tables(p, df, expected):
+    assert t_quantile(p, df) == pytest.approx(expected, rel=5e-3)
+
+
+def test_decide_by_hand():
+    higher = DecisionRule("higher", margin=0.05)
+    L = math.log(1.05)
+    assert decide(L + 0.01, L + 0.2, higher) == (CONFIRMED, "beyond the margin in the claimed direction")
+    assert decide(-0.3, -L - 0.01, higher) == (NOT_CONFIRMED, "opposite")
+    assert decide(-L + 0.01, L - 0.01, higher) == (NOT_CONFIRMED, "equivalent")
+    assert decide(0.0, L + 0.1, higher)[0] == INCONCLUSIVE
+    lower = DecisionRule("lower", margin=0.05)
+    assert decide(-0.3, -L - 0.01, lower)[0] == CONFIRMED
+    assert decide(L + 0.01, 0.3, lower) == (NOT_CONFIRMED, "opposite")
+
+
+def test_compare_by_hand():
+    # log-ratios log(2) each round up to a spread: B/A = 2 exactly in the middle
+    a = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    b = [2.0 * math.exp(d) for d in (0.01, -0.01, 0.02, -0.02, 0.0, 0.0)]
+    ratio, low, high, verdict, _ = compare(a, b, DecisionRule("higher"))
+    sd = math.sqrt((2 * 0.01**2 + 2 * 0.02**2) / 5)
+    half = 2.571 * sd / math.sqrt(6)
+    assert ratio == pytest.approx(2.0)
+    assert math.log(high / ratio) == pytest.approx(half, rel=5e-3)
+    assert math.log(ratio / low) == pytest.approx(half, rel=5e-3)
+    assert verdict == CONFIRMED
+
+
+def _run(machine: SyntheticMachine, effect: float, rule: DecisionRule, **kw):
+    # B's time is A's divided by ``effect``: a claim "B is faster" is a claim that B's rate (1/time) is higher
+    arms = {"A": machine.arm(1.0 / 1.0), "B": machine.arm(1.0 / effect)}
+    rate_arms = {name: (lambda fn: lambda i: 1.0 / fn(i))(fn) for name, fn in arms.items()}
+    return run_rounds(rate_arms, rule, clock=machine.clock, **kw)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_ten_percent_effect_under_drift_and_noise_is_confirmed(seed):
+    c = _run(SyntheticMachine(seed), 1.10, DecisionRule("higher", margin=0.05), max_rounds=400, seed=seed)
+    assert c.verdict == CONFIRMED, c.summary()
+    assert c.ci_low > 1.05 and c.ci_low < 1.10 < c.ci_high
+    assert c.control is not None and not c.control["failed"]
+
+
+def test_no_effect_under_drift_is_confirmed_at_most_five_percent_of_the_time():
+    confirmed = 0
+    for seed in range(200):
+        c = _run(SyntheticMachine(1000 + seed), 1.0, DecisionRule("higher", margin=0.05), max_rounds=96, seed=seed)
+        confirmed += c.verdict == CONFIRMED
+    assert confirmed <= 10  # 5% of 200
+
+
+def test_a_two_percent_effect_with_a_five_percent_margin_is_equivalent():
+    c = _run(SyntheticMachine(7, noise=0.03), 1.02, DecisionRule("higher", margin=0.05), max_rounds=200)
+    assert (c.verdict, c.reason) == (NOT_CONFIRMED, "equivalent"), c.summary()
+
+
+def test_a_lower_claim_on_times():
+    m = SyntheticMachine(3, noise=0.05)
+    c = run_rounds({"unchunked": m.arm(1.0), "chunked": m.arm(0.5)}, DecisionRule("lower", 0.1), clock=m.clock)
+    assert c.verdict == CONFIRMED and c.ratio == pytest.approx(0.5, rel=0.05)
+    assert c.rounds == 6  # decided at the first look
+    assert len(c.values["unchunked"]) == len(c.values["chunked"]) == len(c.values["unchunked (A/A)"]) == 6
+
+
+def test_a_failed_control_voids_the_verdict():
+    m = SyntheticMachine(5, noise=0.02, drift=0.0)
+    # the second instance of A is 30% slower: A and A were not comparable, so B against A means nothing
+    c = run_rounds({"A": m.arm(1.0), "B": m.arm(0.5)}, DecisionRule("lower", 0.05), control=m.arm(1.3), clock=m.clock)
+    assert c.control["failed"] and c.control["ratio"] == pytest.approx(1.3, rel=0.05)
+    assert c.verdict == INCONCLUSIVE and c.reason.startswith("control_failed")
+
+
+def test_the_budget_stops_the_rounds():
+    m = SyntheticMachine(11, noise=0.15)
+    # three trials a round, one virtual second each: a 30-second budget ends after 10 rounds, undecided
+    c = _run(m, 1.03, DecisionRule("higher", margin=0.05), max_rounds=400, budget_s=30.0, warmup=0)
+    assert c.rounds == 10 and c.verdict == INCONCLUSIVE
+
+
+def test_abba_order_alternates_and_warmup_is_not_recorded():
+    calls: list[tuple[str, int]] = []
+    arms = {name: (lambda n: lambda i: calls.append((n, i)) or 1.0 + 0.01 * (i % 3))(name) for name in ("A", "B")}
+    c = run_rounds(arms, DecisionRule("higher"), min_rounds=6, max_rounds=6, warmup=1, control=False)
+    assert calls[:2] == [("A", -1), ("B", -1)]
+    assert [n for n, _ in calls[2:6]] == ["A", "B", "B", "A"]
+    assert c.rounds == 6 and c.control is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"min_rounds": 3}, {"min_rounds": 10, "max_rounds": 8}, {"order": "zigzag"}],
+)
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ConfigError):
+        run_rounds({"A": lambda i: 1.0, "B": lambda i: 1.0}, DecisionRule("higher"), **kwargs)
+
+
+def test_bad_rules_are_refused():
+    for bad in ({"direction": "up"}, {"direction": "higher", "margin": 0.0}, {"direction": "lower", "confidence": 1}):
+        with pytest.raises(ConfigError):
+            DecisionRule(**bad)
+    with pytest.raises(ConfigError):
+        compare([1.0, 2.0], [1.0], DecisionRule("higher"))

@@ -1,0 +1,237 @@
+"""Paired, interleaved rounds: the trial harness that decides a timing claim with a confidence interval.
+
+A comparison has two arms, A (the baseline) and B (the treatment): batch 1 against batch 32, static against
+continuous batching, unchunked against chunked prefill. ``run_rounds`` runs them in rounds; each round runs every
+arm once, in ABBA order (alternating AB and BA, so that a machine whose speed drifts linearly favours neither arm
+over a pair of rounds) or in a seeded random order, after ``warmup`` unrecorded rounds. An arm is a callable
+``arm(round_index) -> float`` that runs one trial and returns its unit of analysis (a trial's median step time, its
+tokens per second, its p99 ITL over enough samples); the caller makes each round's workload from the round index
+(the same seeded workload for every arm within a round). An A/A control, when asked for, runs A a second time in
+every round, so the noise floor is measured in the same rounds as the effect.
+
+The statistic is the paired log-ratio per round, log(B / A); its mean with a Student-t confidence interval gives
+"B/A = 0.87 [0.82, 0.92], 12 rounds" (``Comparison``). A ``DecisionRule`` is stated before the rounds run: the
+claimed direction (B ``higher`` or ``lower`` than A), a margin delta and a confidence. With L = log(1 + delta):
+- the whole interval beyond +L in the claimed direction: *confirmed*;
+- the whole interval beyond L the other way: *not_confirmed* (``opposite``);
+- the whole interval inside (-L, +L): *not_confirmed* (``equivalent``: no effect as large as the margin);
+- otherwise more rounds, up to ``max_rounds`` or the time budget, then *inconclusive* with the interval.
+The interval is looked at after ``min_rounds`` rounds and then each time the count doubles; each look uses
+confidence 1 - (1 - confidence) / looks (Bonferroni), so stopping early cannot raise the chance of a false verdict
+above 1 - confidence. A paired claim is voided (*inconclusive*, ``control_failed``) only when its own A/A control's
+interval lies wholly beyond +-L (the same arm "differs from itself" by more than the margin): then the rounds were
+not comparable and the machine, not the arms, could have made the difference.
+
+References: Kalibera & Jones, "Rigorous benchmarking in reasonable time" (ISMM 2013) for ratio statistics with
+intervals; Abedi & Brecht (ICPE 2017) for randomized multiple interleaved trials on cloud machines.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench.errors import ConfigError
+from workbench.timing import now
+
+CONFIRMED, NOT_CONFIRMED, INCONCLUSIVE = "confirmed", "not_confirmed", "inconclusive"
+DIRECTIONS = ("higher", "lower")
+ORDERS = ("abba", "random")
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (``df`` >= 5), by the Cornish-Fisher
+    expansion around the normal quantile (Abramowitz & Stegun 26.7.5): within 0.5% of the tables for df >= 5 up to
+    p = 0.9995 (no scipy here)."""
+    if df < 5:
+        raise ConfigError(f"a t interval needs at least 6 rounds (df >= 5), got df {df}")
+    if not 0.5 <= p < 1.0:
+        raise ConfigError(f"t_quantile takes p in [0.5, 1), got {p}")
+    z = statistics.NormalDist().inv_cdf(p)
+    n = float(df)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / n + g2 / n**2 + g3 / n**3 + g4 / n**4
+
+
+@dataclass(frozen=True)
+class DecisionRule:
+    """What a claim says before its rounds run: B is ``higher`` or ``lower`` than A by more than ``margin``
+    (relative), decided at ``confidence``."""
+
+    direction: str
+    margin: float = 0.05
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.direction not in DIRECTIONS:
+            raise ConfigError(f"direction must be one of {DIRECTIONS}, got {self.direction!r}")
+        if not 0.0 < self.margin < 1.0:
+            raise ConfigError(f"margin must be in (0, 1), got {self.margin}")
+        if not 0.5 < self.confidence < 1.0:
+            raise ConfigError(f"confidence must be in (0.5, 1), got {self.confidence}")
+
+
+def log_ratio_interval(log_ratios: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """(mean, low, high) of the per-round log-ratios: the mean with its two-sided Student-t interval."""
+    n = len(log_ratios)
+    mean = statistics.fmean(log_ratios)
+    half = t_quantile(0.5 + confidence / 2, n - 1) * statistics.stdev(log_ratios) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def decide(low: float, high: float, rule: DecisionRule) -> tuple[str, str]:
+    """(verdict, reason) of a log-ratio interval [low, high] under ``rule`` (the module docstring's table)."""
+    bound = math.log1p(rule.margin)
+    sign = 1.0 if rule.direction == "higher" else -1.0
+    lo, hi = sorted((sign * low, sign * high))  # the claimed direction made positive
+    if lo > bound:
+        return CONFIRMED, "beyond the margin in the claimed direction"
+    if hi < -bound:
+        return NOT_CONFIRMED, "opposite"
+    if -bound < lo and hi < bound:
+        return NOT_CONFIRMED, "equivalent"
+    return INCONCLUSIVE, "the interval straddles the margin"
+
+
+@dataclass
+class Comparison:
+    """The outcome of paired rounds: B/A with its interval, the rounds' values and the verdict."""
+
+    arms: tuple[str, str]
+    rule: DecisionRule
+    ratio: float
+    ci_low: float
+    ci_high: float
+    rounds: int
+    verdict: str
+    reason: str
+    values: dict[str, list[float]] = field(default_factory=dict)
+    control: dict[str, Any] | None = None
+
+    def evidence(self) -> dict[str, Any]:
+        """The claim's ``evidence`` keys: ratio, ci_low, ci_high, rounds, margin, confidence, control."""
+        return {
+            "arms": list(self.arms),
+            "ratio": self.ratio,
+            "ci_low": self.ci_low,
+            "ci_high": self.ci_high,
+            "rounds": self.rounds,
+            "margin": self.rule.margin,
+            "confidence": self.rule.confidence,
+            "direction": self.rule.direction,
+            "reason": self.reason,
+            "control": self.control,
+            "values": {k: list(v) for k, v in self.values.items()},
+        }
+
+    def summary(self) -> str:
+        """'B/A = 0.87 [0.82, 0.92], 12 rounds' with the arms' names."""
+        a, b = self.arms
+        return f"{b}/{a} = {self.ratio:.3g} [{self.ci_low:.3g}, {self.ci_high:.3g}], {self.rounds} rounds"
+
+
+def _round_order(names: list[str], index: int, order: str, rng: random.Random) -> list[str]:
+    if order == "abba":
+        return names if index % 2 == 0 else names[::-1]
+    shuffled = list(names)
+    rng.shuffle(shuffled)
+    return shuffled
+
+
+def _looks(min_rounds: int, max_rounds: int) -> list[int]:
+    looks, n = [], min_rounds
+    while n < max_rounds:
+        looks.append(n)
+        n *= 2
+    return [*looks, max_rounds]
+
+
+def compare(
+    values_a: Sequence[float], values_b: Sequence[float], rule: DecisionRule, confidence: float | None = None
+) -> tuple[float, float, float, str, str]:
+    """(ratio, ci_low, ci_high, verdict, reason) of paired per-round values of B against A, at ``confidence``
+    (the rule's when None)."""
+    if len(values_a) != len(values_b):
+        raise ConfigError(f"paired rounds need as many A as B values, got {len(values_a)} and {len(values_b)}")
+    if any(v <= 0 for v in (*values_a, *values_b)):
+        raise ConfigError("trial values must be positive (times, rates) for a log-ratio")
+    logs = [math.log(b / a) for a, b in zip(values_a, values_b)]
+    mean, low, high = log_ratio_interval(logs, rule.confidence if confidence is None else confidence)
+    verdict, reason = decide(low, high, rule)
+    return math.exp(mean), math.exp(low), math.exp(high), verdict, reason
+
+
+def run_rounds(
+    arms: Mapping[str, Callable[[int], float]],
+    rule: DecisionRule,
+    *,
+    min_rounds: int = 6,
+    max_rounds: int = 24,
+    warmup: int = 1,
+    order: str = "abba",
+    control: bool | Callable[[int], float] = True,
+    budget_s: float | None = None,
+    seed: int = 0,
+    clock: Callable[[], float] = now,
+) -> Comparison:
+    """Run two arms (the first is A, the second B) in paired rounds until ``rule`` decides or ``max_rounds`` or
+    ``budget_s`` (wall seconds on ``clock``, checked between rounds) is spent. The A/A control runs A again in every
+    round when ``control`` is True, or the callable given (a second instance of A: a fresh engine, another process);
+    it is named A's name + " (A/A)"."""
+    if len(arms) != 2:
+        raise ConfigError(f"a comparison has two arms (A, B), got {len(arms)}: {list(arms)}")
+    if order not in ORDERS:
+        raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
+    if not 6 <= min_rounds <= max_rounds:
+        raise ConfigError(f"need 6 <= min_rounds <= max_rounds, got {min_rounds}, {max_rounds}")
+    (name_a, fn_a), (name_b, fn_b) = arms.items()
+    name_c = f"{name_a} (A/A)"
+    fn_c = control if callable(control) else fn_a
+    runners = {name_a: fn_a, name_b: fn_b, **({name_c: fn_c} if control is not False else {})}
+    rng = random.Random(seed)
+    for w in range(warmup):
+        for name in _round_order(list(runners), w, order, rng):
+            runners[name](-1 - w)
+    values: dict[str, list[float]] = {name: [] for name in runners}
+    looks = _looks(min_rounds, max_rounds)
+    look_confidence = 1 - (1 - rule.confidence) / len(looks)
+    start = clock()
+    result: tuple[float, float, float, str, str] | None = None
+    index = 0
+    while True:
+        for name in _round_order(list(runners), index, order, rng):
+            values[name].append(float(runners[name](index)))
+        index += 1
+        out_of_time = budget_s is not None and clock() - start >= budget_s
+        if index in looks or (out_of_time and index >= min_rounds):
+            result = compare(values[name_a], values[name_b], rule, look_confidence)
+            if result[3] != INCONCLUSIVE or index >= max_rounds or out_of_time:
+                break
+    ratio, low, high, verdict, reason = result
+    control_record = None
+    if control is not False:
+        c_ratio, c_low, c_high, _, _ = compare(values[name_a], values[name_c], rule, look_confidence)
+        bound = math.log1p(rule.margin)
+        failed = math.log(c_low) > bound or math.log(c_high) < -bound
+        control_record = {"ratio": c_ratio, "ci_low": c_low, "ci_high": c_high, "failed": failed}
+        if failed and verdict != INCONCLUSIVE:
+            verdict, reason = INCONCLUSIVE, "control_failed: the A/A interval lies beyond the margin"
+    return Comparison(
+        arms=(name_a, name_b),
+        rule=rule,
+        ratio=ratio,
+        ci_low=low,
+        ci_high=high,
+        rounds=index,
+        verdict=verdict,
+        reason=reason,
+        values=values,
+        control=control_record,
+    )

@@ -77,8 +77,8 @@ def test_compare_by_hand():
 
 def _run(machine: SyntheticMachine, effect: float, rule: DecisionRule, **kw):
     # B's time is A's divided by ``effect``: a claim "B is faster" is a claim that B's rate (1/time) is higher
-    arms = {"A": machine.arm(1.0 / 1.0), "B": machine.arm(1.0 / effect)}
-    rate_arms = {name: (lambda fn: lambda i: 1.0 / fn(i))(fn) for name, fn in arms.items()}
+    time_a, time_b = machine.arm(1.0), machine.arm(1.0 / effect)
+    rate_arms = {"A": lambda i: 1.0 / time_a(i), "B": lambda i: 1.0 / time_b(i)}
     return run_rounds(rate_arms, rule, clock=machine.clock, **kw)
 
 

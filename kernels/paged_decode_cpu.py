@@ -1,9 +1,9 @@
 """Paged decode attention on the CPU, as a small C++ op: one query token per sequence read against its blocks.
 
-Why our own op: the torch decode path
-(``TorchAttentionBackend.decode``) gathers every row's K/V out of the pool, concatenates the new key and runs a
-masked SDPA, several full copies of the KV per layer per step; the maintained routes do not avoid that on the CPU
-today (argued from how they lower in torch 2.13, not benchmarked against this op): ``flex_attention`` lowers on the CPU through inductor's C++ template only for dense (B, H, S, D) K/V, so a
+Why our own op: the torch decode path (``TorchAttentionBackend.decode``) gathers every row's K/V out of the pool,
+concatenates the new key and runs a masked SDPA, several full copies of the KV per layer per step; the maintained
+routes do not avoid that on the CPU today (argued from how they lower in torch 2.13, not benchmarked against this
+op): ``flex_attention`` lowers on the CPU through inductor's C++ template only for dense (B, H, S, D) K/V, so a
 paged pool needs a gathered copy (a block mask only skips blocks of a dense tensor), and a compiled split-K over
 the block tables compiles to the same gather (indexing the pool by slot) before its reduction. vLLM's CPU backend
 has such a kernel (``csrc/cpu``), as a C++ op of its own; this file is ours, written from the algorithm

@@ -47,3 +47,14 @@ def hf_greedy_tokens(path, prompts: list[list[int]], max_new_tokens: int) -> lis
         )
         out.append(tokens[0, len(p) :].tolist())
     return out
+
+
+def one_line_error(capsys, rc: int, *needles: str) -> str:
+    """The one stderr line of a command that failed cleanly (exit 2, no traceback), checked to contain ``needles``."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert rc == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]

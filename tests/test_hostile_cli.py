@@ -7,17 +7,8 @@ import shutil
 
 import pytest
 
+from tests.conftest import one_line_error
 from workbench.cli import main
-
-
-def one_line_error(capsys, rc: int, *needles: str) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.strip().splitlines() if line]
-    assert rc == 2, err
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
 
 
 def test_generate_seed_at_the_top_of_64_bits_serves_both_requests(capsys):

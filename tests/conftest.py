@@ -49,10 +49,13 @@ def hf_greedy_tokens(path, prompts: list[list[int]], max_new_tokens: int) -> lis
     return out
 
 
-def one_line_error(capsys, rc: int, *needles: str) -> str:
-    """The one stderr line of a command that failed cleanly (exit 2, no traceback), checked to contain ``needles``."""
+def one_line_error(capsys, rc: int, *needles: str, warnings_too: bool = False) -> str:
+    """The one stderr line of a command that failed cleanly (exit 2, no traceback), checked to contain ``needles``;
+    ``warnings_too``: lines starting 'warning:' may come before it (this CPU's own, e.g. emulated bf16)."""
     err = capsys.readouterr().err
     lines = [line for line in err.strip().splitlines() if line]
+    if warnings_too:
+        lines = [line for line in lines if not line.startswith("warning:")]
     assert rc == 2, err
     assert len(lines) == 1 and "Traceback" not in err, err
     for needle in needles:

@@ -147,7 +147,7 @@ def test_a_float_kv_cache_dtype_other_than_the_activations_names_both(capsys):
     assert resolve_kv_cache_dtype("fp16", "fp16") == "fp16"
     assert resolve_kv_cache_dtype("int8", "bf16") == "int8"
     rc = main(["generate", "--model", "tiny-gqa", "--dtype", "bf16", "--kv-cache-dtype", "fp16", "--prompt-ids", "1"])
-    one_line_error(capsys, rc, "'fp16' differs from the activation dtype 'bf16'", "--dtype fp16")
+    one_line_error(capsys, rc, "'fp16' differs from the activation dtype 'bf16'", "--dtype fp16", warnings_too=True)
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,11 @@ class CpuAttentionBackend:
         meta: DecodeMetadata,
         scale: float,
     ) -> torch.Tensor:  # (B, num_heads, head_dim)
-        """Row ``b`` attends to its ``positions[b]`` cached keys through its block table, then to its new key."""
+        """Row ``b`` attends to its ``positions[b]`` cached keys through its block table, then to its new key. An
+        MLA pool (V a narrower view of the latent entry, ``model.mla``) takes the torch path: the op reads V rows of
+        K's width."""
+        if v.shape[-1] != k.shape[-1]:
+            return TORCH_BACKEND.decode(layer, q, k, v, cache, meta, scale)
         k, v = cache.round_trip(layer, k, v)
         k_scale, v_scale = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
         return self._decode(

@@ -117,20 +117,6 @@ def test_sanity_checks_by_hand() -> None:
     assert H.steal_share({"total": 100, "steal": 5}, {"total": 300, "steal": 25}) == pytest.approx(0.1)
 
 
-def test_threads_env_is_validated(monkeypatch) -> None:
-    import torch
-
-    from workbench.errors import ConfigError
-
-    before = torch.get_num_threads()
-    monkeypatch.setenv(H.NUM_THREADS_ENV, "zero")
-    with pytest.raises(ConfigError, match="WORKBENCH_NUM_THREADS"):
-        H.configure_threads()
-    monkeypatch.setenv(H.NUM_THREADS_ENV, "1")
-    assert H.configure_threads() == 1
-    torch.set_num_threads(before)
-
-
 def test_index_shows_the_running_experiment_verdicts_and_anomalies() -> None:
     from workbench.pipeline.index import render_run_index
 

@@ -15,7 +15,7 @@ from workbench.hardware import HardwareSpec, get_hardware, hardware_names, load_
 
 NAMES = ("a100-40gb", "a100-80gb", "h100-sxm", "h100-pcie", "h200", "l4", "l40s", "mi300x", "b200")
 # tiny sizes: enough to exercise every code path in well under a second
-TINY = {"matmul_n": 64, "bandwidth_bytes": 1 << 20, "repeats": 2, "warmup": 1}
+TINY = {"matmul_n": 64, "bandwidth_bytes": 1 << 20, "repeats": 2, "warmup": 1, "warmup_s": 0.0}
 
 
 def test_table_has_every_named_part_with_a_source() -> None:

@@ -23,10 +23,8 @@ interleaved in the same run (this machine is shared, so absolute times drift; ra
 
 from __future__ import annotations
 
-import os
 import random
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ from workbench.config import (
     canonical_quantization,
     resolve_kv_cache_dtype,
 )
-from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.device import resolve_device, torch_dtype
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.errors import ConfigError
@@ -49,23 +47,18 @@ from workbench.hardware import HardwareSpec, measured_spec
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
 from workbench.roofline import memory_bandwidth_utilization, step_work
-from workbench.timing import median, random_prompts, timed
+from workbench.timing import (
+    median,
+    random_prompts,
+    set_threads,  # noqa: F401  (the one thread setter, re-exported: scripts import it here)
+    timed,
+)
 
 DEFAULT_MODEL = "bench-300m"
 OFFLINE_TRACE = "azure-conv"
 
 
 # ---- settings and helpers ------------------------------------------------------------------------------------
-def set_threads(num_threads: int | None = None) -> int:
-    """Set torch's intra-op threads (default: every CPU core this process may use) and return the number."""
-    if num_threads is None:
-        num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if num_threads < 1:
-        raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
-    torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
-
-
 def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
     """(in_features, out_features) of every weight matrix a decode step multiplies by, in model order.
 
@@ -130,12 +123,8 @@ class LinearSweep:
             key = (batch, layer.in_features)
             if key not in xs:
                 xs[key] = torch.randn(batch, layer.in_features).to(dtype=self.dtype, device=self.device)
-        synchronize(self.device)
-        t0 = time.perf_counter()
-        for layer in self.layers:
-            layer(xs[(batch, layer.in_features)])
-        synchronize(self.device)
-        return time.perf_counter() - t0
+        seconds, _ = timed(lambda: [layer(xs[(batch, layer.in_features)]) for layer in self.layers], self.device)
+        return seconds
 
 
 def load_bench_model(
@@ -255,10 +244,7 @@ def bench_decode(
             if workers is not None and i == warmup:
                 workers.call("comm_stats", True, True)  # time the all-reduces of the measured steps
             context = [s.num_tokens for s in engine.sequences.values()]  # each decode attends to this many keys
-            synchronize(model.device)
-            t0 = time.perf_counter()
-            engine.step()
-            t = time.perf_counter() - t0
+            t, _ = timed(engine.step, model.device)
             s = sweep.run(batch)
             if i == 0:
                 first_step_s = t
@@ -336,10 +322,7 @@ def bench_prefill(
         times, model_times = [], []
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, _greedy(1))
-            synchronize(model.device)
-            t0 = time.perf_counter()
-            engine.step()
-            t = time.perf_counter() - t0
+            t, _ = timed(engine.step, model.device)
             if i >= warmup:
                 times.append(t)
                 model_times.append(engine.runner.last_model_s)
@@ -386,11 +369,9 @@ def run_engine_offline(
     """Serve the requests at once through ``engine`` (default: a fresh one); (wall seconds, tokens per request)."""
     if engine is None:
         engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests))
-    synchronize(model.device)
-    t0 = time.perf_counter()
-    result = engine.generate([p for p, _ in requests], [_greedy(n) for _, n in requests])
-    synchronize(model.device)
-    return time.perf_counter() - t0, [r.tokens for r in result.requests]
+    seconds, result = timed(lambda: engine.generate([p for p, _ in requests], [_greedy(n) for _, n in requests]),
+                            model.device)  # fmt: skip
+    return seconds, [r.tokens for r in result.requests]
 
 
 def bench_offline(

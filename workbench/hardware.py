@@ -22,7 +22,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from typing import Any
 
 from workbench.config import DATA_DIR, canonical_dtype
 from workbench.errors import ConfigError
-from workbench.timing import median_time
+from workbench.timing import time_stats
 
 HARDWARE_FILE = DATA_DIR / "hardware" / "accelerators.yaml"
 MEASURED = "measured"
@@ -457,12 +456,7 @@ def cpu_matmul_rates(dtype: str, n: int = 256, repeats: int = 3) -> tuple[float,
         def rate(dt: Any) -> float:
             a = torch.randn(n, n).to(dt)
             b = torch.randn(n, n).to(dt)
-            torch.mm(a, b)
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                torch.mm(a, b)
-                best = min(best, time.perf_counter() - t0)
+            best = time_stats(lambda: torch.mm(a, b), warmup=1, repeats=repeats)["min_s"]
             return 2.0 * n**3 / max(best, 1e-9)
 
         _DTYPE_RATES[dtype] = (rate(torch_dtype(dtype)), rate(torch.float32))
@@ -493,7 +487,10 @@ def warn_if_emulated(dtype: str, device: Any) -> str | None:
     return note
 
 
-PROBE_VERSION = 2  # bumped when the probes change (2: the CPU read ceiling also tries a gemv); older caches are stale
+# bumped when the probes change (2: the CPU read ceiling also tries a gemv; 3: warm-up by time, repeatability);
+# older caches are stale
+PROBE_VERSION = 3
+WARMUP_S = 0.2  # seconds each CPU probe runs before it is timed
 GEMV_PROBE_COLS = 4096  # row length of the matrix-vector read probe (16 KiB rows in fp32)
 
 
@@ -503,6 +500,7 @@ def measure_cpu(
     repeats: int = 5,
     warmup: int = 1,
     dtypes: tuple[str, ...] = ("fp32", "bf16"),
+    warmup_s: float = WARMUP_S,
 ) -> HardwareSpec:
     """Measure this CPU's matmul peak per dtype and its memory read and copy bandwidth with torch.
 
@@ -513,10 +511,22 @@ def measure_cpu(
     ``y.copy_(x)``, counted as 2 x bytes (read + write). The default 256 MiB is far beyond a core's share of the
     caches; on this class of VM the measured read bandwidth no longer changes between 256 MiB and 1 GiB. A dtype
     whose matmul fails is left out.
+
+    Each probe warms up for ``warmup`` calls and at least ``warmup_s`` seconds before it is timed (a probe measured
+    cold read up to 70% below the same probe measured a minute later), and reports its own repeatability:
+    ``details["spread"]`` is (max - min) / median of each probe's timed calls, ``details["repeatability"]`` the
+    largest of them (a ceiling whose own calls spread by 30% cannot tell a 25% drift apart).
     """
     import torch
 
     sync = lambda: None  # CPU ops are synchronous
+    spread: dict[str, float] = {}
+
+    def probe(name: str, fn: Callable[[], Any]) -> float:
+        stats = time_stats(fn, warmup=warmup, repeats=repeats, sync=sync, warmup_s=warmup_s)
+        spread[name] = stats["spread"]
+        return stats["median_s"]
+
     peak: dict[str, float] = {}
     matmul_detail: dict[str, float] = {}
     for dtype in dtypes:
@@ -525,7 +535,7 @@ def measure_cpu(
             gen = torch.Generator().manual_seed(0)
             a = torch.randn(matmul_n, matmul_n, generator=gen).to(tdtype)  # (n, n)
             b = torch.randn(matmul_n, matmul_n, generator=gen).to(tdtype)  # (n, n)
-            t = median_time(lambda a=a, b=b: torch.mm(a, b), warmup=warmup, repeats=repeats, sync=sync)
+            t = probe(f"matmul_{canonical_dtype(dtype)}", lambda a=a, b=b: torch.mm(a, b))
         except RuntimeError:
             continue
         peak[canonical_dtype(dtype)] = 2.0 * matmul_n**3 / t
@@ -536,12 +546,12 @@ def measure_cpu(
     x = torch.ones(numel, dtype=torch.float32)  # (numel,)
     y = torch.empty_like(x)  # (numel,)
     nbytes = numel * 4
-    t_sum = median_time(lambda x=x: x.sum(), warmup=warmup, repeats=repeats, sync=sync)
+    t_sum = probe("read_sum", lambda x=x: x.sum())
     cols = min(GEMV_PROBE_COLS, numel)
     rows, vec = x[: numel - numel % cols].view(-1, cols), torch.ones(cols, dtype=torch.float32)
-    t_gemv = median_time(lambda rows=rows, vec=vec: torch.mv(rows, vec), warmup=warmup, repeats=repeats, sync=sync)
+    t_gemv = probe("read_gemv", lambda rows=rows, vec=vec: torch.mv(rows, vec))
     gemv_bw = rows.numel() * 4 / t_gemv
-    t_copy = median_time(lambda x=x, y=y: y.copy_(x), warmup=warmup, repeats=repeats, sync=sync)
+    t_copy = probe("copy", lambda x=x, y=y: y.copy_(x))
     del x, y, rows
     read_bw = max(nbytes / t_sum, gemv_bw)
     copy_bw = 2 * nbytes / t_copy
@@ -567,6 +577,9 @@ def measure_cpu(
             "read_bandwidth_gemv": gemv_bw,
             "copy_bandwidth": copy_bw,
             "repeats": repeats,
+            "warmup_s": warmup_s,
+            "spread": spread,
+            "repeatability": max(spread.values()),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "probe_version": PROBE_VERSION,
         },
@@ -582,7 +595,8 @@ def measure_cuda(
 ) -> HardwareSpec:
     """Measure the CUDA device's bf16 (and fp32) matmul peak and its device-to-device copy bandwidth.
 
-    Timed with CUDA events around each call, after warm-up; medians. Copy counts read + write (2 x bytes).
+    Timed with CUDA events around each call (``workbench.timing``), after warm-up; medians, with each probe's
+    spread as on the CPU. Copy counts read + write (2 x bytes).
     The device's copy bandwidth is the memory ceiling (a copy is the simplest kernel that streams memory).
     """
     import torch
@@ -591,19 +605,12 @@ def measure_cuda(
         raise ConfigError("measure_cuda: no CUDA device is available")
     dev = torch.device(device)
 
-    def cuda_median(fn: Callable[[], Any]) -> float:
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize(dev)
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(dev)
-            times.append(start.elapsed_time(end) / 1e3)
-        return statistics.median(times)
+    spread: dict[str, float] = {}
+
+    def cuda_median(name: str, fn: Callable[[], Any]) -> float:
+        stats = time_stats(fn, dev, warmup=warmup, repeats=repeats, events=True)
+        spread[name] = stats["spread"]
+        return stats["median_s"]
 
     peak: dict[str, float] = {}
     matmul_detail: dict[str, float] = {}
@@ -613,7 +620,7 @@ def measure_cuda(
         for dtype, tdtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             a = torch.randn(matmul_n, matmul_n, device=dev, dtype=tdtype)  # (n, n)
             b = torch.randn(matmul_n, matmul_n, device=dev, dtype=tdtype)  # (n, n)
-            t = cuda_median(lambda a=a, b=b: torch.mm(a, b))
+            t = cuda_median(f"matmul_{dtype}", lambda a=a, b=b: torch.mm(a, b))
             peak[dtype] = 2.0 * matmul_n**3 / t
             matmul_detail[dtype] = t
             del a, b
@@ -623,8 +630,8 @@ def measure_cuda(
     x = torch.ones(numel, device=dev, dtype=torch.bfloat16)  # (numel,)
     y = torch.empty_like(x)  # (numel,)
     nbytes = numel * 2
-    t_copy = cuda_median(lambda x=x, y=y: y.copy_(x))
-    t_read = cuda_median(lambda x=x: x.sum())
+    t_copy = cuda_median("copy", lambda x=x, y=y: y.copy_(x))
+    t_read = cuda_median("read_sum", lambda x=x: x.sum())
     del x, y
     props = torch.cuda.get_device_properties(dev)
     copy_bw = 2 * nbytes / t_copy
@@ -646,6 +653,8 @@ def measure_cuda(
             "read_bandwidth": nbytes / t_read,
             "copy_bandwidth": copy_bw,
             "repeats": repeats,
+            "spread": spread,
+            "repeatability": max(spread.values()),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "probe_version": PROBE_VERSION,
         },

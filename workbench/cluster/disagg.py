@@ -28,8 +28,8 @@ from the prompt on the decode side, as is one that times out (counted); a proces
 the liveness bound (``workbench.dist.group.liveness_timeout_s``: stopped, frozen; it is then killed), ends the run
 with a ``DisaggregationError`` that names it and carries the requests that had finished.
 
-Every process stamps times on one clock: ``time.perf_counter`` is CLOCK_MONOTONIC, shared by the processes of a
-machine, and the run's zero is sent to every engine once all have loaded their model.
+Every process stamps times on one clock: ``workbench.timing.now`` (``time.perf_counter``) is CLOCK_MONOTONIC,
+shared by the processes of a machine, and the run's zero is sent to every engine once all have loaded their model.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -66,6 +65,7 @@ from workbench.engine.tp_runner import ShardWorker
 from workbench.errors import ConfigError
 from workbench.model.sharding import check_tensor_parallel_size
 from workbench.request import SamplingParams, Sequence
+from workbench.timing import now, set_threads
 
 POLL_S = 0.002  # how long an idle engine waits on its queue before looking again
 
@@ -311,7 +311,7 @@ def _load_engine(
     """This engine's driver: a whole engine (TP 1), or the first rank of its subgroup with the others serving it."""
     from workbench.engine.engine import Engine
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     if group is None:
         engine = Engine.from_model(source, config, seed=seed)
     else:
@@ -597,7 +597,7 @@ class DisaggCluster:
         transfers: dict[int, dict[str, Any]] = {}
         pools: dict[str, Any] = {}
         ids = list(range(len(requests)))
-        t0 = time.perf_counter()
+        t0 = now()
         for inbox in self.inboxes.values():
             inbox.put(("start", t0, faults or Faults()))
 
@@ -614,12 +614,12 @@ class DisaggCluster:
             for n, i in enumerate(order):
                 prompt, sampling, arrival = requests[i]
                 if online:  # wait for the arrival time, collecting results meanwhile
-                    self._wait(on_result, lambda: False, results, arrival - (time.perf_counter() - t0), True)
+                    self._wait(on_result, lambda: False, results, arrival - (now() - t0), True)
                 decode = self.layout.driver("decode", n % self.num_d)
                 spec = RequestSpec(i, list(prompt), sampling, arrival if online else 0.0, decode)
                 self.inboxes[self.layout.driver("prefill", n % self.num_p)].put(("request", spec))
             self._wait(on_result, lambda: len(results) == len(ids), results)
-            duration = time.perf_counter() - t0
+            duration = now() - t0
             for inbox in self.inboxes.values():
                 inbox.put(("stop",))
 
@@ -642,9 +642,9 @@ class DisaggCluster:
         """Handle messages until ``done()``. Raise DisaggregationError when a process fails or nothing arrives
         for ``stall_timeout_s``; ``deadline_only``: just handle messages for ``seconds``."""
         timeout_s = self.cfg.stall_timeout_s if seconds is None else seconds
-        deadline = time.perf_counter() + timeout_s
+        deadline = now() + timeout_s
         while not done():
-            remaining = deadline - time.perf_counter()
+            remaining = deadline - now()
             if remaining <= 0:
                 if deadline_only:
                     return
@@ -658,7 +658,7 @@ class DisaggCluster:
                 continue
             on_message(message)
             if not deadline_only:
-                deadline = time.perf_counter() + timeout_s
+                deadline = now() + timeout_s
 
 
 def run_disaggregated(

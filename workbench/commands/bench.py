@@ -108,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
     from workbench import bench
     from workbench.device import resolve_device
     from workbench.hardware import measured_spec, warn_if_emulated
+    from workbench.timing import set_threads
 
-    threads = bench.set_threads(args.threads)
+    threads = set_threads(args.threads, what="--threads")
     device = resolve_device(args.device)
     emulated = warn_if_emulated(args.dtype, device)
     compile_decode = args.compile_decode

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from workbench.timing import set_threads
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-gqa", help="preset or config.json, random weights (default tiny-gqa)")
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(out, "--out")
     grids = {key: check_grid_arg(getattr(args, key), key.replace("_", "-"))
              for key in ("tokens", "rows", "prompt_lens", "contexts", "batch_sizes")}  # fmt: skip
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads, what="--threads")
     load_start, times_start = load_average(), cpu_times()
     profile = profile_ops(
         args.model, str(dev), args.dtype, args.attention_backend, {k: v for k, v in grids.items() if v},

@@ -18,6 +18,7 @@ import argparse
 import os
 
 from workbench.commands.generate import add_engine_arguments, add_model_arguments, engine_config_from_args
+from workbench.timing import set_threads
 
 API_KEY_ENV = ("WORKBENCH_API_KEY", "VLLM_API_KEY")
 
@@ -114,11 +115,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads, what="--threads")
     try:
         engine = Engine.from_model(args.model, engine_config_from_args(args), seed=args.model_seed)
         codec = TextCodec.from_dir(args.model) if has_tokenizer(args.model) else None

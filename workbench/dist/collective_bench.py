@@ -7,10 +7,10 @@ for), taken on the driver with a MAX all-reduce of the per-rank times.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
+
+from workbench.timing import now, set_threads
 
 
 class AllReduceTimer:
@@ -18,7 +18,7 @@ class AllReduceTimer:
 
     def __init__(self, rank: int, world_size: int, num_threads: int = 1) -> None:
         self.rank, self.world_size = rank, world_size
-        torch.set_num_threads(num_threads)
+        set_threads(num_threads)
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
 
     def _sync(self) -> None:
@@ -33,10 +33,10 @@ class AllReduceTimer:
             tensor.fill_(1.0)
             dist.barrier()
             self._sync()
-            start = time.perf_counter()
+            start = now()
             dist.all_reduce(tensor)
             self._sync()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.device)
+            elapsed = torch.tensor([now() - start], dtype=torch.float64, device=self.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= warmup:
                 times.append(float(elapsed.item()))

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workbench.errors import ConfigError, WorkbenchError
+from workbench.timing import now
 
 BACKENDS = ("auto", "gloo", "nccl")
 _SHUTDOWN = "__shutdown__"
@@ -139,7 +140,7 @@ def _exit_with_parent(parent_pid: int, heartbeat: Any) -> None:
     processes of a machine share) every ``HEARTBEAT_S``, and ends the worker if its driver process is gone. A rank
     stopped (SIGSTOP) or frozen stops beating with it, which the parent's ``ProcessSet`` watches for."""
     while True:
-        heartbeat.value = time.monotonic()
+        heartbeat.value = now()
         time.sleep(HEARTBEAT_S)
         if os.getppid() != parent_pid:
             os._exit(3)
@@ -259,13 +260,13 @@ class ProcessSet:
     def _watch(self) -> None:
         """Kill the first rank that stops beating for ``liveness_s`` (and remember why, for ``problem()``)."""
         while not self._done.wait(HEARTBEAT_S / 2):
-            now = time.monotonic()
+            at = now()
             for rank, process, beat in zip(self.ranks, self.processes, self._beats):
                 last = beat.value
-                if last > 0 and now - last > self.liveness_s and process.is_alive():
+                if last > 0 and at - last > self.liveness_s and process.is_alive():
                     self._unresponsive = (
                         f"rank {rank} ({process.name}, pid {process.pid}) gave no sign of life for "
-                        f"{now - last:.1f} s (stopped or frozen) and was killed; the liveness bound is "
+                        f"{at - last:.1f} s (stopped or frozen) and was killed; the liveness bound is "
                         f"{self.liveness_s:g} s (${LIVENESS_ENV})",
                         "",
                     )
@@ -297,18 +298,18 @@ class ProcessSet:
 
     def wait_for_problem(self, seconds: float) -> tuple[str, str] | None:
         """``problem()``, waiting up to ``seconds`` for a dying process to say why."""
-        deadline = time.monotonic() + seconds
+        deadline = now() + seconds
         found = self.problem()
-        while found is None and time.monotonic() < deadline:
+        while found is None and now() < deadline:
             time.sleep(0.05)
             found = self.problem()
         return found
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._done.set()
-        deadline = time.monotonic() + grace_s
+        deadline = now() + grace_s
         for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
+            process.join(max(0.0, deadline - now()))
         for process in self.processes:
             if process.is_alive():
                 process.terminate()

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from workbench.config import ModelConfig
 from workbench.kv.cache import KVCache
 from workbench.model.sharding import TensorParallelShard
+from workbench.timing import now
 
 ATTEMPT_BITS = 4  # tags are request_id << ATTEMPT_BITS | attempt
 
@@ -261,5 +262,5 @@ def _on_wire_device(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def wall_clock(t0: float) -> Callable[[], float]:
-    """Seconds since ``t0`` on ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every process of a machine)."""
-    return lambda: time.perf_counter() - t0
+    """Seconds since ``t0`` on ``workbench.timing.now`` (CLOCK_MONOTONIC: one clock for every process of a machine)."""
+    return lambda: now() - t0

@@ -34,7 +34,6 @@ gathers the cached keys (torch). Steps it refuses go through the ragged ``Transf
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -51,6 +50,7 @@ from workbench.model.attention import (
     decode_key_width,
 )
 from workbench.model.transformer import Transformer
+from workbench.timing import now
 
 DECODE_MODES = ("eager", "compile", "graph")
 
@@ -183,10 +183,10 @@ class DecodeStep:
         torch._dynamo.maybe_mark_dynamic(meta.block_tables, 1)  # read by a paged backend (cpu): grows with context
         n = ids.shape[0]
         first = n not in self.compile_s
-        t0 = time.perf_counter()
+        t0 = now()
         out = self._compiled(ids, meta, self.cache, self.backend, write=False)
         if first:
-            self.compile_s[n] = time.perf_counter() - t0
+            self.compile_s[n] = now() - t0
         return out
 
     @torch.inference_mode()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from workbench import timing
 from workbench.config import ModelConfig
 from workbench.device import dtype_name, resolve_device, synchronize, torch_dtype
 from workbench.dist.group import WorkerGroup, launched_by_torchrun
@@ -196,12 +197,12 @@ class Engine:
 
     # ---- clock -------------------------------------------------------------------------------------------
     def reset_clock(self, t0: float | None = None) -> None:
-        """Start the engine's clock now, or at ``t0`` on ``time.perf_counter`` (a clock shared by the processes
+        """Start the engine's clock now, or at ``t0`` on ``workbench.timing.now`` (a clock shared by the processes
         of one machine: disaggregated engines stamp their times on one run clock)."""
-        self._t0 = time.perf_counter() if t0 is None else t0
+        self._t0 = timing.now() if t0 is None else t0
 
     def now(self) -> float:
-        return time.perf_counter() - self._t0
+        return timing.now() - self._t0
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add_request(

@@ -24,8 +24,6 @@ for tracing and loading.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from workbench.config import ceil_div
@@ -34,6 +32,7 @@ from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, build_metadata
 from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS
 from workbench.model.transformer import DecoderLayer, LayerParts, Transformer
+from workbench.timing import now
 
 WARMUP_TOKEN_COUNTS = (1, 2, PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)  # one token count of each range of the graphs
 
@@ -85,10 +84,10 @@ class PrefillStep:
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         if self.parts is None:
             return self.model.forward(input_ids, meta, cache, self.backend)
-        graphs, t0 = num_compiled_graphs(), time.perf_counter()
+        graphs, t0 = num_compiled_graphs(), now()
         hidden = self.model.forward(input_ids, meta, cache, self.backend, self.parts)
         if num_compiled_graphs() > graphs:
-            self.compile_s[int(input_ids.shape[0])] = time.perf_counter() - t0
+            self.compile_s[int(input_ids.shape[0])] = now() - t0
         return hidden
 
     def warmup(self, max_tokens: int | None = None) -> dict[int, float]:

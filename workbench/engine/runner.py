@@ -15,7 +15,6 @@ Either way a token is sampled for every chunk that ends at its sequence's last t
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, build_metadata
 from workbench.model.sampler import Sampler
 from workbench.model.transformer import Transformer
+from workbench.timing import now
 
 
 def resolve_attention_backend(name: str, device_type: str | None = None) -> str:
@@ -150,10 +150,10 @@ class ModelRunner:
         if not self.time_model:
             return fn(*args)
         synchronize(self.model.device)
-        t0 = time.perf_counter()
+        t0 = now()
         out = fn(*args)
         synchronize(self.model.device)
-        self.last_model_s = time.perf_counter() - t0
+        self.last_model_s = now() - t0
         return out
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, rows: range | list[int]) -> dict[int, int]:

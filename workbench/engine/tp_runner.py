@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import TORCH_BACKEND, build_metadata
 from workbench.model.sharding import all_reduce, gather_logits
+from workbench.timing import now, set_threads
 
 
 class ShardWorker:
@@ -48,7 +48,7 @@ class ShardWorker:
         group: Any = None,
     ) -> None:  # fmt: skip
         if num_threads is not None:
-            torch.set_num_threads(num_threads)
+            set_threads(num_threads)
         self.rank, self.world_size, self.group = rank, world_size, group
         self.load(source, dtype, device, seed)
 
@@ -72,10 +72,10 @@ class ShardWorker:
         if not self._timing:
             return all_reduce(tensor, self.group)
         synchronize(self.device)
-        start = time.perf_counter()
+        start = now()
         all_reduce(tensor, self.group)
         synchronize(self.device)
-        self.comm_s += time.perf_counter() - start
+        self.comm_s += now() - start
         self.num_all_reduces += 1
         return tensor
 

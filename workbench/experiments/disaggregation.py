@@ -29,6 +29,7 @@ from workbench.engine.metrics import summarize
 from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED, make_claim, order_single
 from workbench.experiments.serving import metrics_row, summary_row
 from workbench.request import SamplingParams
+from workbench.timing import using_threads
 from workbench.workloads import Request, prompt_token_ids
 
 
@@ -51,8 +52,6 @@ def real_comparison(
     ``max_num_seqs x max_model_len`` tokens per engine)."""
     import dataclasses
 
-    import torch
-
     from workbench.cluster.disagg import DisaggCluster, DisaggConfig
 
     slos = dict(slos or {})
@@ -63,16 +62,12 @@ def real_comparison(
         ),
     }
     rows = []
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with using_threads(threads):
         for name, requests in workloads.items():
             for label, cfg in setups.items():
                 result = Engine(model, cfg).replay(list(requests), seed=seed)  # a fresh pool per run, same weights
                 rows.append({"workload": name} | summary_row(label, result, **slos) | {"processes": 1,
                             "threads_each": threads})  # fmt: skip
-    finally:
-        torch.set_num_threads(before)
     vocab = model.config.vocab_size
     cfg = DisaggConfig(prefill=engine_config, decode=engine_config, threads_per_engine=max(1, threads // 2))
     with DisaggCluster(source, cfg, seed) as cluster:

@@ -29,6 +29,7 @@ from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED,
 from workbench.experiments.hygiene import load_average
 from workbench.sim.cluster import SimConfig, simulate
 from workbench.sim.stats import rank_correlation
+from workbench.timing import now, set_threads
 from workbench.workloads import Request, synthetic_workload
 
 FIDELITY_TOLERANCE = 0.10  # the simulator's target: within 10% of the measured median (or the spread, if larger)
@@ -801,9 +802,6 @@ def fidelity_report(
     machine (``machine_identity``: the CPU model, its CPUs, the instruction set torch dispatches to) and wall
     times. ``log``: a callable given one line per profile read or measured (None: quiet)."""
     import os
-    import time
-
-    import torch
 
     from workbench.config import ModelConfig, parse_disaggregate
     from workbench.engine.scheduler import POLICIES
@@ -822,9 +820,9 @@ def fidelity_report(
     for name, value in (("num_requests", num_requests), ("repeats", repeats), ("threads", threads)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    torch.set_num_threads(threads)  # as the profile was measured (fit-profile / profile-ops --threads, 1)
+    set_threads(threads)  # as the profile was measured (fit-profile / profile-ops --threads, 1)
     load_start = load_average()
-    t_start = time.perf_counter()
+    t_start = now()
     costs, sources = {}, {}
     for kind in kinds:
         costs[kind], sources[kind] = profile_for_this_machine(
@@ -837,7 +835,7 @@ def fidelity_report(
             log(f"{kind}: {sources[kind]}; machine {prov['machine']}; load average while measured "
                 f"{prov['load_average_1min']}{'  LOADED: its times hold other processes' if prov['loaded'] else ''}"
                 + "".join(f"\n  FIT WARNING: {w}" for w in quality))  # fmt: skip
-    profile_s = time.perf_counter() - t_start
+    profile_s = now() - t_start
     held_out = held_out_workload(num_requests, rate, seed)
     models = {k: {"source": sources[k], **c.describe(), "provenance": profile_provenance(k, c)}
               for k, c in costs.items()}  # fmt: skip
@@ -868,7 +866,7 @@ def fidelity_report(
     out["max_abs_rel_error"] = {name: max(abs(r["rel_error"]) for r in rows if r["model"] == name)
                                 for name in labels}  # fmt: skip
     out["load_average_end"] = load_average()
-    out["wall_s"] = {"profiles": profile_s, "total": time.perf_counter() - t_start}
+    out["wall_s"] = {"profiles": profile_s, "total": now() - t_start}
     loads = [x for run in out.get("loads", []) for x in (run["load_before"], run["load_after"]) if x]
     out["measured_runs_loaded"] = bool(loads) and max(x[0] for x in loads) > (os.cpu_count() or 1)
     return out

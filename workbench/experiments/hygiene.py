@@ -31,9 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from workbench.timing import time_stats
+from workbench.timing import set_threads, time_stats
 
-NUM_THREADS_ENV = "WORKBENCH_NUM_THREADS"
 UTILIZATION_TOLERANCE = 0.10  # MFU/MBU up to 1.10 is measurement noise of the ceiling probes; above is an error
 DRIFT_THRESHOLD = 0.25  # reference step median changed by more than 25% between start and end
 CEILING_THRESHOLD = 0.25  # a ceiling changed by more than 25% between start and end
@@ -74,26 +73,6 @@ def machine_state() -> dict[str, Any]:
     return {"load_average": load_average(), "cpu_times": cpu_times(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def configure_threads(num_threads: int | None = None) -> int:
-    """Set torch's intra-op threads to ``num_threads``, else ``$WORKBENCH_NUM_THREADS``, else leave them; returns
-    the count in use."""
-    import torch
-
-    from workbench.errors import ConfigError
-
-    if num_threads is None and os.environ.get(NUM_THREADS_ENV):
-        try:
-            num_threads = int(os.environ[NUM_THREADS_ENV])
-        except ValueError:
-            value = os.environ[NUM_THREADS_ENV]
-            raise ConfigError(f"${NUM_THREADS_ENV} must be a positive integer, got {value!r}") from None
-    if num_threads is not None:
-        if num_threads < 1:
-            raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
-        torch.set_num_threads(num_threads)
-    return torch.get_num_threads()
-
-
 def measure_ceilings_now(device: str = "cpu") -> Any:
     """The ceilings measured now, in this process (no file cache read or written): a ``HardwareSpec``."""
     from workbench.hardware import measured_spec
@@ -109,6 +88,7 @@ def ceilings_summary(hw: Any, dtype: str = "fp32") -> dict[str, Any]:
         "mem_bandwidth": float(hw.mem_bandwidth),
         "measured_at": hw.details.get("measured_at"),
         "num_threads": hw.details.get("num_threads"),
+        "repeatability": hw.details.get("repeatability"),  # the largest (max - min) / median of the probes' calls
     }
 
 
@@ -156,7 +136,7 @@ def start_checks(model: Any, device: str = "cpu", dtype: str = "fp32", num_threa
     Returns ``{"num_threads", "state_start", "hw", "ceilings_start", "reference_start"}``; ``hw`` is the
     ``HardwareSpec`` to divide results by (the one measured now).
     """
-    threads = configure_threads(num_threads)
+    threads = set_threads(num_threads, otherwise="keep")  # else $WORKBENCH_NUM_THREADS, else as they are
     state = machine_state()
     hw = measure_ceilings_now(device)
     return {
@@ -303,7 +283,6 @@ def check_ceilings(change: Mapping[str, float], threshold: float = CEILING_THRES
 
 __all__ = [
     "machine_state",
-    "configure_threads",
     "measure_ceilings_now",
     "reference_step",
     "start_checks",

@@ -17,7 +17,6 @@ the activation dtype, int8, fp8), timed against each other in one run, with what
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,6 @@ from workbench.config import (
     ceil_div,
     resolve_kv_cache_dtype,
 )
-from workbench.device import synchronize
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.errors import ConfigError
@@ -39,7 +37,7 @@ from workbench.kv.sizing import plan_num_blocks
 from workbench.model.accuracy import logit_agreement
 from workbench.request import SamplingParams
 from workbench.roofline import memory_bandwidth_utilization, step_work
-from workbench.timing import median, random_prompts
+from workbench.timing import median, random_prompts, timed
 
 
 @dataclass(frozen=True)
@@ -143,10 +141,7 @@ def decode_schemes(
         for i in range(warmup + steps):
             for s, engine in engines.items():  # A, B, C, A, B, C, ...
                 context = [q.num_tokens for q in engine.sequences.values()]
-                synchronize(engine.model.device)
-                t0 = time.perf_counter()
-                engine.step()
-                t = time.perf_counter() - t0
+                t, _ = timed(engine.step, engine.model.device)
                 if i >= warmup:
                     times[s].append(t)
                     contexts[s] = context
@@ -195,11 +190,9 @@ def prefill_schemes(
         for i, prompt in enumerate(prompts):
             for s, engine in engines.items():
                 engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                synchronize(engine.model.device)
-                t0 = time.perf_counter()
-                engine.step()
+                t, _ = timed(engine.step, engine.model.device)
                 if i >= warmup:
-                    times[s].append(time.perf_counter() - t0)
+                    times[s].append(t)
         base = None
         for s in schemes:
             cfg = models[s.weights_key].config

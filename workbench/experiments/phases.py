@@ -16,13 +16,12 @@ from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec
 from workbench.model.transformer import Transformer
 from workbench.roofline import get_model
-from workbench.timing import random_prompts, time_stats
+from workbench.timing import random_prompts, spread_row, time_stats
 
 
 def time_row(fn: Callable[[], Any], device: torch.device, warmup: int = 1, repeats: int = 3) -> dict[str, float]:
     """A table row's timing of ``fn()``: ``time_s`` (median), ``time_min_s`` and ``time_max_s`` (the spread)."""
-    s = time_stats(fn, device, warmup, repeats)
-    return {"time_s": s["median_s"], "time_min_s": s["min_s"], "time_max_s": s["max_s"]}
+    return spread_row(time_stats(fn, device, warmup, repeats)["times_s"])
 
 
 def measure_prefill(

@@ -7,13 +7,13 @@ chunking; this loop stays as the reference it is compared with.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from workbench.device import synchronize
 from workbench.model.sampler import Sampler
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
+from workbench.timing import now
 
 
 @dataclass
@@ -54,22 +54,22 @@ def generate_static(
     active = list(range(len(prompts)))
     seq_ids = list(range(len(prompts)))
 
-    t0 = time.perf_counter()
+    t0 = now()
     logits = model.prefill(prompts, cache, active)
     last_time = [0.0] * len(prompts)
     while active:
         tokens = sampler(logits, [params[i] for i in active], [seq_ids[i] for i in active])
         synchronize(model.device)
-        now = time.perf_counter() - t0
+        elapsed = now() - t0
         still = []
         for i, tok in zip(active, tokens):
             r = results[i]
             r.tokens.append(tok)
             if len(r.tokens) == 1:
-                r.ttft_s = now
+                r.ttft_s = elapsed
             else:
-                r.itl_s.append(now - last_time[i])
-            last_time[i] = now
+                r.itl_s.append(elapsed - last_time[i])
+            last_time[i] = elapsed
             if tok in eos[i]:
                 r.finish_reason = "stop"
             elif len(r.tokens) >= params[i].max_tokens or cache.lengths[i] + 1 > cache.max_len:

@@ -20,7 +20,6 @@ import difflib
 import os
 import re
 import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -31,7 +30,6 @@ from typing import Any
 
 from workbench.atomic import atomic_write_json, atomic_write_text
 from workbench.errors import ConfigError
-from workbench.experiments.hygiene import NUM_THREADS_ENV
 from workbench.pipeline.environment import capture_environment, finish_environment, git_state
 from workbench.pipeline.export import (
     NOINPUT_SUFFIX,
@@ -49,6 +47,7 @@ from workbench.pipeline.params import (
 )
 from workbench.pipeline.spec import DEFAULT_KERNEL, Experiment, PipelineSpec, choose_profile
 from workbench.record import METRICS_FILE, OUTPUT_DIR_ENV, to_json_value
+from workbench.timing import NUM_THREADS_ENV, now, set_threads
 
 MANIFEST_SCHEMA = 1
 FALLBACK_KERNEL = "python3"
@@ -277,7 +276,7 @@ def execute_experiment(
         params[OUTPUT_DIR_PARAM] = str(exp_dir)
     entry = _base_entry(planned, "ok")
     warnings: list[str] = []
-    start = time.perf_counter()
+    start = now()
     engine_kwargs = {"execution_timeout": timeout_s} if timeout_s else {}
     try:
         with _env_var(OUTPUT_DIR_ENV, str(exp_dir)), _env_var(NOTEBOOK_DIR_ENV, str(exp.notebook.parent)):
@@ -359,7 +358,7 @@ def execute_experiment(
             entry["metrics_file"] = _rel(metrics_path, run_dir)
         except (ValueError, TypeError) as exc:
             warnings.append(f"{METRICS_FILE} unreadable: {exc}")
-    entry["duration_s"] = round(time.perf_counter() - start, 3)
+    entry["duration_s"] = round(now() - start, 3)
     if warnings:
         entry["warnings"] = warnings
     return entry
@@ -478,11 +477,7 @@ def run_pipeline(
     from tqdm.auto import tqdm
 
     if num_threads is not None:
-        if num_threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {num_threads}")
-        import torch
-
-        torch.set_num_threads(num_threads)
+        set_threads(num_threads, what="--threads")
         thread_env = {NUM_THREADS_ENV: str(num_threads), "OMP_NUM_THREADS": str(num_threads)}
     else:
         thread_env = {}
@@ -491,7 +486,7 @@ def run_pipeline(
     started = _utcnow()
     source_dir = plan.spec.path.resolve().parent  # the checkout the notebooks come from, not the package's
     run_dir, run_id = _make_run_dir(out_path, new_run_id(started, git_state(source_dir).get("short_commit")))
-    t0 = time.perf_counter()
+    t0 = now()
     manifest: dict[str, Any] = {
         "schema": MANIFEST_SCHEMA,
         "run_id": run_id,
@@ -559,7 +554,7 @@ def run_pipeline(
     statuses = [e["status"] for e in manifest["experiments"]]
     manifest["counts"] = {s: statuses.count(s) for s in ("ok", "failed", "skipped")}
     manifest["finished_at"] = _utcnow().isoformat(timespec="seconds")
-    manifest["duration_s"] = round(time.perf_counter() - t0, 3)
+    manifest["duration_s"] = round(now() - t0, 3)
     manifest["complete"] = True
     atomic_write_json(run_dir / ENVIRONMENT, finish_environment(environment, measure=measure_ceilings))
     write_run_index(run_dir, manifest)

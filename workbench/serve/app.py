@@ -33,7 +33,6 @@ import json
 import logging
 import signal
 import socket
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +51,7 @@ from workbench.serve.protocol import (
     parse_chat,
     parse_completion,
 )
+from workbench.timing import unix_time
 
 log = logging.getLogger("workbench.serve")
 MAX_BODY_BYTES = 16 * 1024 * 1024  # the ceiling of the default body limit
@@ -141,7 +141,7 @@ class _Completion:
 
         self.req, self.chat, self.model = req, chat, state.model_name
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+        self.created = int(unix_time())
         self.detok = IncrementalDetokenizer(state.codec, req.stop) if state.codec is not None else None
         self.token_ids: list[int] = []
         self.text = ""
@@ -367,7 +367,7 @@ def build_app(
     app = web.Application(client_max_size=body_limit, middlewares=[_errors_as_json, _check_api_key])
     app[STATE] = ServerState(
         AsyncEngine(engine, ServerMetrics(model_name)), codec, model_name, max_len, engine.model.config.vocab_size,
-        limits=limits, max_bytes_per_token=bytes_per_token, created=int(time.time()),
+        limits=limits, max_bytes_per_token=bytes_per_token, created=int(unix_time()),
     )  # fmt: skip
     log.info("body limit %d bytes, at most %d bytes of text per token", body_limit, bytes_per_token)
     app.router.add_post("/v1/completions", completions)

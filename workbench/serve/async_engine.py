@@ -68,7 +68,7 @@ class AsyncEngine:
         return len(self._live) + len(self._to_add)
 
     def now(self) -> float:
-        """The engine's clock (thread-safe: a read of ``perf_counter``)."""
+        """The engine's clock (thread-safe: a read of ``workbench.timing.now``)."""
         return self.engine.now()
 
     def add(self, prompt_ids: list[int], sampling: SamplingParams, arrival_time: float | None = None) -> RequestHandle:

@@ -22,7 +22,6 @@ import asyncio
 import json
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from workbench.errors import ConfigError
+from workbench.timing import now
 
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -147,7 +147,7 @@ async def send_request(session: Any, url: str, model: str, req: BenchRequest, ch
         payload["ignore_eos"] = True
     payload |= extra or {}
     out = RequestOutput(prompt_len=req.prompt_len)
-    start = last = time.perf_counter()
+    start = last = now()
     out.start_time = start
     try:
         async with session.post(url, json=payload) as resp:
@@ -170,12 +170,12 @@ async def send_request(session: Any, url: str, model: str, req: BenchRequest, ch
                     delta = c.get("delta") or {}
                     if chat and "role" in delta and not delta.get("content") and c.get("finish_reason") is None:
                         continue  # the role-only first chat chunk carries no token
-                    now = time.perf_counter()
+                    t = now()
                     if out.ttft == 0.0:
-                        out.ttft = now - start
+                        out.ttft = t - start
                     else:
-                        out.itl.append(now - last)
-                    last = now
+                        out.itl.append(t - last)
+                    last = t
                     out.generated_text += (delta.get("content") if chat else c.get("text")) or ""
                 if chunk.get("usage"):
                     out.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
@@ -221,14 +221,14 @@ async def run_benchmark(base_url: str, endpoint: str, model: str, requests: list
             async with limit:
                 return await send_request(session, base_url + endpoint, model, req, chat, ignore_eos)
 
-        start = time.perf_counter()
+        start = now()
         tasks = []
         for req, gap in zip(requests, gaps):
             tasks.append(asyncio.create_task(one(req)))
             if gap > 0:
                 await asyncio.sleep(gap)
         outputs = await asyncio.gather(*tasks)
-        return list(outputs), time.perf_counter() - start
+        return list(outputs), now() - start
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:

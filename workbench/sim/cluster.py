@@ -40,7 +40,6 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -64,6 +63,7 @@ from workbench.kv.sizing import plan_num_blocks
 from workbench.request import RequestRecord, SamplingParams, Sequence
 from workbench.sim.costmodel import CostModel, plan_stats
 from workbench.sim.stats import correlated_uniform
+from workbench.timing import now
 from workbench.workloads import Request, prompt_token_ids
 
 ROUTERS = ("round-robin", "least-outstanding", "shortest-queue")
@@ -430,7 +430,7 @@ def simulate(
     through ``schedule``/``update`` (the reference the bulk fast path is tested against). ``progress``: a tqdm-like
     object updated once per finished (or rejected) request.
     """
-    wall0 = time.perf_counter()
+    wall0 = now()
     config = config or SimConfig()
     cfg = model if isinstance(model, ModelConfig) else ModelConfig.resolve(model)
     sched_cfg = config.scheduler_config(cfg)
@@ -562,7 +562,7 @@ def simulate(
         replicas=replicas,
         step_logs=[rep.step_log for rep in reps],
         num_steps=sum(rep.num_steps for rep in reps),
-        wall_s=time.perf_counter() - wall0,
+        wall_s=now() - wall0,
         config=config,
         cost_model=costs[0].describe() if costs else {},
         rejected=rejected,

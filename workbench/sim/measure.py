@@ -16,6 +16,7 @@ from typing import Any
 from workbench.engine.scheduler import StepPlan
 from workbench.errors import ConfigError
 from workbench.sim.costmodel import ProfiledCostModel, StepStats, fit_profile, plan_stats, token_knots
+from workbench.timing import set_threads
 from workbench.workloads import Request, synthetic_workload
 
 
@@ -234,7 +235,7 @@ def fit_engine_profile(
                 f"{name} must be a positive integer (--{name.replace('_', '-')} N, N >= 1), got {value!r}"
             )
     if threads is not None:
-        torch.set_num_threads(threads)
+        set_threads(threads)
     dev = resolve_device(device)
     net = load_model(model, dtype=torch_dtype(dtype), device=dev, seed=0)
     load_start = _load_1min()

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
+from workbench.timing import now
 from workbench.workloads import Request
 
 PLAN_POLICIES = ("continuous", "chunked", "decode-first")
@@ -136,7 +136,7 @@ def evaluate(candidate: Candidate, requests: list[Request], settings: PlanSettin
     from workbench.workloads import truncate_to_context
 
     row: dict[str, Any] = {"name": candidate.name, **asdict(candidate), "num_gpus": candidate.num_gpus}
-    t0 = time.perf_counter()
+    t0 = now()
     try:
         cfg = ModelConfig.resolve(settings.model)
         hw = get_hardware(settings.hardware)
@@ -163,14 +163,14 @@ def evaluate(candidate: Candidate, requests: list[Request], settings: PlanSettin
         reqs = truncate_to_context(requests, config.resolved_max_model_len(cfg))
         result = simulate(reqs, cfg, [models[r] for r in roles], config, hardware=hw, seed=settings.seed)
     except ConfigError as exc:
-        row.update(status="skipped", reason=str(exc), wall_s=time.perf_counter() - t0)
+        row.update(status="skipped", reason=str(exc), wall_s=now() - t0)
         return row
     m = result.summary(slo_ttft_s=settings.slo_ttft_s, slo_tpot_s=settings.slo_tpot_s)["metrics"]
     row.update(
         status="ok", goodput=m["goodput"], goodput_per_gpu=m["goodput"] / candidate.num_gpus,
         slo_attainment=m["slo_attainment"], request_throughput=m["request_throughput"],
         ttft_p90_s=m["ttft_s"]["p90"], tpot_p90_s=m["tpot_s"]["p90"], ttft_median_s=m["ttft_s"]["median"],
-        tpot_median_s=m["tpot_s"]["median"], num_preemptions=result.num_preemptions, wall_s=time.perf_counter() - t0,
+        tpot_median_s=m["tpot_s"]["median"], num_preemptions=result.num_preemptions, wall_s=now() - t0,
     )  # fmt: skip
     return row
 
@@ -231,14 +231,14 @@ def plan(
     search = candidates(num_gpus) if search is None else search
     if not search:
         raise ConfigError(f"no deployment fits in {num_gpus} GPU(s)")
-    t0 = time.perf_counter()
+    t0 = now()
     if parallel == "serial":
         rows = [evaluate(c, requests, settings) for c in search]
     else:
         rows = _evaluate_on_ray(search, requests, settings, ray_address, num_cpus, timeout_s)
     ok = [r for r in rows if r["status"] == "ok"]
     best = sorted(ok, key=lambda r: (-r["goodput_per_gpu"], r["num_gpus"], r["ttft_p90_s"]))[:top]
-    return PlanResult(rows, settings, num_gpus, time.perf_counter() - t0, parallel, best, pareto_front(rows))
+    return PlanResult(rows, settings, num_gpus, now() - t0, parallel, best, pareto_front(rows))
 
 
 def start_ray(address: str | None = None, num_cpus: int = 2, attempts: int = 3) -> None:

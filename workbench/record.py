@@ -6,7 +6,9 @@ In a notebook::
     record.set_output_dir(output_dir)          # from the parameters cell; the pipeline injects it
     record.record("decode_step_s", 0.0123)     # one value
     record.record({"mbu": 0.61, "mfu": 0.38})  # several at once
+    record.result("decode_tokens_per_s", 68.6, unit="tok/s", low=62.3, high=77.3, batch=32, context_len=128)
     record.figure(fig, "roofline")             # figures/roofline.png, shown inline once
+    record.table(df, "decode_sweep")           # tables/decode_sweep.csv, shown inline
     record.save()                              # the key-results table; writes metrics.json
 
 Values must be JSON: numbers, strings, booleans, None, lists and string-keyed dicts of them. numpy and torch
@@ -27,7 +29,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,9 @@ from workbench.atomic import atomic_write_bytes
 
 METRICS_FILE = "metrics.json"
 FIGURES_DIR = "figures"
+TABLES_DIR = "tables"
+# the fields of a structured key result (``result``): a report shows its unit, its spread and its conditions
+RESULT_KEYS = ("value", "unit", "low", "high", "conditions")
 OUTPUT_DIR_ENV = "WORKBENCH_OUTPUT_DIR"
 # metadata key on the displayed copy of a saved figure, so the pipeline does not extract it a second time
 FIGURE_METADATA_KEY = "workbench_figure"
@@ -135,13 +140,119 @@ def format_value(value: Any) -> str:
 _format = format_value
 
 
+# (name pattern, unit): the first pattern found among a key's underscore-separated words names its unit
+_UNIT_RULES = (
+    (("flops", "per", "s"), "FLOP/s"),
+    (("bytes", "per", "s"), "B/s"),
+    (("tokens", "per", "s"), "tok/s"),
+    (("flop", "per", "byte"), "FLOP/B"),
+    (("speedup",), "×"),
+    (("ratio",), "×"),
+    (("gain",), "×"),
+    (("bytes", "per", "token"), "B"),
+    (("gbps",), "Gbit/s"),
+    (("ms",), "ms"),
+    (("us",), "µs"),
+    (("s",), "s"),
+    (("bytes",), "B"),
+    (("flops",), "FLOP"),
+)
+_SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+_SCALED_UNITS = ("FLOP/s", "B/s", "B", "FLOP")
+
+
+def _contains(words: Sequence[str], pattern: Sequence[str]) -> bool:
+    n = len(pattern)
+    return any(tuple(words[i : i + n]) == tuple(pattern) for i in range(len(words) - n + 1))
+
+
+def unit_of(name: str) -> str:
+    """The unit a key result's name gives it by the workbench's naming (``ttft_ms`` ms, ``kv_bytes`` B,
+    ``measured_peak_flops_per_s`` FLOP/s, ``speedup`` ×); '' when its name says none."""
+    words = name.lower().split("_")
+    for pattern, unit in _UNIT_RULES:
+        if pattern == ("s",):
+            if words[-1] == "s":
+                return unit
+        elif _contains(words, pattern):
+            return unit
+    return ""
+
+
+def format_quantity(value: Any, unit: str = "") -> str:
+    """``value`` in ``unit`` for a table: FLOP/s, B/s, B and FLOP scaled to k, M, G, T (5.874e10 FLOP/s reads
+    58.74 GFLOP/s); other units and bare values as ``record.format_value``."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and unit in _SCALED_UNITS:
+        for scale, prefix in _SI:
+            if abs(value) >= scale:
+                return f"{value / scale:,.4g} {prefix}{unit}"
+        return f"{format_value(float(value))} {unit}"
+    text = format_value(value)
+    if not unit or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return text
+    return f"{text}{unit}" if unit == "×" else f"{text} {unit}"
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a finite float, or None (a bool, a string, NaN, a missing value)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _conditions_text(conditions: Any) -> str:
+    if not isinstance(conditions, Mapping):
+        return ""
+    return ", ".join(f"{k.replace('_', ' ')} {format_value(v)}" for k, v in conditions.items())
+
+
+def result_row(key: str, value: Any, experiment: str = "") -> dict[str, Any]:
+    """One key result as a table row: ``value_text`` with its unit, ``spread_text`` ('62.3 .. 77.3') and
+    ``conditions_text`` ('batch 32, context 128') where the record has them; ``value``, ``unit``, ``low``, ``high``
+    and ``conditions`` for a CSV."""
+    structured = isinstance(value, Mapping) and "value" in value and set(value) <= set(RESULT_KEYS)
+    if structured:
+        unit = str(value.get("unit") or unit_of(key))
+        raw, low, high = value.get("value"), value.get("low"), value.get("high")
+        conditions = value.get("conditions") if isinstance(value.get("conditions"), Mapping) else {}
+    else:
+        unit, raw, low, high, conditions = unit_of(key), value, None, None, {}
+    shown_unit = unit if number(raw) is not None else ""
+    spread = ""
+    if number(low) is not None and number(high) is not None:
+        if shown_unit in _SCALED_UNITS:  # each end with its own prefix
+            spread = f"{format_quantity(low, shown_unit)} .. {format_quantity(high, shown_unit)}"
+        else:
+            spread = f"{format_value(low)} .. {format_value(high)} {shown_unit}".rstrip()
+    return {
+        "experiment": experiment,
+        "key": key,
+        "value": raw,
+        "unit": shown_unit,
+        "low": low,
+        "high": high,
+        "conditions": dict(conditions),
+        "value_text": format_quantity(raw, shown_unit),
+        "spread_text": spread,
+        "conditions_text": _conditions_text(conditions),
+    }
+
+
+def _shown(key: str, value: Any) -> str:
+    """A key result as one line of text: value and unit, spread, conditions."""
+    row = result_row(key, value)
+    text = row["value_text"] + (f" [{row['spread_text']}]" if row["spread_text"] else "")
+    return text + (f" ({row['conditions_text']})" if row["conditions_text"] else "")
+
+
 def _display_table(values: Mapping[str, Any], title: str | None = None) -> None:
     lines = [f"{title}:"] if title else []
     width = max((len(k) for k in values), default=0)
-    lines += [f"  {key:<{width}} = {_format(val)}" for key, val in values.items()]
+    lines += [f"  {key:<{width}} = {_shown(key, val)}" for key, val in values.items()]
     plain = "\n".join(lines) if title else "\n".join(line.strip() for line in lines)
     rows = "".join(
-        f"<tr><td><code>{html.escape(k)}</code></td><td>{html.escape(_format(v))}</td></tr>" for k, v in values.items()
+        f"<tr><td><code>{html.escape(k)}</code></td><td>{html.escape(_shown(k, v))}</td></tr>"
+        for k, v in values.items()
     )
     caption = f"<caption style='text-align:left'><b>{html.escape(title)}</b></caption>" if title else ""
     rich = f"<table class='workbench-record'>{caption}{rows}</table>"
@@ -183,6 +294,57 @@ def record(name_or_dict: str | Mapping[str, Any], value: Any = _MISSING, *, show
     if show:
         _display_table(converted)
     return converted
+
+
+def result(
+    name: str,
+    value: Any,
+    *,
+    unit: str | None = None,
+    low: Any = None,
+    high: Any = None,
+    show: bool = True,
+    **conditions: Any,
+) -> dict[str, Any]:
+    """Record one key result with what a reader needs to use it: its ``unit``, its spread (``low``..``high``, e.g.
+    the min and max of the repeats) and the ``conditions`` it was measured at (``batch=32, context_len=128``).
+    Stored as ``{"value", "unit", "low", "high", "conditions"}`` (the fields given) and displayed unless
+    ``show=False``; returns that."""
+    if (low is None) != (high is None):
+        raise TypeError(f"record.result({name!r}): give both low and high (the spread), or neither")
+    entry: dict[str, Any] = {"value": value}
+    if unit is not None:
+        entry["unit"] = str(unit)
+    if low is not None:
+        entry["low"], entry["high"] = low, high
+    if conditions:
+        entry["conditions"] = conditions
+    return record(name, entry, show=show)[name]
+
+
+def table(df: Any, name: str, *, show: bool = True) -> Path | None:
+    """Save a table (a pandas DataFrame) as ``<output_dir>/tables/<name>.csv`` for a reader to download, and
+    display it (unless ``show=False``). Returns the CSV's path (None without an output folder)."""
+    if not isinstance(name, str) or not _FIGURE_NAME_RE.match(name):
+        raise ValueError(f"record.table: name {name!r} must be letters, digits, '_', '-' or '.'")
+    if not hasattr(df, "to_csv"):
+        raise TypeError(f"record.table({name!r}): expected a pandas DataFrame, got {type(df).__name__}")
+    folder = output_dir()
+    path = None
+    if folder is not None:
+        path = folder / TABLES_DIR / f"{name}.csv"
+        _write_atomic(path, df.to_csv(index=False).encode("utf-8"))
+    if show:
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+        except ImportError:
+            get_ipython = None
+        if get_ipython is not None and get_ipython() is not None:
+            display(df)
+        else:
+            print(df.to_string(index=False))
+    return path
 
 
 def figure_path(name: str) -> Path | None:

@@ -1,4 +1,5 @@
-"""From an executed notebook to the files a reader opens: HTML (with and without inputs) and PNG figures.
+"""From an executed notebook to the files a reader opens: HTML (with and without inputs, each opening with the
+experiment's summary when given one), PNG figures and the CSV tables the notebook saved.
 
 nbconvert is imported lazily, inside the functions, so importing this module costs nothing.
 """
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.atomic import atomic_write_bytes, atomic_write_text
-from workbench.record import FIGURE_METADATA_KEY, FIGURES_DIR
+from workbench.record import FIGURE_METADATA_KEY, FIGURES_DIR, TABLES_DIR
 
 NOINPUT_SUFFIX = ".noinput.html"
 # cells papermill adds to an executed notebook: the injected parameters, and the error banner of a failed run
@@ -30,11 +31,22 @@ def source_cell_index(nb: Any, papermill_index: int) -> int:
     return papermill_index - sum(1 for cell in cells[:papermill_index] if is_papermill_cell(cell))
 
 
-def export_html(nb: Any, path: str | Path, *, hide_input: bool = False, title: str | None = None) -> Path:
+def export_html(
+    nb: Any, path: str | Path, *, hide_input: bool = False, title: str | None = None, summary_html: str | None = None
+) -> Path:
     """Write ``nb`` (a NotebookNode) as one self-contained HTML file: outputs' images are inline base64,
     markdown images are embedded, the stylesheet is inline. ``hide_input=True`` drops code cells' inputs
-    and prompts (a reader's version)."""
+    and prompts (a reader's version). ``summary_html`` (``index.render_notebook_summary``) opens the page, before
+    the notebook's first cell; ``nb`` itself is not changed."""
+    import copy
+
+    import nbformat
     from nbconvert import HTMLExporter
+
+    if summary_html:
+        nb = copy.deepcopy(nb)
+        cell = nbformat.v4.new_raw_cell(summary_html, metadata={"raw_mimetype": "text/html", "format": "text/html"})
+        nb.cells.insert(0, cell)
 
     exporter = HTMLExporter(template_name="lab")
     exporter.embed_images = True
@@ -79,3 +91,9 @@ def list_figures(out_dir: str | Path) -> list[Path]:
     """Every PNG under ``<out_dir>/figures``, sorted by name."""
     folder = Path(out_dir) / FIGURES_DIR
     return sorted(folder.glob("*.png")) if folder.is_dir() else []
+
+
+def list_tables(out_dir: str | Path) -> list[Path]:
+    """Every CSV table a notebook saved (``record.table``) under ``<out_dir>/tables``, sorted by name."""
+    folder = Path(out_dir) / TABLES_DIR
+    return sorted(folder.glob("*.csv")) if folder.is_dir() else []

@@ -1,10 +1,14 @@
 """The HTML pages of a report: ``<run>/index.html`` for one run and ``reports/index.html`` across runs.
 
 Rendered with jinja2 from ``templates/`` (autoescaped: every value from a manifest is escaped), with an inline
-stylesheet and relative links, so a report folder can be copied or zipped and still opens anywhere. Each
-experiment shows its claims with their verdicts, the anomalies its sanity checks flagged, every scalar key result
-and its figures at a readable size; the experiment running now is shown as running, the others not yet run as
-pending.
+stylesheet and relative links, so a report folder can be copied or zipped and still opens anywhere. The run page
+opens with every claim of the run in one table (one verdict label each, beside its ratio, interval, rounds, margin
+and A/A control: ``workbench.pipeline.summary``), downloadable with the key results as ``claims.csv`` and
+``key_results.csv``; then each experiment shows its claims, the anomalies its sanity checks flagged, its key
+results (value with unit, spread and conditions), its tables as CSV and its figures at a readable size; the
+experiment running now is shown as running, the others not yet run as pending. ``render_notebook_summary`` is the
+same summary for the top of a notebook's own page, with the parameters it ran with. With more than one run under
+``reports/``, ``compare.html`` puts their claims and key results side by side, a column per run.
 """
 
 from __future__ import annotations
@@ -15,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from workbench.atomic import atomic_write_text
+from workbench.pipeline.summary import VERDICT_TEXT, claim_rows, claims_csv, result_rows, results_csv
 from workbench.record import format_value
 
 MANIFEST = "manifest.json"
 ENVIRONMENT = "environment.json"
 INDEX = "index.html"
+COMPARE = "compare.html"
+CLAIMS_CSV = "claims.csv"
+RESULTS_CSV = "key_results.csv"
 TEMPLATES = Path(__file__).parent / "templates"
-# structured entries of metrics.json, shown as claims / anomalies rather than as key results
-STRUCTURED_KEYS = ("claims", "anomalies", "hygiene")
-VERDICT_TEXT = {"confirmed": "confirmed", "not_confirmed": "not confirmed", "inconclusive": "inconclusive"}
 
 
 @lru_cache(maxsize=1)
@@ -78,27 +83,19 @@ def _experiment_context(exp: dict[str, Any]) -> dict[str, Any]:
         )
         if exp.get(key)
     ]
-    claims = [
-        {
-            **c,
-            "verdict_text": VERDICT_TEXT.get(c.get("verdict"), str(c.get("verdict"))),
-            "from_numbers_text": VERDICT_TEXT.get(c.get("verdict_from_numbers"), ""),
-            "detail": c.get("detail", ""),
-        }
-        for c in metrics.get("claims") or []
-        if isinstance(c, dict)
-    ]
+    name = str(exp.get("name", "?"))
     return {
-        "name": str(exp.get("name", "?")),
+        "name": name,
         "status": str(exp.get("status", "?")),
         "description": exp.get("description"),
         "duration": f"{exp['duration_s']:.1f} s" if isinstance(exp.get("duration_s"), (int, float)) else "",
         "links": links,
         "skip_reason": exp.get("skip_reason"),
         "error": error,
-        "claims": claims,
+        "claims": claim_rows(metrics, name),
         "anomalies": [a for a in metrics.get("anomalies") or [] if isinstance(a, dict)],
-        "metrics": [(k, format_value(v)) for k, v in metrics.items() if k not in STRUCTURED_KEYS],
+        "metrics": result_rows(metrics, name),
+        "tables": exp.get("tables") or [],
         "figures": exp.get("figures") or [],
     }
 
@@ -172,6 +169,8 @@ def render_run_index(manifest: dict[str, Any], environment: dict[str, Any] | Non
     else:
         state = f"running {running}" if running else "incomplete: still running or stopped"
     run_id = str(manifest.get("run_id", "?"))
+    contexts = [_experiment_context(e) for e in experiments]
+    all_claims = [c for e in contexts for c in e["claims"]]
     return _render(
         "run_index.html.j2",
         title=f"workbench run {run_id}",
@@ -180,7 +179,43 @@ def render_run_index(manifest: dict[str, Any], environment: dict[str, Any] | Non
         counts=counts,
         facts=_facts(manifest, environment or {}),
         rows=rows,
-        experiments=[_experiment_context(e) for e in experiments],
+        experiments=contexts,
+        all_claims=all_claims,
+        verdict_summary=verdict_counts({"claims": all_claims}),
+        claims_csv=CLAIMS_CSV,
+        results_csv=RESULTS_CSV,
+    )
+
+
+def run_tables(manifest: dict[str, Any]) -> tuple[str, str]:
+    """(claims.csv, key_results.csv) of a run: every claim and every key result of its experiments, one row each
+    with the experiment's name (the columns of ``summary.CLAIM_COLUMNS`` and ``RESULT_COLUMNS``)."""
+    claims, results = [], []
+    for e in manifest.get("experiments", []):
+        name, metrics = str(e.get("name", "?")), e.get("metrics") or {}
+        claims += claim_rows(metrics, name)
+        results += result_rows(metrics, name)
+    return claims_csv(claims), results_csv(results)
+
+
+def render_notebook_summary(entry: dict[str, Any], metrics: dict[str, Any] | None = None) -> str:
+    """The summary at the top of an experiment's own page (HTML, with and without code): its claims (one verdict
+    label each, with ratio, interval, rounds, margin, A/A control and what would decide an inconclusive one), its
+    key results (unit, spread, conditions), the parameters it ran with and links to its tables as CSV.
+    ``entry``: its manifest entry (``name``, ``params``, ``tables``, relative to the run folder); ``metrics``: its
+    metrics.json (default: the entry's)."""
+    name = str(entry.get("name", "?"))
+    metrics = entry.get("metrics") if metrics is None else metrics
+    params = entry.get("params") if isinstance(entry.get("params"), dict) else {}
+    prefix = f"{name}/"
+    tables = [(t.removeprefix(prefix), t.rsplit("/", 1)[-1]) for t in entry.get("tables") or []]
+    return _render(
+        "notebook_summary.html.j2",
+        title=name,
+        claims=claim_rows(metrics, name),
+        results=result_rows(metrics, name),
+        params=[(k, format_value(v)) for k, v in params.items()],
+        tables=tables,
     )
 
 
@@ -188,6 +223,9 @@ def write_run_index(run_dir: str | Path, manifest: dict[str, Any]) -> Path:
     """Write ``<run_dir>/index.html`` from ``manifest`` (and the run's environment.json, if present)."""
     run_path = Path(run_dir)
     environment = _read_json(run_path / ENVIRONMENT)
+    claims, results = run_tables(manifest)
+    atomic_write_text(run_path / CLAIMS_CSV, claims)
+    atomic_write_text(run_path / RESULTS_CSV, results)
     return atomic_write_text(run_path / INDEX, render_run_index(manifest, environment))
 
 
@@ -200,10 +238,56 @@ def list_runs(reports_dir: str | Path) -> list[tuple[Path, dict[str, Any] | None
     return [(p, _read_json(p / MANIFEST)) for p in sorted(runs, key=lambda p: p.name, reverse=True)]
 
 
+def render_comparison(runs: list[tuple[str, dict[str, Any], dict[str, Any] | None]]) -> str:
+    """Runs side by side, a column each (``runs``: (name, manifest, environment or None), newest first): the
+    machine, commit and profile of each, then every claim (its verdict and ratio in each run) and every key result
+    (its value and spread in each run), in the order they first appear."""
+    columns = []
+    claims: dict[tuple[str, str], list[Any]] = {}
+    results: dict[tuple[str, str], list[Any]] = {}
+    for i, (name, manifest, env) in enumerate(runs):
+        env = env or {}
+        torch = env.get("torch") if isinstance(env.get("torch"), dict) else {}
+        cpu = env.get("cpu") if isinstance(env.get("cpu"), dict) else {}
+        git = env.get("git") if isinstance(env.get("git"), dict) else {}
+        commit = str(git.get("commit") or "unknown")[:12] + (" (dirty)" if git.get("dirty") else "")
+        threads = env.get("num_threads")
+        columns.append({
+            "name": name,
+            "machine": str(torch.get("device_name") or cpu.get("model") or "unknown"),
+            "cpu": str(cpu.get("model") or "unknown") + (f", {threads} thread(s)" if threads else ""),
+            "commit": commit,
+            "profile": str(manifest.get("profile")),
+            "started": str(manifest.get("started_at")),
+        })  # fmt: skip
+        for e in manifest.get("experiments", []):
+            exp, metrics = str(e.get("name", "?")), e.get("metrics") or {}
+            for c in claim_rows(metrics, exp):
+                claims.setdefault((exp, c["claim"]), [None] * len(runs))[i] = c
+            for r in result_rows(metrics, exp):
+                results.setdefault((exp, r["key"]), [None] * len(runs))[i] = r
+    header = [("machine", "machine"), ("CPU", "cpu"), ("commit", "commit"), ("profile", "profile"),
+              ("started (UTC)", "started")]  # fmt: skip
+    return _render(
+        "compare.html.j2",
+        title="Workbench runs compared",
+        runs=columns,
+        header=header,
+        claims=[{"experiment": e, "claim": c, "cells": cells} for (e, c), cells in claims.items()],
+        results=[{"experiment": e, "key": k, "cells": cells} for (e, k), cells in results.items()],
+    )
+
+
 def write_reports_index(reports_dir: str | Path) -> Path:
-    """Rebuild ``<reports_dir>/index.html``: one row per run, newest first, incomplete runs marked."""
+    """Rebuild ``<reports_dir>/index.html``: one row per run, newest first, incomplete runs marked; with more
+    than one readable run, ``compare.html`` beside it (``render_comparison``)."""
     root = Path(reports_dir)
     runs = []
+    readable = [(p.name, m, _read_json(p / ENVIRONMENT)) for p, m in list_runs(root) if m is not None]
+    compare = None
+    if len(readable) > 1:
+        atomic_write_text(root / COMPARE, render_comparison(readable))
+        compare = COMPARE
     for run_path, manifest in list_runs(root):
         if manifest is None:
             runs.append({"name": run_path.name, "unreadable": True})
@@ -226,4 +310,5 @@ def write_reports_index(reports_dir: str | Path) -> Path:
                 "failed": [str(e.get("name")) for e in exps if e.get("status") == "failed"],
             }
         )
-    return atomic_write_text(root / INDEX, _render("reports_index.html.j2", title="Workbench reports", runs=runs))
+    page = _render("reports_index.html.j2", title="Workbench reports", runs=runs, compare=compare)
+    return atomic_write_text(root / INDEX, page)

@@ -36,9 +36,16 @@ from workbench.pipeline.export import (
     export_html,
     extract_figures,
     list_figures,
+    list_tables,
     source_cell_index,
 )
-from workbench.pipeline.index import ENVIRONMENT, MANIFEST, write_reports_index, write_run_index
+from workbench.pipeline.index import (
+    ENVIRONMENT,
+    MANIFEST,
+    render_notebook_summary,
+    write_reports_index,
+    write_run_index,
+)
 from workbench.pipeline.params import (
     OUTPUT_DIR_PARAM,
     notebook_parameters,
@@ -322,6 +329,19 @@ def execute_experiment(
             "stopped": True,  # papermill's own statuses are to be corrected below
         }
 
+    metrics_path = exp_dir / METRICS_FILE
+    if metrics_path.exists():
+        import json
+
+        try:
+            metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
+            if not isinstance(metrics, dict):
+                raise ValueError("not a JSON object")
+            entry["metrics"] = to_json_value(metrics, "metrics")
+            entry["metrics_file"] = _rel(metrics_path, run_dir)
+        except (ValueError, TypeError) as exc:
+            warnings.append(f"{METRICS_FILE} unreadable: {exc}")
+    entry["tables"] = [_rel(p, run_dir) for p in list_tables(exp_dir)]
     if partial_nb.exists():
         nb = nbformat.read(partial_nb, as_version=4)
         nb.metadata.setdefault("papermill", {})["output_path"] = str(final_nb)
@@ -336,8 +356,11 @@ def execute_experiment(
         entry["notebook"] = _rel(final_nb, run_dir)
         try:
             extract_figures(nb, exp_dir)
-            html = export_html(nb, exp_dir / f"{stem}.html", title=exp.name)
-            noinput = export_html(nb, exp_dir / f"{stem}{NOINPUT_SUFFIX}", hide_input=True, title=exp.name)
+            summary = render_notebook_summary(entry)
+            html = export_html(nb, exp_dir / f"{stem}.html", title=exp.name, summary_html=summary)
+            noinput = export_html(
+                nb, exp_dir / f"{stem}{NOINPUT_SUFFIX}", hide_input=True, title=exp.name, summary_html=summary
+            )
             entry["html"], entry["html_noinput"] = _rel(html, run_dir), _rel(noinput, run_dir)
         except Exception as exc:  # an export failure is reported, the executed notebook still stands
             warnings.append(f"export failed: {type(exc).__name__}: {exc}")
@@ -346,18 +369,6 @@ def execute_experiment(
         entry["error"].pop("stopped", None)
     entry["figures"] = [_rel(p, run_dir) for p in list_figures(exp_dir)]
 
-    metrics_path = exp_dir / METRICS_FILE
-    if metrics_path.exists():
-        import json
-
-        try:
-            metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
-            if not isinstance(metrics, dict):
-                raise ValueError("not a JSON object")
-            entry["metrics"] = to_json_value(metrics, "metrics")
-            entry["metrics_file"] = _rel(metrics_path, run_dir)
-        except (ValueError, TypeError) as exc:
-            warnings.append(f"{METRICS_FILE} unreadable: {exc}")
     entry["duration_s"] = round(now() - start, 3)
     if warnings:
         entry["warnings"] = warnings
@@ -401,6 +412,7 @@ def _base_entry(planned: PlannedExperiment, status: str) -> dict[str, Any]:
         "metrics": {},
         "metrics_file": None,
         "figures": [],
+        "tables": [],
         "params": planned.params,
         "requires": list(exp.requires),
         "description": exp.description,

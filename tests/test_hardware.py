@@ -96,6 +96,10 @@ def test_measured_cpu_spec_is_sane_with_a_tiny_measurement() -> None:
     probes = (spec.details["read_bandwidth_sum"], spec.details["read_bandwidth_gemv"])
     assert spec.mem_bandwidth == spec.details["read_bandwidth"] == max(probes)
     assert spec.balance_point("fp32") > 0
+    # each probe reports its own repeatability: (max - min) / median of its timed calls, the worst of them overall
+    spread = spec.details["spread"]
+    assert {"matmul_fp32", "read_sum", "read_gemv", "copy"} <= set(spread) and all(v >= 0 for v in spread.values())
+    assert spec.details["repeatability"] == max(spread.values())
 
 
 def test_measured_spec_caches_in_memory_and_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -239,3 +239,19 @@ def test_record_result_and_table(tmp_path: Path) -> None:
         assert path.read_text().splitlines() == ["batch,tokens_per_s", "1,11.5", "32,68.6"]
     finally:
         record.reset()
+
+
+def test_malformed_metrics_render_without_error() -> None:
+    manifest = {
+        "run_id": "r2",
+        "experiments": [
+            {"name": "odd", "status": "ok", "metrics": {"claims": "not a list", "anomalies": None, "x": [1, 2]}},
+            {"name": "odder", "status": "ok", "metrics": {"claims": [{"verdict": "confirmed", "evidence": [1, 2]},
+             {"claim": "<script>", "verdict": "inconclusive", "evidence": {"ratio": 1.1, "control": "bad"}}]}},
+        ],
+    }  # fmt: skip
+    page = render_run_index(manifest, {})
+    rows = claim_table_rows(page)
+    assert len(rows) == 4 and all(len(r["labels"]) == 1 for r in rows)  # the summary's 2 and odder's own 2
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert "1.1×" in page and "[1, 2]" in page

@@ -115,6 +115,14 @@ def test_ok_experiment_outputs(report_run: dict) -> None:
     assert "data:image/png;base64," in full and "data:image/png;base64," in bare  # images embedded
     assert "squares = [i * i for i in range(n)]" in _text_of(full)
     assert "range(n)" not in _text_of(bare)  # inputs hidden
+    # both pages open with the experiment's summary: its key results and the parameters it ran with
+    for page in (full, bare):
+        summary = page[page.index('<div class="workbench-summary">') :]
+        summary = summary[: summary.index("</div>")]
+        assert "&lt;" not in summary and "<code>sum_of_squares</code>" in summary  # HTML, not escaped text
+        params = summary[summary.index("Parameters of this run") :]
+        assert "<code>label</code>" in params and "cli" in params
+    assert entry["tables"] == []
 
     # one figure saved by record.figure, one inline image extracted by the pipeline (source cell 4)
     assert entry["figures"] == ["tiny/figures/cell04-1.png", "tiny/figures/squares.png"]
@@ -171,6 +179,9 @@ def test_run_and_cross_run_indexes(report_run: dict) -> None:
         assert needle in page
     top = (out / "index.html").read_text()
     assert f"{run_dir.name}/index.html" in top and "complete" in top
+    results = (run_dir / "key_results.csv").read_text().splitlines()
+    assert results[0] == "experiment,key,value,unit,low,high,conditions" and "tiny,sum_of_squares,14,,,," in results
+    assert (run_dir / "claims.csv").read_text().startswith("experiment,claim,verdict,ratio,")
     assert _leftovers(out) == []
 
 

@@ -218,8 +218,8 @@ def test_notebook_page_opens_with_its_summary_and_parameters(tmp_path: Path) -> 
     assert 'href="tables/decode_sweep.csv"' in summary  # relative to the notebook's own folder
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# The notebook's own title")])
     page = export_html(nb, tmp_path / "n.html", hide_input=True, summary_html=summary).read_text()
-    assert '<div class="workbench-summary">' in page  # as HTML, not escaped text
-    assert page.index("batching: summary") < page.index("own title")
+    summary = page[page.index('<div class="workbench-summary">') : page.index("own title")]
+    assert "<h2>batching: summary</h2>" in summary and "&lt;" not in summary  # as HTML, not escaped text
     assert len(nb.cells) == 1  # the notebook itself is not changed
 
 

@@ -37,16 +37,8 @@ def export_html(
     """Write ``nb`` (a NotebookNode) as one self-contained HTML file: outputs' images are inline base64,
     markdown images are embedded, the stylesheet is inline. ``hide_input=True`` drops code cells' inputs
     and prompts (a reader's version). ``summary_html`` (``index.render_notebook_summary``) opens the page, before
-    the notebook's first cell; ``nb`` itself is not changed."""
-    import copy
-
-    import nbformat
+    the notebook's first cell (inserted into the exported page as it is: nbconvert would sanitise it as a cell)."""
     from nbconvert import HTMLExporter
-
-    if summary_html:
-        nb = copy.deepcopy(nb)
-        cell = nbformat.v4.new_raw_cell(summary_html, metadata={"raw_mimetype": "text/html", "format": "text/html"})
-        nb.cells.insert(0, cell)
 
     exporter = HTMLExporter(template_name="lab")
     exporter.embed_images = True
@@ -56,7 +48,20 @@ def export_html(
         exporter.exclude_output_prompt = True
     resources = {"metadata": {"name": title}} if title else None
     body, _ = exporter.from_notebook_node(nb, resources=resources)
+    if summary_html:
+        body = insert_at_top(body, summary_html)
     return atomic_write_text(path, body)
+
+
+def insert_at_top(page: str, fragment: str) -> str:
+    """``page`` with ``fragment`` right after its opening ``<main>`` tag (the lab template's notebook), else after
+    its ``<body>`` tag, else at its start."""
+    for tag in ("<main", "<body"):
+        start = page.find(tag)
+        if start >= 0:
+            end = page.index(">", start) + 1
+            return page[:end] + "\n" + fragment + "\n" + page[end:]
+    return fragment + page
 
 
 def extract_figures(nb: Any, out_dir: str | Path) -> list[Path]:

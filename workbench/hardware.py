@@ -512,8 +512,8 @@ def measure_cpu(
     caches; on this class of VM the measured read bandwidth no longer changes between 256 MiB and 1 GiB. A dtype
     whose matmul fails is left out.
 
-    Each probe warms up for ``warmup`` calls and at least ``warmup_s`` seconds before it is timed (a probe measured
-    cold read up to 70% below the same probe measured a minute later), and reports its own repeatability:
+    Each probe warms up for ``warmup`` calls and at least ``warmup_s`` seconds before it is timed (issue 28: a
+    notebook's start probe read 22-70% below its end probe), and reports its own repeatability:
     ``details["spread"]`` is (max - min) / median of each probe's timed calls, ``details["repeatability"]`` the
     largest of them (a ceiling whose own calls spread by 30% cannot tell a 25% drift apart).
     """

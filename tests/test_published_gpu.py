@@ -109,3 +109,25 @@ def test_the_held_out_error_meets_the_acceptance() -> None:
                         load_stack_overheads())  # fmt: skip
     s = summarize_errors(table)
     assert s["median_abs_error"] <= 0.15 and s["max_abs_error"] <= 0.30, s
+
+
+def test_leave_one_source_out_never_sees_the_left_out_source() -> None:
+    """A source's errors come from a fit on the other sources alone: doubling its own measured figures moves its
+    errors exactly as the figures moved (its predictions do not change), and every row is priced once."""
+    from dataclasses import replace
+
+    from workbench.sim.published import leave_one_source_out
+
+    keep = {"gptfast-7b-tp1", "gptfast-7b-tp8", "trtllm-a100-7b-128", "trtllm-a100-7b-2048"}
+    rows = [r for r in load_published() if r.id in keep]
+    table, summary = leave_one_source_out(rows, rounds=1)
+    doubled = [replace(r, measured_s=2 * r.measured_s) if r.source == "gptfast" else r for r in rows]
+    table2, _ = leave_one_source_out(doubled, rounds=1)
+    assert sorted(r["id"] for r in table) == sorted(keep) and summary["n"] == 4
+    for a, b in zip(table, table2):
+        assert a["left_out"] == a["source"]
+        if a["source"] == "gptfast":  # the other source's fold was fitted on the doubled rows: it may move
+            assert b["predicted_s"] == pytest.approx(a["predicted_s"], rel=1e-12)
+            assert b["error"] == pytest.approx((1 + a["error"]) / 2 - 1, rel=1e-9)
+    with pytest.raises(ConfigError, match="two sources"):
+        leave_one_source_out([r for r in rows if r.source == "gptfast"])

@@ -292,12 +292,48 @@ def fit(
     return {hw: _spec(bases[hw], points[hw]) for hw in hws}, stacks, best
 
 
+def leave_one_source_out(
+    rows: list[PublishedRow], rounds: int = 2, setups: dict[str, Stack] | None = None
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Each source's rows priced by a calibration fitted on every *other* source's rows (both splits), so each
+    error is an error on a source the fit never saw: the generalisation error of the cost model, not its fit.
+
+    The left-out source keeps what its own publication states of its setup (``setups``: its bandwidth) and gets, as
+    its stack's host overheads, the median of the fitted sources' (a new serving stack is priced as a typical one:
+    its overheads are unknown before it is measured). An accelerator the other sources never ran keeps
+    ``accelerators.yaml``'s calibration. Returns (the error table of every row, each with ``left_out`` = its
+    source, and ``summarize_errors`` of it)."""
+    from dataclasses import replace
+
+    setups = load_stack_overheads() if setups is None else setups
+    sources = sorted({r.source for r in rows})
+    if len(sources) < 2:
+        raise ConfigError(f"leave-one-source-out needs rows from two sources or more, got {sources}")
+    table: list[dict[str, Any]] = []
+    for left in sources:
+        seen = [replace(r, split="calibration") for r in rows if r.source != left]
+        specs, stacks, _ = fit(seen, rounds=rounds, setups=setups)
+        typical = {name: _median([getattr(s, name) for s in stacks.values()]) for name in STACK_FIELDS}
+        stack = replace(setups.get(left, Stack()), **typical)
+        mine = [r for r in rows if r.source == left]
+        for entry in error_table(mine, "hardware", specs, {left: stack}):
+            table.append({**entry, "left_out": left})
+    return table, summarize_errors(table)
+
+
+def _median(values: list[float]) -> float:
+    xs = sorted(values)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
 __all__ = [
     "PUBLISHED_FILE",
     "PublishedRow",
     "Stack",
     "error_table",
     "fit",
+    "leave_one_source_out",
     "load_published",
     "predict",
     "summarize_errors",

@@ -50,7 +50,7 @@ def test_generate_sampling_is_seeded(capsys):
         (["--prompt-ids", ","], "empty"),
         (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
         (["--prompt-ids", "1", "--dtype", "fp7"], "fp7"),
-        (["--prompt-ids", "1", "--cache", "contiguous", "--prefix-caching"], "enable_prefix_caching"),
+        (["--prompt-ids", "1", "--cache", "contiguous", "--enable-prefix-caching"], "enable_prefix_caching"),
     ],
 )
 def test_generate_errors_are_clear(args, message, capsys):

@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import clip_to_context
     from workbench.commands.sim_args import format_kwargs
     from workbench.config import ModelConfig
+    from workbench.engine.scheduler import DEFAULT_MAX_MODEL_LEN
     from workbench.hardware import get_hardware
     from workbench.sim.planner import PlanSettings, candidates, plan
     from workbench.workloads import load_workload
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     requests = load_workload(args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
                              num_requests=args.num_requests, prompt_lens=args.prompt_lens,
                              output_lens=args.output_lens, seed=args.trace_seed)  # fmt: skip
-    max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     requests, num_clipped = clip_to_context(requests, max_len)
     result = plan(requests, settings, args.num_gpus, search, parallel="serial" if args.serial else "ray",
                   ray_address=args.ray_address, num_cpus=args.num_cpus, top=args.top)  # fmt: skip

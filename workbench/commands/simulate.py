@@ -80,11 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None,
                    help="accelerator name (see `workbench hardware`; default h100-sxm, or with --cost-model profiled "
                    "the profile's own machine, with the pool the measured engine had)")  # fmt: skip
-    add_format_arguments(p, dtype_default=SimConfig.dtype)
+    add_format_arguments(p)
     add_trace_arguments(p, num_requests_default=1000, prompt_lens_default="uniform:64:1024",
                         output_lens_default="uniform:16:256")  # fmt: skip
     g = p.add_argument_group("replica (as the engine's options)")
-    add_scheduler_arguments(g, max_num_seqs_default=SimConfig.max_num_seqs)
+    add_scheduler_arguments(g, SimConfig)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of memory for weights + KV")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1, help="number of replicas (without --disaggregate)")
@@ -128,11 +128,11 @@ def run(args: argparse.Namespace) -> int:
     hw = get_hardware(args.hardware or "h100-sxm") if args.hardware or not profiled else None
     formats = format_kwargs(args)
     config = SimConfig(
-        **serving_config_kwargs(args), gpu_memory_utilization=args.gpu_memory_utilization, **formats,
+        **(serving_config_kwargs(args) | formats), gpu_memory_utilization=args.gpu_memory_utilization,
         num_replicas=args.replicas, router=args.router,
         disaggregate=None if args.disaggregate is None else parse_disaggregate(args.disaggregate),
         link_gbps=args.link_gbps, link_latency_s=args.link_latency_ms / 1e3,
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
     )  # fmt: skip
     cost = roofline_costs(args, cfg, hw, config) if not profiled else make_cost_model(

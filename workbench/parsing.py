@@ -11,12 +11,15 @@ from typing import NoReturn
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default (unless its help already states one) and keeps the help's line breaks."""
+    """Shows every option's default (unless its help already states one; 'none' for an option that is unset by
+    default, nothing for a switch) and keeps the help's line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text.lower() or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+        if "default" in text.lower() or any(action.default is v for v in (False, argparse.SUPPRESS)):
             return text
+        if action.default is None and action.option_strings:
+            return f"{text} (default: none)" if text else "(default: none)"
         return super()._get_help_string(action)
 
 

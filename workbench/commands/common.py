@@ -150,7 +150,7 @@ def add_trace_arguments(
     """--trace, --limit, --rate-scale, --time-scale and the synthetic-trace options, with the command's defaults."""
     p.add_argument("--trace", required=True, help="azure-code | azure-conv | mooncake-conversation | "
                    "mooncake-synthetic | poisson:RATE | gamma:RATE:CV | a .csv/.jsonl file")  # fmt: skip
-    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument("--limit", type=int, default=None, help="first N requests (default: all)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate (compress time)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times")
     p.add_argument(
@@ -164,11 +164,43 @@ def add_trace_arguments(
     p.add_argument("--trace-seed", type=int, default=0, help="seed of synthetic arrivals, lengths and prompt ids")
 
 
+# (smallest, largest) plausible SLO in seconds per metric: outside, a value was probably typed in the other unit
+PLAUSIBLE_SLO_S = {"ttft": (1e-3, 60.0), "tpot": (1e-4, 5.0), "e2el": (1e-3, 3600.0)}
+
+
+def warn_implausible_slo(flag: str, metric: str, value_s: float, unit: str) -> None:
+    """A warning line on stderr when an SLO of ``value_s`` seconds is implausible for ``metric``
+    (``PLAUSIBLE_SLO_S``): the unit of the flag (``unit``: 's' or 'ms') was probably mistaken for the other."""
+    import sys
+
+    lo, hi = PLAUSIBLE_SLO_S[metric]
+    if value_s is None or value_s == 0 or lo <= value_s <= hi:
+        return
+    if unit == "s":
+        fix = f"if you meant {value_s:g} ms, give {value_s / 1e3:g}"
+    else:
+        fix = f"if you meant {value_s * 1e3:g} s, give {value_s * 1e6:g} (milliseconds)"
+    print(f"warning: {flag} is {value_s:g} s, an implausible {metric.upper()} SLO ({flag.split()[0]} takes "
+          f"{'seconds' if unit == 's' else 'milliseconds'}); {fix}", file=sys.stderr)  # fmt: skip
+
+
+def slo_seconds(flag: str, metric: str) -> Any:
+    """An argparse ``type`` for an SLO flag in seconds: a float, with ``warn_implausible_slo``'s warning."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        warn_implausible_slo(f"{flag} {text}", metric, value, "s")
+        return value
+
+    parse.__name__ = "seconds"  # argparse names the type in its error: "invalid seconds value"
+    return parse
+
+
 def add_slo_arguments(p: ArgumentContainer) -> None:
-    """--slo-ttft, --slo-tpot, --slo-e2el: the SLOs of goodput, in seconds."""
-    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds (goodput)")
-    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds (goodput)")
-    p.add_argument("--slo-e2el", type=float, default=None, help="end-to-end latency SLO in seconds (goodput)")
+    """--slo-ttft, --slo-tpot, --slo-e2el: the SLOs of goodput, in seconds (an implausible value warns)."""
+    for metric, what in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "end-to-end latency")):
+        p.add_argument(f"--slo-{metric}", type=slo_seconds(f"--slo-{metric}", metric), default=None, metavar="S",
+                       help=f"{what} SLO in seconds, for goodput (default: none)")  # fmt: skip
 
 
 LATENCY_LABELS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL", "e2el_s": "E2E latency"}

@@ -108,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None,
-                   help="sampling seed in [0, 2**64) (per request: seed + request index, modulo 2**64)")  # fmt: skip
+                   help="sampling seed in [0, 2**64) (per request: seed + request index, modulo 2**64; default: none, "
+                   "unseeded)")  # fmt: skip
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from workbench.commands.common import add_trace_arguments
+from workbench.commands.common import add_trace_arguments, slo_seconds
 from workbench.commands.sim_args import add_calibration_arguments, add_format_arguments
 from workbench.errors import ConfigError
 
@@ -37,8 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpus", type=int, required=True, help="GPUs to deploy on (at most)")
     add_trace_arguments(p, num_requests_default=1000, prompt_lens_default="uniform:64:1024",
                         output_lens_default="uniform:16:256")  # fmt: skip
-    p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO in seconds")
+    p.add_argument("--slo-ttft", type=slo_seconds("--slo-ttft", "ttft"), required=True, metavar="S",
+                   help="TTFT SLO in seconds")  # fmt: skip
+    p.add_argument("--slo-tpot", type=slo_seconds("--slo-tpot", "tpot"), required=True, metavar="S",
+                   help="TPOT SLO in seconds")  # fmt: skip
     add_format_arguments(p)
     add_calibration_arguments(p)
     s = p.add_argument_group("search")

@@ -36,8 +36,10 @@ def add_parallel_arguments(p: ArgumentContainer, per_phase: bool = True) -> None
     add_serving_arguments(p, SimConfig, ("tensor_parallel_size",))
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages per replica")
     if per_phase:
-        p.add_argument("--prefill-tp", type=int, default=None, help="with --disaggregate: the prefill side's TP")
-        p.add_argument("--decode-tp", type=int, default=None, help="with --disaggregate: the decode side's TP")
+        p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                       help="with --disaggregate: the prefill side's TP (default: --tensor-parallel-size)")  # fmt: skip
+        p.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                       help="with --disaggregate: the decode side's TP (default: --tensor-parallel-size)")  # fmt: skip
 
 
 def add_calibration_arguments(p: ArgumentContainer) -> None:

@@ -3,7 +3,7 @@
     workbench simulate --model NAME --hardware NAME --trace azure-conv|azure-code|mooncake-conversation|poisson:RATE
         [--tensor-parallel-size N] [--pipeline-parallel-size N] [--quantization Q] [--kv-cache-dtype D]
         [--replicas N] [--router round-robin|least-outstanding|shortest-queue] [--policy P]
-        [--disaggregate P:D --link-gbps X [--link-latency-ms MS]]
+        [--disaggregate P:D --link-gbps X [--link-latency-s S]]
         [--cost-model roofline|profiled|op-profile [--profile FILE]]
         [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--step-log FILE] [--json]
 
@@ -72,6 +72,16 @@ def roofline_costs(args: argparse.Namespace, cfg: object, hw: object, config: ob
     return [models[role] for role in roles]
 
 
+def _link_latency_s(args: argparse.Namespace) -> float:
+    """--link-latency-s, or the deprecated --link-latency-ms (with a warning) converted to seconds."""
+    if args.link_latency_ms is None:
+        return args.link_latency_s
+    from workbench.commands.common import warn_deprecated
+
+    warn_deprecated("--link-latency-ms", "--link-latency-s (seconds)")
+    return args.link_latency_ms / 1e3
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from workbench.sim.cluster import ROUTERS, SimConfig
     from workbench.sim.costmodel import COST_MODELS
@@ -91,7 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--router", default="round-robin", choices=ROUTERS, help="how requests pick a replica")
     c.add_argument("--disaggregate", default=None, metavar="P:D", help="P prefill and D decode replicas")
     c.add_argument("--link-gbps", type=float, default=100.0, help="KV transfer link bandwidth, Gb/s")
-    c.add_argument("--link-latency-ms", type=float, default=0.0, help="KV transfer latency, ms")
+    c.add_argument("--link-latency-s", type=float, default=0.0, metavar="S", help="KV transfer latency in seconds")
+    c.add_argument("--link-latency-ms", type=float, default=None, metavar="MS",
+                   help="deprecated: --link-latency-s in milliseconds")  # fmt: skip
     add_parallel_arguments(c, per_phase=True)
     m = p.add_argument_group("cost model")
     m.add_argument("--cost-model", default="roofline", choices=COST_MODELS)
@@ -131,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         **(serving_config_kwargs(args) | formats), gpu_memory_utilization=args.gpu_memory_utilization,
         num_replicas=args.replicas, router=args.router,
         disaggregate=None if args.disaggregate is None else parse_disaggregate(args.disaggregate),
-        link_gbps=args.link_gbps, link_latency_s=args.link_latency_ms / 1e3,
+        link_gbps=args.link_gbps, link_latency_s=_link_latency_s(args),
         pipeline_parallel_size=args.pipeline_parallel_size,
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
     )  # fmt: skip

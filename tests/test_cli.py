@@ -17,7 +17,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_checkpoint_then_generate_json_matches_hf_greedy(tmp_path, capsys):
     out = tmp_path / "ckpt"
-    assert main(["checkpoint", "--preset", "tiny-gqa", "--out", str(out), "--seed", "3"]) == 0
+    assert main(["checkpoint", "--model", "tiny-gqa", "--out", str(out), "--model-seed", "3"]) == 0
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
     capsys.readouterr()
     rc = main(["generate", "--model", str(out), "--prompt-ids", "1,2,3,4", "--prompt-ids", "9,8",
@@ -50,7 +50,7 @@ def test_generate_sampling_is_seeded(capsys):
         (["--prompt-ids", ","], "empty"),
         (["--prompt-ids", "1", "--top-p", "0"], "top_p"),
         (["--prompt-ids", "1", "--dtype", "fp7"], "fp7"),
-        (["--prompt-ids", "1", "--cache", "contiguous", "--prefix-caching"], "enable_prefix_caching"),
+        (["--prompt-ids", "1", "--cache", "contiguous", "--enable-prefix-caching"], "enable_prefix_caching"),
     ],
 )
 def test_generate_errors_are_clear(args, message, capsys):
@@ -74,7 +74,7 @@ def test_a_bad_request_is_rejected_and_the_others_are_served(bad, message, capsy
 
 
 def test_unknown_preset_lists_known_ones(capsys):
-    assert main(["checkpoint", "--preset", "gpt-5", "--out", "/tmp/never"]) == 2
+    assert main(["checkpoint", "--model", "gpt-5", "--out", "/tmp/never"]) == 2
     assert "tiny-gqa" in capsys.readouterr().err
 
 

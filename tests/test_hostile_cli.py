@@ -56,7 +56,7 @@ def test_report_out_onto_a_file(tmp_path, capsys):
 def test_checkpoint_out_onto_an_existing_file(tmp_path, capsys):
     target = tmp_path / "weights.bin"
     target.write_text("keep me")
-    rc = main(["checkpoint", "--preset", "tiny-gqa", "--out", str(target)])
+    rc = main(["checkpoint", "--model", "tiny-gqa", "--out", str(target)])
     one_line_error(capsys, rc, str(target), "is not a folder")
     assert target.read_text() == "keep me"
 

@@ -53,7 +53,7 @@ def test_an_integer_weight_is_refused_not_cast(ckpt, tmp_path, capsys):
 def test_checkpoint_out_that_cannot_be_written(tmp_path, capsys):
     out = tmp_path / "ckpt"
     (out / "config.json").mkdir(parents=True)  # a folder where the file goes: the folder check passes
-    rc = main(["checkpoint", "--preset", "tiny-gqa", "--out", str(out), "--no-tokenizer"])
+    rc = main(["checkpoint", "--model", "tiny-gqa", "--out", str(out), "--no-tokenizer"])
     one_line_error(capsys, rc, f"--out {out}: cannot be written")
 
 

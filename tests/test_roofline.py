@@ -233,7 +233,7 @@ def test_errors_name_the_problem() -> None:
 
 def test_roofline_json_contract(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["roofline", "--model", "tiny-gqa", "--hardware", "h200", "--batch", "3", "--prompt-len", "20",
-            "--context-len", "50", "--dtype", "fp16", "--kv-dtype", "fp8", "--json"]  # fmt: skip
+            "--context-len", "50", "--dtype", "fp16", "--kv-cache-dtype", "fp8", "--json"]  # fmt: skip
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     for phase in ("prefill", "decode"):

@@ -36,10 +36,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``workbench`` parser; only ``command``'s options are added (its module is imported)."""
+    from workbench import __version__
+
     parser = make_parser(
         prog="workbench",
         description="LLM inference workbench: prefill and decode, measured and modelled.",
     )
+    parser.add_argument("--version", action="version", version=f"workbench {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, **PARSER_OPTIONS)  # type: ignore[arg-type]
@@ -52,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    _check_flags(parser, argv, command)  # a mistyped flag first, before argparse asks for the one it replaced
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unrecognized(parser, args, extras)
     if args.command is None:
         parser.print_help()
         return 2
@@ -71,6 +77,48 @@ def main(argv: list[str] | None = None) -> int:
     if launched_by_torchrun():  # a rank torchrun started: its process group is gone by now
         _exit_now(code)
     return code
+
+
+def _check_flags(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> None:
+    """Every ``--flag`` of ``argv`` exists in the command (or bench mode) it was given to, else one line naming it
+    and its nearest option (``_unrecognized``)."""
+    if command not in COMMANDS:
+        return
+    sub = parser._subparsers._group_actions[0].choices[command]  # type: ignore[union-attr]
+    rest = argv[argv.index(command) + 1 :]
+    kind = None
+    if sub._subparsers is not None:  # bench MODE
+        kind = next((a for a in rest if not a.startswith("-")), None)
+        modes = sub._subparsers._group_actions[0].choices
+        if kind not in modes:
+            return  # argparse names the missing or unknown mode
+        sub = modes[kind]
+    known = set(sub._option_string_actions)
+    for i, arg in enumerate(rest):
+        if arg.startswith("--") and arg.split("=", 1)[0] not in known:
+            value = rest[i + 1 : i + 2] if "=" not in arg and rest[i + 1 : i + 2] != [] else []
+            extras = [arg] + [v for v in value if not v.startswith("-")]
+            _unrecognized(parser, argparse.Namespace(command=command, kind=kind), extras)
+
+
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """One line and exit 2: the unrecognized arguments, with the nearest option of the command (``difflib``) or,
+    for ``bench``, the mode that owns the flag."""
+    from workbench.parsing import unrecognized
+
+    if args.command is None:
+        unrecognized(parser, extras)
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # type: ignore[union-attr]
+    hint = ""
+    if args.command == "bench" and getattr(args, "kind", None):
+        from workbench.commands.bench import ALIASES, mode_of_option
+
+        sub = sub._subparsers._group_actions[0].choices[args.kind]  # type: ignore[union-attr]
+        owners = mode_of_option(extras[0].split("=", 1)[0]) if extras[0].startswith("-") else []
+        if owners:
+            kind = ALIASES.get(args.kind, args.kind)
+            hint = f"; {extras[0].split('=', 1)[0]} is an option of bench {' and '.join(owners)}, not of bench {kind}"
+    unrecognized(sub, extras, hint)
 
 
 def _exit_now(code: int) -> None:

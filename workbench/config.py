@@ -617,16 +617,22 @@ class ModelConfig:
 
     @classmethod
     def from_name(cls, name: str) -> ModelConfig:
-        """A preset from ``data/models/``, by file stem (case-insensitive), e.g. ``Llama-3.1-8B``, ``tiny-gqa``."""
+        """A preset from ``data/models/``, by file stem (case-insensitive), e.g. ``Llama-3.1-8B``, ``tiny-gqa``, or
+        by the hub id of the model it describes (``meta-llama/Llama-3.1-8B``: ``preset_of_hub_id``)."""
         presets = {p.stem.lower(): p for p in MODELS_DIR.glob("*.json")}
-        path = presets.get(name.lower())
+        path = presets.get(name.lower()) or presets.get(str(preset_of_hub_id(name)).lower())
         if path is None:
-            raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(preset_names())}")
+            import difflib
+
+            near = difflib.get_close_matches(name.lower(), list(presets), n=1)
+            hint = f"did you mean {presets[near[0]].stem}? " if near else ""
+            raise ConfigError(f"unknown model preset {name!r}; {hint}known presets: {', '.join(preset_names())}")
         return cls.from_json(path, name=path.stem)
 
     @classmethod
     def resolve(cls, name_or_path: str | Path) -> ModelConfig:
-        """A preset name, a ``config.json`` file, or a checkpoint directory containing one."""
+        """A preset name (or a preset's hub id), a ``config.json`` file, or a checkpoint directory containing one.
+        A path that does not exist, and is no preset, is an error saying so."""
         path = Path(name_or_path)
         if path.is_dir():
             if not (path / "config.json").exists():
@@ -634,7 +640,14 @@ class ModelConfig:
             return cls.from_json(path / "config.json", name=path.name)
         if path.suffix == ".json" and path.exists():
             return cls.from_json(path)
-        return cls.from_name(str(name_or_path))
+        text = str(name_or_path)
+        if preset_of_hub_id(text) is None and (path.suffix == ".json" or looks_like_path(text)):
+            hub = " nor the hub id of a preset (weights are not downloaded)" if text.count("/") == 1 else ""
+            raise ConfigError(
+                f"{text}: no such checkpoint directory or config.json, and not a preset{hub}; give an existing "
+                f"path or a preset ({', '.join(preset_names())})"
+            )
+        return cls.from_name(text)
 
     def summary(self) -> dict[str, Any]:
         """A small table-friendly description."""
@@ -703,6 +716,23 @@ def _moe_mla_fields(arch: str, hf: dict[str, Any], where: str) -> dict[str, Any]
             "rope_interleave": bool(hf.get("rope_interleave", True)),
         }
     return {}
+
+
+def looks_like_path(text: str) -> bool:
+    """True for what a user meant as a path: it has a slash, or starts with '.' or '~'."""
+    return "/" in text or "\\" in text or text.startswith((".", "~"))
+
+
+def preset_of_hub_id(text: str) -> str | None:
+    """The preset describing the model of a Hugging Face hub id ``org/name`` (``meta-llama/Llama-3.1-8B`` ->
+    ``Llama-3.1-8B``; ``meta-llama/Meta-Llama-3.1-8B`` too), or None. Only the shape is the model's: a preset's
+    weights are random."""
+    parts = str(text).split("/")
+    if len(parts) != 2 or not all(parts) or Path(text).exists():
+        return None
+    presets = {name.lower(): name for name in preset_names()}
+    name = parts[1].lower()
+    return presets.get(name) or presets.get(name.removeprefix("meta-"))
 
 
 def preset_names() -> list[str]:

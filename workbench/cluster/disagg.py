@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workbench.config import ModelConfig, parse_disaggregate, resolve_kv_cache_dtype
+from workbench.config import ModelConfig, parse_disaggregate
 from workbench.dist.group import DistConfig, ProcessSet, WorkerError, WorkerGroup, free_port, serve_subgroup
 from workbench.dist.kv_connector import (
     KVReceiver,
@@ -99,7 +99,7 @@ class DisaggConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.prefill.block_size != self.decode.block_size or self.prefill.dtype != self.decode.dtype:
             raise ConfigError("the prefill and decode pools need the same block_size and dtype")
-        kv = [resolve_kv_cache_dtype(e.kv_cache_dtype, e.dtype) for e in (self.prefill, self.decode)]
+        kv = [e.kv_cache_dtype for e in (self.prefill, self.decode)]  # resolved by ServingConfig
         if kv[0] != kv[1]:
             raise ConfigError(f"the prefill and decode pools need the same kv_cache_dtype, got {kv[0]} and {kv[1]}")
         if self.prefill.cache != "paged" or self.decode.cache != "paged":

@@ -30,56 +30,119 @@ import json
 from typing import Any
 
 KINDS = ("decode", "prefill", "offline", "hf", "serve")
+MODE_HELP = {
+    "decode": "decode steps per batch size: tokens/s, MBU, the matrix-vector share (several --quantization "
+    "values: compared in one run)",
+    "prefill": "prefill per prompt length: time and MFU",
+    "offline": "an offline request set through the engine: output tokens/s (vLLM: bench throughput)",
+    "hf": "our engine against HF transformers on the same prompts",
+    "serve": "load an OpenAI-compatible server the way vllm bench serve does",
+}
+ALIASES = {"throughput": "offline"}  # vLLM's name of the offline benchmark
+ENGINE_MODES = ("decode", "prefill", "offline", "hf")
+
+
+def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
+    """The options of ``bench kind`` (``kind`` None: every mode's, for their defaults). Each option belongs to the
+    modes that read it; a flag of another mode is an unrecognized argument there (with a hint at its mode)."""
+    from workbench.commands.common import add_serving_arguments
+    from workbench.engine.config import EngineConfig
+
+    def owns(*kinds: str) -> bool:
+        return kind is None or kind in kinds
+
+    p.add_argument("--model", default="bench-300m", help="preset name, config.json or checkpoint directory")
+    if owns(*ENGINE_MODES):
+        add_serving_arguments(p, EngineConfig, ("dtype",))
+        p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+        p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all usable cores)")
+    if owns("decode"):
+        p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+        p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="shard the model over N processes, --threads each; rows add the all-reduce share of a "
+                       "step and its bandwidth")  # fmt: skip
+        p.add_argument("--max-processes", type=int, default=None,
+                       help="most worker processes --tensor-parallel-size may start (default: the CPU cores of this "
+                       "machine)")  # fmt: skip
+    if owns("decode", "prefill", "hf"):
+        p.add_argument("--prompt-len", type=int, nargs="+", default=None,
+                       help="prompt lengths in tokens (default: prefill 128 512 1024; decode 128; hf 32)")  # fmt: skip
+    if owns("decode"):
+        p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    if owns("decode", "prefill", "offline"):
+        p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps or runs")
+    if owns("prefill", "offline", "hf"):
+        p.add_argument("--repeats", type=int, default=3, help="timed repetitions")
+    if owns("hf"):
+        p.add_argument("--new-tokens", type=int, default=32, help="tokens generated for batch-1 decode")
+    if owns("offline", "hf"):
+        p.add_argument("--num-requests", type=int, default=64, help="offline set size")
+        p.add_argument("--context", type=int, default=256, help="offline set: longest prompt + output, in tokens")
+        add_serving_arguments(p, EngineConfig, ("max_num_seqs",))  # also HF's static batch size
+    if owns("hf"):
+        p.add_argument("--no-offline", action="store_true", help="batch-1 decode only")
+    if owns("decode"):
+        p.add_argument(
+            "--attention-backend",
+            default="auto",
+            choices=("auto", "torch", "triton", "cpu"),
+            help="backend (auto: the paged C++ decode 'cpu' on the CPU where it builds, else torch)",
+        )
+    if owns("decode", "offline", "hf"):
+        p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
+                       help="the engine's torch.compile'd decode step (default: on for the CPU with the torch or cpu "
+                       "backend; compiled before the timing, once per batch bucket)")  # fmt: skip
+    if owns("offline"):
+        p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
+                       help="the engine's compiled prefill and mixed steps (default: as --compile-decode; compiled "
+                       "before the timing, once per token-count range)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the request draw")
+    if owns("decode", "prefill", "offline"):
+        p.add_argument("--cached-ceilings", action="store_true",
+                       help="reuse this machine's cached ceilings instead of measuring them again in this "
+                       "run")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    if owns("decode", "prefill", "offline"):
+        names = ("quantization", "group_size", "kv_cache_dtype") if owns("decode") else ("quantization", "group_size")
+        add_serving_arguments(p, EngineConfig, names, many=True)
+    if owns("decode"):
+        p.add_argument("--accuracy-prompts", type=int, default=4,
+                       help="with several schemes: random prompts of --prompt-len tokens whose logits are compared "
+                       "with the unquantized model's (0 skips the accuracy check)")  # fmt: skip
+    if owns("serve"):
+        from workbench.commands.bench_serve import add_serve_arguments
+
+        add_serve_arguments(p)  # a client of an OpenAI-compatible server (vLLM's flags)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("kind", choices=KINDS, help="what to measure")
-    p.add_argument("--model", default="bench-300m", help="preset name, config.json or checkpoint directory")
-    p.add_argument("--dtype", default="fp32", help="fp32 | bf16 | fp16 (default fp32)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all usable cores)")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="decode: shard the model over N processes, --threads each (default 1); rows add the "
-                   "all-reduce share of a step and its bandwidth")  # fmt: skip
-    p.add_argument("--max-processes", type=int, default=None,
-                   help="most worker processes --tensor-parallel-size may start (default: the CPU cores of this "
-                   "machine)")  # fmt: skip
-    p.add_argument("--prompt-len", type=int, nargs="+", default=None,
-                   help="prompt lengths (prefill: 128 512 1024; decode: 128; hf: 32)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps or runs")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (prefill, offline, hf)")
-    p.add_argument("--new-tokens", type=int, default=32, help="hf: tokens generated for batch-1 decode")
-    p.add_argument("--num-requests", type=int, default=64, help="offline set size")
-    p.add_argument("--context", type=int, default=256, help="offline set: longest prompt + output, in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="offline: engine batch and HF static batch size")
-    p.add_argument("--no-offline", action="store_true", help="hf: batch-1 decode only")
-    p.add_argument(
-        "--attention-backend",
-        default="auto",
-        choices=("auto", "torch", "triton", "cpu"),
-        help="decode: backend (auto: the paged C++ decode 'cpu' on the CPU where it builds, else torch)",
-    )
-    p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode, hf, offline: the engine's torch.compile'd decode step (default: on for the CPU with "
-                   "the torch or cpu backend; compiled before the timing, once per batch bucket)")  # fmt: skip
-    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="offline: the engine's compiled prefill and mixed steps (default: as --compile-decode; "
-                   "compiled before the timing, once per token-count range)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the offline draw")
-    p.add_argument("--cached-ceilings", action="store_true",
-                   help="reuse this machine's cached ceilings instead of measuring them again in this run")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    from workbench.commands.generate import add_quantization_arguments
+    """One parser per mode (``bench decode --help`` lists decode's options only); the options a mode does not own
+    keep their defaults in its namespace, so ``run`` reads every one."""
+    from workbench.parsing import PARSER_OPTIONS, make_parser
 
-    add_quantization_arguments(p, many=True)
-    p.add_argument("--accuracy-prompts", type=int, default=4,
-                   help="decode with several schemes: random prompts of --prompt-len tokens whose logits are compared "
-                   "with the unquantized model's (default 4; 0 skips the accuracy check)")  # fmt: skip
-    from workbench.commands.bench_serve import add_serve_arguments
+    everything = make_parser()
+    _mode_options(everything, None)
+    defaults = {a.dest: a.default for a in everything._actions if a.dest != "help"}
+    sub = p.add_subparsers(dest="kind", metavar="MODE", required=True)
+    for kind, text in MODE_HELP.items():
+        aliases = [a for a, k in ALIASES.items() if k == kind]
+        mode = sub.add_parser(kind, aliases=aliases, help=text, description=text, **PARSER_OPTIONS)  # type: ignore[arg-type]
+        _mode_options(mode, kind)
+        own = {a.dest for a in mode._actions}
+        mode.set_defaults(**{k: v for k, v in defaults.items() if k not in own})
 
-    add_serve_arguments(p)  # ``bench serve``: a client of an OpenAI-compatible server (vLLM's flags)
+
+def mode_of_option(flag: str) -> list[str]:
+    """The ``bench`` modes that take option ``flag`` (for the hint of an unrecognized argument)."""
+    from workbench.parsing import make_parser
+
+    modes = []
+    for kind in KINDS:
+        parser = make_parser()
+        _mode_options(parser, kind)
+        if flag in parser._option_string_actions:
+            modes.append(kind)
+    return modes
 
 
 def _progress(items: list[Any], desc: str, unit: str) -> Any:
@@ -101,6 +164,7 @@ def _machine(hw: Any, threads: int, device: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.kind = ALIASES.get(args.kind, args.kind)
     if args.kind == "serve":
         from workbench.commands.bench_serve import run_serve
 

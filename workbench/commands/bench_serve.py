@@ -23,8 +23,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="openai", choices=("openai", "openai-chat", "vllm"),
                    help="request format: completions (openai, vllm) or chat (openai-chat)")  # fmt: skip
     g.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default="127.0.0.1", help="server host, when no --base-url")
+    g.add_argument("--port", type=int, default=8000, help="server port, when no --base-url")
     g.add_argument("--endpoint", default=None, help="default /v1/completions (/v1/chat/completions for openai-chat)")
     g.add_argument(
         "--tokenizer",
@@ -33,22 +33,48 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dataset-name", default="random", choices=("random", "sharegpt", "trace"))
     g.add_argument("--dataset-path", default=None, help="sharegpt: a ShareGPT JSON file; trace: a trace name/file")
-    g.add_argument("--num-prompts", type=int, default=1000)
-    g.add_argument("--random-input-len", type=int, default=1024)
-    g.add_argument("--random-output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
+    g.add_argument("--random-input-len", type=int, default=1024, help="random: prompt tokens")
+    g.add_argument("--random-output-len", type=int, default=128, help="random: output tokens")
+    g.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="random: lengths drawn in [len*(1-r), len*(1+r)]"
+    )
     g.add_argument("--random-vocab-size", type=int, default=256, help="random prompt ids are drawn below this")
     g.add_argument("--sharegpt-output-len", type=int, default=None)
     g.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (default inf: all at once)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
-    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
-    g.add_argument("--goodput", nargs="+", default=None, help="SLOs as NAME:MS, NAME in ttft, tpot, e2el")
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs in milliseconds (vLLM's unit), NAME in ttft, tpot, e2el, e.g. ttft:500 tpot:50 "
+                   "(default: none)")  # fmt: skip
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="comma-separated: ttft,tpot,itl,e2el")
     g.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
     g.add_argument("--ignore-eos", action="store_true", help="ask for exactly the output lengths")
     g.add_argument("--save-result", action="store_true", help="write the result JSON")
     g.add_argument("--result-dir", default=None, help="directory of the result file (default .)")
     g.add_argument("--result-filename", default=None, help="default: vLLM's {backend}-{rate}qps-{model}-{date}.json")
+
+
+def check_reachable(base_url: str, timeout_s: float = 5.0) -> None:
+    """ConfigError naming the connection error when nothing accepts a TCP connection at ``base_url``'s host and port
+    (a server that is not running, a wrong port): one line, before any request is sent."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from workbench.errors import ConfigError
+
+    url = urlsplit(base_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ConfigError(f"--base-url must be http://HOST:PORT or https://HOST:PORT, got {base_url!r}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise ConfigError(
+            f"cannot connect to the server at {base_url} ({type(exc).__name__}: {reason}); start one (workbench "
+            "serve --model ... --port PORT) or point --base-url / --host / --port at it"
+        ) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -74,7 +100,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ConfigError("--num-prompts and --max-concurrency must be >= 1")
     goodput = b.parse_goodput(args.goodput)
+    from workbench.commands.common import warn_implausible_slo
+
+    for name, ms in goodput.items():
+        warn_implausible_slo(f"--goodput {name}:{ms:g}", name, ms / 1e3, "ms")
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    check_reachable(base_url)
     endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
     if args.dataset_name == "random":
         reqs = b.random_requests(args.num_prompts, args.random_input_len, args.random_output_len,

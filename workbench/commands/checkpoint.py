@@ -1,5 +1,9 @@
-"""``workbench checkpoint --preset NAME --out DIR [--seed S] [--dtype D] [--no-tokenizer]``: a random HF checkpoint
-of a preset (config, weights and a byte-level BPE tokenizer trained on ``data/text/``)."""
+"""``workbench checkpoint --model NAME --out DIR [--model-seed S] [--dtype D] [--no-tokenizer]``: a random HF
+checkpoint of a preset (config, weights and a byte-level BPE tokenizer trained on ``data/text/``). It prints one JSON
+object (``checkpoint``, ``preset``, ``params``, ``dtype``, ``tokenizer``): what it wrote, always as JSON.
+
+``--model`` and ``--model-seed`` are the names every command uses for the model and the seed of its random weights;
+the older ``--preset`` and ``--seed`` still work, with a warning."""
 
 from __future__ import annotations
 
@@ -10,9 +14,14 @@ from workbench.config import ModelConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", required=True, help="model preset name (see data/models) or a config.json path")
+    from workbench.commands.common import add_option
+
+    add_option(p, "--model", "--preset", dest="preset", required=True,
+               help="model preset name (see data/models; or its hub id) or a config.json path (--preset: deprecated "
+               "spelling)")  # fmt: skip
     p.add_argument("--out", required=True, help="output directory (config.json + safetensors)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation (default 0)")
+    add_option(p, "--model-seed", "--seed", dest="seed", type=int, default=0,
+               help="seed of the random weights (--seed: deprecated spelling; default 0)")  # fmt: skip
     p.add_argument("--dtype", default="fp32", help="fp32 | fp16 | bf16 (default fp32)")
     p.add_argument("--no-tokenizer", action="store_true", help="write config and weights only (no tokenizer.json)")
 

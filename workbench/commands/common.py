@@ -1,7 +1,9 @@
 """Command-line options shared by ``workbench generate``, ``replay`` and ``simulate``, each group written once.
 
-- ``add_scheduler_arguments``: the scheduler and KV-pool options of ``ServingConfig`` (``EngineConfig`` and
-  ``SimConfig``); ``serving_config_kwargs`` turns them back into that config's keywords.
+- ``add_serving_arguments``: the options of the shared serving fields, generated from ``ServingConfig``
+  (``EngineConfig`` and ``SimConfig``): each field's flag (vLLM's name), deprecated spellings (``add_option``: they
+  work and warn), help and default; ``add_scheduler_arguments`` its scheduler and KV-pool part;
+  ``serving_config_kwargs`` turns them back into the config's keywords.
 - ``add_trace_arguments``: which trace to serve and how to scale or synthesise it (``load_workload``).
 - ``add_slo_arguments``: the SLOs that decide goodput.
 - ``print_serving_metrics``: the latency and throughput lines of a serving summary's ``metrics``.
@@ -35,33 +37,111 @@ def progress_bar(total: int | None = None, desc: str = "", unit: str = "it", ite
     return tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr, disable=not sys.stderr.isatty())
 
 
-def add_scheduler_arguments(p: ArgumentContainer, max_num_seqs_default: int) -> None:
-    """--policy, --block-size, --num-blocks, --max-num-seqs, --max-model-len, --token-budget, --chunk-size,
-    --prefix-caching (on a parser or an argument group)."""
-    from workbench.engine.scheduler import POLICIES
+SCHEDULER_FIELDS = ("policy", "block_size", "num_blocks", "max_num_seqs", "max_model_len", "token_budget",
+                    "chunk_size", "enable_prefix_caching")  # fmt: skip
+FORMAT_FIELDS = ("dtype", "quantization", "group_size", "kv_cache_dtype")
 
-    p.add_argument("--policy", default="continuous", choices=POLICIES, help="scheduling policy (default continuous)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (paged; default: derived)")
-    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs_default, help="most sequences in one step")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default min(model, 4096))")
-    p.add_argument("--token-budget", type=int, default=None, help="new tokens per step (max_num_batched_tokens)")
-    p.add_argument("--chunk-size", type=int, default=None, help="largest prefill chunk (policy chunked)")
-    p.add_argument("--prefix-caching", action="store_true", help="reuse cached KV blocks of shared prefixes")
+
+def warn_deprecated(old: str, new: str) -> None:
+    """One line on stderr: ``old`` is a deprecated spelling of ``new`` (kept for one release)."""
+    import sys
+
+    print(f"warning: {old} is deprecated and will be removed; use {new}", file=sys.stderr)
+
+
+class _Store(argparse._StoreAction):
+    """``store``, warning when a deprecated alias (``deprecated_aliases``) was typed."""
+
+    deprecated_aliases: tuple[str, ...] = ()
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        if option_string in self.deprecated_aliases:
+            warn_deprecated(option_string, self.option_strings[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _StoreTrue(argparse._StoreTrueAction):
+    """``store_true``, warning when a deprecated alias (``deprecated_aliases``) was typed."""
+
+    deprecated_aliases: tuple[str, ...] = ()
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        if option_string in self.deprecated_aliases:
+            warn_deprecated(option_string, self.option_strings[0])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def add_option(p: ArgumentContainer, flag: str, *aliases: str, **kwargs: Any) -> argparse.Action:
+    """``p.add_argument(flag, *aliases, ...)`` where each of ``aliases`` is a deprecated spelling that still works
+    and warns (``warn_deprecated``); ``action`` may be 'store' (default) or 'store_true'."""
+    action = kwargs.pop("action", "store")
+    cls = {"store": _Store, "store_true": _StoreTrue}[action]
+    if action == "store_true":
+        kwargs.setdefault("default", False)
+    added = p.add_argument(flag, *aliases, action=cls, **kwargs)
+    added.deprecated_aliases = tuple(aliases)  # type: ignore[attr-defined]
+    return added
+
+
+def serving_options(config_cls: type, names: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """The command-line options of ``ServingConfig``'s fields (``names``: those only, in the config's order), each
+    a dict of ``name`` (the field), ``flag``, ``aliases`` (deprecated), ``help``, ``default`` (``config_cls``'s:
+    ``EngineConfig``'s or ``SimConfig``'s), ``type`` and ``argparse`` (extra keywords)."""
+    from dataclasses import fields
+
+    from workbench.engine.config import ServingConfig
+
+    defaults = {f.name: f.default for f in fields(config_cls)}
+    out = []
+    for f in fields(ServingConfig):
+        if not f.metadata or (names is not None and f.name not in names):
+            continue
+        kind = str(f.type)
+        typ = bool if kind == "bool" else int if kind.startswith("int") else str
+        default = defaults[f.name]
+        if f.name == "quantization" and default is None:
+            default = "none"
+        out.append({"name": f.name, "flag": f.metadata["flag"], "aliases": f.metadata["aliases"],
+                    "help": f.metadata["help"], "default": default, "type": typ,
+                    "argparse": f.metadata["argparse"]})  # fmt: skip
+    return out
+
+
+def add_serving_arguments(
+    p: ArgumentContainer, config_cls: type, names: tuple[str, ...] | None = None, many: bool = False
+) -> None:
+    """Options of the shared serving fields (``ServingConfig``), generated from the one config: vLLM's flag names,
+    deprecated spellings that warn, the help with its unit, and ``config_cls``'s default (``EngineConfig`` for a
+    command that runs the engine, ``SimConfig`` for the simulator). ``names``: those fields only. ``many``: each
+    takes several values (``bench decode`` compares them in one run); the default is then a one-element list."""
+    for o in serving_options(config_cls, names):
+        extra = dict(o["argparse"])
+        text = o["help"] + (f" ({', '.join(o['aliases'])}: deprecated spelling)" if o["aliases"] else "")
+        if o["type"] is bool:
+            add_option(p, o["flag"], *o["aliases"], dest=o["name"], action="store_true", help=text)
+            continue
+        if o["type"] is int:
+            extra["type"] = int
+            extra.setdefault("metavar", "N")
+        if many:
+            extra["nargs"] = "+"
+        default = [o["default"]] if many else o["default"]
+        add_option(p, o["flag"], *o["aliases"], dest=o["name"], default=default, help=text, **extra)
+
+
+def add_scheduler_arguments(p: ArgumentContainer, config_cls: type) -> None:
+    """--policy, --block-size, --num-blocks, --max-num-seqs, --max-model-len, --max-num-batched-tokens,
+    --chunk-size, --enable-prefix-caching (on a parser or an argument group), with ``config_cls``'s defaults."""
+    add_serving_arguments(p, config_cls, SCHEDULER_FIELDS)
 
 
 def serving_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``ServingConfig`` keywords given by ``add_scheduler_arguments``'s options."""
-    return {
-        "policy": args.policy,
-        "block_size": args.block_size,
-        "num_blocks": args.num_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "max_model_len": args.max_model_len,
-        "token_budget": args.token_budget,
-        "chunk_size": args.chunk_size,
-        "enable_prefix_caching": args.prefix_caching,
-    }
+    """The ``ServingConfig`` keywords of the options ``add_serving_arguments`` added (those present in ``args``)."""
+    from dataclasses import fields
+
+    from workbench.engine.config import ServingConfig
+
+    return {f.name: getattr(args, f.name) for f in fields(ServingConfig) if f.metadata and hasattr(args, f.name)}
 
 
 def add_trace_arguments(
@@ -70,7 +150,7 @@ def add_trace_arguments(
     """--trace, --limit, --rate-scale, --time-scale and the synthetic-trace options, with the command's defaults."""
     p.add_argument("--trace", required=True, help="azure-code | azure-conv | mooncake-conversation | "
                    "mooncake-synthetic | poisson:RATE | gamma:RATE:CV | a .csv/.jsonl file")  # fmt: skip
-    p.add_argument("--limit", type=int, default=None, help="first N requests")
+    p.add_argument("--limit", type=int, default=None, help="first N requests (default: all)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply the request rate (compress time)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply inter-arrival times")
     p.add_argument(
@@ -84,11 +164,43 @@ def add_trace_arguments(
     p.add_argument("--trace-seed", type=int, default=0, help="seed of synthetic arrivals, lengths and prompt ids")
 
 
+# (smallest, largest) plausible SLO in seconds per metric: outside, a value was probably typed in the other unit
+PLAUSIBLE_SLO_S = {"ttft": (1e-3, 60.0), "tpot": (1e-4, 5.0), "e2el": (1e-3, 3600.0)}
+
+
+def warn_implausible_slo(flag: str, metric: str, value_s: float, unit: str) -> None:
+    """A warning line on stderr when an SLO of ``value_s`` seconds is implausible for ``metric``
+    (``PLAUSIBLE_SLO_S``): the unit of the flag (``unit``: 's' or 'ms') was probably mistaken for the other."""
+    import sys
+
+    lo, hi = PLAUSIBLE_SLO_S[metric]
+    if value_s is None or value_s == 0 or lo <= value_s <= hi:
+        return
+    if unit == "s":
+        fix = f"if you meant {value_s:g} ms, give {value_s / 1e3:g}"
+    else:
+        fix = f"if you meant {value_s * 1e3:g} s, give {value_s * 1e6:g} (milliseconds)"
+    print(f"warning: {flag} is {value_s:g} s, an implausible {metric.upper()} SLO ({flag.split()[0]} takes "
+          f"{'seconds' if unit == 's' else 'milliseconds'}); {fix}", file=sys.stderr)  # fmt: skip
+
+
+def slo_seconds(flag: str, metric: str) -> Any:
+    """An argparse ``type`` for an SLO flag in seconds: a float, with ``warn_implausible_slo``'s warning."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        warn_implausible_slo(f"{flag} {text}", metric, value, "s")
+        return value
+
+    parse.__name__ = "seconds"  # argparse names the type in its error: "invalid seconds value"
+    return parse
+
+
 def add_slo_arguments(p: ArgumentContainer) -> None:
-    """--slo-ttft, --slo-tpot, --slo-e2el: the SLOs of goodput, in seconds."""
-    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds (goodput)")
-    p.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds (goodput)")
-    p.add_argument("--slo-e2el", type=float, default=None, help="end-to-end latency SLO in seconds (goodput)")
+    """--slo-ttft, --slo-tpot, --slo-e2el: the SLOs of goodput, in seconds (an implausible value warns)."""
+    for metric, what in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "end-to-end latency")):
+        p.add_argument(f"--slo-{metric}", type=slo_seconds(f"--slo-{metric}", metric), default=None, metavar="S",
+                       help=f"{what} SLO in seconds, for goodput (default: none)")  # fmt: skip
 
 
 LATENCY_LABELS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL", "e2el_s": "E2E latency"}

@@ -4,7 +4,7 @@
         --max-new-tokens N
         [--temperature T --top-k K --top-p P --seed S] [--ignore-eos] [--dtype] [--device] [--json]
         [--policy P] [--cache paged|contiguous] [--block-size B] [--num-blocks N] [--max-num-seqs S]
-        [--token-budget T] [--chunk-size C] [--prefix-caching] [--attention-backend torch|triton]
+        [--max-num-batched-tokens T] [--chunk-size C] [--enable-prefix-caching] [--attention-backend torch|triton]
         [--compile-decode] [--tensor-parallel-size N]
         [--disaggregate P:D [--threads-per-engine N] [--prefill-tp N] [--decode-tp M]]
 
@@ -24,7 +24,7 @@ import json
 
 from workbench.commands.common import (
     ArgumentContainer,
-    add_scheduler_arguments,
+    add_serving_arguments,
     check_parallel_layout,
     serving_config_kwargs,
 )
@@ -42,8 +42,9 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory, preset name or config.json")
-    p.add_argument("--dtype", default="fp32", help="fp32 | fp16 | bf16 (default fp32)")
+    p.add_argument("--model", required=True,
+                   help="checkpoint directory, preset name (or its hub id, e.g. meta-llama/Llama-3.1-8B) or "
+                   "config.json")  # fmt: skip
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     p.add_argument("--model-seed", type=int, default=0, help="seed of random weights when --model is a preset")
 
@@ -52,7 +53,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     from workbench.engine.config import EngineConfig
 
-    add_scheduler_arguments(g, max_num_seqs_default=EngineConfig.max_num_seqs)
+    add_serving_arguments(g, EngineConfig)  # the shared fields, from the one config (vLLM's names)
     g.add_argument("--cache", default="paged", choices=("paged", "contiguous"), help="KV-cache layout")
     g.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
     g.add_argument("--compile-decode", action="store_true",
@@ -69,33 +70,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-tp", type=int, default=None,
                    help="with --disaggregate: the decode pool's tensor-parallel size per engine (default "
                    "--tensor-parallel-size)")  # fmt: skip
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="shard the model over N processes (torch.distributed: gloo on the CPU, NCCL on CUDA; "
-                   "default 1)")  # fmt: skip
     g.add_argument("--max-processes", type=int, default=None,
                    help="most worker processes a tensor-parallel or disaggregated layout may start (default: the "
                    "CPU cores of this machine); a larger layout is refused before anything starts")  # fmt: skip
-    add_quantization_arguments(g)
 
 
 def add_quantization_arguments(p: ArgumentContainer, many: bool = False) -> None:
-    """--quantization, --group-size, --kv-cache-dtype (vLLM's names; one meaning across the commands, from
-    ``workbench.config``). ``many``: each takes several values (``bench decode`` compares them in one run)."""
-    from workbench.config import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES, QUANTIZATIONS
+    """--quantization, --group-size, --kv-cache-dtype, generated from ``ServingConfig`` with the engine's defaults.
+    ``many``: each takes several values (``bench decode`` compares them in one run)."""
+    from workbench.engine.config import EngineConfig
 
-    nargs = "+" if many else None
-    several = "; several values are compared in one run" if many else ""
-    p.add_argument("--quantization", nargs=nargs, default=["none"] if many else None,
-                   metavar="|".join(("none", *QUANTIZATIONS)),
-                   help="weight-only quantization of the linear layers: int8 per output channel, int4 group-wise "
-                   f"(the engine runs int8 and int4; fp8 is for roofline and simulate){several}")  # fmt: skip
-    group_default = [DEFAULT_GROUP_SIZE] if many else DEFAULT_GROUP_SIZE
-    p.add_argument("--group-size", type=int, nargs=nargs, default=group_default,
-                   help=f"int4: inputs per (scale, zero) pair (default {DEFAULT_GROUP_SIZE}){several}")  # fmt: skip
-    p.add_argument("--kv-cache-dtype", nargs=nargs, default=["auto"] if many else "auto",
-                   metavar="|".join(KV_CACHE_DTYPES),
-                   help="what the KV pool stores: auto (= --dtype), int8 (a scale per token and head), fp8 (e4m3, "
-                   f"one scale per layer){several}")  # fmt: skip
+    add_serving_arguments(p, EngineConfig, ("quantization", "group_size", "kv_cache_dtype"), many=many)
 
 
 def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineConfig)
@@ -109,12 +94,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineC
         cache=args.cache,
         attention_backend=args.attention_backend,
         compile_decode=args.compile_decode,
-        tensor_parallel_size=args.tensor_parallel_size,
-        dtype=args.dtype,
         device=args.device,
-        quantization=args.quantization,
-        group_size=args.group_size,
-        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -123,12 +103,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--prompt-ids", action="append", default=[], help="comma-separated token ids; repeatable")
     p.add_argument("--prompt", action="append", default=[], help="a text prompt (needs a tokenizer); repeatable")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate per prompt (vLLM's max_tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None,
-                   help="sampling seed in [0, 2**64) (per request: seed + request index, modulo 2**64)")  # fmt: skip
+                   help="sampling seed in [0, 2**64) (per request: seed + request index, modulo 2**64; default: none, "
+                   "unseeded)")  # fmt: skip
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-new-tokens tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from workbench.commands.common import add_trace_arguments
+from workbench.commands.common import add_trace_arguments, slo_seconds
 from workbench.commands.sim_args import add_calibration_arguments, add_format_arguments
 from workbench.errors import ConfigError
 
@@ -37,8 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpus", type=int, required=True, help="GPUs to deploy on (at most)")
     add_trace_arguments(p, num_requests_default=1000, prompt_lens_default="uniform:64:1024",
                         output_lens_default="uniform:16:256")  # fmt: skip
-    p.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO in seconds")
-    p.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO in seconds")
+    p.add_argument("--slo-ttft", type=slo_seconds("--slo-ttft", "ttft"), required=True, metavar="S",
+                   help="TTFT SLO in seconds")  # fmt: skip
+    p.add_argument("--slo-tpot", type=slo_seconds("--slo-tpot", "tpot"), required=True, metavar="S",
+                   help="TPOT SLO in seconds")  # fmt: skip
     add_format_arguments(p)
     add_calibration_arguments(p)
     s = p.add_argument_group("search")
@@ -88,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import clip_to_context
     from workbench.commands.sim_args import format_kwargs
     from workbench.config import ModelConfig
+    from workbench.engine.scheduler import DEFAULT_MAX_MODEL_LEN
     from workbench.hardware import get_hardware
     from workbench.sim.planner import PlanSettings, candidates, plan
     from workbench.workloads import load_workload
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     requests = load_workload(args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
                              num_requests=args.num_requests, prompt_lens=args.prompt_lens,
                              output_lens=args.output_lens, seed=args.trace_seed)  # fmt: skip
-    max_len = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+    max_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     requests, num_clipped = clip_to_context(requests, max_len)
     result = plan(requests, settings, args.num_gpus, search, parallel="serial" if args.serial else "ray",
                   ray_address=args.ray_address, num_cpus=args.num_cpus, top=args.top)  # fmt: skip

@@ -49,14 +49,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_trace_arguments(p, num_requests_default=100, prompt_lens_default="uniform:16:256",
                         output_lens_default="uniform:8:64")  # fmt: skip
     add_slo_arguments(p)
-    p.add_argument("--max-duration", type=float, default=3600.0,
-                   help="refuse a replay whose arrivals span more wall-clock s than this (default 3600)")  # fmt: skip
+    p.add_argument("--max-duration", type=float, default=3600.0, metavar="S",
+                   help="refuse a replay whose arrivals span more wall-clock seconds than this "
+                   "(default 3600)")  # fmt: skip
+    p.add_argument("--yes", action="store_true",
+                   help=f"start a replay whose arrivals span more than {CONFIRM_S / 60:g} minutes of wall clock "
+                   "(without it such a replay states its duration and stops)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def check_span(requests: list, max_duration_s: float) -> float:
+CONFIRM_S = 600.0  # a real-time replay longer than this (10 minutes) starts only with --yes
+
+
+def check_span(requests: list, max_duration_s: float, yes: bool = True) -> float:
     """The replay's wall-clock span (its last arrival, s), printed to stderr before anything runs; a ConfigError
-    naming ``--time-scale`` and ``--limit`` when it exceeds ``max_duration_s``."""
+    naming ``--time-scale`` and ``--limit`` when it exceeds ``max_duration_s``, or (without ``yes``) ``CONFIRM_S``,
+    stating the duration and asking for ``--yes``."""
     if not max_duration_s > 0:
         raise ConfigError(f"--max-duration must be a positive number of seconds, got {max_duration_s}")
     span = max((r.arrival_time_s for r in requests), default=0.0)
@@ -65,6 +73,12 @@ def check_span(requests: list, max_duration_s: float) -> float:
             f"the trace's arrivals span {span:.0f} s of wall clock, beyond --max-duration {max_duration_s:g} s; "
             "compress it with --time-scale (e.g. 0.01) or --rate-scale, take fewer requests with --limit, or raise "
             "--max-duration"
+        )
+    if span > CONFIRM_S and not yes:
+        raise ConfigError(
+            f"the trace's arrivals span {span:.0f} s ({span / 60:.0f} min) of wall clock, replayed in real time; pass "
+            "--yes to start it, or compress it with --time-scale (e.g. 0.01) or --rate-scale, or take fewer "
+            "requests with --limit"
         )
     print(f"workbench replay: {len(requests)} requests arriving over {span:.1f} s of wall clock", file=sys.stderr)
     return span
@@ -81,7 +95,7 @@ def _workload(args: argparse.Namespace, max_len: int) -> tuple[list[Any], int]:
         seed=args.trace_seed,
     )  # fmt: skip
     requests, num_clipped = clip_to_context(requests, max_len)
-    check_span(requests, args.max_duration)
+    check_span(requests, args.max_duration, yes=args.yes)
     return requests, num_clipped
 
 

@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: all usable cores, as workbench bench)")  # fmt: skip
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default 30)")  # fmt: skip
     p.add_argument(
@@ -114,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
         sock = bind(args.host, args.port)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
-    if args.threads is not None:
-        set_threads(args.threads, what="--threads")
+    set_threads(args.threads, what="--threads")  # the one rule of bench and serve: all usable cores unless --threads
     try:
         engine = Engine.from_model(args.model, engine_config_from_args(args), seed=args.model_seed)
         codec = TextCodec.from_dir(args.model) if has_tokenizer(args.model) else None

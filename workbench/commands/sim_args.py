@@ -13,35 +13,33 @@ import argparse
 from typing import Any
 
 from workbench.commands.common import ArgumentContainer
-from workbench.config import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES, QUANTIZATIONS
 from workbench.errors import ConfigError
 
 ACT_DTYPES = ("bf16", "fp16", "fp32")
 CALIBRATIONS = ("hardware", "ideal")
 
 
-def add_format_arguments(p: ArgumentContainer, dtype_default: str = "bf16") -> None:
-    """--dtype, --quantization, --group-size, --kv-cache-dtype (and its older spelling --kv-dtype)."""
-    p.add_argument(
-        "--dtype",
-        default=dtype_default,
-        help=f"activations and unquantized weights: {', '.join(ACT_DTYPES)} (default {dtype_default})",
-    )
-    p.add_argument("--quantization", default="none", choices=("none", *QUANTIZATIONS),
-                   help="weights of the linear layers: int8/int4 weight-only, fp8 computes in FP8 (hardware with "
-                   "FP8 units only)")  # fmt: skip
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="int4: inputs per scale")
-    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_cache_dtype", default="auto",
-                   help=f"KV cache: {', '.join(KV_CACHE_DTYPES)} (auto: the activations' dtype)")  # fmt: skip
+def add_format_arguments(p: ArgumentContainer) -> None:
+    """--dtype, --quantization, --group-size, --kv-cache-dtype (its older spelling --kv-dtype warns), generated from
+    ``ServingConfig`` with the simulator's defaults (``SimConfig``: a GPU server, bf16)."""
+    from workbench.commands.common import FORMAT_FIELDS, add_serving_arguments
+    from workbench.sim.cluster import SimConfig
+
+    add_serving_arguments(p, SimConfig, FORMAT_FIELDS)
 
 
 def add_parallel_arguments(p: ArgumentContainer, per_phase: bool = True) -> None:
     """--tensor-parallel-size, --pipeline-parallel-size and, with ``per_phase``, --prefill-tp / --decode-tp."""
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per tensor-parallel group")
+    from workbench.commands.common import add_serving_arguments
+    from workbench.sim.cluster import SimConfig
+
+    add_serving_arguments(p, SimConfig, ("tensor_parallel_size",))
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages per replica")
     if per_phase:
-        p.add_argument("--prefill-tp", type=int, default=None, help="with --disaggregate: the prefill side's TP")
-        p.add_argument("--decode-tp", type=int, default=None, help="with --disaggregate: the decode side's TP")
+        p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                       help="with --disaggregate: the prefill side's TP (default: --tensor-parallel-size)")  # fmt: skip
+        p.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                       help="with --disaggregate: the decode side's TP (default: --tensor-parallel-size)")  # fmt: skip
 
 
 def add_calibration_arguments(p: ArgumentContainer) -> None:

@@ -3,7 +3,7 @@
     workbench simulate --model NAME --hardware NAME --trace azure-conv|azure-code|mooncake-conversation|poisson:RATE
         [--tensor-parallel-size N] [--pipeline-parallel-size N] [--quantization Q] [--kv-cache-dtype D]
         [--replicas N] [--router round-robin|least-outstanding|shortest-queue] [--policy P]
-        [--disaggregate P:D --link-gbps X [--link-latency-ms MS]]
+        [--disaggregate P:D --link-gbps X [--link-latency-s S]]
         [--cost-model roofline|profiled|op-profile [--profile FILE]]
         [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--step-log FILE] [--json]
 
@@ -72,6 +72,16 @@ def roofline_costs(args: argparse.Namespace, cfg: object, hw: object, config: ob
     return [models[role] for role in roles]
 
 
+def _link_latency_s(args: argparse.Namespace) -> float:
+    """--link-latency-s, or the deprecated --link-latency-ms (with a warning) converted to seconds."""
+    if args.link_latency_ms is None:
+        return args.link_latency_s
+    from workbench.commands.common import warn_deprecated
+
+    warn_deprecated("--link-latency-ms", "--link-latency-s (seconds)")
+    return args.link_latency_ms / 1e3
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from workbench.sim.cluster import ROUTERS, SimConfig
     from workbench.sim.costmodel import COST_MODELS
@@ -80,18 +90,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None,
                    help="accelerator name (see `workbench hardware`; default h100-sxm, or with --cost-model profiled "
                    "the profile's own machine, with the pool the measured engine had)")  # fmt: skip
-    add_format_arguments(p, dtype_default=SimConfig.dtype)
+    add_format_arguments(p)
     add_trace_arguments(p, num_requests_default=1000, prompt_lens_default="uniform:64:1024",
                         output_lens_default="uniform:16:256")  # fmt: skip
     g = p.add_argument_group("replica (as the engine's options)")
-    add_scheduler_arguments(g, max_num_seqs_default=SimConfig.max_num_seqs)
+    add_scheduler_arguments(g, SimConfig)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of memory for weights + KV")
     c = p.add_argument_group("cluster")
     c.add_argument("--replicas", type=int, default=1, help="number of replicas (without --disaggregate)")
     c.add_argument("--router", default="round-robin", choices=ROUTERS, help="how requests pick a replica")
     c.add_argument("--disaggregate", default=None, metavar="P:D", help="P prefill and D decode replicas")
     c.add_argument("--link-gbps", type=float, default=100.0, help="KV transfer link bandwidth, Gb/s")
-    c.add_argument("--link-latency-ms", type=float, default=0.0, help="KV transfer latency, ms")
+    c.add_argument("--link-latency-s", type=float, default=0.0, metavar="S", help="KV transfer latency in seconds")
+    c.add_argument("--link-latency-ms", type=float, default=None, metavar="MS",
+                   help="deprecated: --link-latency-s in milliseconds")  # fmt: skip
     add_parallel_arguments(c, per_phase=True)
     m = p.add_argument_group("cost model")
     m.add_argument("--cost-model", default="roofline", choices=COST_MODELS)
@@ -128,11 +140,11 @@ def run(args: argparse.Namespace) -> int:
     hw = get_hardware(args.hardware or "h100-sxm") if args.hardware or not profiled else None
     formats = format_kwargs(args)
     config = SimConfig(
-        **serving_config_kwargs(args), gpu_memory_utilization=args.gpu_memory_utilization, **formats,
+        **(serving_config_kwargs(args) | formats), gpu_memory_utilization=args.gpu_memory_utilization,
         num_replicas=args.replicas, router=args.router,
         disaggregate=None if args.disaggregate is None else parse_disaggregate(args.disaggregate),
-        link_gbps=args.link_gbps, link_latency_s=args.link_latency_ms / 1e3,
-        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        link_gbps=args.link_gbps, link_latency_s=_link_latency_s(args),
+        pipeline_parallel_size=args.pipeline_parallel_size,
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
     )  # fmt: skip
     cost = roofline_costs(args, cfg, hw, config) if not profiled else make_cost_model(

@@ -14,16 +14,25 @@ Scheduler knobs (policy, max_num_seqs, token_budget, chunk_size, prefix caching)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from workbench.config import (
     DEFAULT_GROUP_SIZE,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     ModelConfig,
     canonical_dtype,
     canonical_quantization,
     resolve_kv_cache_dtype,
 )
-from workbench.engine.scheduler import DEFAULT_MAX_NUM_SEQS, SchedulerConfig, check_policy
+from workbench.engine.scheduler import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MAX_NUM_SEQS,
+    POLICIES,
+    SchedulerConfig,
+    check_policy,
+)
 from workbench.errors import ConfigError
 from workbench.kv.sizing import plan_num_blocks
 
@@ -43,36 +52,87 @@ def _check_positive_int(config: object, names: tuple[str, ...], optional: bool =
             raise ConfigError(f"{name} must be a positive integer{unset}, got {value!r}")
 
 
+def option(flag: str, help: str, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> dict[str, Any]:
+    """The command-line face of a ``ServingConfig`` field (its ``dataclasses.field`` metadata): the flag (vLLM's name
+    where vLLM has the concept), deprecated older spellings that still work with a warning, the help (which says
+    the unit) and any extra argparse keywords (``choices``, ``metavar``). ``workbench.commands.common.
+    add_serving_arguments`` builds every command's options from these, with the default of the config it builds."""
+    return {"flag": flag, "help": help, "aliases": aliases, "argparse": argparse_kwargs}
+
+
 @dataclass
 class ServingConfig:
-    """The scheduler and KV-pool settings shared by the engine (``EngineConfig``) and the simulator (``SimConfig``).
+    """The serving fields shared by the engine (``EngineConfig``) and the simulator (``SimConfig``), declared once,
+    validated once (``__post_init__``) and turned into every command's options once (each field's ``option``).
 
-    ``max_model_len`` None: ``min(model's max positions, 4096)``. ``token_budget`` and ``chunk_size`` None: the
-    scheduler's defaults. ``num_blocks`` or ``kv_cache_bytes`` (at most one is used) size the KV pool; each
-    subclass says what None means.
+    ``max_model_len`` None: ``min(model's max positions, DEFAULT_MAX_MODEL_LEN)``. ``token_budget`` (vLLM's
+    ``max_num_batched_tokens``) and ``chunk_size`` None: the scheduler's defaults (``default_token_budget``).
+    ``num_blocks`` or ``kv_cache_bytes`` (at most one is used) size the KV pool; each subclass says what None means.
+    ``kv_cache_dtype`` is resolved here, once: 'auto' becomes the activations' ``dtype`` (so a config always holds
+    what its KV pool stores: 'fp32', 'fp16', 'bf16', 'int8' or 'fp8').
+
+    Two defaults differ between the engine and the simulator, each written once in the subclass with its reason:
+    ``max_num_seqs`` (the CPU engine's 32, the simulated GPU server's 256 = vLLM's) and ``dtype`` (fp32, bf16).
     """
 
-    policy: str = "continuous"
-    block_size: int = 16
-    num_blocks: int | None = None
+    policy: str = field(default="continuous", metadata=option(
+        "--policy", "batching policy (see workbench.engine.scheduler; not vLLM's --scheduling-policy, which orders "
+        "a queue by priority)", choices=POLICIES))  # fmt: skip
+    block_size: int = field(default=16, metadata=option("--block-size", "tokens per KV block (paged)"))
+    num_blocks: int | None = field(default=None, metadata=option(
+        "--num-blocks", "KV blocks in the pool (default: derived from the memory)"))  # fmt: skip
     kv_cache_bytes: int | None = None
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_model_len: int | None = None  # default: min(model's max positions, 4096)
-    token_budget: int | None = None  # default: the scheduler's
-    chunk_size: int | None = None  # default: the scheduler's
-    enable_prefix_caching: bool = False
-    dtype: str = "fp32"
+    max_num_seqs: int = field(default=DEFAULT_MAX_NUM_SEQS, metadata=option(
+        "--max-num-seqs", "most sequences in one step"))  # fmt: skip
+    max_model_len: int | None = field(default=None, metadata=option(
+        "--max-model-len", f"longest sequence in tokens, prompt + output (default: min(model, "
+        f"{DEFAULT_MAX_MODEL_LEN}))"))  # fmt: skip
+    token_budget: int | None = field(default=None, metadata=option(
+        "--max-num-batched-tokens", "new tokens per step over all sequences (default: 2048 for policy chunked, "
+        "else max(max_model_len, 2048))", aliases=("--token-budget",)))  # fmt: skip
+    chunk_size: int | None = field(default=None, metadata=option(
+        "--chunk-size", "largest prefill chunk in tokens, policy chunked (default: the token budget)"))  # fmt: skip
+    enable_prefix_caching: bool = field(default=False, metadata=option(
+        "--enable-prefix-caching", "reuse cached KV blocks of shared prompt prefixes",
+        aliases=("--prefix-caching",)))  # fmt: skip
+    dtype: str = field(default="fp32", metadata=option(
+        "--dtype", "activations and unquantized weights: fp32 | fp16 | bf16"))  # fmt: skip
+    quantization: str | None = field(default=None, metadata=option(
+        "--quantization", "weights of the linear layers: none, int8 (per channel), int4 (group-wise) weight-only; "
+        "fp8 computes in FP8 (roofline and simulator only)", metavar="|".join(("none", *QUANTIZATIONS))))  # fmt: skip
+    group_size: int = field(default=DEFAULT_GROUP_SIZE, metadata=option(
+        "--group-size", "int4: inputs per (scale, zero) pair"))  # fmt: skip
+    kv_cache_dtype: str = field(default="auto", metadata=option(
+        "--kv-cache-dtype", "what the KV cache stores: auto (= --dtype), int8 (a scale per token and head), fp8 "
+        "(e4m3)", aliases=("--kv-dtype",), metavar="|".join(KV_CACHE_DTYPES)))  # fmt: skip
+    tensor_parallel_size: int = field(default=1, metadata=option(
+        "--tensor-parallel-size", "ranks (processes, or GPUs of a replica) one model is sharded over"))  # fmt: skip
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
-        _check_positive_int(self, ("block_size", "max_num_seqs"))
-        _check_positive_int(self, ("num_blocks", "kv_cache_bytes", "max_model_len"), optional=True)
+        _check_positive_int(self, ("block_size", "max_num_seqs", "tensor_parallel_size", "group_size"))
+        _check_positive_int(self, ("num_blocks", "kv_cache_bytes", "max_model_len", "token_budget", "chunk_size"),
+                            optional=True)  # fmt: skip
         self.dtype = canonical_dtype(self.dtype)
+        self.quantization = canonical_quantization(self.quantization)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # the one place 'auto' resolves
+        if self.enable_prefix_caching is not True and self.enable_prefix_caching is not False:
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        """vLLM's name of ``token_budget``."""
+        return self.token_budget
+
+    @property
+    def kv_cache_quantized(self) -> bool:
+        """True when the KV cache stores int8 or fp8 (with scales), not the activations' dtype."""
+        return self.kv_cache_dtype in ("int8", "fp8")
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         """``max_model_len``, or its default for this model; raises if the model has fewer positions."""
         if self.max_model_len is None:
-            return min(model.max_position_embeddings, 4096)
+            return min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > model.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
@@ -123,10 +183,6 @@ class EngineConfig(ServingConfig):
     device: str = "auto"
     compile_decode: bool = False
     compile_prefill: bool = False  # CPU: each layer's parts around attention compiled (engine.prefill_step)
-    tensor_parallel_size: int = 1  # ranks one model is sharded over (workbench.engine.tp_runner)
-    quantization: str | None = None  # weight-only: None, 'int8' (per channel), 'int4' (group-wise); model.quant
-    group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
-    kv_cache_dtype: str = "auto"  # 'auto' (= dtype), 'int8' (per token and head scales), 'fp8' (e4m3, a scale)
     packed_linears: bool = True  # CPU fp32/bf16: oneDNN-packed copies of the weights for 4-256 rows (model.packed)
 
     def __post_init__(self) -> None:
@@ -143,14 +199,10 @@ class EngineConfig(ServingConfig):
         for flag in ("compile_decode", "compile_prefill", "packed_linears"):
             if getattr(self, flag) is not True and getattr(self, flag) is not False:
                 raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        _check_positive_int(self, ("tensor_parallel_size", "group_size"))
-        self.quantization = canonical_quantization(self.quantization)
         if self.quantization == "fp8":
             raise ConfigError("quantization 'fp8' (weights) is for the roofline and the simulator; the engine runs "
                               "int8 and int4 weights (and --kv-cache-dtype fp8 for the cache)")  # fmt: skip
-        resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)  # validated; kept as given ('auto' follows dtype)
-        self.kv_cache_dtype = str(self.kv_cache_dtype).lower()
-        if self.tensor_parallel_size > 1 and (self.quantization or self.kv_cache_dtype in ("int8", "fp8")):
+        if self.tensor_parallel_size > 1 and (self.quantization or self.kv_cache_quantized):
             raise ConfigError("quantized weights or KV cache are not supported with tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.compile_decode:
             raise ConfigError(
@@ -189,8 +241,9 @@ class EngineConfig(ServingConfig):
             return self.max_num_seqs, max_len
         if self.num_blocks is not None:
             return self.num_blocks, self.block_size
-        kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
         if self.kv_cache_bytes is not None:
-            return plan_num_blocks(model, self.block_size, kv_dtype, self.kv_cache_bytes), self.block_size
+            return plan_num_blocks(model, self.block_size, self.kv_cache_dtype, self.kv_cache_bytes), self.block_size
         wanted = self.max_num_seqs * max_len
-        return plan_num_blocks(model, self.block_size, kv_dtype, DEFAULT_KV_BUDGET_BYTES, wanted), self.block_size
+        return plan_num_blocks(
+            model, self.block_size, self.kv_cache_dtype, DEFAULT_KV_BUDGET_BYTES, wanted
+        ), self.block_size

@@ -58,6 +58,13 @@ POLICIES = ("static", "continuous", "chunked", "prefill-first", "decode-first")
 
 
 DEFAULT_MAX_NUM_SEQS = 32  # the engine's batch limit by default (the simulator's GPU server: SimConfig, 256)
+DEFAULT_MAX_MODEL_LEN = 4096  # the longest sequence by default: min(the model's max positions, this)
+
+
+def default_token_budget(policy: str, max_model_len: int) -> int:
+    """The token budget (vLLM's ``max_num_batched_tokens``) when none is given: 2048 for ``chunked``, else
+    ``max(max_model_len, 2048)`` (a whole-prompt policy never splits a prompt, so its budget holds the longest)."""
+    return 2048 if policy == "chunked" else max(max_model_len, 2048)
 
 
 def check_policy(policy: object) -> None:
@@ -80,7 +87,7 @@ class SchedulerConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     token_budget: int | None = None
     chunk_size: int | None = None
-    max_model_len: int = 4096
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     enable_prefix_caching: bool = False
     watermark: float = 0.01
 
@@ -89,7 +96,7 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_model_len"):
             _check_positive_int(name, getattr(self, name))
         if self.token_budget is None:
-            self.token_budget = 2048 if self.policy == "chunked" else max(self.max_model_len, 2048)
+            self.token_budget = default_token_budget(self.policy, self.max_model_len)
         _check_positive_int("token_budget", self.token_budget)
         if self.chunk_size is None:
             self.chunk_size = self.token_budget

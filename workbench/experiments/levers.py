@@ -96,7 +96,7 @@ def _engine(model: Any, scheme: Scheme, max_num_seqs: int, max_model_len: int, c
     cfg = EngineConfig(
         max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=scheme.dtype, device=str(model.device),
         quantization=scheme.quantization, group_size=scheme.group_size, kv_cache_dtype=scheme.kv_cache_dtype,
-        compile_decode=compile_decode, token_budget=max(max_model_len, 2048),
+        compile_decode=compile_decode,
     )  # fmt: skip
     return Engine(model, cfg)
 

@@ -47,12 +47,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from workbench.config import (
-    DEFAULT_GROUP_SIZE,
     ModelConfig,
     canonical_dtype,
-    canonical_quantization,
     ceil_div,
-    resolve_kv_cache_dtype,
 )
 from workbench.engine.config import ServingConfig
 from workbench.engine.metrics import StepLog, summarize
@@ -83,12 +80,13 @@ class SimConfig(ServingConfig):
     derived pool larger than the workload could ever fill is tracked at the size it could fill (the same schedule,
     with bookkeeping that grows with the workload, not with the memory); ``num_blocks`` given is tracked as is.
     It models a GPU server, so two defaults differ from the CPU engine's (and are written here only): 256
-    sequences (vLLM's ``max_num_seqs``) and bf16.
-    ``max_model_len`` None: ``min(model's max positions, 4096)``, as the engine.
+    sequences (vLLM's ``max_num_seqs``) and bf16. The shared fields (``ServingConfig``: policy, block size, token
+    budget, max_num_seqs, max_model_len, dtype, quantization, group size, KV dtype, tensor-parallel size) are the
+    engine's, validated there.
     """
 
-    max_num_seqs: int = 256
-    dtype: str = "bf16"
+    max_num_seqs: int = 256  # a GPU server's batch limit (vLLM's default); the CPU engine's is 32
+    dtype: str = "bf16"  # a GPU server computes in bf16; the CPU engine in fp32
     gpu_memory_utilization: float = 0.9
     num_replicas: int = 1
     router: str = "round-robin"
@@ -103,10 +101,6 @@ class SimConfig(ServingConfig):
     # copula; the real engines' slow moments fall on both); needs kv_handoff_quantiles_s and a noisy cost model
     kv_handoff_rank_correlation: float = 0.0
     kv_receive: str = "overlapped"  # or 'between-steps': the decode replica spends the wire time before a step
-    quantization: str | None = None  # the weights: None, 'int8', 'int4' (weight-only), 'fp8' (FP8 compute)
-    group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per (scale, zero) pair
-    kv_cache_dtype: str = "auto"  # 'auto' (= dtype), 'int8', 'fp8'
-    tensor_parallel_size: int = 1  # GPUs per replica's tensor-parallel group
     pipeline_parallel_size: int = 1  # stages per replica
     prefill_tp: int | None = None  # disaggregated: the prefill replicas' tensor-parallel size (default: tp)
     decode_tp: int | None = None  # disaggregated: the decode replicas'
@@ -116,10 +110,8 @@ class SimConfig(ServingConfig):
             raise ConfigError(f"dtype is the activations' (fp32, fp16 or bf16), got {self.dtype!r}: FP8 or int8 "
                               "weights are quantization='fp8'/'int8' (--quantization), an FP8 or int8 KV cache "
                               "kv_cache_dtype (--kv-cache-dtype)")  # fmt: skip
-        super().__post_init__()
-        self.quantization = canonical_quantization(self.quantization)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
-        for name in ("group_size", "tensor_parallel_size", "pipeline_parallel_size", "prefill_tp", "decode_tp"):
+        super().__post_init__()  # the shared fields, the KV dtype resolved ('auto' -> dtype)
+        for name in ("pipeline_parallel_size", "prefill_tp", "decode_tp"):
             value = getattr(self, name)
             if value is None and name in ("prefill_tp", "decode_tp"):
                 continue

@@ -983,10 +983,11 @@ class RooflineModel:
         return self.shard.kv_bytes_per_token(self.cfg, self.kv_dtype)
 
     def check_memory(self, num_kv_tokens: int = 0, memory_utilization: float = 1.0) -> dict[str, float]:
-        """Per-GPU weights + the KV of ``num_kv_tokens`` tokens against the GPU's memory; a ``ConfigError`` that
-        names a tensor-parallel size that would fit when they do not."""
+        """Per-GPU weights + the KV of ``num_kv_tokens`` tokens (the group's: ``1 / expert_parallel_size`` of them
+        on each GPU of an expert-parallel stage) against the GPU's memory; a ``ConfigError`` that names a
+        tensor-parallel size that would fit when they do not."""
         weights = self.weight_bytes_per_gpu()
-        kv = num_kv_tokens * self.kv_bytes_per_token_per_gpu()
+        kv = num_kv_tokens / self.expert_parallel_size * self.kv_bytes_per_token_per_gpu()
         capacity = self.hw.mem_capacity * memory_utilization
         report = {"weight_bytes_per_gpu": float(weights), "kv_bytes_per_gpu": float(kv),
                   "capacity_bytes": float(capacity), "free_bytes": float(capacity - weights - kv)}  # fmt: skip
@@ -1007,7 +1008,8 @@ class RooflineModel:
                     break
             raise ConfigError(
                 f"{self.cfg.name} does not fit on {self.hw.name} at tensor_parallel_size {self.tensor_parallel_size},"
-                f" pipeline_parallel_size {self.pipeline_parallel_size}: {weights / gib:.1f} GiB of weights "
+                f" pipeline_parallel_size {self.pipeline_parallel_size}, expert_parallel_size "
+                f"{self.expert_parallel_size}: {weights / gib:.1f} GiB of weights "
                 f"({self.dtype}) + {kv / gib:.2f} GiB of KV per GPU > {capacity / gib:.1f} GiB{hint}"
             )
         return report

@@ -30,6 +30,17 @@ Counting conventions
   query row. Every other operation reads its inputs and writes its outputs through memory once (no fusion),
   and each weight is read once per step (perfect reuse across the step's tokens).
 - Bytes are split into weights, KV cache and activations (``weight_bytes``, ``kv_bytes``, ``act_bytes``).
+- Mixture of experts: an MoE layer's MLP is ``router`` (plus Qwen2-MoE's shared-expert gate), ``expert_gate_proj``,
+  ``expert_up_proj``, ``expert_act_mul``, ``expert_down_proj`` (``k`` experts per token: FLOPs from the active
+  parameters) and the shared expert's ``shared_*`` ops; a routed expert's weights are read once per expected distinct
+  expert of the step, ``E (1 - (1 - k/E)^T)`` for ``T`` new tokens (``distinct_experts_per_gpu``), so decode bytes
+  are the active weights' at batch 1 and tend to the total. Dense layers of an MoE model keep ``gate_proj`` ... The
+  top-k selection and the weighted sum of the ``k`` outputs are not counted (``2 k h`` per token). A routed expert's
+  product runs ``T k / distinct`` rows (its matrix-product efficiency under a calibration).
+- MLA (``kv_lora_rank > 0``), in the absorbed form the paged model runs for prefill and decode alike: ``q_a_proj``,
+  ``q_a_norm``, ``q_b_proj`` (or ``q_proj``), ``kv_a_proj``, ``kv_a_norm``, ``q_absorb`` (W_UK per head),
+  ``attn_scores`` over the ``r + dr`` latent entry (``2 heads (r + dr)`` per pair), ``attn_value`` over its ``r``
+  latent values (``2 heads r``; the entry is read once, by ``attn_scores``), ``v_absorb`` (W_UV), ``o_proj``.
 - Peaks: matmuls (projections, LM head, attention products) run at ``hw.peak(act_dtype)``; norms, rope,
   softmax, the activation and residual adds at the vector peak (``hw.vector_flops``, the fp32 figure).
 
@@ -42,6 +53,10 @@ Parallelism, calibration and formats
   ``lm_head_gather`` (the vocabulary-split logits, a ring all-gather), ``pp_send`` (activations between stages)
   and ``pipeline_bubble`` (the other stages' time: a step is one batch through every stage in turn); with
   disaggregation, ``kv_transfer`` (``kv_transfer_op``). Interconnects come from ``accelerators.yaml``.
+- ``expert_parallel_size`` (MoE, TP 1): a stage is that many GPUs, attention data-parallel over them (the step's
+  sequences spread evenly: each statistic's coefficient divided by ``ep``), each GPU holding every non-expert weight
+  and ``E / ep`` experts per layer and reading ``1 / ep`` of the distinct ones; ``moe_all_to_all`` is the dispatch and
+  the combine of each MoE layer (``Interconnect.all_to_all_s`` of ``tokens / ep x k x hidden`` values per GPU).
 - ``calibration`` (``workbench.hardware.Calibration``; None = the ideal roofline above): a matrix product over
   ``M`` rows reaches ``max * M / (M + half)`` of the peak, memory streams at ``memory_efficiency``, no kernel is
   shorter than ``kernel_floor_s`` (its ``bound`` then reads ``floor``), and ``step_overhead`` adds the host's time.

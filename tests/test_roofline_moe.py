@@ -176,3 +176,15 @@ def test_moe_decode_turns_compute_bound_later_than_the_dense_count_would_say():
         return model.decode([64] * n, detailed=False).bound
 
     assert bound(b) == "compute" and bound(b - 1) == "memory"
+
+
+def test_tensor_parallel_mixtral_weights_per_gpu_by_hand():
+    """TP 2 splits the heads, every expert's intermediate size and the vocabulary; the router and the norms are
+    replicated: per GPU q and o 4096 x 2048, k and v 512 x 4096, eight experts of 3 x 4096 x 7168, the router 8 x
+    4096, two norms; half the embedding table and half the LM head, the final norm."""
+    from workbench.roofline import Shard
+
+    layer = 2 * 4096 * 2048 + 2 * 512 * 4096 + 8 * 3 * 4096 * 7168 + 8 * 4096 + 2 * 4096
+    hand = (32 * layer + 2 * 16000 * 4096 + 4096) * 2
+    assert Shard.of(MIXTRAL, 2).weight_bytes(MIXTRAL) == hand
+    assert RooflineModel(MIXTRAL, "h100-sxm", tensor_parallel_size=2).weight_bytes_per_gpu() == hand

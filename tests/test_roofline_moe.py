@@ -106,7 +106,7 @@ def test_roofline_mixtral_decode_weight_bytes_hand_count():
     assert expert_flops == 32 * 2 * 2 * MIXTRAL_EXPERT
 
 
-@pytest.mark.parametrize("name", ["Mixtral-8x7B", "Qwen2-57B-A14B", "DeepSeek-V3"])
+@pytest.mark.parametrize("name", ["Mixtral-8x7B", "Qwen2-57B-A14B", "Qwen3-30B-A3B", "DeepSeek-V3"])
 @pytest.mark.parametrize("ep", [1, 4])
 def test_roofline_weight_bytes_equal_the_closed_form(name, ep):
     """The per-operation table and ``moe_decode_cost`` (counted from ``num_params``) agree on the weights read."""

@@ -369,7 +369,8 @@ class Shard:
         return out
 
     def _moe_mla_weight_params(self, cfg: ModelConfig) -> dict[str, int]:
-        """Parameters per weight-reading operation of one layer on one GPU, for an MoE and/or MLA model: MLA's
+        """Parameters per weight-reading operation of one layer on one GPU, for an MoE and/or MLA model (Qwen3's
+        ``qk_norm``: its q and k norm weights, replicated under TP): MLA's
         projections (``kv_b_proj`` split into its W_UK and W_UV halves, ``q_absorb`` and ``v_absorb``, as the
         absorbed form runs them), the dense MLP's, the router (with Qwen2-MoE's shared-expert gate) and the shared
         expert's; ``expert_*_proj`` are ONE routed expert's matrix (what a step reads per distinct expert)."""
@@ -394,6 +395,8 @@ class Shard:
             for name, (o, i) in self.linear_shapes(cfg).items():
                 if name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                     out[name] = o * i + (o if cfg.attention_bias and name != "o_proj" else 0)
+            if cfg.qk_norm:
+                out["qk_norm"] = 2 * cfg.head_dim
         inter = self.intermediate_size
         out.update(gate_proj=inter * h, up_proj=inter * h, down_proj=inter * h)
         if cfg.is_moe:
@@ -530,6 +533,7 @@ def _op_coefficients(
             "q_proj": proj("q_proj", h, q, bias),
             "k_proj": proj("k_proj", h, kv, bias),
             "v_proj": proj("v_proj", h, kv, bias),
+            **({"qk_norm": norm("qk_norm", q + kv)} if cfg.qk_norm else {}),  # Qwen3: each head's q and k
             "rope": (per_token(ROPE_FLOPS_PER_ELEMENT * (q + kv)), zero, zero, per_token(2 * (q + kv) * a)),
             "kv_write": (zero, zero, per_token(2 * kv_token), per_token(2 * kv * a)),
             "attn_scores": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv_token), per_token(q * a)),

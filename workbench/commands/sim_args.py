@@ -5,7 +5,8 @@ vLLM's names: ``--dtype`` (activations), ``--quantization`` (weights), ``--group
 pool ``--prefill-tp`` and ``--decode-tp``. ``--calibration hardware`` (the default) prices operations with the
 accelerator's calibrated efficiencies, kernel floor and per-step overhead from ``data/hardware/accelerators.yaml``;
 ``ideal`` is the bare roofline. ``--step-overhead-s`` overrides the per-step host overhead. Plain argparse, nothing
-heavy imported."""
+heavy imported.
+"""
 
 from __future__ import annotations
 

@@ -120,14 +120,8 @@ class SimConfig(ServingConfig):
         super().__post_init__()
         self.quantization = canonical_quantization(self.quantization)
         self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
-        for name in (
-            "group_size",
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "prefill_tp",
-            "decode_tp",
-            "expert_parallel_size",
-        ):
+        for name in ("group_size", "tensor_parallel_size", "pipeline_parallel_size", "prefill_tp", "decode_tp",
+                     "expert_parallel_size"):  # fmt: skip
             value = getattr(self, name)
             if value is None and name in ("prefill_tp", "decode_tp"):
                 continue

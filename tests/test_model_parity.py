@@ -14,7 +14,7 @@ from workbench.model import load_checkpoint
 from workbench.model.generate import generate_static
 from workbench.request import SamplingParams
 
-MOE_MLA_PRESETS = ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3")  # model.moe, model.mla
+MOE_MLA_PRESETS = ("tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3")  # model.moe, model.mla
 ATOL, RTOL = 1e-4, 1e-4  # fp32; observed differences are ~1e-7
 NUM_DECODE_STEPS = 16
 PROMPTS = [

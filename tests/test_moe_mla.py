@@ -216,3 +216,32 @@ def test_engine_tiny_pool_preempts_and_still_gives_hf_tokens(engine_setup, polic
     res = Engine(model, cfg).generate(PROMPTS, GREEDY)
     assert [r.tokens for r in res.requests] == expected
     assert res.num_preemptions > 0
+
+
+def test_qwen3_moe_qk_norm_weights_load_per_head(tmp_path):
+    """Qwen3-MoE's q_norm and k_norm (one RMSNorm weight over head_dim each, shared by the heads) given distinct
+    random weights in the checkpoint: prefill logits equal transformers' (a swapped or unloaded norm would not)."""
+    from safetensors.torch import load_file, save_file
+
+    from workbench.model.checkpoint import save_random_checkpoint
+
+    path = save_random_checkpoint("tiny-qwen3-moe", tmp_path / "ckpt", seed=3, tokenizer=False)
+    tensors = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(4)
+    for name in tensors:
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            tensors[name] = 0.5 + torch.rand(tensors[name].shape, generator=gen)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_checkpoint(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompt = [5, 17, 200, 3, 99, 42, 7]
+    logits = ours.prefill([prompt], ours.new_cache(1, 16), [0])
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, **TOLERANCES[torch.float32])
+    # Qwen3-30B-A3B (published: 30.5B parameters): embedding and LM head, final norm; per layer q and o 4096 x 2048,
+    # k and v 512 x 2048, q/k norms of 128, two norms, the router 128 x 2048 and 128 experts of 3 x 2048 x 768
+    layer = 2 * 4096 * 2048 + 2 * 512 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048 + 128 * 3 * 2048 * 768
+    cfg = ModelConfig.from_name("Qwen3-30B-A3B")
+    assert cfg.qk_norm and cfg.num_params() == 2 * 151936 * 2048 + 2048 + 48 * layer
+    assert round(cfg.num_params() / 1e9, 1) == 30.5

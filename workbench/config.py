@@ -3,7 +3,8 @@
 ``ModelConfig`` is the one description of a decoder-only Llama-family transformer that every room of the
 workbench reads: the model code builds layers from it, the roofline model counts FLOPs and bytes from it,
 the KV-cache calculator sizes caches from it. It understands the keys of Llama (1/2/3.x), Mistral and
-Qwen2 configs, and of the mixture-of-experts / MLA ones of Mixtral, Qwen2-MoE and DeepSeek-V3. Presets live
+Qwen2 configs, and of the mixture-of-experts / MLA ones of Mixtral, Qwen2-MoE, Qwen3-MoE (``qk_norm``: per-head q/k
+RMSNorm) and DeepSeek-V3. Presets live
 in ``data/models/<name>.json`` as plain HF config files (sources in ``data/models/README.md``);
 ``ModelConfig.from_name`` looks them up and ``ModelConfig.resolve`` accepts a preset name, a ``config.json``
 path or a checkpoint directory.
@@ -26,6 +27,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM",
 )
 # model_type as transformers writes it, per architecture
@@ -35,6 +37,7 @@ MODEL_TYPES = {
     "Qwen2ForCausalLM": "qwen2",
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ROUTER_SCORINGS = ("softmax", "sigmoid")  # softmax: Mixtral, Qwen-MoE; sigmoid (group-limited): DeepSeek-V3
@@ -184,6 +187,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # HF DeepSeek: the checkpoint's rotary dims are interleaved pairs
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on every query and key head before rotary
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -345,7 +349,7 @@ class ModelConfig:
             r = self.kv_lora_rank
             kv = h * (r + self.qk_rope_head_dim) + r + r * nh * (self.qk_nope_head_dim + self.v_head_dim)
             return q + kv + nh * self.v_head_dim * h
-        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h + (2 * self.head_dim if self.qk_norm else 0)
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         return attn
@@ -590,6 +594,15 @@ class ModelConfig:
                 "decoder_sparse_step": 1, "mlp_only_layers": list(self.dense_layers), "qkv_bias": self.attention_bias,
                 "use_sliding_window": False,
             }  # fmt: skip
+        if arch == "Qwen3MoeForCausalLM":
+            if self.shared_expert_intermediate_size or not self.qk_norm:
+                raise ConfigError(f"{self.name}: Qwen3-MoE has no shared expert and always normalises q and k")
+            return {
+                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": 1, "mlp_only_layers": list(self.dense_layers),
+                "attention_bias": self.attention_bias, "use_sliding_window": False,
+            }  # fmt: skip
         if arch == "DeepseekV3ForCausalLM":
             first_dense = len(self.dense_layers)
             if tuple(range(first_dense)) != tuple(self.dense_layers):
@@ -678,18 +691,21 @@ def _moe_mla_fields(arch: str, hf: dict[str, Any], where: str) -> dict[str, Any]
     if arch == "MixtralForCausalLM":
         return {"num_experts": hf.get("num_local_experts", 8), "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
                 "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True}  # fmt: skip
-    if arch == "Qwen2MoeForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        qwen3 = arch == "Qwen3MoeForCausalLM"
         step = hf.get("decoder_sparse_step", 1)
         only = set(hf.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(layers) if i in only or (i + 1) % step != 0)
         return {
-            "num_experts": hf.get("num_experts", 60),
-            "num_experts_per_tok": hf.get("num_experts_per_tok", 4),
-            "moe_intermediate_size": hf.get("moe_intermediate_size", 1408),
+            # transformers 5 writes Qwen3-MoE's count as num_local_experts, the published config as num_experts
+            "num_experts": hf.get("num_experts", hf.get("num_local_experts", 128 if qwen3 else 60)),
+            "num_experts_per_tok": hf.get("num_experts_per_tok", 8 if qwen3 else 4),
+            "moe_intermediate_size": hf.get("moe_intermediate_size", 768 if qwen3 else 1408),
             "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-            "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size", 0),
-            "shared_expert_gated": True,
+            "shared_expert_intermediate_size": 0 if qwen3 else hf.get("shared_expert_intermediate_size", 0),
+            "shared_expert_gated": not qwen3,
             "dense_layers": dense,
+            "qk_norm": qwen3,
         }
     if arch == "DeepseekV3ForCausalLM":
         if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":

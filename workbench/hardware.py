@@ -80,6 +80,18 @@ def ring_all_gather_time(
     return base_latency_s + steps * step_latency_s + steps / world_size * num_bytes / bandwidth
 
 
+def all_to_all_time(num_bytes: float, world_size: int, bandwidth: float, base_latency_s: float = 0.0) -> float:
+    """Seconds of an all-to-all in which each of ``world_size`` ranks holds ``num_bytes`` bound for all of them in
+    equal parts (an MoE layer's dispatch or combine): ``(n - 1) / n`` of it leaves each rank over its link, every
+    rank sending at once through a switch (NVLink / InfiniBand with full bisection):
+    ``base_latency_s + (n - 1) / n * num_bytes / bandwidth``. Zero for a single rank."""
+    if world_size < 1:
+        raise ConfigError(f"world_size must be at least 1, got {world_size}")
+    if world_size == 1:
+        return 0.0
+    return base_latency_s + (world_size - 1) / world_size * num_bytes / bandwidth
+
+
 @dataclass(frozen=True)
 class Interconnect:
     """The links between the GPUs of one server and between servers, per GPU and per direction (SI units).
@@ -126,6 +138,11 @@ class Interconnect:
         """A ring all-gather whose result is ``num_bytes`` over ``world_size`` GPUs."""
         bw, lat = self.link(world_size)
         return ring_all_gather_time(num_bytes, world_size, bw, lat, self.base_latency_s)
+
+    def all_to_all_s(self, num_bytes: float, world_size: int) -> float:
+        """An all-to-all over ``world_size`` GPUs, each holding ``num_bytes`` for all (``all_to_all_time``)."""
+        bw, _ = self.link(world_size)
+        return all_to_all_time(num_bytes, world_size, bw, self.base_latency_s)
 
     def send_s(self, num_bytes: float, cross_node: bool = False) -> float:
         """One point-to-point send: ``base_latency + bytes / bandwidth`` (plus the inter-node hop latency across

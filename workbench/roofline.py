@@ -30,6 +30,17 @@ Counting conventions
   query row. Every other operation reads its inputs and writes its outputs through memory once (no fusion),
   and each weight is read once per step (perfect reuse across the step's tokens).
 - Bytes are split into weights, KV cache and activations (``weight_bytes``, ``kv_bytes``, ``act_bytes``).
+- Mixture of experts: an MoE layer's MLP is ``router`` (plus Qwen2-MoE's shared-expert gate), ``expert_gate_proj``,
+  ``expert_up_proj``, ``expert_act_mul``, ``expert_down_proj`` (``k`` experts per token: FLOPs from the active
+  parameters) and the shared expert's ``shared_*`` ops; a routed expert's weights are read once per expected distinct
+  expert of the step, ``E (1 - (1 - k/E)^T)`` for ``T`` new tokens (``distinct_experts_per_gpu``), so decode bytes
+  are the active weights' at batch 1 and tend to the total. Dense layers of an MoE model keep ``gate_proj`` ... The
+  top-k selection and the weighted sum of the ``k`` outputs are not counted (``2 k h`` per token). A routed expert's
+  product runs ``T k / distinct`` rows (its matrix-product efficiency under a calibration).
+- MLA (``kv_lora_rank > 0``), in the absorbed form the paged model runs for prefill and decode alike: ``q_a_proj``,
+  ``q_a_norm``, ``q_b_proj`` (or ``q_proj``), ``kv_a_proj``, ``kv_a_norm``, ``q_absorb`` (W_UK per head),
+  ``attn_scores`` over the ``r + dr`` latent entry (``2 heads (r + dr)`` per pair), ``attn_value`` over its ``r``
+  latent values (``2 heads r``; the entry is read once, by ``attn_scores``), ``v_absorb`` (W_UV), ``o_proj``.
 - Peaks: matmuls (projections, LM head, attention products) run at ``hw.peak(act_dtype)``; norms, rope,
   softmax, the activation and residual adds at the vector peak (``hw.vector_flops``, the fp32 figure).
 
@@ -42,6 +53,10 @@ Parallelism, calibration and formats
   ``lm_head_gather`` (the vocabulary-split logits, a ring all-gather), ``pp_send`` (activations between stages)
   and ``pipeline_bubble`` (the other stages' time: a step is one batch through every stage in turn); with
   disaggregation, ``kv_transfer`` (``kv_transfer_op``). Interconnects come from ``accelerators.yaml``.
+- ``expert_parallel_size`` (MoE, TP 1): a stage is that many GPUs, attention data-parallel over them (the step's
+  sequences spread evenly: each statistic's coefficient divided by ``ep``), each GPU holding every non-expert weight
+  and ``E / ep`` experts per layer and reading ``1 / ep`` of the distinct ones; ``moe_all_to_all`` is the dispatch and
+  the combine of each MoE layer (``Interconnect.all_to_all_s`` of ``tokens / ep x k x hidden`` values per GPU).
 - ``calibration`` (``workbench.hardware.Calibration``; None = the ideal roofline above): a matrix product over
   ``M`` rows reaches ``max * M / (M + half)`` of the peak, memory streams at ``memory_efficiency``, no kernel is
   shorter than ``kernel_floor_s`` (its ``bound`` then reads ``floor``), and ``step_overhead`` adds the host's time.
@@ -84,7 +99,13 @@ LAYER_OPS = (
 )  # fmt: skip
 MODEL_OPS = ("embedding", "final_norm", "lm_head")
 MATMUL_OPS = frozenset({"q_proj", "k_proj", "v_proj", "attn_scores", "attn_value", "o_proj", "gate_proj",
-                        "up_proj", "down_proj", "lm_head"})  # fmt: skip
+                        "up_proj", "down_proj", "lm_head", "q_a_proj", "q_b_proj", "kv_a_proj", "q_absorb",
+                        "v_absorb", "router", "expert_gate_proj", "expert_up_proj", "expert_down_proj",
+                        "shared_gate_proj", "shared_up_proj", "shared_down_proj"})  # fmt: skip
+# the operations an MLA attention and an MoE layer add (beside LAYER_OPS' dense ones they replace)
+MLA_OPS = ("q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "q_absorb", "v_absorb")
+MOE_OPS = ("router", "expert_gate_proj", "expert_up_proj", "expert_act_mul", "expert_down_proj", "shared_gate_proj",
+           "shared_up_proj", "shared_act_mul", "shared_down_proj")  # fmt: skip
 NORM_FLOPS_PER_ELEMENT = 4
 ROPE_FLOPS_PER_ELEMENT = 3
 SOFTMAX_FLOPS_PER_SCORE = 5
@@ -165,6 +186,7 @@ class StepCost:
     link_bytes: float = 0.0  # bytes one GPU sends over its interconnect in the step
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
     @property
     def bytes(self) -> float:
@@ -201,6 +223,7 @@ class StepCost:
             "link_bytes": self.link_bytes,
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,
+            "expert_parallel_size": self.expert_parallel_size,
             "ops": [op.to_dict() for op in self.ops or ()],
         }
 
@@ -255,31 +278,60 @@ class Shard:
     intermediate_size: int  # per GPU
     vocab_size: int  # vocabulary rows per GPU
     num_layers: int  # layers of the largest stage
+    expert_parallel_size: int = 1  # GPUs per stage that split the routed experts (attention data-parallel over them)
+    num_local_experts: int = 0  # routed experts each GPU holds
+    moe_intermediate_size: int = 0  # one expert's intermediate size per GPU
+    shared_expert_intermediate_size: int = 0  # per GPU
 
     @classmethod
-    def of(cls, cfg: ModelConfig, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> Shard:
-        """The shard of ``cfg``; a ``ConfigError`` naming the dimension a group size does not divide."""
-        tp, pp = tensor_parallel_size, pipeline_parallel_size
+    def of(
+        cls, cfg: ModelConfig, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+    ) -> Shard:  # fmt: skip
+        """The shard of ``cfg``; a ``ConfigError`` naming the dimension a group size does not divide, or the
+        expert-parallel layout that cannot be (``check_expert_parallel``; EP runs with tensor_parallel_size 1)."""
+        tp, pp, ep = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         for fname, value in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{fname} must be a positive integer, got {value!r}")
+        check_expert_parallel(cfg, ep)
+        if ep > 1 and tp > 1:
+            raise ConfigError(f"{cfg.name}: expert_parallel_size {ep} runs attention data-parallel over the EP "
+                              f"ranks, one GPU each (DeepSeek-V3's layout); it needs tensor_parallel_size 1, got "
+                              f"{tp}")  # fmt: skip
         if cfg.num_heads % tp:
             raise ConfigError(f"{cfg.name}: tensor_parallel_size {tp} does not divide its {cfg.num_heads} attention "
                               "heads")  # fmt: skip
-        if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        if not cfg.is_mla and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
             raise ConfigError(f"{cfg.name}: tensor_parallel_size {tp} and its {cfg.num_kv_heads} KV heads: one must "
                               "divide the other")  # fmt: skip
-        if cfg.intermediate_size % tp:
-            raise ConfigError(f"{cfg.name}: tensor_parallel_size {tp} does not divide its intermediate size "
-                              f"{cfg.intermediate_size}")  # fmt: skip
+        sizes = [("intermediate size", cfg.intermediate_size)]
+        if cfg.is_moe:
+            sizes += [("expert intermediate size", cfg.moe_intermediate_size),
+                      ("shared expert intermediate size", cfg.shared_expert_intermediate_size)]  # fmt: skip
+        for what, size in sizes:
+            if size % tp:
+                raise ConfigError(f"{cfg.name}: tensor_parallel_size {tp} does not divide its {what} {size}")
         if pp > cfg.num_layers:
             raise ConfigError(f"{cfg.name}: pipeline_parallel_size {pp} exceeds its {cfg.num_layers} layers")
         return cls(tp, pp, cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp), cfg.head_dim,
-                   cfg.intermediate_size // tp, ceil_div(cfg.vocab_size, tp), ceil_div(cfg.num_layers, pp))  # fmt: skip
+                   cfg.intermediate_size // tp, ceil_div(cfg.vocab_size, tp), ceil_div(cfg.num_layers, pp), ep,
+                   cfg.num_experts // ep, cfg.moe_intermediate_size // tp,
+                   cfg.shared_expert_intermediate_size // tp)  # fmt: skip
 
     @property
     def num_gpus(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size
+
+    def layer_counts(self, cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+        """Per kind of layer, (layers of it on the largest stage, in the model): 'layer' (every layer), 'dense'
+        (a dense MLP), 'moe' (a mixture of experts). A kind's layers are taken as spread evenly over the stages
+        (exact with one stage; DeepSeek-V3's three dense layers in fact all sit on the first)."""
+        pp = self.pipeline_parallel_size
+        moe = cfg.num_moe_layers
+        dense = cfg.num_layers - moe
+        return {"layer": (self.num_layers, cfg.num_layers), "dense": (ceil_div(dense, pp), dense),
+                "moe": (ceil_div(moe, pp), moe)}  # fmt: skip
 
     @property
     def q_size(self) -> int:
@@ -302,6 +354,9 @@ class Shard:
         """Bytes of each weight-reading operation of one layer on one GPU: the matrices under ``quantization``
         (scales included), biases and norm weights in ``dtype``."""
         a = dtype_bytes(dtype)
+        if cfg.is_moe or cfg.is_mla:
+            cfg.check_quantization(quantization, group_size)  # refused: these weights are counted in ``dtype``
+            return {name: n * a for name, n in self._moe_mla_weight_params(cfg).items()}
         bias = a if cfg.attention_bias else 0
         out: dict[str, float] = {"attn_norm": cfg.hidden_size * a, "mlp_norm": cfg.hidden_size * a}
         for name, (o, i) in self.linear_shapes(cfg).items():
@@ -313,6 +368,59 @@ class Shard:
                 out[name] += o * bias
         return out
 
+    def _moe_mla_weight_params(self, cfg: ModelConfig) -> dict[str, int]:
+        """Parameters per weight-reading operation of one layer on one GPU, for an MoE and/or MLA model (Qwen3's
+        ``qk_norm``: its q and k norm weights, replicated under TP): MLA's
+        projections (``kv_b_proj`` split into its W_UK and W_UV halves, ``q_absorb`` and ``v_absorb``, as the
+        absorbed form runs them), the dense MLP's, the router (with Qwen2-MoE's shared-expert gate) and the shared
+        expert's; ``expert_*_proj`` are ONE routed expert's matrix (what a step reads per distinct expert)."""
+        h, nh = cfg.hidden_size, self.num_heads
+        out = {"attn_norm": h, "mlp_norm": h}
+        if cfg.is_mla:
+            r, dr, dn, dv, qd = (
+                cfg.kv_lora_rank,
+                cfg.qk_rope_head_dim,
+                cfg.qk_nope_head_dim,
+                cfg.v_head_dim,
+                cfg.head_dim,
+            )
+            if cfg.q_lora_rank is None:
+                out["q_proj"] = h * nh * qd
+            else:
+                qr = cfg.q_lora_rank
+                out.update(q_a_proj=h * qr, q_a_norm=qr, q_b_proj=qr * nh * qd)
+            out.update(kv_a_proj=h * (r + dr), kv_a_norm=r, q_absorb=nh * dn * r, v_absorb=nh * dv * r,
+                       o_proj=nh * dv * h)  # fmt: skip
+        else:
+            for name, (o, i) in self.linear_shapes(cfg).items():
+                if name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    out[name] = o * i + (o if cfg.attention_bias and name != "o_proj" else 0)
+            if cfg.qk_norm:
+                out["qk_norm"] = 2 * cfg.head_dim
+        inter = self.intermediate_size
+        out.update(gate_proj=inter * h, up_proj=inter * h, down_proj=inter * h)
+        if cfg.is_moe:
+            e, mi, si = cfg.num_experts, self.moe_intermediate_size, self.shared_expert_intermediate_size
+            out["router"] = (
+                h * e + (e if cfg.router_scoring == "sigmoid" else 0) + (h if cfg.shared_expert_gated else 0)
+            )
+            out.update(expert_gate_proj=mi * h, expert_up_proj=mi * h, expert_down_proj=mi * h)
+            if si:
+                out.update(shared_gate_proj=si * h, shared_up_proj=si * h, shared_down_proj=si * h)
+        return out
+
+    def _layer_held_params(self, cfg: ModelConfig, layer: int) -> int:
+        """Parameters of ``layer`` one GPU holds: its attention shard, the norms, and its dense MLP shard or its
+        router, its ``num_local_experts`` routed experts and the shared expert's shard."""
+        w = self._moe_mla_weight_params(cfg)
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        experts = ("expert_gate_proj", "expert_up_proj", "expert_down_proj")
+        moe = ("router", "shared_gate_proj", "shared_up_proj", "shared_down_proj")
+        held = sum(n for name, n in w.items() if name not in (*mlp, *experts, *moe))
+        if cfg.is_moe_layer(layer):
+            return held + sum(w.get(name, 0) for name in moe) + self.num_local_experts * sum(w[x] for x in experts)
+        return held + sum(w[name] for name in mlp)
+
     def lm_head_bytes(self, cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int) -> float:
         """The LM head's rows on one GPU: under ``quantization`` when untied, the (tied) table in ``dtype``."""
         if cfg.tie_word_embeddings:
@@ -323,11 +431,24 @@ class Shard:
         self, cfg: ModelConfig, dtype: str = "bf16", quantization: str | None = None,
         group_size: int = DEFAULT_GROUP_SIZE,
     ) -> int:  # fmt: skip
-        """Weight bytes of the most loaded GPU (equal to ``cfg.weight_bytes`` for one GPU)."""
+        """Weight bytes of the most loaded GPU (equal to ``cfg.weight_bytes`` for one GPU). An MoE / MLA model is
+        counted stage by stage, layer by layer (``_layer_held_params``): under expert parallelism each GPU holds
+        every non-expert weight and ``num_experts / expert_parallel_size`` routed experts per MoE layer."""
         a = dtype_bytes(dtype)
-        layer = sum(self.layer_weight_bytes(cfg, dtype, quantization, group_size).values())
         embedding = self.vocab_size * cfg.hidden_size * a
         head = self.lm_head_bytes(cfg, dtype, quantization, group_size)
+        if cfg.is_moe or cfg.is_mla:
+            cfg.check_quantization(quantization, group_size)
+            per_stage, pp = [], self.pipeline_parallel_size
+            for stage in range(pp):
+                layers = range(stage * self.num_layers, min(cfg.num_layers, (stage + 1) * self.num_layers))
+                total = sum(self._layer_held_params(cfg, i) for i in layers) * a
+                total += embedding if stage == 0 else 0
+                if stage == pp - 1:
+                    total += cfg.hidden_size * a + (0 if cfg.tie_word_embeddings and pp == 1 else head)
+                per_stage.append(total)
+            return int(max(per_stage))
+        layer = sum(self.layer_weight_bytes(cfg, dtype, quantization, group_size).values())
         last = cfg.hidden_size * a + head  # final norm + LM head
         if self.pipeline_parallel_size == 1:
             ends = embedding + last - (head if cfg.tie_word_embeddings else 0)
@@ -336,7 +457,10 @@ class Shard:
         return int(self.num_layers * layer + ends)
 
     def kv_bytes_per_token(self, cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
-        """KV bytes one GPU caches per token: its layers x its KV heads (int8 scales included)."""
+        """KV bytes one GPU caches per token: its layers x its KV heads (int8 scales included); MLA's one latent
+        entry per layer is replicated on every GPU of a tensor-parallel group (shared by all heads)."""
+        if cfg.is_mla:
+            return cfg.kv_bytes_per_token(kv_dtype) // cfg.num_layers * self.num_layers
         per_head_layer = cfg.kv_bytes_per_token(kv_dtype) // (2 * cfg.num_layers * cfg.num_kv_heads)
         return 2 * self.num_layers * self.num_kv_heads * per_head_layer
 
@@ -350,6 +474,9 @@ def _op_coefficients(
     tokens: new tokens in the step; seqs: sequences; pairs: attended (query, key) pairs;
     context: tokens whose K and V are read (cached + new, per sequence). ``weights``: bytes of each weight-reading
     op of a layer; ``head_bytes``: the LM head's; ``kv_token``: bytes of one token's K (or V) in one layer.
+    A routed expert's weights are not here (``_expert_weight_bytes``: they scale with the distinct experts).
+    Under expert parallelism the step's sequences are spread evenly over the ``ep`` GPUs (attention is data
+    parallel): every statistic's coefficient is divided by ``ep``.
     """
     h, q, kv, inter, v = cfg.hidden_size, shard.q_size, shard.kv_size, shard.intermediate_size, shard.vocab_size
     nh = shard.num_heads
@@ -366,36 +493,114 @@ def _op_coefficients(
         flops = per_token(2 * in_f * out_f + has_bias * out_f)
         return flops, const(weights[name]), zero, per_token((in_f + out_f) * a)
 
-    def norm(name: str) -> tuple[tuple[float, ...], ...]:
-        return per_token(NORM_FLOPS_PER_ELEMENT * h), const(weights[name]), zero, per_token(2 * h * a)
+    def norm(name: str, size: int = h) -> tuple[tuple[float, ...], ...]:
+        return per_token(NORM_FLOPS_PER_ELEMENT * size), const(weights[name]), zero, per_token(2 * size * a)
+
+    def act_mul(size: float) -> tuple[tuple[float, ...], ...]:
+        return per_token(ACT_MUL_FLOPS_PER_ELEMENT * size), zero, zero, per_token(3 * size * a)
+
+    def per_head(name: str, in_f: int, out_f: int) -> tuple[tuple[float, ...], ...]:  # one in x out matrix per head
+        return per_token(2 * nh * in_f * out_f), const(weights[name]), zero, per_token(nh * (in_f + out_f) * a)
 
     residual = (per_token(RESIDUAL_FLOPS_PER_ELEMENT * h), zero, zero, per_token(3 * h * a))
-    layer = {
-        "attn_norm": norm("attn_norm"),
-        "q_proj": proj("q_proj", h, q, bias),
-        "k_proj": proj("k_proj", h, kv, bias),
-        "v_proj": proj("v_proj", h, kv, bias),
-        "rope": (per_token(ROPE_FLOPS_PER_ELEMENT * (q + kv)), zero, zero, per_token(2 * (q + kv) * a)),
-        "kv_write": (zero, zero, per_token(2 * kv_token), per_token(2 * kv * a)),
-        "attn_scores": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv_token), per_token(q * a)),
-        "softmax": ((0, 0, 0, SOFTMAX_FLOPS_PER_SCORE * nh, 0), zero, zero, per_token(LSE_BYTES * nh)),
-        "attn_value": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv_token), per_token(q * a)),
-        "o_proj": proj("o_proj", q, h, 0),
-        "attn_residual": residual,
-        "mlp_norm": norm("mlp_norm"),
-        "gate_proj": proj("gate_proj", h, inter, 0),
-        "up_proj": proj("up_proj", h, inter, 0),
-        "act_mul": (per_token(ACT_MUL_FLOPS_PER_ELEMENT * inter), zero, zero, per_token(3 * inter * a)),
-        "down_proj": proj("down_proj", inter, h, 0),
-        "mlp_residual": residual,
-    }
+    if cfg.is_mla:
+        # absorbed form (workbench.model.mla, what the paged model runs in prefill and decode): an MQA of head size
+        # r + dr over the latent entries, W_UK folded into the query, W_UV applied to the output
+        r, dr, dn, dv, qd = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.head_dim
+        attention = {"attn_norm": norm("attn_norm")}
+        if cfg.q_lora_rank is None:
+            attention["q_proj"] = proj("q_proj", h, nh * qd, 0)
+        else:
+            qr = cfg.q_lora_rank
+            attention.update(q_a_proj=proj("q_a_proj", h, qr, 0), q_a_norm=norm("q_a_norm", qr),
+                             q_b_proj=proj("q_b_proj", qr, nh * qd, 0))  # fmt: skip
+        entry = 2 * kv_token  # one latent + rope entry per token and layer (V is a view of it: read once)
+        attention.update({
+            "kv_a_proj": proj("kv_a_proj", h, r + dr, 0),
+            "kv_a_norm": norm("kv_a_norm", r),
+            "rope": (per_token(ROPE_FLOPS_PER_ELEMENT * (nh + 1) * dr), zero, zero, per_token(2 * (nh + 1) * dr * a)),
+            "kv_write": (zero, zero, per_token(entry), per_token((r + dr) * a)),
+            "q_absorb": per_head("q_absorb", dn, r),
+            "attn_scores": ((0, 0, 0, 2 * nh * (r + dr), 0), zero, (0, 0, 0, 0, entry), per_token(nh * (r + dr) * a)),
+            "softmax": ((0, 0, 0, SOFTMAX_FLOPS_PER_SCORE * nh, 0), zero, zero, per_token(LSE_BYTES * nh)),
+            "attn_value": ((0, 0, 0, 2 * nh * r, 0), zero, zero, per_token(nh * r * a)),
+            "v_absorb": per_head("v_absorb", r, dv),
+            "o_proj": proj("o_proj", nh * dv, h, 0),
+        })  # fmt: skip
+    else:
+        attention = {
+            "attn_norm": norm("attn_norm"),
+            "q_proj": proj("q_proj", h, q, bias),
+            "k_proj": proj("k_proj", h, kv, bias),
+            "v_proj": proj("v_proj", h, kv, bias),
+            **({"qk_norm": norm("qk_norm", q + kv)} if cfg.qk_norm else {}),  # Qwen3: each head's q and k
+            "rope": (per_token(ROPE_FLOPS_PER_ELEMENT * (q + kv)), zero, zero, per_token(2 * (q + kv) * a)),
+            "kv_write": (zero, zero, per_token(2 * kv_token), per_token(2 * kv * a)),
+            "attn_scores": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv_token), per_token(q * a)),
+            "softmax": ((0, 0, 0, SOFTMAX_FLOPS_PER_SCORE * nh, 0), zero, zero, per_token(LSE_BYTES * nh)),
+            "attn_value": ((0, 0, 0, 2 * q, 0), zero, (0, 0, 0, 0, kv_token), per_token(q * a)),
+            "o_proj": proj("o_proj", q, h, 0),
+        }
+    layer = {**attention, "attn_residual": residual, "mlp_norm": norm("mlp_norm")}
+    if cfg.num_moe_layers < cfg.num_layers:  # dense MLPs
+        layer.update({
+            "gate_proj": proj("gate_proj", h, inter, 0),
+            "up_proj": proj("up_proj", h, inter, 0),
+            "act_mul": act_mul(inter),
+            "down_proj": proj("down_proj", inter, h, 0),
+        })  # fmt: skip
+    if cfg.is_moe:
+        e, k, mi, si = (
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            shard.moe_intermediate_size,
+            shard.shared_expert_intermediate_size,
+        )
+        gate = h if cfg.shared_expert_gated else 0
+        layer["router"] = (per_token(2 * h * (e + (1 if gate else 0))), const(weights["router"]), zero,
+                           per_token((h + e) * a))  # fmt: skip
+
+        def routed(in_f: int, out_f: int) -> tuple[tuple[float, ...], ...]:  # k expert rows per token
+            return per_token(k * 2 * in_f * out_f), zero, zero, per_token(k * (in_f + out_f) * a)
+
+        layer.update(expert_gate_proj=routed(h, mi), expert_up_proj=routed(h, mi), expert_act_mul=act_mul(k * mi),
+                     expert_down_proj=routed(mi, h))  # fmt: skip
+        if si:
+            layer.update(shared_gate_proj=proj("shared_gate_proj", h, si, 0),
+                         shared_up_proj=proj("shared_up_proj", h, si, 0), shared_act_mul=act_mul(si),
+                         shared_down_proj=proj("shared_down_proj", si, h, 0))  # fmt: skip
+    layer["mlp_residual"] = residual
     per_seq = lambda x: (0, 0, x, 0, 0)
     model = {
         "embedding": (zero, per_token(h * a), zero, per_token(h * a)),
         "final_norm": (per_seq(NORM_FLOPS_PER_ELEMENT * h), const(h * a), zero, per_seq(2 * h * a)),
         "lm_head": (per_seq(2 * h * v), const(head_bytes), zero, per_seq((h + v) * a)),
     }
-    return {**layer, **model}
+    out = {**layer, **model}
+    ep = shard.expert_parallel_size
+    if ep > 1:
+        out = {name: tuple((c[0], *(x / ep for x in c[1:])) for c in coefs) for name, coefs in out.items()}
+    return out
+
+
+def _expert_weight_bytes(cfg: ModelConfig, weights: dict[str, float]) -> dict[str, float]:
+    """Bytes one distinct routed expert adds to each expert operation of one layer on one GPU."""
+    return (
+        {name: weights[name] for name in ("expert_gate_proj", "expert_up_proj", "expert_down_proj")}
+        if cfg.is_moe
+        else {}
+    )
+
+
+def _op_kind(name: str) -> str:
+    """Which layers an operation runs in (``Shard.layer_counts``' kinds), or 'model' (once per step)."""
+    if name in MODEL_OPS:
+        return "model"
+    if name in ("gate_proj", "up_proj", "act_mul", "down_proj"):
+        return "dense"
+    if name == "router" or name.startswith(("expert_", "shared_")):
+        return "moe"
+    return "layer"
 
 
 def _dot(coef: tuple[float, ...], x: tuple[float, ...]) -> float:
@@ -445,11 +650,22 @@ class StepWork:
 
 def _shard_coefficients(
     cfg: ModelConfig, shard: Shard, act: str, kv: str, quant: str | None, group_size: int
-) -> dict[str, tuple[tuple[float, ...], ...]]:
+) -> tuple[dict[str, tuple[tuple[float, ...], ...]], dict[str, float]]:
+    """The per-operation coefficients of one GPU and the bytes per distinct expert of its routed-expert ops."""
     weights = shard.layer_weight_bytes(cfg, act, quant, group_size)
     head = shard.lm_head_bytes(cfg, act, quant, group_size)
     kv_token = shard.kv_bytes_per_token(cfg, kv) / (2 * shard.num_layers)
-    return _op_coefficients(cfg, shard, weights, head, dtype_bytes(act), kv_token)
+    return _op_coefficients(cfg, shard, weights, head, dtype_bytes(act), kv_token), _expert_weight_bytes(cfg, weights)
+
+
+def distinct_experts_per_gpu(cfg: ModelConfig, num_tokens: float, expert_parallel_size: int = 1) -> float:
+    """Expected distinct routed experts one GPU reads in one MoE layer of a step of ``num_tokens`` tokens:
+    ``expected_distinct_experts`` over the whole group, ``1 / expert_parallel_size`` of them on each GPU (0 for a
+    dense model)."""
+    if not cfg.is_moe or num_tokens <= 0:
+        return 0.0
+    e = cfg.num_experts
+    return e * (1.0 - (1.0 - cfg.num_experts_per_tok / e) ** num_tokens) / expert_parallel_size
 
 
 def step_work(
@@ -469,18 +685,25 @@ def step_work(
     x = (1.0, *(float(v) for v in RooflineModel.batch_stats(prefill_chunks, decode_contexts)))
     totals = [0.0, 0.0, 0.0, 0.0]
     if x[1] > 0:
-        for name, coefs in _shard_coefficients(cfg, shard, act, kv, quant, group_size).items():
-            count = cfg.num_layers if name in LAYER_OPS else 1
+        counts = shard.layer_counts(cfg)
+        per_op, expert_bytes = _shard_coefficients(cfg, shard, act, kv, quant, group_size)
+        distinct = distinct_experts_per_gpu(cfg, x[1])
+        for name, coefs in per_op.items():
+            count = 1 if _op_kind(name) == "model" else counts[_op_kind(name)][1]
             for i, coef in enumerate(coefs):
                 totals[i] += count * _dot(coef, x)
+            totals[1] += count * distinct * expert_bytes.get(name, 0.0)
     return StepWork(*totals)
 
 
 # rows of a matrix product, for its efficiency: 0 none (vector ops, communication), 1 tokens (linear), 2 sequences
 # (LM head), 3 tokens (attention)
 _ROWS = {name: 1 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+_ROWS.update({name: 1 for name in ("q_a_proj", "q_b_proj", "kv_a_proj", "q_absorb", "v_absorb", "router",
+                                    "shared_gate_proj", "shared_up_proj", "shared_down_proj")})  # fmt: skip
 _ROWS.update({"lm_head": 2, "attn_scores": 3, "attn_value": 3})
-COMM_OPS = ("tp_all_reduce", "lm_head_gather", "pp_send")
+_ROWS.update({name: 4 for name in ("expert_gate_proj", "expert_up_proj", "expert_down_proj")})  # rows per expert
+COMM_OPS = ("tp_all_reduce", "lm_head_gather", "pp_send", "moe_all_to_all")
 
 
 class RooflineModel:
@@ -511,12 +734,8 @@ class RooflineModel:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         calibration: Calibration | str | None = None,
+        expert_parallel_size: int = 1,
     ) -> None:
-        if cfg.is_moe or cfg.is_mla:
-            raise ConfigError(
-                f"{cfg.name}: the per-operation roofline counts dense Llama-family layers; for a mixture-of-experts "
-                "or MLA model use workbench.roofline.moe_decode_cost (decode bytes from the distinct experts)"
-            )
         self.cfg = cfg
         self.hw = get_hardware(hw)
         self.act_dtype, self.kv_dtype, self.quantization = resolve_dtypes(dtype, act_dtype, kv_dtype, quantization)
@@ -524,9 +743,10 @@ class RooflineModel:
         self.group_size = group_size
         if self.quantization is not None:
             cfg.check_quantization(self.quantization, group_size)
-        self.shard = shard = Shard.of(cfg, tensor_parallel_size, pipeline_parallel_size)
+        self.shard = shard = Shard.of(cfg, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
         self.tensor_parallel_size = shard.tensor_parallel_size
         self.pipeline_parallel_size = shard.pipeline_parallel_size
+        self.expert_parallel_size = ep = shard.expert_parallel_size
         if calibration is None:
             calibration = IDEAL
         elif isinstance(calibration, str):
@@ -548,42 +768,48 @@ class RooflineModel:
         linear_max = cal.fp8_max if self.quantization == "fp8" else cal.linear_max
         self._curves = ((linear_max, cal.linear_half_tokens), (cal.attention_max, cal.attention_half_tokens))
         a = dtype_bytes(self.act_dtype)
-        per_op = _shard_coefficients(cfg, shard, self.act_dtype, self.kv_dtype, self.quantization, group_size)
-        self.op_names: tuple[str, ...] = LAYER_OPS + MODEL_OPS
+        per_op, expert_bytes = _shard_coefficients(cfg, shard, self.act_dtype, self.kv_dtype, self.quantization,
+                                                   group_size)  # fmt: skip
+        self.op_names: tuple[str, ...] = tuple(per_op)
         layers, stage = cfg.num_layers, shard.num_layers
         self.stage_repeat = layers / stage  # wall time of a step = this many times a stage's layers
+        counts = shard.layer_counts(cfg)
+        self._moe_k = cfg.num_experts_per_tok
         bw = self.bandwidth * cal.memory_efficiency
         weight_eff = {"int8": cal.int8_weight_efficiency, "int4": cal.int4_weight_efficiency}.get(
             self.quantization or "", 1.0
         )
         quantized_ops = set(cfg.linear_shapes()) | (set() if cfg.tie_word_embeddings else {"lm_head"})
-        # (name, count, peak, flops coef, weight coef, kv coef, act coef), coefficients already x count (ideal)
-        self._ops: list[tuple[str, int, float, tuple[float, ...], ...]] = []
+        # (name, count, peak, flops coef, weight coef, kv coef, act coef, weight bytes per distinct expert),
+        # coefficients already x count (ideal)
+        self._ops: list[tuple[Any, ...]] = []
         # per term: (name, wall multiple, rows kind, flops/peak on the 5 stats, bytes/bandwidth on the 5 stats,
-        # floor); a term's time is max(flops time x 1/efficiency(rows), bytes time, floor), and the step's
-        # wall time the sum of multiple x time
-        self._terms: list[tuple[str, float, int, tuple[float, ...], tuple[float, ...], float]] = []
+        # floor, bytes/bandwidth per distinct expert); a term's time is max(flops time x 1/efficiency(rows), bytes
+        # time, floor), and the step's wall time the sum of multiple x time
+        self._terms: list[tuple[str, float, int, tuple[float, ...], tuple[float, ...], float, float]] = []
         for name in self.op_names:
-            count = stage if name in LAYER_OPS else 1
+            kind = _op_kind(name)
+            count, total = (1, 1) if kind == "model" else counts[kind]
             peak = self.matmul_peak if name in MATMUL_OPS else self.vector_peak
             fc, wc, kc, ac = (tuple(count * x for x in coef) for coef in per_op[name])
-            self._ops.append((name, count, peak, fc, wc, kc, ac))
+            ew = count * expert_bytes.get(name, 0.0)
+            self._ops.append((name, count, peak, fc, wc, kc, ac, ew))
             bytes_coef = tuple(wc[i] + kc[i] + ac[i] for i in range(5))
             # no op's flops have a constant term and no op's bytes depend on pairs (see _op_coefficients)
             assert fc[0] == 0 and bytes_coef[3] == 0, name
-            mult = self.stage_repeat if name in LAYER_OPS else 1.0
+            mult = total / count
             time_coef = tuple(x / bw for x in bytes_coef)
             if name in quantized_ops and weight_eff != 1.0:  # quantized weights stream slower
                 time_coef = tuple((w / weight_eff + k + c) / bw for w, k, c in zip(wc, kc, ac))
             self._terms.append((name, mult, _ROWS.get(name, 0), tuple(x / peak for x in fc), time_coef,
-                                count * cal.kernel_floor_s))  # fmt: skip
+                                count * cal.kernel_floor_s, ew / bw))  # fmt: skip
         # communication: times affine in the step's statistics (seconds on (1, tokens, seqs, pairs, context))
         self._comm: dict[str, tuple[int, float, tuple[float, ...], tuple[float, ...]]] = {}
         tp, pp = shard.tensor_parallel_size, shard.pipeline_parallel_size
         ic = self.hw.interconnect
-        if (tp > 1 or pp > 1) and ic is None:
+        if (tp > 1 or pp > 1 or ep > 1) and ic is None:
             raise ConfigError(f"hardware {self.hw.name!r} has no interconnect in accelerators.yaml: it cannot run "
-                              "tensor or pipeline parallelism here")  # fmt: skip
+                              "tensor, pipeline or expert parallelism here")  # fmt: skip
         h = cfg.hidden_size
         if tp > 1:
             c0 = ic.all_reduce_s(0.0, tp)
@@ -601,11 +827,21 @@ class RooflineModel:
             s1 = ic.send_s(1.0, cross) - s0
             self._add_comm("pp_send", pp - 1, 1.0, ((pp - 1) * s0, (pp - 1) * s1 * h * a, 0, 0, 0),
                            (0, (pp - 1) * h * a, 0, 0, 0))  # fmt: skip
+        if ep > 1:
+            # each MoE layer: dispatch each of this GPU's tokens' hidden states to its k experts' GPUs, and combine
+            # their outputs back (two all-to-alls of tokens / ep x k x hidden values held per GPU)
+            count, total = counts["moe"]
+            t0 = ic.all_to_all_s(0.0, ep)
+            t1 = ic.all_to_all_s(1.0, ep) - t0  # seconds per byte held
+            held = self._moe_k * h * a / ep  # bytes per token of the step
+            self._add_comm("moe_all_to_all", 2 * count, total / count, (2 * count * t0, 2 * count * t1 * held, 0, 0, 0),
+                           (0, 2 * count * held * (ep - 1) / ep, 0, 0, 0))  # fmt: skip
         for name, (_count, mult, times, _bytes) in self._comm.items():
-            self._terms.append((name, mult, 0, (0.0,) * 5, times, 0.0))
+            self._terms.append((name, mult, 0, (0.0,) * 5, times, 0.0, 0.0))
         if cal.step_overhead_s > 0:
-            self._terms.append(("step_overhead", 1.0, 0, (0.0,) * 5, (cal.step_overhead_s, 0, 0, 0, 0), 0.0))
-        self._fast = [(m, r, f[1], f[2], f[3], b[0], b[1], b[2], b[4], fl) for _n, m, r, f, b, fl in self._terms]
+            self._terms.append(("step_overhead", 1.0, 0, (0.0,) * 5, (cal.step_overhead_s, 0, 0, 0, 0), 0.0, 0.0))
+        self._fast = [(m, r, f[1], f[2], f[3], b[0], b[1], b[2], b[4], fl, be)
+                      for _n, m, r, f, b, fl, be in self._terms]  # fmt: skip
 
     def _add_comm(
         self, name: str, count: int, mult: float, times: tuple[float, ...], link_bytes: tuple[float, ...]
@@ -618,13 +854,22 @@ class RooflineModel:
         """Per operation of one GPU, its ideal compute and memory times (s) as coefficients on (1, tokens, seqs,
         pairs, context), no calibration and no communication (the ideal single-GPU roofline)."""
         return [(tuple(x / peak for x in fc), tuple((w + k + c) / self.bandwidth for w, k, c in zip(wc, kc, ac)))
-                for _n, _c, peak, fc, wc, kc, ac in self._ops]  # fmt: skip
+                for _n, _c, peak, fc, wc, kc, ac, _ew in self._ops]  # fmt: skip
 
-    def _factors(self, tokens: float, seqs: float) -> tuple[float, float, float, float]:
-        """1 / efficiency of the products of a step, by rows kind (see ``_ROWS``)."""
+    def distinct_experts(self, tokens: float) -> float:
+        """Expected distinct routed experts one GPU reads per MoE layer in a step of ``tokens`` new tokens (on the
+        whole group: ``distinct_experts_per_gpu``)."""
+        return distinct_experts_per_gpu(self.cfg, tokens, self.expert_parallel_size)
+
+    def _factors(self, tokens: float, seqs: float, distinct: float = 0.0) -> tuple[float, float, float, float, float]:
+        """1 / efficiency of the products of a step, by rows kind (see ``_ROWS``): one GPU runs ``1 / ep`` of the
+        tokens and sequences; a routed expert ``tokens * k / distinct experts`` rows (``distinct``: this GPU's)."""
         (lm, lh), (am, ah) = self._curves
         eff = Calibration.efficiency
-        return (1.0, 1.0 / eff(tokens, lm, lh), 1.0 / eff(seqs, lm, lh), 1.0 / eff(tokens, am, ah))
+        ep = self.expert_parallel_size
+        t, s = tokens / ep, seqs / ep
+        expert_rows = tokens * self._moe_k / (distinct * ep) if distinct > 0 else 1.0
+        return (1.0, 1.0 / eff(t, lm, lh), 1.0 / eff(s, lm, lh), 1.0 / eff(t, am, ah), 1.0 / eff(expert_rows, lm, lh))
 
     @staticmethod
     def batch_stats(
@@ -656,11 +901,12 @@ class RooflineModel:
         """Predicted wall time of a step on the group from the four sums (the fast path: no per-op objects)."""
         if tokens <= 0:
             return 0.0
-        factors = self._factors(tokens, seqs)
+        d = self.distinct_experts(tokens)
+        factors = self._factors(tokens, seqs, d)
         total = 0.0
-        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor in self._fast:
+        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor, be in self._fast:
             tc = (f1 * tokens + f2 * seqs + f3 * pairs) * factors[rows]
-            tb = b0 + b1 * tokens + b2 * seqs + b4 * context
+            tb = b0 + b1 * tokens + b2 * seqs + b4 * context + be * d
             t = tc if tc > tb else tb
             total += mult * (t if t > floor else floor)
         return total
@@ -669,10 +915,11 @@ class RooflineModel:
         """A pure-decode step of ``num_seqs`` sequences as a function of the context C it reads (pairs = context
         = C): per term ``(multiple, lines)`` with time ``multiple * max(a + b C for (a, b) in lines)``."""
         n = float(num_seqs)
-        factors = self._factors(n, n)
+        d = self.distinct_experts(n)
+        factors = self._factors(n, n, d)
         out = []
-        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor in self._fast:
-            lines = [((f1 + f2) * n * factors[rows], f3 * factors[rows]), (b0 + (b1 + b2) * n, b4)]
+        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor, be in self._fast:
+            lines = [((f1 + f2) * n * factors[rows], f3 * factors[rows]), (b0 + (b1 + b2) * n + be * d, b4)]
             if floor > 0:
                 lines.append((floor, 0.0))
             out.append((mult, tuple(lines)))
@@ -697,11 +944,12 @@ class RooflineModel:
         ops = []
         flops = wb = kb = ab = time_s = compute_s = bubble = link = 0.0
         if tokens > 0:
-            factors = self._factors(tokens, seqs)
-            for (name, count, _peak, fc, wc, kc, ac), term in zip(self._ops, self._terms):
-                _n, mult, rows, ft, bt, floor = term
-                f, w_, k_, a_ = _dot(fc, x), _dot(wc, x), _dot(kc, x), _dot(ac, x)
-                tc, tb = _dot(ft, x) * factors[rows], _dot(bt, x)
+            d = self.distinct_experts(tokens)
+            factors = self._factors(tokens, seqs, d)
+            for (name, count, _peak, fc, wc, kc, ac, ew), term in zip(self._ops, self._terms):
+                _n, mult, rows, ft, bt, floor, be = term
+                f, w_, k_, a_ = _dot(fc, x), _dot(wc, x) + ew * d, _dot(kc, x), _dot(ac, x)
+                tc, tb = _dot(ft, x) * factors[rows], _dot(bt, x) + be * d
                 t = max(tc, tb, floor)
                 bound = "floor" if floor > max(tc, tb) else ("compute" if tc >= tb else "memory")
                 flops, wb, kb, ab = flops + f, wb + w_, kb + k_, ab + a_
@@ -741,6 +989,7 @@ class RooflineModel:
             link_bytes=link,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            expert_parallel_size=self.expert_parallel_size,
         )
 
     # ---- memory -------------------------------------------------------------------------------------------
@@ -753,10 +1002,11 @@ class RooflineModel:
         return self.shard.kv_bytes_per_token(self.cfg, self.kv_dtype)
 
     def check_memory(self, num_kv_tokens: int = 0, memory_utilization: float = 1.0) -> dict[str, float]:
-        """Per-GPU weights + the KV of ``num_kv_tokens`` tokens against the GPU's memory; a ``ConfigError`` that
-        names a tensor-parallel size that would fit when they do not."""
+        """Per-GPU weights + the KV of ``num_kv_tokens`` tokens (the group's: ``1 / expert_parallel_size`` of them
+        on each GPU of an expert-parallel stage) against the GPU's memory; a ``ConfigError`` that names a
+        tensor-parallel size that would fit when they do not."""
         weights = self.weight_bytes_per_gpu()
-        kv = num_kv_tokens * self.kv_bytes_per_token_per_gpu()
+        kv = num_kv_tokens / self.expert_parallel_size * self.kv_bytes_per_token_per_gpu()
         capacity = self.hw.mem_capacity * memory_utilization
         report = {"weight_bytes_per_gpu": float(weights), "kv_bytes_per_gpu": float(kv),
                   "capacity_bytes": float(capacity), "free_bytes": float(capacity - weights - kv)}  # fmt: skip
@@ -777,7 +1027,8 @@ class RooflineModel:
                     break
             raise ConfigError(
                 f"{self.cfg.name} does not fit on {self.hw.name} at tensor_parallel_size {self.tensor_parallel_size},"
-                f" pipeline_parallel_size {self.pipeline_parallel_size}: {weights / gib:.1f} GiB of weights "
+                f" pipeline_parallel_size {self.pipeline_parallel_size}, expert_parallel_size "
+                f"{self.expert_parallel_size}: {weights / gib:.1f} GiB of weights "
                 f"({self.dtype}) + {kv / gib:.2f} GiB of KV per GPU > {capacity / gib:.1f} GiB{hint}"
             )
         return report
@@ -797,17 +1048,43 @@ class RooflineModel:
         grow as fast as FLOPs, as happens with long contexts)."""
         if context_len < 1:
             raise ConfigError(f"context_len must be >= 1, got {context_len}")
+        if self.cfg.is_moe:  # expert bytes grow with the distinct experts: search the batch where compute wins
+            return self._moe_compute_bound_batch(context_len)
         # per-sequence costs are linear in the batch: tokens = seqs = B, pairs = context = B * L
         unit = (0.0, 1.0, 1.0, float(context_len), float(context_len))
         const = (1.0, 0.0, 0.0, 0.0, 0.0)
         compute_per_seq = mem_per_seq = mem_const = 0.0
-        for _name, _count, peak, fc, wc, kc, ac in self._ops:
+        for _name, _count, peak, fc, wc, kc, ac, _ew in self._ops:
             compute_per_seq += _dot(fc, unit) / peak
             mem_per_seq += (_dot(wc, unit) + _dot(kc, unit) + _dot(ac, unit)) / self.bandwidth
             mem_const += (_dot(wc, const) + _dot(kc, const) + _dot(ac, const)) / self.bandwidth
         if compute_per_seq <= mem_per_seq:
             return None
         return max(1, math.ceil(mem_const / (compute_per_seq - mem_per_seq) - 1e-9))
+
+    def _moe_compute_bound_batch(self, context_len: int, max_batch: int = 1 << 20) -> int | None:
+        """``decode_compute_bound_batch`` of an MoE model: compute minus memory time is convex in the batch (the
+        distinct experts are concave in it), so once positive it stays so; doubling, then bisection."""
+
+        def compute_wins(batch: int) -> bool:
+            x = (1.0, float(batch), float(batch), float(batch * context_len), float(batch * context_len))
+            d = self.distinct_experts(batch)
+            compute = sum(_dot(fc, x) / peak for _n, _c, peak, fc, _w, _k, _a, _e in self._ops)
+            memory = sum(
+                _dot(wc, x) + ew * d + _dot(kc, x) + _dot(ac, x) for _n, _c, _p, _f, wc, kc, ac, ew in self._ops
+            )
+            return compute >= memory / self.bandwidth
+
+        hi = 1
+        while not compute_wins(hi):
+            if hi >= max_batch:
+                return None
+            hi *= 2
+        lo = hi // 2  # compute does not win at lo (or lo is 0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if compute_wins(mid) else (mid, hi)
+        return hi
 
     def utilization(self, cost: StepCost, measured_time_s: float) -> Utilization:
         """MFU and MBU of a measured step whose work ``cost`` describes."""
@@ -837,7 +1114,10 @@ _MODELS: dict[tuple[Any, ...], RooflineModel] = {}
 
 def _cfg_key(cfg: ModelConfig) -> tuple[Any, ...]:
     return (cfg.name, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
-            cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias, cfg.tie_word_embeddings)  # fmt: skip
+            cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias, cfg.tie_word_embeddings, cfg.num_experts,
+            cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.router_scoring, cfg.shared_expert_intermediate_size,
+            cfg.shared_expert_gated, cfg.dense_layers, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+            cfg.qk_nope_head_dim, cfg.v_head_dim)  # fmt: skip
 
 
 def get_model(
@@ -851,6 +1131,7 @@ def get_model(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     calibration: Calibration | str | None = None,
+    expert_parallel_size: int = 1,
 ) -> RooflineModel:
     """A cached ``RooflineModel`` (model given as config or preset name/path, hardware as spec or name)."""
     if not isinstance(cfg, ModelConfig):
@@ -859,13 +1140,14 @@ def get_model(
     key = (_cfg_key(cfg), hw.name, tuple(sorted(hw.peak_flops.items())), hw.mem_bandwidth, dtype, kv_dtype,
            act_dtype, quantization, group_size, tensor_parallel_size, pipeline_parallel_size,
            calibration if not isinstance(calibration, str) else (calibration, hw.calibration),
-           hw.interconnect)  # fmt: skip
+           hw.interconnect, expert_parallel_size)  # fmt: skip
     model = _MODELS.get(key)
     if model is None:
         model = _MODELS[key] = RooflineModel(
             cfg, hw, dtype=dtype, kv_dtype=kv_dtype, act_dtype=act_dtype, quantization=quantization,
             group_size=group_size, tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, calibration=calibration,
+            expert_parallel_size=expert_parallel_size,
         )  # fmt: skip
     return model
 
@@ -883,7 +1165,8 @@ def step_cost(
 ) -> StepCost:
     """Cost of one (possibly mixed) step: prefill chunks ``(num_new, num_cached)`` and decodes at context
     lengths ``L`` (attending to L keys, the new one included). See the module docstring for conventions;
-    ``parallel``: ``quantization``, ``tensor_parallel_size``, ``pipeline_parallel_size``, ``calibration``."""
+    ``parallel``: ``quantization``, ``tensor_parallel_size``, ``pipeline_parallel_size``, ``expert_parallel_size``,
+    ``calibration``."""
     model = get_model(model_cfg, hw, dtype=dtype, kv_dtype=kv_dtype, act_dtype=act_dtype, **parallel)
     return model.step_cost(prefill_chunks, decode_contexts, detailed=detailed)
 
@@ -926,6 +1209,7 @@ def phase_report(
     decode_tp: int | None = None,
     disaggregate: bool = False,
     check_memory: bool = True,
+    expert_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """The ``workbench roofline --json`` object: ``prefill`` (``batch`` prompts of ``prompt_len`` tokens) and
     ``decode`` (``batch`` sequences at ``context_len`` producing one token each), plus a summary.
@@ -938,7 +1222,8 @@ def phase_report(
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{fname} must be a positive integer, got {value!r}")
     common = dict(dtype=dtype, kv_dtype=kv_dtype, quantization=quantization, group_size=group_size,
-                  pipeline_parallel_size=pipeline_parallel_size, calibration=calibration)  # fmt: skip
+                  pipeline_parallel_size=pipeline_parallel_size, calibration=calibration,
+                  expert_parallel_size=expert_parallel_size)  # fmt: skip
     ptp = tensor_parallel_size if prefill_tp is None else prefill_tp
     dtp = tensor_parallel_size if decode_tp is None else decode_tp
     pm = get_model(model_cfg, hw, tensor_parallel_size=ptp, **common)
@@ -961,6 +1246,7 @@ def phase_report(
         "quantization": pm.quantization,
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
+        "expert_parallel_size": expert_parallel_size,
         "prefill_tp": ptp,
         "decode_tp": dtp,
         "disaggregate": bool(disaggregate),
@@ -1000,6 +1286,9 @@ def reference_step_cost(
     Returns ``{op: {"flops", "weight_bytes", "kv_bytes", "act_bytes"}}``. A check on the fast path, not for
     production use (it loops over every attended key).
     """
+    if cfg.is_moe or cfg.is_mla:
+        raise ConfigError(f"{cfg.name}: reference_step_cost counts dense Llama-family layers; an MoE / MLA model's "
+                          "reference is moe_decode_cost")  # fmt: skip
     act, kvd, quant = resolve_dtypes(dtype, act_dtype, kv_dtype, quantization)
     a = dtype_bytes(act)
     kv_token_layer = cfg.kv_bytes_per_token(kvd) / (2 * cfg.num_layers)  # K (or V) of one token in one layer
@@ -1133,18 +1422,20 @@ def moe_decode_cost(
     expert_parallel_size: int = 1,
     hw: HardwareSpec | str | None = None,
 ) -> MoEDecodeCost:
-    """Bytes, FLOPs and (with ``hw``) time of one decode step of an MoE and/or MLA model (a dense one too).
+    """Bytes, FLOPs and (with ``hw``) time of one decode step of an MoE and/or MLA model (a dense one too), on one
+    GPU of an expert-parallel group of ``expert_parallel_size`` (the closed form ``RooflineModel`` is checked
+    against: weights and KV bytes agree; FLOPs here count 2 per parameter, norms included).
 
     Weights read: every non-expert weight once (attention, norms, router, shared and dense MLPs, the LM head; one
     embedding row per token), and in each MoE layer only the experts the batch routes to,
-    ``expected_distinct_experts(E, k, batch)`` of them, each ``3 * hidden * moe_intermediate_size`` values; with
-    expert parallelism each GPU holds ``E / ep`` experts (and reads ``1 / ep`` of the distinct ones) and the
-    non-expert weights are replicated. FLOPs: ``2 * batch`` times the active parameters (the LM head included,
-    the embedding table not) plus attention over ``context_len`` keys per sequence (MHA/GQA/MQA:
-    ``4 * heads * head_dim`` per key; MLA absorbed: ``2 * heads * (2 r + dr)``). All-to-all: each token's hidden
-    state goes to its ``k`` experts and comes back, ``(ep - 1) / ep`` of them on other GPUs:
-    ``2 * batch * k * hidden * bytes * (ep - 1) / ep`` per MoE layer; timed at the interconnect's bandwidth plus
-    its base latency twice per layer.
+    ``expected_distinct_experts(E, k, batch)`` of them, each ``3 * hidden * moe_intermediate_size`` values. With
+    expert parallelism (attention data parallel) the ``batch`` sequences are spread evenly over the ``ep`` GPUs;
+    each holds every non-expert weight and ``E / ep`` experts, and reads ``1 / ep`` of the distinct ones (its own).
+    FLOPs: ``2 * batch / ep`` times the active parameters (the LM head included, the embedding table not) plus
+    attention over ``context_len`` keys per sequence (MHA/GQA/MQA: ``4 * heads * head_dim`` per key; MLA absorbed:
+    ``2 * heads * (2 r + dr)``). All-to-all: each of a GPU's ``batch / ep`` tokens goes to its ``k`` experts and
+    comes back, ``(ep - 1) / ep`` of them on other GPUs: ``2 * batch / ep * k * hidden * bytes * (ep - 1) / ep``
+    sent per MoE layer; timed as two ``Interconnect.all_to_all_s`` per layer.
     """
     check_expert_parallel(cfg, expert_parallel_size)
     if batch < 1 or context_len < 0:
@@ -1153,21 +1444,23 @@ def moe_decode_cost(
     a = dtype_bytes(dtype)
     kv_dtype = resolve_kv_cache_dtype(kv_dtype, dtype)
     h, v = cfg.hidden_size, cfg.vocab_size
+    local = batch / ep  # sequences (tokens) per GPU
     expert_params = 3 * h * cfg.moe_intermediate_size if cfg.is_moe else 0
     moe_layers = cfg.num_moe_layers
     routed_total = moe_layers * cfg.num_experts * expert_params
     lm_head = v * h  # read whole (tied: the embedding table)
-    non_expert = cfg.num_params(include_embeddings=False) - routed_total + lm_head + batch * h
+    non_expert = cfg.num_params(include_embeddings=False) - routed_total + lm_head + local * h
     distinct = expected_distinct_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) if cfg.is_moe else 0.0
     weight_bytes = (non_expert + moe_layers * distinct / ep * expert_params) * a
-    kv_bytes = batch * (context_len + 1) * cfg.kv_bytes_per_token(kv_dtype)
+    kv_bytes = local * (context_len + 1) * cfg.kv_bytes_per_token(kv_dtype)
     active_linear = cfg.num_params(include_embeddings=False, active=True) + lm_head
     if cfg.is_mla:
         per_key = 2 * cfg.num_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     else:
         per_key = 4 * cfg.num_heads * cfg.head_dim
-    flops = 2.0 * batch * active_linear + cfg.num_layers * batch * (context_len + 1) * per_key
-    a2a = moe_layers * 2 * batch * cfg.num_experts_per_tok * h * a * (ep - 1) / ep
+    flops = 2.0 * local * active_linear + cfg.num_layers * local * (context_len + 1) * per_key
+    held = local * cfg.num_experts_per_tok * h * a  # one all-to-all's buffer on one GPU
+    a2a = moe_layers * 2 * held * (ep - 1) / ep
     time_s = None
     if hw is not None:
         spec = get_hardware(hw)
@@ -1175,8 +1468,7 @@ def moe_decode_cost(
         if ep > 1:
             if spec.interconnect is None:
                 raise ConfigError(f"hardware {spec.name!r} has no interconnect: expert parallelism cannot be timed")
-            bw, _ = spec.interconnect.link(ep)
-            time_s += a2a / bw + 2 * moe_layers * spec.interconnect.base_latency_s
+            time_s += 2 * moe_layers * spec.interconnect.all_to_all_s(held, ep)
     return MoEDecodeCost(batch, context_len, ep, distinct, weight_bytes, kv_bytes, flops, a2a, time_s)
 
 
@@ -1206,4 +1498,7 @@ __all__ = [
     "check_expert_parallel",
     "MoEDecodeCost",
     "moe_decode_cost",
+    "distinct_experts_per_gpu",
+    "MLA_OPS",
+    "MOE_OPS",
 ]

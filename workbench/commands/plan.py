@@ -2,7 +2,8 @@
 
     workbench plan --model M --hardware H --num-gpus N --trace T --slo-ttft S --slo-tpot S [--json]
         [--ray-address ADDR | --serial] [--tp 1,2,4,8] [--pp 1,2] [--policies continuous,chunked]
-        [--chunk-sizes 512,2048] [--no-disaggregate] [--max-replicas-only] [format and calibration options]
+        [--chunk-sizes 512,2048] [--expert-parallel-size N] [--no-disaggregate] [--max-replicas-only]
+        [format and calibration options]
 
 Searches replicas x TP x PP x (colocated | P:D with each side's TP) x policy x chunk size
 (``workbench.sim.planner``), simulating the trace on each candidate, in parallel on Ray (a local Ray of
@@ -17,7 +18,7 @@ import argparse
 import json
 
 from workbench.commands.common import add_trace_arguments, slo_seconds
-from workbench.commands.sim_args import add_calibration_arguments, add_format_arguments
+from workbench.commands.sim_args import add_calibration_arguments, add_expert_parallel_argument, add_format_arguments
 from workbench.errors import ConfigError
 
 
@@ -46,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("search")
     s.add_argument("--tp", default="1,2,4,8", help="tensor-parallel sizes to try (default 1,2,4,8)")
     s.add_argument("--pp", default="1,2", help="pipeline-parallel sizes to try (default 1,2)")
+    add_expert_parallel_argument(s)
     s.add_argument("--policies", default="continuous,chunked", help="scheduling policies to try")
     s.add_argument("--chunk-sizes", default="512,2048", help="chunked policy: chunk sizes (token budgets) to try")
     s.add_argument("--no-disaggregate", action="store_true", help="colocated deployments only")
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         args.num_gpus, _ints(args.tp, "--tp"), _ints(args.pp, "--pp"),
         [p for p in args.policies.split(",") if p], _ints(args.chunk_sizes, "--chunk-sizes"),
         disaggregated=not args.no_disaggregate, all_replica_counts=not args.max_replicas_only,
+        expert_parallel_size=args.expert_parallel_size,
     )  # fmt: skip
     requests = load_workload(args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
                              num_requests=args.num_requests, prompt_lens=args.prompt_lens,

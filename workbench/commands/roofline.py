@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     cal = calibration_of(args, args.hardware)
     kw = dict(dtype=formats["dtype"], kv_dtype=formats["kv_cache_dtype"], quantization=formats["quantization"],
               group_size=formats["group_size"], pipeline_parallel_size=args.pipeline_parallel_size,
-              calibration=cal)  # fmt: skip
+              calibration=cal, expert_parallel_size=args.expert_parallel_size)  # fmt: skip
     report = phase_report(
         args.model, args.hardware, batch=args.batch, prompt_len=args.prompt_len, context_len=args.context_len,
         tensor_parallel_size=args.tensor_parallel_size, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
         gib = 2**30
         mem = report["memory"].get(phase)
         fit = f", {mem['free_bytes'] / gib:.1f} GiB free per GPU" if mem else ""
-        print(f"{phase}: TP {model.tensor_parallel_size} x PP {model.pipeline_parallel_size} "
+        ep = f" x EP {model.expert_parallel_size}" if model.expert_parallel_size > 1 else ""
+        print(f"{phase}: TP {model.tensor_parallel_size} x PP {model.pipeline_parallel_size}{ep} "
               f"({model.shard.num_gpus} GPU(s)), {model.weight_bytes_per_gpu() / gib:.2f} GiB of weights per GPU"
               f"{fit}")  # fmt: skip
     _print_phase(f"prefill: {args.batch} x {args.prompt_len} prompt tokens (per GPU; time: the group's wall time)",

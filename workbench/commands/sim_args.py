@@ -1,10 +1,11 @@
 """Options shared by ``workbench roofline``, ``simulate`` and ``plan``: number formats, parallelism, calibration.
 
 vLLM's names: ``--dtype`` (activations), ``--quantization`` (weights), ``--group-size`` (int4), ``--kv-cache-dtype``,
-``--tensor-parallel-size``, ``--pipeline-parallel-size``; per phase of a disaggregated pool ``--prefill-tp`` and
-``--decode-tp``. ``--calibration hardware`` (the default) prices operations with the accelerator's calibrated
-efficiencies, kernel floor and per-step overhead from ``data/hardware/accelerators.yaml``; ``ideal`` is the bare
-roofline. ``--step-overhead-s`` overrides the per-step host overhead. Plain argparse, nothing heavy imported.
+``--tensor-parallel-size``, ``--pipeline-parallel-size``, ``--expert-parallel-size`` (MoE); per phase of a disaggregated
+pool ``--prefill-tp`` and ``--decode-tp``. ``--calibration hardware`` (the default) prices operations with the
+accelerator's calibrated efficiencies, kernel floor and per-step overhead from ``data/hardware/accelerators.yaml``;
+``ideal`` is the bare roofline. ``--step-overhead-s`` overrides the per-step host overhead. Plain argparse, nothing
+heavy imported.
 """
 
 from __future__ import annotations
@@ -35,11 +36,20 @@ def add_parallel_arguments(p: ArgumentContainer, per_phase: bool = True) -> None
 
     add_serving_arguments(p, SimConfig, ("tensor_parallel_size",))
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages per replica")
+    add_expert_parallel_argument(p)
     if per_phase:
         p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
                        help="with --disaggregate: the prefill side's TP (default: --tensor-parallel-size)")  # fmt: skip
         p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                        help="with --disaggregate: the decode side's TP (default: --tensor-parallel-size)")  # fmt: skip
+
+
+def add_expert_parallel_argument(p: ArgumentContainer) -> None:
+    """--expert-parallel-size: a mixture of experts' routed experts split over that many GPUs per stage, attention
+    data-parallel over them (DeepSeek-V3's layout; tensor parallel size 1)."""
+    p.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="MoE: GPUs per stage splitting the routed experts (attention data-parallel over them, an "
+                   "all-to-all per MoE layer; needs --tensor-parallel-size 1)")  # fmt: skip
 
 
 def add_calibration_arguments(p: ArgumentContainer) -> None:

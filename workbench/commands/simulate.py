@@ -1,7 +1,8 @@
 """``workbench simulate``: serve a workload on simulated replicas that run the engine's own scheduler.
 
     workbench simulate --model NAME --hardware NAME --trace azure-conv|azure-code|mooncake-conversation|poisson:RATE
-        [--tensor-parallel-size N] [--pipeline-parallel-size N] [--quantization Q] [--kv-cache-dtype D]
+        [--tensor-parallel-size N] [--pipeline-parallel-size N] [--expert-parallel-size N] [--quantization Q]
+        [--kv-cache-dtype D]
         [--replicas N] [--router round-robin|least-outstanding|shortest-queue] [--policy P]
         [--disaggregate P:D --link-gbps X [--link-latency-s S]]
         [--cost-model roofline|profiled|op-profile [--profile FILE]]
@@ -67,7 +68,7 @@ def roofline_costs(args: argparse.Namespace, cfg: object, hw: object, config: ob
             "roofline", cfg, hw, config.dtype, None, args.prefill_efficiency, args.decode_efficiency,
             quantization=config.quantization, group_size=config.group_size, kv_cache_dtype=config.kv_cache_dtype,
             tensor_parallel_size=config.role_tp(role), pipeline_parallel_size=config.pipeline_parallel_size,
-            calibration=cal, host_gap_s=None,
+            expert_parallel_size=config.expert_parallel_size, calibration=cal, host_gap_s=None,
         )  # fmt: skip
     return [models[role] for role in roles]
 
@@ -132,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.step_log, "--step-log")
     cfg = ModelConfig.resolve(args.model)
     profiled = args.cost_model in ("profiled", "op-profile")  # measured here: the profile's machine and pool
-    if profiled and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1 or args.quantization != "none"):
+    parallel = max(args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size)
+    if profiled and (parallel > 1 or args.quantization != "none"):
         from workbench.errors import ConfigError
 
         raise ConfigError(f"--cost-model {args.cost_model} replays one measured engine: parallelism and quantization "
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         disaggregate=None if args.disaggregate is None else parse_disaggregate(args.disaggregate),
         link_gbps=args.link_gbps, link_latency_s=_link_latency_s(args),
         pipeline_parallel_size=args.pipeline_parallel_size,
-        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, expert_parallel_size=args.expert_parallel_size,
     )  # fmt: skip
     cost = roofline_costs(args, cfg, hw, config) if not profiled else make_cost_model(
         args.cost_model, cfg, hw, args.dtype, args.profile, noise_seed=args.profile_noise_seed)  # fmt: skip

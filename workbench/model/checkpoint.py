@@ -3,7 +3,8 @@
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file). Supported architectures:
 LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, and the MoE / MLA ones MixtralForCausalLM,
-Qwen2MoeForCausalLM, DeepseekV3ForCausalLM (their per-expert and MLA tensors: ``model.moe``, ``model.mla``). Our
+Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (with its per-head ``q_norm`` / ``k_norm``), DeepseekV3ForCausalLM (their
+per-expert and MLA tensors: ``model.moe``, ``model.mla``). Our
 model fuses q/k/v into ``qkv_proj`` and gate/up into
 ``gate_up_proj``; the loader concatenates the HF tensors into them (rows in q, k, v and gate, up order).
 
@@ -115,6 +116,8 @@ def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
         }
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
         if cfg.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q,),
@@ -215,6 +218,9 @@ def load_checkpoint(
         if cfg.attention_bias:
             state[o + "self_attn.qkv_proj.bias"] = torch.cat([tensors[attn + f"{x}_proj.bias"] for x in "qkv"])
         state[o + "self_attn.o_proj.weight"] = tensors[attn + "o_proj.weight"]
+        if cfg.qk_norm:
+            state[o + "self_attn.q_norm.weight"] = tensors[attn + "q_norm.weight"]
+            state[o + "self_attn.k_norm.weight"] = tensors[attn + "k_norm.weight"]
     with torch.no_grad():
         params = dict(model.named_parameters()) | dict(model.named_buffers())  # buffers: a router's bias
         for name, value in state.items():

@@ -49,6 +49,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # tensor parallel: sum over ranks
+        # Qwen3: one RMSNorm over head_dim shared by every query head, one by every key head, before rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def project(
         self,
@@ -59,8 +62,11 @@ class Attention(nn.Module):
         """Q (T, heads, d) and K (T, kv_heads, d) with rotary applied, and V (T, kv_heads, d)."""
         t, nh, nkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # (T, q_size + 2 kv_size); nn.Linear or a quantized linear (model.quant)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, d)
+        if self.q_norm is not None:  # per head, before rotary (Qwen3)
+            qk = torch.cat((self.q_norm.forward(qk[:, :nh]), self.k_norm.forward(qk[:, nh:])), dim=1)
         # rotary on Q and K together: their columns are adjacent, so one set of kernels serves both
-        qk = apply_rotary_rolled(qkv[:, : self.q_size + self.kv_size].view(t, nh + nkv, d), cos, sin_signed)
+        qk = apply_rotary_rolled(qk, cos, sin_signed)
         return qk[:, :nh], qk[:, nh:], qkv[:, self.q_size + self.kv_size :].view(t, nkv, d)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:

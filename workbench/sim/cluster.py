@@ -104,6 +104,7 @@ class SimConfig(ServingConfig):
     pipeline_parallel_size: int = 1  # stages per replica
     prefill_tp: int | None = None  # disaggregated: the prefill replicas' tensor-parallel size (default: tp)
     decode_tp: int | None = None  # disaggregated: the decode replicas'
+    expert_parallel_size: int = 1  # MoE: GPUs per stage splitting the experts, attention data-parallel over them
 
     def __post_init__(self) -> None:
         if canonical_dtype(self.dtype) in ("fp8", "int8"):
@@ -111,7 +112,7 @@ class SimConfig(ServingConfig):
                               "weights are quantization='fp8'/'int8' (--quantization), an FP8 or int8 KV cache "
                               "kv_cache_dtype (--kv-cache-dtype)")  # fmt: skip
         super().__post_init__()  # the shared fields, the KV dtype resolved ('auto' -> dtype)
-        for name in ("pipeline_parallel_size", "prefill_tp", "decode_tp"):
+        for name in ("pipeline_parallel_size", "prefill_tp", "decode_tp", "expert_parallel_size"):
             value = getattr(self, name)
             if value is None and name in ("prefill_tp", "decode_tp"):
                 continue
@@ -120,6 +121,11 @@ class SimConfig(ServingConfig):
         if (self.prefill_tp is not None or self.decode_tp is not None) and self.disaggregate is None:
             raise ConfigError("prefill_tp and decode_tp (--prefill-tp, --decode-tp) apply to disaggregated pools "
                               "only; without --disaggregate use --tensor-parallel-size")  # fmt: skip
+        tps = {self.tensor_parallel_size, self.prefill_tp or 1, self.decode_tp or 1}
+        if self.expert_parallel_size > 1 and tps != {1}:
+            raise ConfigError(f"expert_parallel_size {self.expert_parallel_size} runs attention data-parallel over the "
+                              "EP ranks, one GPU each: it needs tensor_parallel_size 1 (and --prefill-tp/--decode-tp "
+                              f"1), got {max(tps)}")  # fmt: skip
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
         if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
@@ -168,8 +174,8 @@ class SimConfig(ServingConfig):
 
     @property
     def num_gpus(self) -> int:
-        """GPUs of the whole cluster: every replica's TP x PP group."""
-        pp = self.pipeline_parallel_size
+        """GPUs of the whole cluster: every replica's TP x PP x EP group."""
+        pp = self.pipeline_parallel_size * self.expert_parallel_size
         if self.disaggregate:
             p, d = self.disaggregate
             return pp * (p * self.role_tp("prefill") + d * self.role_tp("decode"))
@@ -178,7 +184,9 @@ class SimConfig(ServingConfig):
     def resolved_num_blocks(self, model: ModelConfig, hardware: Any = None, role: str = "mixed") -> int:
         """KV blocks per replica of ``role`` (see the class docstring). With a hardware spec each GPU of the
         replica's TP x PP group holds its shard of the weights and the blocks' KV for its layers and KV heads
-        (``workbench.roofline.Shard``), so the pool is what the most loaded GPU has left."""
+        (``workbench.roofline.Shard``), so the pool is what the most loaded GPU has left. Under expert parallelism
+        each of the ``expert_parallel_size`` GPUs of a stage holds its own sequences' KV beside every non-expert
+        weight and its share of the experts: the replica's pool is that many GPUs' blocks."""
         if self.num_blocks is not None:
             return self.num_blocks
         if self.kv_cache_bytes is not None:
@@ -189,20 +197,22 @@ class SimConfig(ServingConfig):
         from workbench.roofline import Shard
 
         hw = get_hardware(hardware)
-        tp, pp = self.role_tp(role), self.pipeline_parallel_size
-        shard = Shard.of(model, tp, pp)
+        tp, pp, ep = self.role_tp(role), self.pipeline_parallel_size, self.expert_parallel_size
+        shard = Shard.of(model, tp, pp, ep)
         weights = shard.weight_bytes(model, self.dtype, self.quantization, self.group_size)
         budget = hw.mem_capacity * self.gpu_memory_utilization - weights
         block_bytes = self.block_size * shard.kv_bytes_per_token(model, self.kv_cache_dtype)
-        num_blocks = int(max(0.0, budget) // block_bytes)
+        num_blocks = int(max(0.0, budget) // block_bytes) * ep
         if num_blocks < 1:
             fmt = self.quantization or self.dtype
             raise ConfigError(
-                f"{model.name} does not fit on {hw.name} at tensor_parallel_size {tp}, pipeline_parallel_size {pp}: "
+                f"{model.name} does not fit on {hw.name} at tensor_parallel_size {tp}, pipeline_parallel_size {pp}"
+                + (f", expert_parallel_size {ep}" if ep > 1 else "")
+                + ": "
                 f"the weights per GPU ({weights / 2**30:.1f} GiB in {fmt}) leave {budget / 2**30:.2f} GiB of "
                 f"{hw.mem_capacity * self.gpu_memory_utilization / 2**30:.1f} GiB (gpu_memory_utilization "
                 f"{self.gpu_memory_utilization}) for no KV block of {self.block_size} tokens; raise "
-                "--tensor-parallel-size or --pipeline-parallel-size, or quantize the weights"
+                "--tensor-parallel-size, --pipeline-parallel-size or --expert-parallel-size, or quantize the weights"
             )
         return num_blocks
 
@@ -545,6 +555,7 @@ def simulate(
             "num_blocks_capacity": capacity[rep.role if rep.role in capacity else "mixed"],
             "tensor_parallel_size": config.role_tp(rep.role),
             "pipeline_parallel_size": config.pipeline_parallel_size,
+            "expert_parallel_size": config.expert_parallel_size,
         }
         for rep in reps
     ]

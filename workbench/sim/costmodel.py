@@ -43,7 +43,8 @@ def make_cost_model(
     **roofline: Any,
 ) -> CostModel:
     """A cost model by name: ``roofline`` (model on hardware; ``roofline`` keywords: ``quantization``,
-    ``group_size``, ``kv_cache_dtype``, ``tensor_parallel_size``, ``pipeline_parallel_size``, ``calibration``,
+    ``group_size``, ``kv_cache_dtype``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
+    ``expert_parallel_size``, ``calibration``,
     ``host_gap_s``, as ``RooflineCostModel``), ``profiled`` or ``op-profile`` (a profile file; ``noise_seed`` draws
     its measured residuals into each step)."""
     if name == "roofline":

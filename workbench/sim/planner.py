@@ -1,11 +1,11 @@
 """The capacity planner: which deployment of a model on N GPUs serves a trace with the most goodput per GPU.
 
-It searches replicas x tensor-parallel size x pipeline-parallel size x (colocated | P:D disaggregated, each side
-with its own TP) x scheduling policy x chunk size, as Vidur-Search (Agrawal et al., MLSys'24) searches deployment
-configurations and DistServe (Zhong et al., OSDI'24) places prefill and decode instances. Every candidate is one
-run of the discrete-event simulator (``workbench.sim.cluster.simulate``) on the same requests, priced by the
-calibrated roofline of its own shape; its goodput (requests/s meeting the TTFT and TPOT SLOs) is divided by the GPUs
-it uses. Candidates that cannot hold their weights (or divide the model's heads) are listed as skipped, with why.
+It searches replicas x tensor-parallel size x pipeline-parallel size (x a given expert-parallel size) x (colocated | P:D
+disaggregated, each side with its own TP) x scheduling policy x chunk size, as Vidur-Search (Agrawal et al., MLSys'24)
+searches deployment configurations and DistServe (Zhong et al., OSDI'24) places prefill and decode instances. Every
+candidate is one run of the discrete-event simulator (``workbench.sim.cluster.simulate``) on the same requests, priced
+by the calibrated roofline of its own shape; its goodput (requests/s meeting the TTFT and TPOT SLOs) is divided by the
+GPUs it uses. Candidates that cannot hold their weights (or divide the model's heads) are listed as skipped, with why.
 
 The simulations are independent, so they run in parallel on Ray (the maintained engine for this, and what
 Vidur-Search uses): ``ray.init(num_cpus=...)`` on this machine unless ``ray_address`` joins a cluster. Each
@@ -34,8 +34,9 @@ RAY_START_ENV = {"RAY_raylet_start_wait_time_s": "120"}
 
 @dataclass(frozen=True)
 class Candidate:
-    """One deployment: ``replicas`` colocated replicas of TP x PP GPUs, or ``disaggregate`` (P, D) replicas with
-    ``prefill_tp`` / ``decode_tp``; a policy and, for ``chunked``, a chunk size (the step's token budget)."""
+    """One deployment: ``replicas`` colocated replicas of TP x PP (x EP) GPUs, or ``disaggregate`` (P, D) replicas
+    with ``prefill_tp`` / ``decode_tp``; a policy and, for ``chunked``, a chunk size (the step's token budget). ``ep``:
+    a mixture of experts' expert-parallel size (attention data-parallel over the EP ranks, TP 1)."""
 
     tp: int = 1
     pp: int = 1
@@ -45,13 +46,14 @@ class Candidate:
     decode_tp: int | None = None
     policy: str = "continuous"
     chunk_size: int | None = None
+    ep: int = 1
 
     @property
     def num_gpus(self) -> int:
         if self.disaggregate:
             p, d = self.disaggregate
-            return self.pp * (p * (self.prefill_tp or self.tp) + d * (self.decode_tp or self.tp))
-        return self.replicas * self.tp * self.pp
+            return self.pp * self.ep * (p * (self.prefill_tp or self.tp) + d * (self.decode_tp or self.tp))
+        return self.replicas * self.tp * self.pp * self.ep
 
     @property
     def name(self) -> str:
@@ -61,6 +63,7 @@ class Candidate:
         else:
             shape = f"{self.replicas}xTP{self.tp}"
         shape += f"xPP{self.pp}" if self.pp > 1 else ""
+        shape += f"xEP{self.ep}" if self.ep > 1 else ""
         return f"{shape} {self.policy}" + (f"/{self.chunk_size}" if self.chunk_size else "")
 
 
@@ -72,12 +75,26 @@ def candidates(
     chunk_sizes: Iterable[int] = (512, 2048),
     disaggregated: bool = True,
     all_replica_counts: bool = True,
+    expert_parallel_size: int = 1,
 ) -> list[Candidate]:
     """Every deployment of at most ``num_gpus`` GPUs over the given sizes (chunk sizes apply to ``chunked``);
-    ``all_replica_counts`` tries 1 .. max replicas per shape (else only the most that fit)."""
+    ``all_replica_counts`` tries 1 .. max replicas per shape (else only the most that fit). With
+    ``expert_parallel_size`` > 1 every replica is TP 1 x PP x EP GPUs (a ``ConfigError`` when ``tps`` lacks 1 or
+    one replica of the smallest ``pps`` needs more than ``num_gpus``)."""
     if not isinstance(num_gpus, int) or num_gpus < 1:
         raise ConfigError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+    ep = expert_parallel_size
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ConfigError(f"expert_parallel_size must be a positive integer, got {ep!r}")
     tps, pps, policies, chunk_sizes = sorted(set(tps)), sorted(set(pps)), list(policies), sorted(set(chunk_sizes))
+    if ep > 1:
+        if 1 not in tps:
+            raise ConfigError(f"expert_parallel_size {ep} runs attention data-parallel, one GPU per EP rank: it "
+                              f"needs tensor-parallel size 1 among the sizes searched (--tp), got {tps}")  # fmt: skip
+        if ep * pps[0] > num_gpus:
+            raise ConfigError(f"expert_parallel_size {ep} needs {ep * pps[0]} GPUs per replica (EP x PP "
+                              f"{pps[0]}), more than the {num_gpus} GPU(s) to deploy on")  # fmt: skip
+        tps = [1]
     for policy in policies:
         if policy not in PLAN_POLICIES:
             raise ConfigError(f"plan policies must be among {', '.join(PLAN_POLICIES)}; got {policy!r}")
@@ -85,19 +102,19 @@ def candidates(
     out: list[Candidate] = []
     for pp in pps:
         for tp in tps:
-            most = num_gpus // (tp * pp)
+            most = num_gpus // (tp * pp * ep)
             counts = range(1, most + 1) if all_replica_counts else ([most] if most else [])
             for replicas in counts:
-                out += [Candidate(tp, pp, replicas, policy=p, chunk_size=c) for p, c in sched]
+                out += [Candidate(tp, pp, replicas, policy=p, chunk_size=c, ep=ep) for p, c in sched]
         if disaggregated:
             for ptp in tps:
                 for dtp in tps:
                     for np_ in range(1, num_gpus + 1):
                         for nd in range(1, num_gpus + 1):
-                            cand = Candidate(ptp, pp, 1, (np_, nd), ptp, dtp)
+                            cand = Candidate(ptp, pp, 1, (np_, nd), ptp, dtp, ep=ep)
                             if cand.num_gpus > num_gpus:
                                 break
-                            if not all_replica_counts and cand.num_gpus + min(ptp, dtp) * pp <= num_gpus:
+                            if not all_replica_counts and cand.num_gpus + min(ptp, dtp) * pp * ep <= num_gpus:
                                 continue  # room for one more replica: not one of the largest
                             # the prefill side runs whole prompts (DistServe): no chunking to search there
                             out.append(cand)
@@ -150,6 +167,7 @@ def evaluate(candidate: Candidate, requests: list[Request], settings: PlanSettin
             disaggregate=candidate.disaggregate, prefill_tp=candidate.prefill_tp if candidate.disaggregate else None,
             decode_tp=candidate.decode_tp if candidate.disaggregate else None, tensor_parallel_size=candidate.tp,
             pipeline_parallel_size=candidate.pp, link_gbps=settings.link_gbps, router="least-outstanding",
+            expert_parallel_size=candidate.ep,
         )  # fmt: skip
         roles = (["prefill"] * candidate.disaggregate[0] + ["decode"] * candidate.disaggregate[1]
                  if candidate.disaggregate else ["mixed"] * candidate.replicas)  # fmt: skip
@@ -157,7 +175,7 @@ def evaluate(candidate: Candidate, requests: list[Request], settings: PlanSettin
             role: RooflineCostModel(cfg, hw, config.dtype, quantization=config.quantization,
                                     kv_cache_dtype=config.kv_cache_dtype, tensor_parallel_size=config.role_tp(role),
                                     pipeline_parallel_size=config.pipeline_parallel_size, calibration=cal,
-                                    host_gap_s=None)
+                                    host_gap_s=None, expert_parallel_size=candidate.ep)
             for role in set(roles)
         }  # fmt: skip
         reqs = truncate_to_context(requests, config.resolved_max_model_len(cfg))

@@ -1,8 +1,9 @@
 """``RooflineCostModel``: the roofline prediction of ``workbench.roofline`` divided by a per-phase efficiency.
 
-The roofline is that of one GPU of a tensor-parallel x pipeline-parallel group, its communication included (the
-step's wall time on the group), with an optional calibration (per-kernel floor, memory efficiency, matrix-product
-efficiency against the token count); the calibration's per-step host overhead is the gap between steps.
+The roofline is that of one GPU of a tensor-parallel x pipeline-parallel (x expert-parallel: attention data-parallel,
+the MoE layers' all-to-all) group, its communication included (the step's wall time on the group), with an optional
+calibration (per-kernel floor, memory efficiency, matrix-product efficiency against the token count); the calibration's
+per-step host overhead is the gap between steps.
 
 A mixed step blends the efficiencies in proportion to each phase's own roofline time. Pure decode runs use an
 exact piecewise-linear form of the roofline in the context length (cached per batch size), evaluated in
@@ -44,6 +45,7 @@ class RooflineCostModel(CostModel):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         calibration: Calibration | str | None = None,
+        expert_parallel_size: int = 1,
     ) -> None:
         """``calibration``: None (the ideal roofline, the default), 'hardware' (the spec's own from
         ``accelerators.yaml``) or a ``Calibration``; its per-step host overhead becomes ``host_gap_s`` unless
@@ -55,7 +57,8 @@ class RooflineCostModel(CostModel):
                 raise ConfigError(f"{fname} must be in (0, 1], got {value!r}")
         full = get_model(model, hardware, dtype=dtype, kv_dtype=kv_cache_dtype, quantization=quantization,
                          group_size=group_size, tensor_parallel_size=tensor_parallel_size,
-                         pipeline_parallel_size=pipeline_parallel_size, calibration=calibration)  # fmt: skip
+                         pipeline_parallel_size=pipeline_parallel_size, calibration=calibration,
+                         expert_parallel_size=expert_parallel_size)  # fmt: skip
         self.calibration = full.calibration
         if host_gap_s is None:
             host_gap_s = full.calibration.step_overhead_s
@@ -65,7 +68,7 @@ class RooflineCostModel(CostModel):
             full if full.calibration.step_overhead_s == 0 else get_model(
                 model, hardware, dtype=dtype, kv_dtype=kv_cache_dtype, quantization=quantization,
                 group_size=group_size, tensor_parallel_size=tensor_parallel_size,
-                pipeline_parallel_size=pipeline_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size,
                 calibration=full.calibration.replace(step_overhead_s=0.0),
             )
         )  # fmt: skip
@@ -159,6 +162,7 @@ class RooflineCostModel(CostModel):
             "kv_cache_dtype": self.roofline.kv_dtype,
             "tensor_parallel_size": self.roofline.tensor_parallel_size,
             "pipeline_parallel_size": self.roofline.pipeline_parallel_size,
+            "expert_parallel_size": self.roofline.expert_parallel_size,
             "calibration": self.calibration.to_dict(),
             "prefill_efficiency": self.prefill_efficiency,
             "decode_efficiency": self.decode_efficiency,

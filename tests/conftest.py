@@ -6,6 +6,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("MPLBACKEND", "agg")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one worker per core (make test: -n auto): torch's intra-op threads would oversubscribe the cores and spin in
+    # OpenMP's barriers, so each worker (and what it starts) computes on one thread unless a test sets otherwise
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

@@ -9,12 +9,14 @@ the block tables compiles to the same gather (indexing the pool by slot) before 
 has such a kernel (``csrc/cpu``), as a C++ op of its own; this file is ours, written from the algorithm
 (flash-decoding's online softmax, Dao et al. 2023), not from that code.
 
-The op (``kernels/csrc/paged_decode_cpu.cpp``): one task per (sequence, KV head), the group's query heads sharing
-each K/V row (GQA/MQA without expanding K/V), the context walked block table by block table in tiles of 32 tokens,
-an online softmax in fp32, int8 (a scale per token and head) and fp8 e4m3 (one scale) rows dequantized as they
-are loaded, bf16 widened by a shift. The new token's K/V can be passed as the last key (``k_new``/``v_new``,
-``cached_lens`` then counts the keys before it), which lets a compiled decode step attend before the step's one
-write (``KVCache.write``) instead of writing a view of a graph input inside the graph.
+The op (``kernels/csrc/paged_decode_cpu.cpp``): one task per sequence (or per (sequence, KV head) when the batch is
+smaller than four per thread), the group's query heads sharing each K/V row (GQA/MQA without expanding K/V), the
+context walked block table by block table in tiles of 32 tokens, scores 8 rows at a time with 8 accumulators, an
+online softmax in fp32 with a vectorized exp, int8 (a scale per token and head) and fp8 e4m3 (one scale) rows
+dequantized as they are loaded, bf16 widened by a shift, fp32 rows read in place. The new token's K/V can be passed
+as the last key (``k_new``/``v_new``, ``cached_lens`` then counts the keys before it), which lets a compiled decode
+step attend before the step's one write (``KVCache.write``) instead of writing a view of a graph input inside the
+graph.
 
 Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under
 ``TORCH_EXTENSIONS_DIR``) and registered as ``torch.ops.workbench_cpu.paged_decode`` with a fake kernel, so

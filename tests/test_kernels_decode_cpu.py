@@ -91,6 +91,29 @@ def test_quantized_decode_matches_reference(isa, kv_dtype, num_heads, block_size
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("num_heads", NUM_HEADS)
+@pytest.mark.parametrize("head_size", [20, 64])  # 20: rows padded to a multiple of 8 floats in the op
+@pytest.mark.parametrize("threads", [1, 2])  # 1: a task per sequence (5 >= 4 per thread); 2: per (sequence, KV head)
+def test_decode_task_layouts_match_reference(isa, num_heads, head_size, threads):
+    need_isa(isa)
+    batch = batch_of(num_heads, head_size, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                         isa=isa)  # fmt: skip
+        kq, ks = quantize_kv_int8(batch.k_cache)
+        vq, vs = quantize_kv_int8(batch.v_cache)
+        args = (batch.q, kq, vq, batch.block_tables, batch.seq_lens)
+        out_int8 = paged_decode_attention_cpu(*args, k_scale=ks, v_scale=vs, isa=isa)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
+    ref_int8 = paged_decode_attention_quantized_reference(*args, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out_int8, ref_int8, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_new_key_given_equals_new_key_written(isa):
     """k_new/v_new as the last key (the pool's last slot holding junk) equals the pool holding them."""
     need_isa(isa)

@@ -64,7 +64,16 @@ def test_int8_linear_matches_dequantized_matmul(dtype, rows):
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     layer = quant.Int8Linear(lin)
     ref = x.float() @ layer.dequantized_weight().T + lin.bias.float()
-    torch.testing.assert_close(layer(x).float(), ref, **TOLERANCES[dtype])
+    # the CPU decode product of an AVX2/AVX-512 CPU feeds torch's int8 kernel bf16 activations: bf16's tolerance
+    bf16 = rows <= quant.INT8_PACKED_MAX_ROWS and layer.bf16_rows
+    torch.testing.assert_close(layer(x).float(), ref, **TOLERANCES[torch.bfloat16 if bf16 else dtype])
+
+
+def test_int8_bf16_rows_follow_the_cpu():
+    lin = nn.Linear(64, 8, bias=False)
+    layer = quant.Int8Linear(lin)
+    assert layer.bf16_rows == (torch.backends.cpu.get_cpu_capability() in quant.INT8_BF16_CAPABILITIES)
+    assert layer.bf16_rows == (layer.scale_bf16 is not None)
 
 
 @pytest.mark.parametrize("group_size", [32, 128])

@@ -4,7 +4,8 @@ Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 
 - **int8**, symmetric per output channel: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)`` in
   [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)`` on CUDA;
-  on the CPU ``int8_rows`` (decode) or the GEMM of ``q`` cast to the activation dtype (many rows).
+  on the CPU the same operator fed bf16 activations (decode, AVX2 and up), else ``int8_rows``, or the GEMM of ``q``
+  cast to the activation dtype (many rows).
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
   ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
@@ -24,7 +25,8 @@ buy: the sweep's speed-up with the head in fp32 and with it in the scheme (``spe
 
 Why these paths and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its weight-only
 int8/int4 paths on the CPU end in the ``aten`` packed operators, and on this CPU (2 threads, torch 2.13) those are
-no decode kernels: ``_weight_int8pack_mm`` took 5x the fp32 GEMV's time on a 1 x 1024 by 5632 x 1024 product,
+no decode kernels for fp32 activations: ``_weight_int8pack_mm`` took 5x the fp32 GEMV's time on a 1 x 1024 by
+5632 x 1024 product (fed bf16 it is the fastest int8 product, ``INT8_BF16_CAPABILITIES``),
 and inductor's C++ GEMM template for it needs max-autotune with frozen weights. The CPU decode products are
 therefore plain tensor expressions (``int8_rows``, ``int4_rows``) that inductor compiles into one vectorized
 dequantize-multiply-reduce loop per matrix (checked with ``TORCH_LOGS=output_code``: ``at::vec`` loads of the codes,
@@ -49,6 +51,13 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 operators accept
 # GEMM's time at 32 rows of a 5632 x 1024 matrix on this 2-core AVX-512 CPU, torch 2.13).
 INT8_PACKED_MAX_ROWS = 4
 INT8_SPLIT = 4  # products added per accumulation in int8_rows
+# torch's CPU kernel of ``_weight_int8pack_mm`` is vectorized for bf16 activations only (ATen
+# ``native/cpu/int8mm_kernel.cpp``; fp32 takes a scalar loop). Measured on this project's 2-core AMD EPYC (AVX2,
+# torch 2.13, one thread, CPU time, bench-300m's matrices, one row): bf16 activations 6.7-11.7x faster than
+# ``int8_rows`` compiled and 1.3-2.0x faster than the fp32 GEMV on the fp32 weight (7.75 against 35.97 and 10.06 ms
+# on the 32000 x 1024 head); at 4 rows 2.5-3.3x faster than the fp32 GEMM. The price is bf16's rounding of x and y
+# (a relative error of 3e-3 against the int8 format's own 8e-3 on the same matrices).
+INT8_BF16_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX")
 ENGINE_QUANTIZATIONS = ("int8", "int4")  # fp8 weights: roofline and simulator only (no CPU fp8 matmul here)
 CUDA_INT4_INNER_K_TILES = 8
 
@@ -151,8 +160,9 @@ class Int8Linear(nn.Module):
     """y = x @ (q * scale)^T (+ bias): 1 byte per weight read.
 
     On CUDA ``aten._weight_int8pack_mm``. On the CPU, products of at most ``INT8_PACKED_MAX_ROWS`` rows (decode)
-    run ``int8_rows`` compiled by inductor (the aten operator took 5x the fp32 GEMV's time on this CPU); more rows
-    run the activation dtype's GEMM on ``q`` and scale the result.
+    run the same operator on bf16 activations where torch vectorizes it (AVX2 and up: ``bf16_rows``; fed fp32 it
+    took 5x the fp32 GEMV's time), else ``int8_rows`` compiled by inductor; more rows run the activation dtype's
+    GEMM on ``q`` and scale the result.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -162,6 +172,10 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("qweight", q.to(dev))  # (out, in) int8
         self.register_buffer("scale", scale.to(device=dev, dtype=dtype))  # (out,) activation dtype
+        # the CPU decode product feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the
+        # scale (2 bytes an output row, not a buffer: not part of the format's counted bytes, never moved off the CPU)
+        self.bf16_rows = dev.type == "cpu" and torch.backends.cpu.get_cpu_capability() in INT8_BF16_CAPABILITIES
+        self.scale_bf16 = scale.to(torch.bfloat16) if self.bf16_rows else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -172,6 +186,8 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if x.device.type != "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+        elif x2.shape[0] <= INT8_PACKED_MAX_ROWS and self.bf16_rows:
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scale_bf16).to(x.dtype)
         elif x2.shape[0] <= INT8_PACKED_MAX_ROWS:
             y = _compiled(int8_rows)(x2, self.qweight, self.scale)
         else:  # many rows (prefill, large decode batches): (x @ q^T) * scale with the dtype's own GEMM

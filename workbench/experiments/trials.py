@@ -191,7 +191,7 @@ class Rounds:
     def run(
         self, arms: Mapping[str, Callable[[int], Any]], rule: DecisionRule, metric: str | None = None,
         control_arm: Callable[[int], Any] | None = None,
-    ) -> Any:  # fmt: skip
+    ) -> Comparison:  # fmt: skip
         """``run_rounds`` of ``arms`` under ``rule`` with these settings (returns its ``Comparison``); the A/A
         control runs ``control_arm`` (a second instance of A, for arms with state such as an engine whose
         sequences grow) when given, else A itself."""

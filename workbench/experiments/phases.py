@@ -89,14 +89,17 @@ def decode_arm(model: Transformer, batch: int, kv_len: int, steps: int = 3) -> C
     return trial
 
 
-def prefill_arm(model: Transformer, prompt_len: int, seed: int = 0) -> Callable[[int], float]:
+def prefill_arm(model: Transformer, prompt_len: int, seed: int = 0, steps: int = 1) -> Callable[[int], float]:
     """An arm of paired rounds: one trial prefills a fresh random prompt of ``prompt_len`` tokens (seeded by the
-    round, so both arms of a round see prompts from the same seed) and returns its time in seconds."""
+    round, so both arms of a round see prompts from the same seed) ``steps`` times and returns the median time in
+    seconds (several steps keep a millisecond prefill of a tiny model clear of the scheduler's time slices)."""
+    if steps < 1:
+        raise ConfigError(f"need steps >= 1, got {steps}")
     cache = model.new_cache(1, prompt_len)
 
     def trial(index: int) -> float:
         prompts = random_prompts(1, prompt_len, model.config.vocab_size, seed + 1 + index)
-        return time_stats(lambda: model.prefill(prompts, cache, [0]), model.device, 0, 1)["median_s"]
+        return time_stats(lambda: model.prefill(prompts, cache, [0]), model.device, 0, steps)["median_s"]
 
     return trial
 
@@ -112,12 +115,14 @@ def batching_trial(
 
 
 def prefill_trial(
-    model: Transformer, short_len: int, long_len: int, rounds: Rounds, margin: float = LATENCY_MARGIN
-) -> Comparison:
-    """Prefill time of a ``long_len``-token prompt (B) against a ``short_len``-token one (A), paired rounds: the
-    claim "prefill sets TTFT" (the longer prompt takes longer by more than ``margin``)."""
-    arms = {f"{short_len} tokens": prefill_arm(model, short_len, rounds.seed),
-            f"{long_len} tokens": prefill_arm(model, long_len, rounds.seed)}  # fmt: skip
+    model: Transformer, short_len: int, long_len: int, rounds: Rounds, margin: float = LATENCY_MARGIN,
+    steps: int = 1,
+) -> Comparison:  # fmt: skip
+    """Prefill time of a ``long_len``-token prompt (B) against a ``short_len``-token one (A), paired rounds (a
+    trial: the median of ``steps`` prefills): the claim "prefill sets TTFT" (the longer prompt takes longer by more
+    than ``margin``)."""
+    arms = {f"{short_len} tokens": prefill_arm(model, short_len, rounds.seed, steps),
+            f"{long_len} tokens": prefill_arm(model, long_len, rounds.seed, steps)}  # fmt: skip
     return rounds.run(arms, DecisionRule("higher", margin))
 
 

@@ -8,6 +8,7 @@ import pytest
 from workbench import record
 from workbench.experiments import claims as C
 from workbench.experiments import hygiene as H
+from workbench.experiments.trials import DecisionRule, run_rounds
 
 
 def _prefill(n: int, t: float, spread: float = 0.0, intensity: float = 50.0, mfu: float = 0.6, mbu: float = 0.1):
@@ -21,54 +22,85 @@ def _decode(b: int, t: float, spread: float = 0.0, ctx: int = 128, mbu: float = 
             "tokens_per_s_max": b / (t - spread), "intensity": 0.5 * b, "mbu": mbu, "mfu": mfu}  # fmt: skip
 
 
-def test_prefill_claim_confirmed_contradicted_and_noise() -> None:
-    ok = C.prefill_compute_bound([_prefill(16, 0.010, 0.001), _prefill(256, 0.100, 0.005)], balance_point=10.0)
-    assert ok["verdict"] == "confirmed"
-    # TTFT fell as the prompt grew (beyond the spread): not confirmed, and the numbers are in the text
-    bad = C.prefill_compute_bound([_prefill(16, 0.100, 0.001), _prefill(256, 0.010, 0.001)], balance_point=10.0)
-    assert bad["verdict"] == "not_confirmed" and "100.0" in bad["detail"] and "10.0" in bad["detail"]
-    # below the balance point: not compute-bound
+def _cmp(a, b, direction="higher", margin=0.05, control=None, names=("A", "B"), records=None):
+    """A Comparison of per-round values written by hand: one look at len(a) rounds (confidence 95% exactly)."""
+    n = len(a)
+
+    def arm(values, key):
+        return lambda i: {**(records or {}).get(key, [{}] * n)[i], "x": values[i]} if records else values[i]
+
+    arms = {names[0]: arm(a, names[0]), names[1]: arm(b, names[1])}
+    ctl = arm(control, "control") if control else False
+    return run_rounds(arms, DecisionRule(direction, margin), min_rounds=n, max_rounds=n, warmup=0, control=ctl,
+                      metric="x" if records else None)  # fmt: skip
+
+
+# B/A per round: 2.0, 2.2, 1.8, 2.0, 2.1, 1.9; logs .6931 .7885 .5878 .6931 .7419 .6419: mean .69106, ratio 1.9958
+A6 = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+B6 = [2.0, 2.2, 1.8, 2.0, 2.1, 1.9]
+AA = [1.01, 0.99, 1.0, 1.02, 0.98, 1.0]
+
+
+def test_a_paired_claim_carries_ratio_interval_rounds_margin_and_control() -> None:
+    c = C.batching_raises_throughput(_cmp(A6, B6, control=AA, names=("batch 1", "batch 8")), 1024, 1, 8)
+    assert c["verdict"] == "confirmed" and c["uses"] == ["paired"]
+    ev = c["evidence"]
+    assert set(ev) >= {"ratio", "ci_low", "ci_high", "rounds", "margin", "confidence", "control"}
+    assert ev["ratio"] == pytest.approx(1.9958, rel=1e-4) and ev["ci_low"] < ev["ratio"] < ev["ci_high"]
+    assert ev["rounds"] == 6 and ev["margin"] == 0.05 and ev["confidence"] == 0.95 and ev["context_len"] == 1024
+    assert ev["control"]["failed"] is False and ev["control"]["ratio"] == pytest.approx(1.0, abs=0.01)
+    assert "batch 8/batch 1 = 2" in c["detail"] and "A/A 1" in c["detail"]
+    text = C.claims_markdown([c])
+    assert "**confirmed · 2x [" in text and "6 rounds" in text
+
+
+def test_paired_claims_say_opposite_equivalent_and_failed_control() -> None:
+    slower = C.batching_raises_throughput(_cmp(A6, [0.25 * x for x in B6], control=AA), 128, 1, 8)
+    assert slower["verdict"] == "not_confirmed" and "other way" in slower["detail"]
+    # +-1% around 1: inside a 5% margin
+    same = C.prefill_sets_ttft(_cmp(A6, [1.01, 0.99, 1.0, 1.01, 0.99, 1.0], control=AA), 16, 1024)
+    assert same["verdict"] == "not_confirmed" and "inside the margin" in same["detail"]
+    # the same arm "differs from itself" by 1.5x: the rounds were not comparable, whatever B/A says
+    broken = C.batching_raises_throughput(_cmp(A6, B6, control=[1.5 * x for x in B6[:6]]), 128, 1, 8)
+    assert broken["verdict"] == "inconclusive" and "A/A control failed" in broken["detail"]
+    assert broken["evidence"]["control"]["failed"] is True
+
+
+def test_serving_claims_read_their_figures_from_the_same_rounds() -> None:
+    # static (A) against continuous (B): p99 TTFT halves, throughput +10% in every round
+    rec = {"static": [{"output_throughput": 10.0}] * 6, "continuous": [{"output_throughput": 11.0}] * 6,
+           "control": [{"output_throughput": 10.0}] * 6}  # fmt: skip
+    cmp = _cmp([900.0] * 6, [450.0, 470, 430, 460, 440, 450], "lower", 0.10, control=[905.0, 895, 900, 910, 890, 900],
+               names=("static", "continuous"), records=rec)  # fmt: skip
+    claim = C.continuous_beats_static(cmp, "azure-conv")
+    assert claim["verdict"] == "confirmed" and "azure-conv" in claim["claim"]
+    assert claim["evidence"]["throughput"]["ratio"] == pytest.approx(1.1)
+    assert "1.1x [1.1, 1.1]" in claim["detail"]
+    # the stall and TTFT claims of notebook 04 from one set of rounds: stall 11x lower, TTFT 22% higher
+    rec = {"one-step": [{"long_ttft_ms": 4121.0}] * 6, "chunked": [{"long_ttft_ms": 5012.0 + i} for i in range(6)],
+           "control": [{"long_ttft_ms": 4121.0}] * 6}  # fmt: skip
+    stall = _cmp([4284.0] * 6, [379.0, 390, 370, 385, 375, 380], "lower", 0.10, control=[4280.0, 4290] * 3,
+                 names=("one-step", "chunked"), records=rec)  # fmt: skip
+    assert C.chunking_removes_stalls(stall)["verdict"] == "confirmed"
+    price = C.chunking_costs_ttft(stall.on("long_ttft_ms", DecisionRule("higher", 0.10)))
+    assert price["verdict"] == "confirmed" and price["evidence"]["ratio"] == pytest.approx(5014.5 / 4121, rel=1e-3)
+    worse = [420.0, 430, 410, 425, 415, 420]
+    tail = C.chunking_lowers_tail_itl(_cmp([300.0] * 6, worse, "lower", 0.10, [300 * x for x in AA]))
+    assert tail["verdict"] == "not_confirmed" and "other way" in tail["detail"]
+
+
+def test_prefill_compute_bound_rests_on_absolute_figures() -> None:
+    ok = C.prefill_compute_bound([_prefill(16, 0.010), _prefill(256, 0.100)], balance_point=10.0)
+    assert ok["verdict"] == "confirmed" and "timing" in ok["uses"]
     low = C.prefill_compute_bound([_prefill(16, 0.01), _prefill(256, 0.1, intensity=5.0)], balance_point=10.0)
     assert low["verdict"] == "not_confirmed"
-    noisy = C.prefill_compute_bound([_prefill(16, 0.010, 0.008), _prefill(256, 0.015, 0.008)], balance_point=10.0)
-    assert noisy["verdict"] == "inconclusive" and "overlap" in noisy["detail"]
+    side = C.prefill_compute_bound([_prefill(256, 0.1, mfu=0.05, mbu=0.3)], balance_point=10.0)
+    assert side["verdict"] == "not_confirmed" and "MFU 0.05" in side["detail"]
 
 
 def test_decode_claim_needs_mbu_above_mfu_below_balance() -> None:
     assert C.decode_bandwidth_bound([_decode(1, 0.05)], balance_point=10.0)["verdict"] == "confirmed"
     assert C.decode_bandwidth_bound([_decode(1, 0.05, mbu=0.01, mfu=0.5)], 10.0)["verdict"] == "not_confirmed"
-
-
-def test_batching_claim_from_spreads() -> None:
-    # batch 8 step 0.2 s -> 40 tok/s; batch 1 0.05 s -> 20 tok/s
-    assert C.batching_raises_throughput([_decode(1, 0.05, 0.002), _decode(8, 0.2, 0.01)])["verdict"] == "confirmed"
-    # the issue's numbers: batch 2 at 4.37 s against batch 1 at 0.41 s: throughput fell
-    bad = C.batching_raises_throughput([_decode(1, 0.41, 0.01), _decode(2, 4.37, 0.1)])
-    assert bad["verdict"] == "not_confirmed" and bad["evidence"]["gain"] == pytest.approx(2 / 4.37 / (1 / 0.41))
-    noisy = C.batching_raises_throughput([_decode(1, 0.05, 0.02), _decode(2, 0.09, 0.03)])
-    assert noisy["verdict"] == "inconclusive"
-
-
-def test_continuous_vs_static() -> None:
-    s = {"output_throughput": 100.0, "ttft_p99_ms": 900.0}
-    assert C.continuous_beats_static(s, {"output_throughput": 130.0, "ttft_p99_ms": 500.0}, "w")["verdict"] == (
-        "confirmed"
-    )
-    lost = C.continuous_beats_static(s, {"output_throughput": 80.0, "ttft_p99_ms": 850.0}, "azure-conv")
-    assert lost["verdict"] == "not_confirmed" and "80.0" in lost["detail"] and "azure-conv" in lost["claim"]
-    same = C.continuous_beats_static(s, {"output_throughput": 102.0, "ttft_p99_ms": 880.0}, "w")
-    assert same["verdict"] == "inconclusive"
-
-
-def test_chunking_claims_catch_the_issue_numbers() -> None:
-    # "The price: the long prompt's TTFT went from 13783 ms to 9613 ms" is a decrease: no price, not confirmed
-    price = C.chunking_costs_ttft(13783, 9613)
-    assert price["verdict"] == "not_confirmed" and "fell" in price["detail"] and "no TTFT price" in price["detail"]
-    assert C.chunking_costs_ttft(1000, 1400)["verdict"] == "confirmed"
-    assert C.chunking_removes_stalls(800, 120)["verdict"] == "confirmed"
-    assert C.chunking_removes_stalls(120, 800)["verdict"] == "not_confirmed"
-    tail = C.chunking_lowers_tail_itl({"continuous": 300.0, "decode-first": 250.0, "chunked": 420.0})
-    assert tail["verdict"] == "not_confirmed" and "chunked 420 ms" in tail["detail"]
 
 
 def test_kv_head_claims() -> None:
@@ -83,21 +115,23 @@ def test_kv_head_claims() -> None:
     assert C.paging_wastes_less(0.8, 0.02, 16)["verdict"] == "confirmed"
 
 
-def test_anomalies_make_dependent_claims_inconclusive_and_the_text_says_so(tmp_path) -> None:
-    claim = C.batching_raises_throughput([_decode(1, 0.05, 0.002), _decode(8, 0.2, 0.01)])
+def test_drift_voids_absolute_claims_not_paired_ones(tmp_path) -> None:
+    absolute = C.prefill_compute_bound([_prefill(16, 0.010), _prefill(256, 0.100)], balance_point=10.0)
+    paired = C.batching_raises_throughput(_cmp(A6, B6, control=AA), 128, 1, 8)
     analytic = C.paging_wastes_less(0.8, 0.02, 16)
-    flagged = H.check_drift({"decode": 0.6, "prefill": 0.01})
-    assert len(flagged) == 1 and flagged[0]["affects"] == "timing"
-    final = C.apply_anomalies([claim, analytic], flagged)
+    flagged = H.check_drift({"decode": 0.6, "prefill": 0.01}) + H.check_ceilings({"peak_flops": -0.35})
+    assert [a["affects"] for a in flagged] == ["timing", "timing"]
+    final = C.apply_anomalies([absolute, paired, analytic], flagged)
     assert final[0]["verdict"] == "inconclusive" and final[0]["verdict_from_numbers"] == "confirmed"
-    assert final[0]["unreliable"] and final[1]["verdict"] == "confirmed"
+    assert final[0]["unreliable"] and final[1] == paired and final[2]["verdict"] == "confirmed"
     text = C.claims_markdown(final, flagged)
     assert "Unreliable results" in text and "+60%" in text and "the numbers alone say confirmed" in text
     record.reset()
     record.set_output_dir(tmp_path)
-    md = record.conclude([claim, analytic], flagged)
+    md = record.conclude([absolute, paired, analytic], flagged)
     saved = record.recorded()
-    assert [c["verdict"] for c in saved["claims"]] == ["inconclusive", "confirmed"]
+    assert [c["verdict"] for c in saved["claims"]] == ["inconclusive", "confirmed", "confirmed"]
+    assert saved["claims"][1]["evidence"]["ci_low"] > 1.05
     assert saved["anomalies"] == flagged and "inconclusive" in md
     record.reset()
 
@@ -110,6 +144,7 @@ def test_sanity_checks_by_hand() -> None:
     # notebook 02's numbers from the issue: batch 8 at 137 ms vs 3.8 s; per token the larger batch is slower
     slow = H.check_batching([_decode(1, 0.150, 0.01), _decode(8, 2.72, 0.1), _decode(16, 2.0, 0.1)])
     assert [a["batches"] for a in slow] == [[1, 8]]
+    assert "disturbed" not in slow[0]["message"]  # the engine's own numbers never blame the machine
     assert H.check_batching([_decode(1, 0.05, 0.01), _decode(8, 0.2, 0.01)]) == []
     moved = H.check_ceilings({"peak_flops": -0.5, "mem_bandwidth": 0.1})
     assert [(a["ceiling"], a["affects"]) for a in moved] == [("peak_flops", "timing")]
@@ -135,7 +170,7 @@ def test_index_shows_the_running_experiment_verdicts_and_anomalies() -> None:
     page = render_run_index(manifest, {})
     assert "running second" in page and ">running<" in page and ">pending<" in page and "Not run" not in page
     assert "1 confirmed" in page and "Unreliable" in page and "+60%" in page
-    timed = C.apply_anomalies([C.chunking_costs_ttft(1000, 1400)], flagged)
+    timed = C.apply_anomalies([C.prefill_compute_bound([_prefill(256, 0.1)], 10.0)], flagged)
     manifest["experiments"][0]["metrics"]["claims"] = timed
     assert "numbers alone: confirmed" in render_run_index(manifest, {})
     assert "1,235" in page and "12,000" in page  # one number format per column

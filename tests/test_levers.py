@@ -11,6 +11,7 @@ from workbench import bench
 from workbench.cli import main
 from workbench.config import ModelConfig
 from workbench.experiments import claims, levers
+from workbench.experiments.trials import DecisionRule, run_rounds
 from workbench.hardware import HardwareSpec
 from workbench.model.accuracy import compare_logits, logit_agreement, prompt_logits
 
@@ -126,13 +127,24 @@ def _row(scheme, mb, tps, lo=None, hi=None, **kw):
             "tokens_per_s_max": hi or tps, **kw}  # fmt: skip
 
 
+def _pair(ratios, a="fp32", b="int8"):
+    """A paired comparison of two schemes whose per-round tokens/s ratio b/a is ``ratios`` (one look, 95%)."""
+    n = len(ratios)
+    arms = {a: lambda i: 20.0, b: lambda i: 20.0 * ratios[i]}
+    return run_rounds(arms, DecisionRule("higher", 0.05), min_rounds=n, max_rounds=n, warmup=0,
+                      control=lambda i: 20.0 * (1.0 + 0.01 * (-1) ** i))  # fmt: skip
+
+
 def test_claim_fewer_weight_bytes_faster_decode_each_verdict():
-    ok = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 45, 44, 46), _row("int4", 150, 60, 58, 62)]
-    assert claims.fewer_weight_bytes_faster_decode(ok)["verdict"] == "confirmed"
-    slower = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 45, 44, 46), _row("int4", 150, 30, 29, 31)]
-    assert claims.fewer_weight_bytes_faster_decode(slower)["verdict"] == "not_confirmed"
-    overlap = [_row("fp32", 500, 20, 19, 21), _row("int8", 200, 21, 20, 23)]
-    assert claims.fewer_weight_bytes_faster_decode(overlap)["verdict"] == "inconclusive"
+    faster = _pair([2.2, 2.3, 2.1, 2.25, 2.2, 2.15])
+    slower = _pair([0.6, 0.62, 0.58, 0.61, 0.6, 0.59], "int8", "int4-g32")
+    unclear = _pair([0.9, 1.3, 1.0, 1.25, 0.95, 1.2], "int8", "int4-g32")
+    ok = claims.fewer_weight_bytes_faster_decode([faster, _pair([1.3, 1.35, 1.28, 1.32, 1.3, 1.31], "int8", "int4")])
+    assert ok["verdict"] == "confirmed" and ok["evidence"]["ratio"] == pytest.approx(faster.ratio)
+    assert len(ok["evidence"]["pairs"]) == 2 and ok["evidence"]["pairs"][1]["verdict"] == "confirmed"
+    bad = claims.fewer_weight_bytes_faster_decode([faster, slower])
+    assert bad["verdict"] == "not_confirmed" and "int4-g32/int8 = 0.6" in bad["detail"] and "opposite" in bad["detail"]
+    assert claims.fewer_weight_bytes_faster_decode([faster, unclear])["verdict"] == "inconclusive"
 
 
 def test_claim_kv_quantized_long_decode_each_verdict():

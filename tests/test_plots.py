@@ -59,3 +59,18 @@ def test_decode_bytes_bars_stack_weights_kv_and_activations() -> None:
         assert sum(stack) == pytest.approx(cost.bytes / 1e9)
     # at batch 32 the KV (32 x 2048 x 512 KiB = 34 GB) outweighs the weights (13 GB)
     assert ax.patches[3 + 2].get_height() > ax.patches[0 + 2].get_height()
+
+
+def test_trials_chart_draws_every_round_the_interval_and_the_margin() -> None:
+    from workbench import plots
+    from workbench.experiments.trials import DecisionRule, run_rounds
+
+    a, b = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95], [2.0, 2.3, 1.8, 2.0, 2.1, 1.9]
+    cmp = run_rounds({"batch 1": lambda i: a[i], "batch 8": lambda i: b[i]}, DecisionRule("higher"), warmup=0,
+                     min_rounds=6, max_rounds=6, control=lambda i: a[5 - i])  # fmt: skip
+    ax = plots.plot_trials({"batching": cmp, "again": cmp})
+    assert plots.figure_summary(ax)["xscale"] == "log" and "B/A" in ax.get_xlabel()
+    points = [c.get_offsets() for c in ax.collections if len(c.get_offsets()) == 6]
+    assert len(points) == 4  # per comparison: six B/A ratios and six A/A ratios
+    assert sorted(round(x, 6) for x in points[0][:, 0]) == sorted(round(y / x, 6) for x, y in zip(a, b))
+    assert [t.get_text().split("\n")[1] for t in ax.get_yticklabels()] == ["batch 8 / batch 1"] * 2

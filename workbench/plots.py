@@ -9,7 +9,8 @@ Figures here: ``plot_roofline`` (log-log roofline with the hardware's ceilings a
 and phase), ``plot_decode_bytes`` (stacked bars of where a decode step's bytes go), and the experiments' figures:
 ``plot_phase_times`` (01), ``plot_variant_decode`` and ``plot_waste`` (02), ``plot_batch_sweep`` and
 ``plot_policy_bars`` (03), ``plot_step_timelines`` and ``plot_budget_tradeoff`` (04), ``plot_decode_levers``,
-``plot_accuracy_speed`` and ``plot_phase_speedups`` (08). Every timing is drawn with
+``plot_accuracy_speed`` and ``plot_phase_speedups`` (08), and ``plot_trials`` (the paired rounds behind every
+timing claim: each round's B/A and A/A ratio, the interval and the margin). Every timing is drawn with
 error bars from its min..max over the repeats (rows with ``time_min_s`` / ``time_max_s``). Titles name the axes
 and the setting, never a claim: the claims and their verdicts are in each notebook's conclusion.
 """
@@ -768,4 +769,41 @@ def plot_phase_speedups(decode: Any, prefill: Any, batch: int, ax: Axes | None =
     ax.set(ylabel="speed-up over the unquantized model (x)", xlabel="storage scheme",
            title="Fewer bytes per weight: decode against prefill")  # fmt: skip
     ax.legend()
+    return ax
+
+
+def plot_trials(comparisons: Mapping[str, Any], ax: Axes | None = None) -> Axes:
+    """One row per paired comparison (``trials.Comparison``, keyed by a short name): each round's B/A ratio (dots)
+    and A/A control ratio (crosses), the mean B/A with its interval (bar), the band of +-margin around 1 (grey) and
+    1 itself; log ratio axis. The per-round spread is what the interval is made of."""
+    import math
+
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+        _, ax = plt.subplots(figsize=(7.5, 1.0 + 0.9 * len(comparisons)))
+    names = list(comparisons)
+    for y, name in enumerate(names):
+        c = comparisons[name]
+        a, b = c.arms
+        ratios = [vb / va for va, vb in zip(c.values[a], c.values[b])]
+        ax.scatter(ratios, [y + 0.12] * len(ratios), s=14, color="#0173B2", alpha=0.7,
+                   label="B/A per round" if y == 0 else None)  # fmt: skip
+        control = c.values.get(f"{a} (A/A)")
+        if control:
+            aa = [vc / va for va, vc in zip(c.values[a], control)]
+            ax.scatter(aa, [y - 0.12] * len(aa), s=14, marker="x", color="#666666",
+                       label="A/A per round" if y == 0 else None)  # fmt: skip
+        ax.errorbar(c.ratio, y + 0.12, xerr=[[c.ratio - c.ci_low], [c.ci_high - c.ratio]], fmt="D", color="#D55E00",
+                    capsize=4, label=f"B/A mean, {c.rule.confidence:.0%} interval" if y == 0 else None)  # fmt: skip
+        m = math.log1p(c.rule.margin)
+        ax.fill_between([math.exp(-m), math.exp(m)], y - 0.4, y + 0.4, color="#cccccc", alpha=0.5, lw=0,
+                        label="+-margin" if y == 0 else None)  # fmt: skip
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels([f"{n}\n{comparisons[n].arms[1]} / {comparisons[n].arms[0]}" for n in names], fontsize="small")
+    ax.set_ylim(-0.6, len(names) - 0.4)
+    ax.set(xlabel="ratio B/A (log scale)", title="Paired rounds: per-round ratios and the interval of their mean")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="x-small")
     return ax

@@ -5,12 +5,19 @@ Each function takes measured numbers and returns one claim::
     {"claim": "Batching raises decode throughput", "verdict": "confirmed" | "not_confirmed" | "inconclusive",
      "evidence": {...the numbers...}, "detail": "a sentence with the numbers", "uses": ["timing", ...]}
 
-A verdict is *confirmed* when the numbers support the claim beyond their spread (min..max of the repeats) or, for
-single runs, beyond a stated relative tolerance; *not confirmed* when they contradict it beyond the same margin
-(the detail says with which numbers); *inconclusive* when the difference is within the noise. ``uses`` names what
-the claim rests on ("timing": measured times; "ceilings": figures divided by a measured ceiling; "batching": the
-batch sweep); ``apply_anomalies`` turns every claim resting on something a sanity check flagged into
-*inconclusive* and marks it unreliable, keeping what the numbers alone would have said.
+Every claim that compares the engine's timings (batching, policies, chunking, weight formats) is decided by paired,
+interleaved rounds (``workbench.experiments.trials``): ``paired_claim`` turns a ``Comparison`` into a claim whose
+verdict is the pre-registered rule's on the B/A interval and whose ``evidence`` carries ``ratio``, ``ci_low``,
+``ci_high``, ``rounds``, ``margin``, ``confidence`` and ``control`` (the A/A ratio and interval); it ``uses``
+("paired",), which no sanity check flags: a paired claim is voided only by its own failed A/A control (the
+harness makes it *inconclusive*), since a machine whose speed drifts slowly moves both arms of a round alike.
+
+The other claims are analytic (no ``uses``) or rest on absolute figures: an MFU or MBU, a time quoted as the
+machine's ("timing": a measured time; "ceilings": a figure divided by a measured ceiling); a verdict there is
+*confirmed* when the numbers support the claim beyond their spread (min..max of the repeats), *not confirmed* when
+they contradict it, *inconclusive* within the noise, and ``apply_anomalies`` turns every such claim resting on
+something a sanity check flagged (a drifting reference step, a moving ceiling) into *inconclusive*, marked
+unreliable, keeping what the numbers alone would have said.
 
 The claims are the seed's: prefill is compute-bound and sets TTFT; decode is bandwidth-bound and sets ITL;
 batching raises decode throughput; continuous beats static under load; chunking removes generation stalls at a
@@ -72,16 +79,69 @@ def _row_span(row: Mapping[str, Any], key: str = "time_s") -> tuple[float, float
     return span(row.get(f"{base}_min_s", row[key]), row[key], row.get(f"{base}_max_s", row[key]))
 
 
+# ---------------------------------------------------------------- paired claims (trials)
+
+PAIRED = "paired"  # the ``uses`` of a claim decided by paired rounds: no hygiene anomaly voids it
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+def paired_claim(claim: str, comparison: Any, what: str, **evidence: Any) -> dict[str, Any]:
+    """A claim decided by the paired rounds of ``comparison`` (a ``trials.Comparison``): its verdict, its
+    ``evidence()`` (plus ``evidence``), and a detail sentence: ``what`` was compared, then B/A with its interval,
+    the rounds, the margin and the A/A control."""
+    ev = {**comparison.evidence(), **evidence}
+    control = comparison.control
+    aa = "no A/A control" if control is None else (
+        f"A/A {control['ratio']:.3g} [{control['ci_low']:.3g}, {control['ci_high']:.3g}]"
+        + (" (failed: the rounds were not comparable)" if control["failed"] else "")
+    )  # fmt: skip
+    rule = comparison.rule
+    detail = (
+        f"{what}: {comparison.summary()} ({rule.confidence:.0%} interval; claimed {rule.direction} by more than "
+        f"{_pct(rule.margin)}; {aa})"
+    )
+    if comparison.verdict == NOT_CONFIRMED:
+        detail += {"opposite": "; the interval lies beyond the margin the other way",
+                   "equivalent": "; the interval lies inside the margin: no effect as large as claimed"}.get(
+            comparison.reason, "")  # fmt: skip
+    elif comparison.verdict == INCONCLUSIVE:
+        detail += "; " + (
+            "the A/A control failed" if comparison.reason.startswith("control_failed")
+            else "the interval straddles the margin: more rounds (a larger max_rounds or budget) would decide it"
+        )  # fmt: skip
+    return make_claim(claim, comparison.verdict, ev, detail, (PAIRED,))
+
+
+def _brief(comparison: Any) -> dict[str, Any]:
+    """The numbers of a comparison without its per-round values (for a claim resting on several)."""
+    ev = comparison.evidence()
+    ev.pop("values")
+    return {**ev, "verdict": comparison.verdict}
+
+
+def same_rule(comparison: Any, direction: str) -> Any:
+    """``comparison``'s rule (margin, confidence) with another ``direction``: for a figure read from the same
+    rounds."""
+    from dataclasses import replace
+
+    return replace(comparison.rule, direction=direction)
+
+
+def ratio_text(comparison: Any) -> str:
+    """'5.9x [5.2, 6.6]': B/A with its interval, for a claims table."""
+    return f"{comparison.ratio:.3g}x [{comparison.ci_low:.3g}, {comparison.ci_high:.3g}]"
+
+
 # ---------------------------------------------------------------- notebook 01: the two phases
 
 
 def prefill_compute_bound(prefill_rows: Sequence[Mapping[str, Any]], balance_point: float) -> dict[str, Any]:
-    """Prefill is compute-bound (intensity above the balance point, MFU above MBU) and sets TTFT (it grows with the
-    prompt beyond the spread)."""
-    rows = sorted(prefill_rows, key=lambda r: r["prompt_len"])
-    short, long = rows[0], rows[-1]
-    ts, tl = _row_span(short), _row_span(long)
-    grows = order(tl, ts) if len(rows) > 1 else 0
+    """Prefill is compute-bound: the longest prompt's step runs above the balance point, MFU above MBU (absolute
+    figures: voided by a flagged ceiling or drift)."""
+    long = max(prefill_rows, key=lambda r: r["prompt_len"])
     above = long["intensity"] > balance_point
     compute_side = long["mfu"] > long["mbu"]
     evidence = {
@@ -90,22 +150,21 @@ def prefill_compute_bound(prefill_rows: Sequence[Mapping[str, Any]], balance_poi
         "balance_point": balance_point,
         "mfu": long["mfu"],
         "mbu": long["mbu"],
-        "ttft_ms_shortest": ts[1] * 1e3,
-        "ttft_ms_longest": tl[1] * 1e3,
     }
     text = (
         f"a {long['prompt_len']}-token prefill ran at {long['intensity']:.1f} FLOP/byte against a balance point of "
-        f"{balance_point:.1f}, MFU {long['mfu']:.2f} against MBU {long['mbu']:.2f}; TTFT went from "
-        f"{_fmt_span(ts, 1e3)} ms at {short['prompt_len']} tokens to {_fmt_span(tl, 1e3)} ms at {long['prompt_len']}"
+        f"{balance_point:.1f}, MFU {long['mfu']:.2f} against MBU {long['mbu']:.2f}"
     )
-    if not above or not compute_side or grows < 0:
-        verdict = NOT_CONFIRMED
-    elif grows > 0:
-        verdict = CONFIRMED
-    else:
-        verdict = INCONCLUSIVE
-        text += " (the two TTFTs overlap within their spread)"
-    return make_claim("Prefill is compute-bound and sets TTFT", verdict, evidence, text, ("timing", "ceilings"))
+    verdict = CONFIRMED if above and compute_side else NOT_CONFIRMED
+    return make_claim("Prefill is compute-bound", verdict, evidence, text, ("timing", "ceilings"))
+
+
+def prefill_sets_ttft(comparison: Any, short_len: int, long_len: int) -> dict[str, Any]:
+    """Prefill sets TTFT: prefilling a ``long_len``-token prompt takes longer than a ``short_len``-token one, by
+    more than the rule's margin (paired rounds of the two prefills: B = the long prompt)."""
+    what = f"prefill of {long_len} against {short_len} tokens (time to the first token, per round a fresh prompt)"
+    return paired_claim("Prefill sets TTFT: a longer prompt waits longer for its first token", comparison, what,
+                        short_len=short_len, long_len=long_len)  # fmt: skip
 
 
 def decode_bandwidth_bound(decode_rows: Sequence[Mapping[str, Any]], balance_point: float) -> dict[str, Any]:
@@ -135,30 +194,12 @@ def decode_bandwidth_bound(decode_rows: Sequence[Mapping[str, Any]], balance_poi
     return make_claim("Decode is memory-bandwidth-bound and sets ITL", verdict, evidence, text, ("timing", "ceilings"))
 
 
-def batching_raises_throughput(decode_rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Batching raises decode throughput: tokens/s at the largest batch against batch 1 (same context length),
-    beyond both spreads."""
-    ctx = max(r["context_len"] for r in decode_rows)
-    rows = sorted((r for r in decode_rows if r["context_len"] == ctx), key=lambda r: r["batch"])
-    small, big = rows[0], rows[-1]
-    a, b = _row_span(big, "tokens_per_s"), _row_span(small, "tokens_per_s")
-    o = order(a, b) if big["batch"] > small["batch"] else 0
-    evidence = {
-        "context_len": ctx,
-        "batch_small": small["batch"],
-        "batch_large": big["batch"],
-        "tokens_per_s_small": b[1],
-        "tokens_per_s_large": a[1],
-        "gain": a[1] / b[1],
-    }
-    text = (
-        f"at context {ctx}, batch {big['batch']} made {_fmt_span(a)} tokens/s against {_fmt_span(b)} at batch "
-        f"{small['batch']} ({a[1] / b[1]:.1f}x)"
-    )
-    verdict = {1: CONFIRMED, -1: NOT_CONFIRMED, 0: INCONCLUSIVE}[o]
-    if o == 0:
-        text += "; the spreads overlap"
-    return make_claim("Batching raises decode throughput", verdict, evidence, text, ("timing", "batching"))
+def batching_raises_throughput(comparison: Any, context_len: int, batch_small: int, batch_large: int) -> dict:
+    """Batching raises decode throughput: decode tokens/s at ``batch_large`` against ``batch_small`` at the same
+    context length, from paired rounds (B = the larger batch)."""
+    what = f"decode tokens/s at context {context_len}, batch {batch_large} against batch {batch_small}"
+    return paired_claim("Batching raises decode throughput", comparison, what, context_len=context_len,
+                        batch_small=batch_small, batch_large=batch_large)  # fmt: skip
 
 
 # ---------------------------------------------------------------- notebook 02: KV layouts
@@ -220,79 +261,40 @@ def paging_wastes_less(contiguous_waste: float, paged_waste: float, block_size: 
 # ---------------------------------------------------------------- notebook 03: batching policies
 
 
-def continuous_beats_static(
-    static: Mapping[str, float], continuous: Mapping[str, float], workload: str, tolerance: float = SINGLE_RUN_TOLERANCE
-) -> dict[str, Any]:
-    """Continuous batching beats static on ``workload``: higher output throughput or lower p99 TTFT beyond
-    ``tolerance``, and worse in neither. Rows are ``summary_row`` dicts (``output_throughput``, ``ttft_p99_ms``)."""
-    thr = order_single(continuous["output_throughput"], static["output_throughput"], tolerance)
-    ttft = -order_single(continuous["ttft_p99_ms"], static["ttft_p99_ms"], tolerance)  # lower is better
-    text = (
-        f"on {workload}, continuous served {continuous['output_throughput']:.1f} output tokens/s against "
-        f"{static['output_throughput']:.1f} for static, p99 TTFT {continuous['ttft_p99_ms']:.0f} ms against "
-        f"{static['ttft_p99_ms']:.0f} ms (single runs; differences under {tolerance:.0%} count as noise)"
-    )
-    if thr < 0 or ttft < 0:
-        verdict = NOT_CONFIRMED
-    elif thr > 0 or ttft > 0:
-        verdict = CONFIRMED
-    else:
-        verdict = INCONCLUSIVE
-    evidence = {
-        "workload": workload,
-        "output_throughput_static": static["output_throughput"],
-        "output_throughput_continuous": continuous["output_throughput"],
-        "ttft_p99_ms_static": static["ttft_p99_ms"],
-        "ttft_p99_ms_continuous": continuous["ttft_p99_ms"],
-        "tolerance": tolerance,
-    }
-    return make_claim(f"Continuous batching beats static under load ({workload})", verdict, evidence, text)
+def continuous_beats_static(comparison: Any, workload: str) -> dict[str, Any]:
+    """Continuous batching beats static on ``workload``: a lower p99 TTFT beyond the rule's margin, from paired
+    rounds (each round the same slice of requests with fresh arrivals, both policies; B = continuous). The
+    rounds' output throughput is in the evidence (``throughput``) and the detail."""
+    thr = comparison.on("output_throughput", same_rule(comparison, "higher"))
+    what = f"p99 TTFT on {workload}, continuous against static"
+    claim = paired_claim(f"Continuous batching beats static under load ({workload})", comparison, what,
+                         workload=workload, throughput=_brief(thr))  # fmt: skip
+    claim["detail"] += f"; output tokens/s continuous/static {ratio_text(thr)}"
+    return claim
 
 
 # ---------------------------------------------------------------- notebook 04: chunked prefill
 
 
-def chunking_removes_stalls(
-    stall_ms_one_shot: float, stall_ms_chunked: float, tolerance: float = SINGLE_RUN_TOLERANCE
-) -> dict[str, Any]:
+def chunking_removes_stalls(comparison: Any) -> dict[str, Any]:
     """Chunked prefill removes generation stalls: the worst decode ITL while a long prompt prefills is lower with
-    chunking than with the whole prompt in one step."""
-    o = order_single(stall_ms_one_shot, stall_ms_chunked, tolerance)
-    text = (
-        f"the worst decode ITL while the long prompt prefilled was {stall_ms_one_shot:.0f} ms with the prompt in one "
-        f"step (prefill-first) and {stall_ms_chunked:.0f} ms with chunking"
-    )
-    verdict = {1: CONFIRMED, -1: NOT_CONFIRMED, 0: INCONCLUSIVE}[o]
-    evidence = {"stall_ms_one_shot": stall_ms_one_shot, "stall_ms_chunked": stall_ms_chunked, "tolerance": tolerance}
-    return make_claim("Chunked prefill removes generation stalls", verdict, evidence, text)
+    chunking than with the whole prompt in one step (paired rounds of the scenario: B = chunked)."""
+    what = "worst decode ITL while the long prompt prefilled, chunked against one-step prefill"
+    return paired_claim("Chunked prefill removes generation stalls", comparison, what)
 
 
-def chunking_costs_ttft(
-    ttft_ms_one_shot: float, ttft_ms_chunked: float, tolerance: float = SINGLE_RUN_TOLERANCE
-) -> dict[str, Any]:
-    """Chunking has a TTFT price: the long prompt's TTFT is higher when its prefill is spread over steps."""
-    o = order_single(ttft_ms_chunked, ttft_ms_one_shot, tolerance)
-    change = "rose" if ttft_ms_chunked > ttft_ms_one_shot else "fell"
-    text = f"the long prompt's TTFT {change} from {ttft_ms_one_shot:.0f} ms (one step) to {ttft_ms_chunked:.0f} ms"
-    if o < 0:
-        text += " (chunking paid no TTFT price here)"
-    verdict = {1: CONFIRMED, -1: NOT_CONFIRMED, 0: INCONCLUSIVE}[o]
-    evidence = {"ttft_ms_one_shot": ttft_ms_one_shot, "ttft_ms_chunked": ttft_ms_chunked, "tolerance": tolerance}
-    return make_claim("Chunked prefill raises the long prompt's TTFT (its price)", verdict, evidence, text)
+def chunking_costs_ttft(comparison: Any) -> dict[str, Any]:
+    """Chunking has a TTFT price: the long prompt's TTFT is higher when its prefill is spread over steps (the same
+    rounds as ``chunking_removes_stalls``, decided on the long prompt's TTFT: B = chunked)."""
+    what = "the long prompt's TTFT, chunked against one-step prefill"
+    return paired_claim("Chunked prefill raises the long prompt's TTFT (its price)", comparison, what)
 
 
-def chunking_lowers_tail_itl(
-    itl_p99_ms: Mapping[str, float], one_shot: str = "continuous", chunked: str = "chunked",
-    tolerance: float = SINGLE_RUN_TOLERANCE,
-) -> dict[str, Any]:  # fmt: skip
-    """On a mixed workload, chunked prefill gives a lower p99 ITL than prefill-first scheduling."""
-    a, b = itl_p99_ms[one_shot], itl_p99_ms[chunked]
-    o = order_single(a, b, tolerance)
-    text = "p99 ITL on the mixed workload: " + ", ".join(f"{k} {v:.0f} ms" for k, v in itl_p99_ms.items())
-    verdict = {1: CONFIRMED, -1: NOT_CONFIRMED, 0: INCONCLUSIVE}[o]
-    return make_claim(
-        "Chunked prefill lowers the p99 ITL of a mixed workload", verdict, {**itl_p99_ms, "tolerance": tolerance}, text
-    )
+def chunking_lowers_tail_itl(comparison: Any) -> dict[str, Any]:
+    """On a mixed workload, chunked prefill gives a lower p99 ITL than prefill-first scheduling (paired rounds of
+    the workload with fresh arrivals each round: B = chunked)."""
+    what = "p99 ITL of the mixed workload, chunked against prefill-first (continuous)"
+    return paired_claim("Chunked prefill lowers the p99 ITL of a mixed workload", comparison, what)
 
 
 # ---------------------------------------------------------------- anomalies and text
@@ -306,24 +308,33 @@ def _tps_span(row: Mapping[str, Any]) -> tuple[float, float, float]:
                 row.get("tokens_per_s_max", row["tokens_per_s"]))  # fmt: skip
 
 
-def fewer_weight_bytes_faster_decode(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Fewer bytes per weight raise batch-1 decode tokens/s: each scheme with fewer bytes per step than the next
-    larger one is faster beyond the spreads. ``rows``: one batch size's decode rows (``levers.decode_schemes``),
-    each with ``scheme``, ``bytes_per_step``, ``tokens_per_s`` and its min/max."""
-    ordered = sorted(rows, key=lambda r: -r["bytes_per_step"])
-    steps = [order(_tps_span(b), _tps_span(a)) for a, b in zip(ordered, ordered[1:])]
-    text = "; ".join(
-        f"{r['scheme']}: {r['bytes_per_step'] / 1e6:.3g} MB/step, {_fmt_span(_tps_span(r))} tok/s" for r in ordered
+def fewer_weight_bytes_faster_decode(comparisons: Sequence[Any]) -> dict[str, Any]:
+    """Fewer bytes per weight raise batch-1 decode tokens/s: for each scheme and the next one with fewer bytes per
+    step (in that order), paired rounds of their decode steps (B = fewer bytes). Confirmed when every step down in
+    bytes is confirmed faster; not confirmed when one is not (its reason says opposite or equivalent); else
+    inconclusive. The evidence's top-level ratio is the first step's; ``pairs`` holds every step's."""
+    if not comparisons:
+        raise ValueError("fewer_weight_bytes_faster_decode needs at least one paired comparison")
+    verdicts = [c.verdict for c in comparisons]
+    if all(v == CONFIRMED for v in verdicts):
+        verdict = CONFIRMED
+    elif any(v == NOT_CONFIRMED for v in verdicts):
+        verdict = NOT_CONFIRMED
+    else:
+        verdict = INCONCLUSIVE
+    first = comparisons[0]
+    claim = paired_claim("Fewer bytes per weight make decode faster", first, "batch-1 decode tokens/s",
+                         pairs=[_brief(c) for c in comparisons])  # fmt: skip
+    claim["verdict"] = verdict
+    claim["detail"] = (
+        "batch-1 decode tokens/s, each scheme against the next with more bytes per weight: "
+        + "; ".join(
+            f"{c.summary()} ({VERDICT_TEXT[c.verdict]}{', ' + c.reason if c.verdict == NOT_CONFIRMED else ''})"
+            for c in comparisons
+        )
+        + f" (margin {_pct(first.rule.margin)}, {first.rule.confidence:.0%} intervals)"
     )
-    verdict = (
-        CONFIRMED if all(o == 1 for o in steps) else NOT_CONFIRMED if any(o == -1 for o in steps) else INCONCLUSIVE
-    )
-    if verdict == INCONCLUSIVE:
-        text += "; some spreads overlap"
-    evidence = {
-        r["scheme"]: {"bytes_per_step": r["bytes_per_step"], "tokens_per_s": r["tokens_per_s"]} for r in ordered
-    }
-    return make_claim("Fewer bytes per weight make decode faster", verdict, evidence, text, ("timing",))
+    return claim
 
 
 def fewer_kv_bytes_faster_long_decode(
@@ -402,12 +413,14 @@ def apply_anomalies(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Map
     """Claims with every one that rests on a flagged quantity turned *inconclusive* and marked ``unreliable``.
 
     The verdict the numbers alone gave stays in ``verdict_from_numbers``; ``unreliable_because`` lists the
-    anomalies' messages.
+    anomalies' messages. A paired claim (``uses`` ("paired",)) is never touched: its own A/A control decides
+    whether its rounds were comparable.
     """
     out = []
     for c in claims:
         c = dict(c)
-        hits = [a["message"] for a in anomalies if a.get("affects") in c.get("uses", ())]
+        uses = [u for u in c.get("uses", ()) if u != PAIRED]
+        hits = [a["message"] for a in anomalies if a.get("affects") in uses]
         if hits:
             c["verdict_from_numbers"] = c["verdict"]
             c["verdict"] = INCONCLUSIVE
@@ -430,6 +443,9 @@ def claims_markdown(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Map
         lines.append("")
     for c in claims:
         verdict = VERDICT_TEXT[c["verdict"]]
+        ev = c.get("evidence", {})
+        if PAIRED in c.get("uses", ()) and "ratio" in ev:
+            verdict += f" · {ev['ratio']:.3g}x [{ev['ci_low']:.3g}, {ev['ci_high']:.3g}], {ev['rounds']} rounds"
         if c.get("unreliable"):
             verdict += f" (unreliable; the numbers alone say {VERDICT_TEXT[c['verdict_from_numbers']]})"
         lines.append(f"- **{verdict}**: {c['claim']}. {c['detail'][:1].upper()}{c['detail'][1:]}.")
@@ -438,7 +454,12 @@ def claims_markdown(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Map
 
 __all__ = [
     "VERDICTS",
+    "PAIRED",
     "make_claim",
+    "paired_claim",
+    "ratio_text",
+    "same_rule",
+    "prefill_sets_ttft",
     "order",
     "order_single",
     "prefill_compute_bound",

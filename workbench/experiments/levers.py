@@ -12,7 +12,9 @@ the activation dtype, int8, fp8), timed against each other in one run, with what
   the same interleaved way; fewer bytes per weight do not make a compute-bound step faster;
 - ``accuracy_schemes``: logits against the unquantized model (``workbench.model.accuracy``);
 - ``kv_capacity``: sequences of a context length that fit in a KV budget under each KV dtype (the one planner,
-  ``workbench.kv.sizing.plan_num_blocks``, which counts int8's scales).
+  ``workbench.kv.sizing.plan_num_blocks``, which counts int8's scales);
+- ``weight_trials``: the claim "fewer bytes per weight make decode faster" in paired rounds
+  (``workbench.experiments.trials``), each scheme against the next with fewer bytes per weight.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from workbench.config import (
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.errors import ConfigError
+from workbench.experiments.trials import THROUGHPUT_MARGIN, Comparison, DecisionRule, Rounds
 from workbench.kv.sizing import plan_num_blocks
 from workbench.model.accuracy import logit_agreement
 from workbench.request import SamplingParams
@@ -169,6 +172,60 @@ def decode_schemes(
             rows.append(row)
         del engines
     return rows
+
+
+def scheme_decode_arm(
+    model: Any, scheme: Scheme, batch: int, prompt_len: int, steps: int, trials: int, seed: int = 0,
+    compile_decode: bool = False,
+) -> Any:  # fmt: skip
+    """An arm of paired rounds: an engine of ``scheme`` on ``model`` with ``batch`` sequences prefilled from
+    ``prompt_len``-token random prompts (``seed``), enough tokens left for ``trials`` trials; one trial times
+    ``steps`` pure decode steps and returns tokens/s of the median step."""
+    if steps < 1 or trials < 1 or prompt_len < 1:
+        raise ConfigError(f"need steps, trials, prompt_len >= 1; got {steps}, {trials}, {prompt_len}")
+    tokens = trials * steps + 1
+    max_len = prompt_len + tokens + 1
+    if max_len > model.config.max_position_embeddings:
+        raise ConfigError(f"prompt_len {prompt_len} + {tokens} decode tokens exceed the model's positions")
+    engine = _engine(model, scheme, batch, max_len, compile_decode)
+    for prompt in random_prompts(batch, prompt_len, model.config.vocab_size, seed):
+        engine.add_request(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    while not all(q.num_output_tokens >= 1 for q in engine.sequences.values()):
+        engine.step()  # prefill until the next step is a pure decode of every sequence
+
+    def trial(_round: int) -> float:
+        times = []
+        for _ in range(steps):
+            if not engine.has_unfinished():
+                raise ConfigError(f"the {scheme.label} arm ran out of decode steps (more trials than {trials})")
+            times.append(timed(engine.step, engine.model.device)[0])
+        return batch / median(times)
+
+    return trial
+
+
+def weight_trials(
+    models: dict, schemes: Sequence[Scheme], batch: int, prompt_len: int, rounds: Rounds, steps: int = 4,
+    seed: int = 0, compile_decode: bool = False,
+) -> list[Comparison]:  # fmt: skip
+    """Decode tokens/s of each scheme against the next one with fewer bytes per weight (schemes sorted by their
+    weight bytes, most first), in paired rounds: B (fewer bytes) higher by more than ``THROUGHPUT_MARGIN``. Each
+    arm is an engine of its own; the A/A control is a second engine of A, so that no arm's sequences grow faster."""
+
+    def weight_bytes(s: Scheme) -> float:
+        return models[s.weights_key].config.weight_bytes(s.dtype, s.quantization, s.group_size)
+
+    ordered = sorted(schemes, key=lambda s: -weight_bytes(s))
+    out = []
+    for a, b in zip(ordered, ordered[1:]):
+
+        def arm(s: Scheme) -> Any:
+            return scheme_decode_arm(models[s.weights_key], s, batch, prompt_len, steps, rounds.max_trials, seed,
+                                     compile_decode)  # fmt: skip
+
+        arms = {a.label: arm(a), b.label: arm(b)}
+        out.append(rounds.run(arms, DecisionRule("higher", THROUGHPUT_MARGIN), control_arm=arm(a)))
+    return out
 
 
 def prefill_schemes(

@@ -3,6 +3,9 @@ on the roofline. Notebooks call these and plot; tests run them on tiny models.
 
 A decode step at KV length L is timed by setting each slot's cached length to L - 1 and running ``decode``: the
 work (weights read once, L keys and values read per sequence) does not depend on the cached values.
+
+``decode_arm`` and ``prefill_arm`` are the same measurements as arms of paired rounds (``trials.run_rounds``);
+``batching_trial`` and ``prefill_trial`` run them against each other for notebooks 01 and 03's claims.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 import torch
 
 from workbench.errors import ConfigError
+from workbench.experiments.trials import LATENCY_MARGIN, THROUGHPUT_MARGIN, Comparison, DecisionRule, Rounds
 from workbench.hardware import HardwareSpec
 from workbench.model.transformer import Transformer
 from workbench.roofline import get_model
@@ -61,6 +65,64 @@ def measure_decode(
             t = time_row(step, model.device, warmup, repeats)
             rows.append({"phase": "decode", "batch": b, "prompt_len": 0, "context_len": kv_len, **t})
     return rows
+
+
+def decode_arm(model: Transformer, batch: int, kv_len: int, steps: int = 3) -> Callable[[int], float]:
+    """An arm of paired rounds: one trial takes ``steps`` decode steps of ``batch`` sequences at KV length
+    ``kv_len`` and returns tokens/s of the median step (its cache is allocated once, here)."""
+    if kv_len < 1 or kv_len > model.config.max_position_embeddings:
+        raise ConfigError(f"kv_len {kv_len} outside [1, {model.config.max_position_embeddings}]")
+    if batch < 1 or steps < 1:
+        raise ConfigError(f"need batch >= 1 and steps >= 1, got {batch}, {steps}")
+    cache = model.new_cache(batch, kv_len)
+    slots, tokens = list(range(batch)), [1] * batch
+
+    def step() -> None:
+        for s in slots:
+            cache.lengths[s] = kv_len - 1
+        model.decode(tokens, cache, slots)
+
+    def trial(_round: int) -> float:
+        return batch / time_stats(step, model.device, 0, steps)["median_s"]
+
+    return trial
+
+
+def prefill_arm(model: Transformer, prompt_len: int, seed: int = 0, steps: int = 1) -> Callable[[int], float]:
+    """An arm of paired rounds: one trial prefills a fresh random prompt of ``prompt_len`` tokens (seeded by the
+    round, so both arms of a round see prompts from the same seed) ``steps`` times and returns the median time in
+    seconds (several steps keep a millisecond prefill of a tiny model clear of the scheduler's time slices)."""
+    if steps < 1:
+        raise ConfigError(f"need steps >= 1, got {steps}")
+    cache = model.new_cache(1, prompt_len)
+
+    def trial(index: int) -> float:
+        prompts = random_prompts(1, prompt_len, model.config.vocab_size, seed + 1 + index)
+        return time_stats(lambda: model.prefill(prompts, cache, [0]), model.device, 0, steps)["median_s"]
+
+    return trial
+
+
+def batching_trial(
+    model: Transformer, batch_small: int, batch_large: int, kv_len: int, rounds: Rounds, steps: int = 3
+) -> Comparison:
+    """Decode tokens/s at ``batch_large`` (B) against ``batch_small`` (A) at KV length ``kv_len``, paired rounds:
+    the claim "batching raises decode throughput" by more than ``THROUGHPUT_MARGIN``."""
+    arms = {f"batch {batch_small}": decode_arm(model, batch_small, kv_len, steps),
+            f"batch {batch_large}": decode_arm(model, batch_large, kv_len, steps)}  # fmt: skip
+    return rounds.run(arms, DecisionRule("higher", THROUGHPUT_MARGIN))
+
+
+def prefill_trial(
+    model: Transformer, short_len: int, long_len: int, rounds: Rounds, margin: float = LATENCY_MARGIN,
+    steps: int = 1,
+) -> Comparison:  # fmt: skip
+    """Prefill time of a ``long_len``-token prompt (B) against a ``short_len``-token one (A), paired rounds (a
+    trial: the median of ``steps`` prefills): the claim "prefill sets TTFT" (the longer prompt takes longer by more
+    than ``margin``)."""
+    arms = {f"{short_len} tokens": prefill_arm(model, short_len, rounds.seed, steps),
+            f"{long_len} tokens": prefill_arm(model, long_len, rounds.seed, steps)}  # fmt: skip
+    return rounds.run(arms, DecisionRule("higher", margin))
 
 
 def add_roofline(rows: list[dict[str, Any]], model: Transformer, hw: HardwareSpec, dtype: str) -> list[dict[str, Any]]:

@@ -2,21 +2,28 @@
 
 Every function builds fresh engines over one loaded model (weights are shared; each engine has its own KV pool), so
 the policies being compared see identical requests and identical weights.
+
+The claims compare them in paired rounds (``workbench.experiments.trials``): ``policy_trial`` replays, each round,
+the same slice of requests with arrivals drawn afresh from the round's seed (``reseed_arrivals``) under two
+configurations; ``long_prompt_trial`` runs the long-prompt scenario under two configurations with the round's seed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine, RunResult
 from workbench.engine.metrics import requests_to_dataframe
+from workbench.experiments.trials import LATENCY_MARGIN, Comparison, DecisionRule, Rounds
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
-from workbench.workloads import Request
+from workbench.workloads import Request, gamma_arrivals
 
 SUMMARY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2el_s")
 
@@ -175,3 +182,100 @@ def budget_sweep(
             }
         )
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------- paired rounds
+
+
+def reseed_arrivals(requests: Sequence[Request], seed: int) -> list[Request]:
+    """The same requests (lengths, ids, order) with Poisson arrivals drawn from ``seed`` at the slice's own mean
+    rate, starting at its first arrival: one round's workload of a serving trial. A slice whose requests all arrive
+    at once (an offline batch) is returned unchanged."""
+    reqs = sorted(requests, key=lambda r: r.arrival_time_s)
+    if len(reqs) < 2 or reqs[-1].arrival_time_s <= reqs[0].arrival_time_s:
+        return list(reqs)
+    rate = (len(reqs) - 1) / (reqs[-1].arrival_time_s - reqs[0].arrival_time_s)
+    gaps = gamma_arrivals(len(reqs) - 1, rate, 1.0, np.random.default_rng([abs(seed), 1 if seed < 0 else 0]))
+    times = [reqs[0].arrival_time_s] + [reqs[0].arrival_time_s + g for g in gaps]
+    return [replace(r, arrival_time_s=t) for r, t in zip(reqs, times)]
+
+
+def serving_arm(
+    model: Transformer,
+    config: EngineConfig,
+    requests: Sequence[Request],
+    slos: Mapping[str, float | None] | None = None,
+    seed: int = 0,
+) -> Callable[[int], dict[str, float]]:
+    """An arm of paired rounds: one trial replays ``requests`` with the round's arrivals (``reseed_arrivals`` with
+    ``seed`` + round) on a fresh engine of ``config`` and returns ``summary_row``'s numbers (ms, tokens/s)."""
+
+    def trial(index: int) -> dict[str, float]:
+        engine = engine_for(model, config)
+        try:
+            result = engine.replay(reseed_arrivals(requests, seed + index))
+        finally:
+            engine.shutdown()
+        row = summary_row("", result, **(slos or {}))
+        return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and v is not None}
+
+    return trial
+
+
+def policy_trial(
+    model: Transformer,
+    configs: Mapping[str, EngineConfig],
+    requests: Sequence[Request],
+    rounds: Rounds,
+    metric: str = "ttft_p99_ms",
+    direction: str = "lower",
+    margin: float = LATENCY_MARGIN,
+    slos: Mapping[str, float | None] | None = None,
+) -> Comparison:
+    """Two configurations (A, B: ``configs`` in order) serving the same slice of ``requests``, paired rounds with
+    fresh arrivals per round, decided on ``metric`` (a ``summary_row`` key) being ``direction`` for B by more than
+    ``margin``; ``Comparison.on`` reads the rounds' other figures."""
+    arms = {label: serving_arm(model, cfg, requests, slos, rounds.seed) for label, cfg in configs.items()}
+    return rounds.run(arms, DecisionRule(direction, margin), metric=metric)
+
+
+def long_prompt_arm(model: Transformer, config: EngineConfig, **scenario: Any) -> Callable[[int], dict[str, float]]:
+    """An arm of paired rounds: one trial runs ``long_prompt_among_decodes`` under ``config`` with the round's seed
+    (``scenario``'s ``seed`` + round: fresh prompts, the same for both arms of a round) and returns ``stall_ms``
+    (the worst decode ITL while the long prompt prefilled), ``long_ttft_ms`` and ``itl_p99_ms``."""
+    base_seed = int(scenario.pop("seed", 0))
+
+    def trial(index: int) -> dict[str, float]:
+        run = long_prompt_among_decodes(model, config, seed=abs(base_seed + index), **scenario)
+        return {
+            "stall_ms": run["stall_itl_max_s"] * 1e3,
+            "long_ttft_ms": run["long_ttft_s"] * 1e3,
+            "itl_p99_ms": run["itl_p99_s"] * 1e3,
+        }
+
+    return trial
+
+
+def long_prompt_trial(
+    model: Transformer, configs: Mapping[str, EngineConfig], rounds: Rounds, margin: float = LATENCY_MARGIN,
+    **scenario: Any,
+) -> Comparison:  # fmt: skip
+    """The long-prompt scenario under two configurations (A: one-step prefill, B: chunked), paired rounds,
+    decided on the stall (B lower by more than ``margin``); ``.on("long_ttft_ms", ...)`` decides the TTFT price
+    from the same rounds."""
+    arms = {label: long_prompt_arm(model, cfg, **scenario) for label, cfg in configs.items()}
+    return rounds.run(arms, DecisionRule("lower", margin), metric="stall_ms")
+
+
+def round_medians(comparison: Comparison, control: bool = False) -> list[dict[str, Any]]:
+    """One row per arm of a serving trial (``policy_trial``): ``label`` and the median over its rounds of every
+    figure its trials returned (the A/A control's row only when ``control``)."""
+    import statistics
+
+    rows = []
+    for name, recs in comparison.records.items():
+        if name not in comparison.arms and not control:
+            continue
+        keys = recs[0].keys() if recs else ()
+        rows.append({"label": name, **{k: statistics.median(r[k] for r in recs) for k in keys}, "rounds": len(recs)})
+    return rows

@@ -5,9 +5,11 @@ continuous batching, unchunked against chunked prefill. ``run_rounds`` runs them
 arm once, in ABBA order (alternating AB and BA, so that a machine whose speed drifts linearly favours neither arm
 over a pair of rounds) or in a seeded random order, after ``warmup`` unrecorded rounds. An arm is a callable
 ``arm(round_index) -> float`` that runs one trial and returns its unit of analysis (a trial's median step time, its
-tokens per second, its p99 ITL over enough samples); the caller makes each round's workload from the round index
-(the same seeded workload for every arm within a round). An A/A control, when asked for, runs A a second time in
-every round, so the noise floor is measured in the same rounds as the effect.
+tokens per second, its p99 ITL over enough samples), or a mapping of several such figures of which ``metric``
+names the one the rounds are decided on (``Comparison.on`` decides another from the same rounds); the caller makes
+each round's workload from the round index (the same seeded workload for every arm within a round). An A/A
+control, when asked for, runs A a second time in every round, so the noise floor is measured in the same rounds as
+the effect.
 
 The statistic is the paired log-ratio per round, log(B / A); its mean with a Student-t confidence interval gives
 "B/A = 0.87 [0.82, 0.92], 12 rounds" (``Comparison``). A ``DecisionRule`` is stated before the rounds run: the
@@ -41,6 +43,10 @@ from workbench.timing import now
 CONFIRMED, NOT_CONFIRMED, INCONCLUSIVE = "confirmed", "not_confirmed", "inconclusive"
 DIRECTIONS = ("higher", "lower")
 ORDERS = ("abba", "random")
+# the pre-registered margins of the workbench's claims: a throughput (tokens/s) must move by more than 5%, a latency
+# (a TTFT, a p99 ITL, a stall: noisier, tail figures) by more than 10%
+THROUGHPUT_MARGIN = 0.05
+LATENCY_MARGIN = 0.10
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -114,6 +120,19 @@ class Comparison:
     reason: str
     values: dict[str, list[float]] = field(default_factory=dict)
     control: dict[str, Any] | None = None
+    look_confidence: float | None = None
+    records: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    def on(self, metric: str, rule: DecisionRule) -> Comparison:
+        """Another figure of the same rounds (arms that returned mappings) decided under ``rule``, at the
+        confidence of the look that stopped the rounds (no new look is taken, so no further correction)."""
+        if not self.records:
+            raise ConfigError("Comparison.on needs arms that return a mapping of figures")
+        missing = [name for name, recs in self.records.items() if any(metric not in r for r in recs)]
+        if missing:
+            raise ConfigError(f"figure {metric!r} is missing from the trials of {missing}")
+        values = {name: [float(r[metric]) for r in recs] for name, recs in self.records.items()}
+        return _conclude(self.arms, rule, values, self.look_confidence or rule.confidence, self.rounds, self.records)
 
     def evidence(self) -> dict[str, Any]:
         """The claim's ``evidence`` keys: ratio, ci_low, ci_high, rounds, margin, confidence, control."""
@@ -128,13 +147,64 @@ class Comparison:
             "direction": self.rule.direction,
             "reason": self.reason,
             "control": self.control,
-            "values": {k: list(v) for k, v in self.values.items()},
+            "values": {k: [float(f"{x:.6g}") for x in v] for k, v in self.values.items()},
         }
+
+    def row(self) -> dict[str, Any]:
+        """One table row: the arms, B/A with its interval, rounds, margin, the A/A ratio and interval, verdict."""
+        c = self.control or {}
+        return {
+            "A": self.arms[0], "B": self.arms[1], "B/A": self.ratio, "CI low": self.ci_low, "CI high": self.ci_high,
+            "rounds": self.rounds, "claimed": f"{self.rule.direction} by > {self.rule.margin:.0%}",
+            "A/A": c.get("ratio"), "A/A low": c.get("ci_low"), "A/A high": c.get("ci_high"), "verdict": self.verdict,
+        }  # fmt: skip
 
     def summary(self) -> str:
         """'B/A = 0.87 [0.82, 0.92], 12 rounds' with the arms' names."""
         a, b = self.arms
         return f"{b}/{a} = {self.ratio:.3g} [{self.ci_low:.3g}, {self.ci_high:.3g}], {self.rounds} rounds"
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """How many paired rounds a trial may take: at least ``min_rounds`` (>= 6 for a t interval), at most
+    ``max_rounds``, stopping early once the rule decides (Bonferroni-corrected looks) or once ``budget_s`` wall
+    seconds are spent; ``warmup`` unrecorded rounds first; an A/A ``control`` in every round unless False. A profile
+    sizes these to its time budget (notebooks/pipeline.yaml)."""
+
+    min_rounds: int = 6
+    max_rounds: int = 12
+    budget_s: float | None = None
+    warmup: int = 1
+    control: bool = True
+    order: str = "abba"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 6 <= self.min_rounds <= self.max_rounds:
+            raise ConfigError(f"need 6 <= min_rounds <= max_rounds, got {self.min_rounds}, {self.max_rounds}")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise ConfigError(f"budget_s must be > 0 (or None), got {self.budget_s}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0, got {self.warmup}")
+
+    def run(
+        self, arms: Mapping[str, Callable[[int], Any]], rule: DecisionRule, metric: str | None = None,
+        control_arm: Callable[[int], Any] | None = None,
+    ) -> Comparison:  # fmt: skip
+        """``run_rounds`` of ``arms`` under ``rule`` with these settings (returns its ``Comparison``); the A/A
+        control runs ``control_arm`` (a second instance of A, for arms with state such as an engine whose
+        sequences grow) when given, else A itself."""
+        control = (control_arm or True) if self.control else False
+        return run_rounds(
+            arms, rule, min_rounds=self.min_rounds, max_rounds=self.max_rounds, warmup=self.warmup, order=self.order,
+            control=control, budget_s=self.budget_s, seed=self.seed, metric=metric,
+        )  # fmt: skip
+
+    @property
+    def max_trials(self) -> int:
+        """The most trials one arm can run (warm-up included)."""
+        return self.warmup + self.max_rounds
 
 
 def _round_order(names: list[str], index: int, order: str, rng: random.Random) -> list[str]:
@@ -169,7 +239,7 @@ def compare(
 
 
 def run_rounds(
-    arms: Mapping[str, Callable[[int], float]],
+    arms: Mapping[str, Callable[[int], Any]],
     rule: DecisionRule,
     *,
     min_rounds: int = 6,
@@ -180,6 +250,7 @@ def run_rounds(
     budget_s: float | None = None,
     seed: int = 0,
     clock: Callable[[], float] = now,
+    metric: str | None = None,
 ) -> Comparison:
     """Run two arms (the first is A, the second B) in paired rounds until ``rule`` decides or ``max_rounds`` or
     ``budget_s`` (wall seconds on ``clock``, checked between rounds) is spent. The A/A control runs A again in every
@@ -200,23 +271,45 @@ def run_rounds(
         for name in _round_order(list(runners), w, order, rng):
             runners[name](-1 - w)
     values: dict[str, list[float]] = {name: [] for name in runners}
+    records: dict[str, list[dict[str, float]]] = {name: [] for name in runners}
     looks = _looks(min_rounds, max_rounds)
     look_confidence = 1 - (1 - rule.confidence) / len(looks)
     start = clock()
-    result: tuple[float, float, float, str, str] | None = None
     index = 0
     while True:
         for name in _round_order(list(runners), index, order, rng):
-            values[name].append(float(runners[name](index)))
+            out = runners[name](index)
+            if isinstance(out, Mapping):
+                if metric is None or metric not in out:
+                    raise ConfigError(f"arm {name!r} returned figures {sorted(out)}; name the one to decide on "
+                                      f"with metric= (got {metric!r})")  # fmt: skip
+                records[name].append({k: float(v) for k, v in out.items()})
+                out = out[metric]
+            values[name].append(float(out))
         index += 1
         out_of_time = budget_s is not None and clock() - start >= budget_s
         if index in looks or (out_of_time and index >= min_rounds):
-            result = compare(values[name_a], values[name_b], rule, look_confidence)
-            if result[3] != INCONCLUSIVE or index >= max_rounds or out_of_time:
+            verdict = compare(values[name_a], values[name_b], rule, look_confidence)[3]
+            if verdict != INCONCLUSIVE or index >= max_rounds or out_of_time:
                 break
-    ratio, low, high, verdict, reason = result
+    kept = records if all(len(r) == index for r in records.values()) else {}
+    return _conclude((name_a, name_b), rule, values, look_confidence, index, kept)
+
+
+def _conclude(
+    arms: tuple[str, str],
+    rule: DecisionRule,
+    values: dict[str, list[float]],
+    look_confidence: float,
+    rounds: int,
+    records: dict[str, list[dict[str, float]]],
+) -> Comparison:
+    """The Comparison of the rounds' ``values`` (A, B and, when present, A's control A/A) at ``look_confidence``."""
+    name_a, name_b = arms
+    name_c = f"{name_a} (A/A)"
+    ratio, low, high, verdict, reason = compare(values[name_a], values[name_b], rule, look_confidence)
     control_record = None
-    if control is not False:
+    if name_c in values:
         c_ratio, c_low, c_high, _, _ = compare(values[name_a], values[name_c], rule, look_confidence)
         bound = math.log1p(rule.margin)
         failed = math.log(c_low) > bound or math.log(c_high) < -bound
@@ -229,9 +322,11 @@ def run_rounds(
         ratio=ratio,
         ci_low=low,
         ci_high=high,
-        rounds=index,
+        rounds=rounds,
         verdict=verdict,
         reason=reason,
         values=values,
         control=control_record,
+        look_confidence=look_confidence,
+        records=records,
     )

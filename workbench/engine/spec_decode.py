@@ -13,8 +13,9 @@ step; row ``i`` of its logits is the target's distribution ``p_i`` of the token 
   a point mass ``q_i = 1[d_i]``, so ``d_{i+1}`` is accepted with probability ``min(1, p_i(d)/q_i(d)) = p_i(d)``
   (one uniform draw from the request's own generator); at the first rejection the emitted token is drawn from the
   residual ``norm(max(0, p_i - q_i))``, i.e. ``p_i`` with ``d_{i+1}`` removed; when all ``k`` are accepted, a last
-  token is drawn from ``p_k``. Each emitted token is then distributed exactly as the target's own sampling (with its
-  temperature, top-k and top-p: ``p_i`` is the filtered distribution the sampler draws from).
+  token is drawn from ``p_k``. Each emitted token is then distributed exactly as the target's own sampling (with
+  its temperature, top-k and top-p: ``p_i`` is the filtered distribution the sampler draws from). The sequences of
+  a step are verified together (``rejection_sample``), each with ``k + 1`` uniforms from its own generator.
 
 Proposers (each ``propose(seq, k) -> list[int]``):
 
@@ -74,32 +75,42 @@ def greedy_verify(draft: list[int], targets: list[int]) -> list[int]:
     return targets[: a + 1]
 
 
-def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Generator) -> list[int]:
-    """Leviathan et al.'s verification of a deterministic proposal ``draft`` (k tokens) against ``probs`` ((k + 1,
-    vocab), the target's distributions): the accepted prefix, then one token from the residual at the first
-    rejection or from the last row when all are accepted."""
-    k = len(draft)
-    emitted: list[int] = []
+def rejection_sample(
+    drafts: torch.Tensor, num_draft: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leviathan et al.'s verification of deterministic proposals, for a batch of B sequences at once.
+
+    drafts: (B, K) proposed ids (row b's first ``num_draft[b]`` count, the rest is padding); probs: (B, K + 1, vocab),
+    row b's target distributions at its ``num_draft[b] + 1`` positions; uniforms: (B, K + 1) in [0, 1), row b's
+    first ``num_draft[b]`` decide its acceptances and its last one (``uniforms[b, K]``) draws the emitted token by
+    inverse CDF: from the residual ``p_a`` without ``d_{a+1}`` at the first rejection ``a``, else from ``p_k``.
+    Returns (accepted (B,), tokens (B, K + 1)): row b emits ``tokens[b, : accepted[b] + 1]``."""
+    b, k = drafts.shape
+    arange = torch.arange(b, device=probs.device)
+    p_draft = probs[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # (B, K): p_i(d_{i+1})
+    valid = torch.arange(k, device=probs.device).unsqueeze(0) < num_draft.unsqueeze(1)
+    accept = (uniforms[:, :k] < p_draft) & valid
+    accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)  # (B,) leading accepts
+    final = probs[arange, accepted].clone()  # (B, vocab)
+    rejected = accepted < num_draft
     if k:
-        u = torch.rand(k, generator=generator, device=probs.device)
-        p_draft = probs[torch.arange(k, device=probs.device), torch.tensor(draft, device=probs.device)]
-        accepted = (u < p_draft).tolist()
-        for i in range(k):
-            if not accepted[i]:
-                residual = probs[i].clone()
-                residual[draft[i]] = 0.0  # max(0, p - q) for q the point mass at draft[i] (renormalised below)
-                emitted.append(int(torch.multinomial(residual, 1, generator=generator)[0]))
-                return emitted
-            emitted.append(draft[i])
-    emitted.append(int(torch.multinomial(probs[k], 1, generator=generator)[0]))
-    return emitted
+        rejected_token = drafts[arange, accepted.clamp(max=k - 1)]
+        final[arange[rejected], rejected_token[rejected]] = 0.0  # max(0, p - q), q the point mass at the draft
+    cdf = final.cumsum(-1)
+    x = uniforms[:, k : k + 1] * cdf[:, -1:]
+    token = torch.searchsorted(cdf, x, right=True).clamp(max=final.shape[-1] - 1).squeeze(-1)
+    tokens = torch.cat([drafts, torch.zeros(b, 1, dtype=drafts.dtype, device=drafts.device)], dim=1)
+    tokens[arange, accepted] = token
+    return accepted, tokens
 
 
 def verify(plan: StepPlan, logits: torch.Tensor, sampler: Sampler) -> dict[int, int | list[int]]:
     """Tokens of a step with proposals (``logits``: the rows of ``logit_rows``): for a speculating chunk the list of
-    accepted proposals plus the target's token, for any other sampling chunk its one token (``sampler``'s draw)."""
+    accepted proposals plus the target's token, for any other sampling chunk its one token (``sampler``'s draw).
+    A sampling request's generator gives k + 1 uniforms per verification, whatever it is batched with."""
     argmax = torch.argmax(logits, dim=-1).tolist()
     out: dict[int, int | list[int]] = {}
+    sampled: list[tuple[int, list[int], torch.Tensor, torch.Tensor]] = []  # (seq id, draft, probs, uniforms)
     row = 0
     for chunk in plan.chunks:
         if not chunk.samples:
@@ -113,8 +124,25 @@ def verify(plan: StepPlan, logits: torch.Tensor, sampler: Sampler) -> dict[int, 
             out[seq.seq_id] = greedy_verify(draft, argmax[row : row + n])
         else:
             gen = sampler.generator_for(seq.seq_id, params, logits.device)
-            out[seq.seq_id] = rejection_sample(draft, target_probs(logits[row : row + n], params), gen)
+            uniforms = torch.rand(n, generator=gen, device=logits.device)
+            sampled.append((seq.seq_id, draft, target_probs(logits[row : row + n], params), uniforms))
         row += n
+    if sampled:
+        k = max(len(d) for _, d, _, _ in sampled)
+        b, vocab, dev = len(sampled), logits.shape[-1], logits.device
+        drafts = torch.zeros(b, k, dtype=torch.long, device=dev)
+        probs = torch.zeros(b, k + 1, vocab, device=dev)
+        uniforms = torch.zeros(b, k + 1, device=dev)
+        for i, (_, draft, p, u) in enumerate(sampled):
+            n = len(draft)
+            drafts[i, :n] = torch.tensor(draft, device=dev)
+            probs[i, : n + 1] = p
+            uniforms[i, :n] = u[:n]
+            uniforms[i, k] = u[n]
+        num_draft = torch.tensor([len(d) for _, d, _, _ in sampled], device=dev)
+        accepted, tokens = rejection_sample(drafts, num_draft, probs, uniforms)
+        for (sid, _, _, _), a, toks in zip(sampled, accepted.tolist(), tokens.tolist()):
+            out[sid] = toks[: a + 1]
     return out
 
 
@@ -187,7 +215,7 @@ class DraftModelProposer:
         tokens = seq.token_ids
         # the draft's K/V stand for the positions whose tokens the target kept (its proposals past them are gone)
         valid = 0
-        limit = min(mine.num_computed_tokens, len(tokens))
+        limit = min(mine.num_computed_tokens, len(tokens) - 1)  # the last token's logits are always computed anew
         mine_tokens = mine.token_ids
         while valid < limit and mine_tokens[valid] == tokens[valid]:
             valid += 1

@@ -326,3 +326,25 @@ def test_engine_sampling_law_of_the_first_three_tokens(tmp_path):
     assert stats["num_drafts"] > n / 2 and 0 < stats["acceptance_rate"] < 1  # both verification paths ran
     stat, df = chi2_statistic(counts, law, n)
     assert df >= 30 and stat < chi2_critical_99(df)
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def test_generate_with_speculative_config_reports_acceptance(models, capsys):
+    from workbench.cli import main
+
+    path, _, expected = models["tiny-gqa"]
+    ids = ",".join(map(str, PROMPTS[0]))
+    spec = json.dumps({"method": "oracle", "acceptance": 0.8, "num_speculative_tokens": 4})
+    argv = ["generate", "--model", str(path), "--prompt-ids", ids, "--max-new-tokens", str(MAX_TOKENS), "--ignore-eos"]
+    assert main([*argv, "--json", "--speculative-config", spec]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"][0]["tokens"] == expected[0]
+    assert out["speculative"]["num_drafts"] > 0 and len(out["speculative"]["per_position_acceptance"]) == 4
+
+
+def test_generate_refuses_a_bad_speculative_config(capsys):
+    from tests.conftest import one_line_error
+    from workbench.cli import main
+
+    rc = main(["generate", "--model", "tiny-gqa", "--prompt-ids", "1,2", "--speculative-config", '{"method": "x"}'])
+    one_line_error(capsys, rc, "method must be one of ngram, draft, oracle")

@@ -124,6 +124,15 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return float(k + 1) if alpha == 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_speedup(alpha: float, k: int, decode_s: float, verify_s: float, draft_step_s: float = 0.0) -> float:
+    """Decode throughput with speculation over without: a verify step (``verify_s``, e.g.
+    ``RooflineModel.verify(...).time_s``) after ``k`` draft steps of ``draft_step_s`` each emits
+    ``expected_tokens_per_step(alpha, k)`` tokens, where a plain decode step (``decode_s``) emits one."""
+    if decode_s <= 0 or verify_s <= 0 or draft_step_s < 0:
+        raise ConfigError("decode_s and verify_s must be > 0 and draft_step_s >= 0")
+    return expected_tokens_per_step(alpha, k) * decode_s / (verify_s + k * draft_step_s)
+
+
 @dataclass
 class SpecStats:
     """Acceptance counters of a run: per verified proposal, how many of its tokens were accepted, by position."""

@@ -63,7 +63,7 @@ def measure_speedup(
     num_tokens = batch * max_tokens
     out: dict[str, Any] = {
         "batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens, "rounds": rounds,
-        "spec": vars(spec).copy(),
+        "spec_config": vars(spec).copy(),
     }  # fmt: skip
     for name, ts in times.items():
         out[name] = {"median_s": median(ts), "times_s": ts, "tokens_per_s": num_tokens / median(ts)}

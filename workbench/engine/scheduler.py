@@ -39,6 +39,14 @@ length would not), so every accepted request finishes. Admission keeps ``waterma
 something is running (vLLM's 1% watermark against immediate re-preemption); no request is admitted in a
 step that preempted one.
 
+Speculative decoding (``proposer`` set; ``workbench.engine.speculative``): at each ``schedule()`` the proposer gives
+proposed tokens for the running decodes; a decode then carries ``k`` of them (``ScheduledChunk.spec_token_ids``, cut to
+the token budget, to what ``max_tokens`` and the context leave, and to the free blocks beyond one per running sequence
+after it, so speculation never preempts) and computes ``1 + k`` tokens. ``update()`` takes the list of tokens the
+verification kept (the accepted proposals and the target's own token), appends them up to a finish, sets
+``num_computed_tokens`` to the positions they confirm and returns the rejected positions' blocks to the pool
+(``BlockManager.truncate``); ``spec_stats`` counts acceptance.
+
 Cost per step is O(running sequences + admitted requests): there is no per-step work over all requests. The
 simulator's fast path advances several pure-decode steps at once while nothing changes (no waiting request, no
 finish, the pool holds the blocks they need): ``decode_steps_until_change`` tells how many.

@@ -295,3 +295,28 @@ def test_step_work_counts_without_a_hardware_spec() -> None:
     # a batch-1 decode reads every weight once but only one row of the (untied) embedding table, in bf16
     decode = step_work(cfg, "bf16", decode_contexts=[1])
     assert decode.weight_bytes == cfg.weight_bytes("bf16") - (cfg.vocab_size - 1) * cfg.hidden_size * 2
+
+
+def test_speculative_verify_step_by_hand() -> None:
+    """A verify step of one sequence at context 3 with k = 2 proposals: 3 query tokens (positions 2, 3, 4) over 2
+    cached, fp32, counted by hand on the small config (h=8, q=8, kv=4, V=10, 2 layers, 2 heads)."""
+    from workbench.engine.speculative import expected_speedup, expected_tokens_per_step
+
+    model = get_model(small_cfg(), TOY_HW, dtype="fp32")
+    cost = model.verify([3], 2)
+    ops = {op.name: op for op in cost.ops}
+    e, layers = 4, 2
+    assert (cost.num_tokens, cost.num_seqs) == (3, 1)
+    assert ops["q_proj"].flops == layers * 2 * 8 * 8 * 3
+    assert ops["lm_head"].flops == 2 * 8 * 10 * 3  # logits at all 3 positions
+    # the same weights as a decode, plus two more embedding rows of 8
+    assert cost.weight_bytes == model.decode([3]).weight_bytes + 2 * 8 * e
+    # KV: write 3 tokens' K and V (2 x 3 x 4), read K and V of 5 tokens (2 x 5 x 4), per layer
+    assert cost.kv_bytes == layers * (2 * 3 * 4 + 2 * 5 * 4) * e
+    # pairs: the 3 queries see 3, 4 and 5 keys = 12; 2 heads x 2 * head_dim 4 FLOPs each
+    assert ops["attn_scores"].flops == layers * 2 * (2 * 4) * 12
+    assert model.verify([5, 9], 0).to_dict() == model.decode([5, 9]).to_dict()
+    # Leviathan et al.'s expected tokens per step and the speed-up it buys
+    assert expected_tokens_per_step(0.8, 4) == pytest.approx(3.3616)
+    assert expected_speedup(0.8, 4, decode_s=1.0, verify_s=1.0) == pytest.approx(3.3616)
+    assert expected_speedup(0.8, 4, decode_s=1.0, verify_s=1.2, draft_step_s=0.1) == pytest.approx(3.3616 / 1.6)

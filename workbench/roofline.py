@@ -74,6 +74,7 @@ This module imports neither torch nor matplotlib.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -1041,6 +1042,19 @@ class RooflineModel:
     def decode(self, context_lens: Sequence[int], detailed: bool = True) -> StepCost:
         """One decode step, one new token per sequence at the given context lengths: the ITL floor."""
         return self.step_cost((), context_lens, detailed=detailed)
+
+    def verify(self, context_lens: Sequence[int], num_spec_tokens: int, detailed: bool = True) -> StepCost:
+        """A speculative decoding verify step: each sequence at context length ``L`` (as in ``decode``) runs its last
+        token and ``num_spec_tokens`` (k) proposed ones, ``k + 1`` query tokens over its ``L - 1`` cached, through
+        the same weights, with logits at all ``k + 1`` positions (the final norm and LM head on ``k + 1`` rows per
+        sequence; ``num_seqs`` stays the sequences). ``k = 0`` is ``decode``."""
+        if num_spec_tokens < 0:
+            raise ConfigError(f"num_spec_tokens must be >= 0, got {num_spec_tokens}")
+        lens = list(context_lens)
+        n = num_spec_tokens + 1
+        tokens, _, pairs, context = self.batch_stats([(n, L - 1) for L in lens], ())
+        cost = self.cost_from_stats(tokens, tokens, pairs, context, detailed=detailed)  # logit rows = tokens
+        return dataclasses.replace(cost, num_seqs=len(lens))
 
     def decode_compute_bound_batch(self, context_len: int) -> int | None:
         """Smallest batch at which a decode step at ``context_len`` is compute-bound in aggregate on one GPU

@@ -104,6 +104,12 @@ class DisaggConfig:
             raise ConfigError(f"the prefill and decode pools need the same kv_cache_dtype, got {kv[0]} and {kv[1]}")
         if self.prefill.cache != "paged" or self.decode.cache != "paged":
             raise ConfigError("disaggregation moves paged KV blocks: both pools need cache='paged'")
+        if self.prefill.speculative_config is not None or self.decode.speculative_config is not None:
+            raise ConfigError(
+                "speculative decoding is not supported with disaggregation (the decode engine would need the "
+                "proposer's state, a draft model's KV, handed off with the prompt's); drop --speculative-config "
+                "or --disaggregate"
+            )
         if self.max_retries < 0 or not self.transfer_timeout_s > 0:
             raise ConfigError("max_retries must be >= 0 and transfer_timeout_s > 0")
 

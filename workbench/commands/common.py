@@ -135,6 +135,14 @@ def add_scheduler_arguments(p: ArgumentContainer, config_cls: type) -> None:
     add_serving_arguments(p, config_cls, SCHEDULER_FIELDS)
 
 
+def add_speculative_arguments(p: ArgumentContainer) -> None:
+    """--speculative-config (vLLM's JSON; ``workbench.engine.speculative.SpeculativeConfig`` validates it)."""
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_max": 4}\', \'{"model": DIR, "num_speculative_tokens": 4}\' or '
+                   '\'{"method": "oracle", "acceptance": 0.7, "num_speculative_tokens": 4}\'')  # fmt: skip
+
+
 def serving_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ``ServingConfig`` keywords of the options ``add_serving_arguments`` added (those present in ``args``)."""
     from dataclasses import fields

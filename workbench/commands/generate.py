@@ -7,10 +7,13 @@
         [--max-num-batched-tokens T] [--chunk-size C] [--enable-prefix-caching] [--attention-backend torch|triton]
         [--compile-decode] [--tensor-parallel-size N]
         [--disaggregate P:D [--threads-per-engine N] [--prefill-tp N] [--decode-tp M]]
+        [--speculative-config JSON]
 
 Greedy unless a temperature is given. With ``--json``: one object with a list ``requests``, each holding
 ``prompt_ids``, ``tokens`` (the generated ids), ``ttft_s`` and ``itl_s`` (a list of inter-token latencies), plus
-``finish_reason`` and, for a rejected request, ``reject_reason``. ``--prompt TEXT`` (repeatable; served after the
+``finish_reason`` and, for a rejected request, ``reject_reason``; with ``--speculative-config`` (vLLM's JSON, also on
+replay and serve; ``workbench.engine.speculative``) the object also holds ``speculative``: acceptance rate, mean
+accepted length and per-position acceptance. ``--prompt TEXT`` (repeatable; served after the
 ``--prompt-ids`` prompts) needs a checkpoint directory with a tokenizer (``tokenizer.json``); whenever the model has
 one, each request also carries ``text``, the decoded output (special tokens skipped). A rejected request does not
 stop the others; the exit code is then 1. A preset name gives random weights (seeded by ``--model-seed``); a
@@ -25,6 +28,7 @@ import json
 from workbench.commands.common import (
     ArgumentContainer,
     add_serving_arguments,
+    add_speculative_arguments,
     check_parallel_layout,
     serving_config_kwargs,
 )
@@ -73,6 +77,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-processes", type=int, default=None,
                    help="most worker processes a tensor-parallel or disaggregated layout may start (default: the "
                    "CPU cores of this machine); a larger layout is refused before anything starts")  # fmt: skip
+    add_speculative_arguments(g)
 
 
 def add_quantization_arguments(p: ArgumentContainer, many: bool = False) -> None:
@@ -95,6 +100,7 @@ def engine_config_from_args(args: argparse.Namespace):  # noqa: ANN201  (EngineC
         attention_backend=args.attention_backend,
         compile_decode=args.compile_decode,
         device=args.device,
+        speculative_config=getattr(args, "speculative_config", None),
     )
 
 
@@ -153,17 +159,18 @@ def run(args: argparse.Namespace) -> int:
 
         cfg = disagg_config_from_args(args, engine_config_from_args(args))
         requests = [(p, sp, 0.0) for p, sp in zip(prompts, params)]
-        results = run_disaggregated(args.model, requests, cfg, seed=args.model_seed, online=False).requests
+        results, extra = run_disaggregated(args.model, requests, cfg, seed=args.model_seed, online=False).requests, {}
     else:
         engine = Engine.from_model(args.model, engine_config_from_args(args), seed=args.model_seed)
-        results = engine.generate(prompts, params).requests
+        run = engine.generate(prompts, params)
+        results, extra = run.requests, run.extra  # extra: the speculative decoding counters, when on
         engine.shutdown()
     if args.json:
         dicts = [r.to_dict() for r in results]
         if codec is not None:
             for d, r in zip(dicts, results):
                 d["text"] = codec.decode(r.tokens)
-        print(json.dumps({"model": str(args.model), "requests": dicts}))
+        print(json.dumps({"model": str(args.model), "requests": dicts, **extra}))
     else:
         for i, r in enumerate(results):
             if r.finish_reason == "rejected":

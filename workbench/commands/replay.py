@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     summary["max_model_len"] = max_len
     summary["decode_compile_s"] = compile_s
     summary["device"] = str(engine.model.device)
+    summary |= result.extra  # speculative decoding's counters, when on
     if args.json:
         print(json.dumps(summary))
     else:

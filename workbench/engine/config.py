@@ -33,6 +33,7 @@ from workbench.engine.scheduler import (
     SchedulerConfig,
     check_policy,
 )
+from workbench.engine.speculative import SpeculativeConfig
 from workbench.errors import ConfigError
 from workbench.kv.sizing import plan_num_blocks
 
@@ -176,6 +177,9 @@ class EngineConfig(ServingConfig):
     ``packed_linears`` (CPU, fp32 or bf16, one process): the model's plain linear layers also hold oneDNN's packed
     layout of their weights, used for products of 4 to 256 rows (``workbench.model.packed``): a second copy of the
     weights in memory for faster decode batches and short chunks. The engine applies it to the model it is given.
+
+    ``speculative_config`` (``--speculative-config``; a ``SpeculativeConfig``, its dict or JSON text; None: off):
+    speculative decoding with an n-gram, draft-model or oracle proposer (``workbench.engine.speculative``).
     """
 
     cache: str = "paged"
@@ -184,6 +188,7 @@ class EngineConfig(ServingConfig):
     compile_decode: bool = False
     compile_prefill: bool = False  # CPU: each layer's parts around attention compiled (engine.prefill_step)
     packed_linears: bool = True  # CPU fp32/bf16: oneDNN-packed copies of the weights for 4-256 rows (model.packed)
+    speculative_config: SpeculativeConfig | dict | str | None = None  # speculative decoding (engine.speculative)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -221,6 +226,12 @@ class EngineConfig(ServingConfig):
         if self.compile_decode and self.attention_backend == "triton":
             raise ConfigError("compile_decode compiles the torch or cpu attention path; use attention_backend "
                               "'auto', 'torch' or 'cpu'")  # fmt: skip
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "speculative decoding is not supported with tensor_parallel_size > 1 (the ranks' ragged step returns "
+                "logits of one token per sequence, verification needs k + 1); drop one of them"
+            )
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ConfigError("give num_blocks or kv_cache_bytes, not both")
         if self.cache == "contiguous" and self.enable_prefix_caching:

@@ -149,6 +149,14 @@ class Engine:
             )  # fmt: skip
             self.prefill = PrefillStep(model, self.cache, self.backend, self.config.compile_prefill)
             self.runner = ModelRunner(model, self.cache, self.backend, self.decode, self.prefill)
+        self.speculator = None  # speculative decoding: proposals through the scheduler's hook (engine.spec_decode)
+        if self.config.speculative_config is not None:
+            from workbench.engine.spec_decode import make_speculator
+
+            self.speculator = make_speculator(self.config.speculative_config, model, self.config.max_num_seqs,
+                                              max_len, block_size)  # fmt: skip
+            self.runner.speculator = self.speculator
+            self.scheduler.proposer = self.speculator.propose
         self.step_log = StepLog()
         # called after every executed step with its plan and log record (``workbench.sim.measure`` pairs them)
         self.on_step: Callable[[StepPlan, StepRecord], None] | None = None
@@ -373,10 +381,12 @@ class Engine:
 
     def _result(self, ids: list[int], duration_s: float) -> RunResult:
         seqs = [self.sequences[i] for i in ids]
+        extra = {} if self.speculator is None else {"speculative": self.scheduler.spec_stats.to_dict()}
         return RunResult(
             requests=[RequestResult.from_sequence(s) for s in seqs],
             sequences=seqs,
             step_log=self.step_log,
             duration_s=duration_s,
             num_preemptions=sum(s.num_preemptions for s in seqs),
+            extra=extra,
         )

@@ -23,6 +23,7 @@ from workbench.device import synchronize
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.scheduler import StepPlan
+from workbench.engine.spec_decode import logit_rows, verify
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, build_metadata
@@ -87,6 +88,7 @@ class ModelRunner:
         self.model, self.cache, self.backend, self.decode = model, cache, backend, decode
         self.prefill = PrefillStep(model, cache, backend, compile=False) if prefill is None else prefill
         self.sampler = Sampler()
+        self.speculator: Any = None  # speculative decoding's proposer state, released with each request
         # when set, each execute() records the model's share of it (forward + LM head, synchronised) in
         # last_model_s: what is left of a step's time is engine overhead (scheduling, tensors, sampling)
         self.time_model = False
@@ -99,7 +101,8 @@ class ModelRunner:
         query_lens, seq_lens, tables = [], [], []
         for chunk in plan.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
-            ids.extend(seq.token_slice(start, start + n))
+            ids.extend(seq.token_slice(start, start + n - len(chunk.spec_token_ids)))
+            ids.extend(chunk.spec_token_ids)  # speculative decoding: the proposed tokens after the last one
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
@@ -124,7 +127,7 @@ class ModelRunner:
         """Run one step; returns the sampled token of every chunk that samples, by sequence id."""
         if plan.is_empty:
             return {}
-        if plan.is_pure_decode:
+        if plan.is_pure_decode and not plan.num_spec_tokens:
             tokens, seq_lens, tables = self.prepare_decode(plan)
             if self.decode.supports(seq_lens):
                 return self._sample(plan, self._timed(self.decode.run, tokens, seq_lens, tables), range(len(tokens)))
@@ -134,6 +137,10 @@ class ModelRunner:
         """The ragged step through ``PrefillStep.run`` (``Transformer.forward``), then the LM head on the chunks
         that sample."""
         input_ids, meta = self.prepare_prefill(plan)
+        if plan.num_spec_tokens:  # speculative decoding: logits of all k + 1 positions, verified
+            spec_rows = logit_rows(plan, meta)
+            logits = self._timed(lambda: self.model.compute_logits(self.prefill.run(input_ids, meta)[spec_rows]))
+            return verify(plan, logits, self.sampler)
         rows = [i for i, c in enumerate(plan.chunks) if c.samples]
 
         def model() -> torch.Tensor | None:
@@ -163,3 +170,5 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.sampler.release(seq_id)
+        if self.speculator is not None:
+            self.speculator.release(seq_id)

@@ -39,6 +39,14 @@ length would not), so every accepted request finishes. Admission keeps ``waterma
 something is running (vLLM's 1% watermark against immediate re-preemption); no request is admitted in a
 step that preempted one.
 
+Speculative decoding (``proposer`` set; ``workbench.engine.speculative``): at each ``schedule()`` the proposer gives
+proposed tokens for the running decodes; a decode then carries ``k`` of them (``ScheduledChunk.spec_token_ids``, cut to
+the token budget, to what ``max_tokens`` and the context leave, and to the free blocks beyond one per running sequence
+after it, so speculation never preempts) and computes ``1 + k`` tokens. ``update()`` takes the list of tokens the
+verification kept (the accepted proposals and the target's own token), appends them up to a finish, sets
+``num_computed_tokens`` to the positions they confirm and returns the rejected positions' blocks to the pool
+(``BlockManager.truncate``); ``spec_stats`` counts acceptance.
+
 Cost per step is O(running sequences + admitted requests): there is no per-step work over all requests. The
 simulator's fast path advances several pure-decode steps at once while nothing changes (no waiting request, no
 finish, the pool holds the blocks they need): ``decode_steps_until_change`` tells how many.
@@ -48,8 +56,10 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from workbench.engine.speculative import SpecStats
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
 from workbench.request import Sequence, SequenceStatus
@@ -126,6 +136,8 @@ class ScheduledChunk:
     start: int
     is_prefill: bool
     samples: bool  # True when start + num_new_tokens == seq.num_tokens: this chunk yields the next token
+    # speculative decoding: a decode that also verifies these proposed tokens (num_new_tokens = 1 + len of them)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +160,11 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return len(self.chunks)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens this step verifies (speculative decoding; counted in ``num_decode_tokens`` too)."""
+        return sum(len(c.spec_token_ids) for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:
@@ -191,6 +208,11 @@ class Scheduler:
         self.num_rejected = 0
         self.num_prefill_tokens = 0  # computed, i.e. not served by the prefix cache
         self.num_decode_tokens = 0
+        # speculative decoding (workbench.engine.speculative): called at each schedule() with the running
+        # sequences, returns proposed tokens by sequence id; a decode then verifies them in the same step
+        self.proposer: Callable[[list[Sequence]], dict[int, list[int]]] | None = None
+        self._drafts: dict[int, list[int]] = {}
+        self.spec_stats = SpecStats()
 
     # ---- queue state -------------------------------------------------------------------------------------
     @property
@@ -271,6 +293,7 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> StepPlan:
         """Plan the next step; ``now`` (s), if given, stamps ``first_scheduled_time`` of admitted requests."""
         plan = StepPlan()
+        self._drafts = self.proposer(self.running) if self.proposer is not None else {}
         if self.policy == "static":
             self._schedule_static(plan)
         elif self.policy == "continuous":
@@ -333,6 +356,7 @@ class Scheduler:
                 continue
             if remaining > budget:
                 break
+            spec = self._spec_tokens(seq, budget - 1, len(running) - i - 1) if remaining == 1 and self._drafts else []
             end = start + remaining
             while end > len(seq.block_table) * bs and not bm.append_slots(seq, end):
                 victim = self._preempt_last(plan)
@@ -340,10 +364,28 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # preempted itself: it was the newest, so nothing after it remains
-            chunks.append(ScheduledChunk(seq, remaining, start, remaining > 1, True))
-            budget -= remaining
+            chunks.append(ScheduledChunk(seq, remaining + len(spec), start, remaining > 1, True, spec))
+            budget -= remaining + len(spec)
             i += 1
         return budget
+
+    def _spec_tokens(self, seq: Sequence, budget: int, num_after: int) -> list[int]:
+        """The proposed tokens a decode of ``seq`` verifies: its proposal cut to the token ``budget``, to what its
+        ``max_tokens`` and the context leave (a step emits one token more than it verifies), and to the blocks the
+        pool holds beyond one for each of the ``num_after`` running sequences after it (speculation never preempts).
+        """
+        draft = self._drafts.get(seq.seq_id)
+        if not draft:
+            return []
+        k = min(len(draft), budget, self.max_len_of(seq) - seq.num_tokens - 1)
+        if k < 1:
+            return []
+        bm = self.block_manager
+        end = seq.num_computed_tokens + 1 + k
+        needed = bm.num_blocks_for(end) - len(seq.block_table)
+        if needed > 0 and (needed > bm.num_free_blocks - num_after or not bm.append_slots(seq, end)):
+            return []
+        return list(draft[:k])
 
     def _schedule_partial_prefills(self, plan: StepPlan, budget: int) -> int:
         """Next chunks of running sequences still prefilling (their blocks were reserved at admission)."""
@@ -394,6 +436,10 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not running_status:
                 continue  # aborted between schedule() and update()
+            if chunk.spec_token_ids:
+                if self._update_spec(chunk, sampled, now):
+                    self._finish(seq, now, finished)
+                continue
             seq.num_computed_tokens += chunk.num_new_tokens
             if chunk.is_prefill:
                 self.num_prefill_tokens += chunk.num_new_tokens
@@ -418,16 +464,57 @@ class Scheduler:
                 seq.finish_reason = "length"
             else:
                 continue
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_time = now
-            if self.hold_finished:
-                self.held[seq.seq_id] = seq
-            else:
-                bm.free(seq)
-            self.running.remove(seq)
-            del self._by_id[seq.seq_id]
-            finished.append(seq)
+            self._finish(seq, now, finished)
         return finished
+
+    def _finish(self, seq: Sequence, now: float, finished: list[Sequence]) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_time = now
+        if self.hold_finished:
+            self.held[seq.seq_id] = seq
+        else:
+            self.block_manager.free(seq)
+        self.running.remove(seq)
+        del self._by_id[seq.seq_id]
+        finished.append(seq)
+
+    def _update_spec(self, chunk: ScheduledChunk, sampled: dict[int, int | list[int]], now: float) -> bool:
+        """Apply a verify step: ``sampled[seq_id]`` lists the accepted proposed tokens and the target's own
+        token. Appends them up to a finish, keeps the KV of the positions they confirm and rolls back the
+        rejected ones' blocks; True when the sequence finished."""
+        seq = chunk.seq
+        try:
+            emitted = sampled[seq.seq_id]
+        except KeyError:
+            raise ValueError(f"update(): no sampled tokens for sequence {seq.seq_id}") from None
+        emitted = [emitted] if isinstance(emitted, int) else emitted
+        k = len(chunk.spec_token_ids)
+        if not 1 <= len(emitted) <= k + 1 or emitted[:-1] != chunk.spec_token_ids[: len(emitted) - 1]:
+            raise ValueError(f"update(): tokens {emitted} are not an accepted prefix of {chunk.spec_token_ids} + one")
+        self.spec_stats.record(k, len(emitted) - 1)
+        self.num_decode_tokens += chunk.num_new_tokens
+        max_model_len = self.config.max_model_len
+        done = False
+        for token in emitted:
+            seq.output_token_ids.append(token)
+            seq.token_times.append(now)
+            num_output = len(seq.output_token_ids)
+            if token in seq.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif num_output >= seq.sampling.max_tokens or len(seq.prompt_token_ids) + num_output >= max_model_len:
+                seq.finish_reason = "length"
+            else:
+                continue
+            done = True
+            break
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        # positions start .. start + m - 1 hold the last token and the m - 1 accepted proposals: their K/V stand
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+        if self.block_manager.enable_prefix_caching:
+            self.block_manager.mark_computed(seq)
+        return done
 
     # ---- bulk decode (the simulator's fast path) -------------------------------------------------------------
     def decode_steps_until_change(self) -> int:

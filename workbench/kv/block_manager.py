@@ -201,6 +201,20 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
+    def truncate(self, seq: Sequence, num_positions: int) -> None:
+        """Shrink ``seq.block_table`` to the blocks of positions ``[0, num_positions)``, returning the rest to the
+        pool: speculative decoding's rollback of rejected positions. The blocks dropped lie beyond the computed
+        positions, so they are private and unregistered (checked)."""
+        keep = self.num_blocks_for(num_positions)
+        if keep < seq.num_committed_blocks:
+            raise RuntimeError(f"truncate of sequence {seq.seq_id} to {num_positions} positions drops a cached block")
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.hash is not None:
+                raise RuntimeError(f"truncate of sequence {seq.seq_id}: {block} is shared or cached")
+            self._release(block_id)
+
     def mark_computed(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the prefix cache (call after each step)."""
         if not self.enable_prefix_caching:

@@ -180,6 +180,27 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
+def prefill_until_decoding(engine: Engine, num_requests: int) -> dict[int, int]:
+    """Step an engine holding ``num_requests`` new requests until each has its first token, so that its next step is
+    a pure decode of all; returns each request's ``num_tokens`` (the keys its next decode attends to), which
+    ``track_contexts`` keeps current. ConfigError when one is rejected or finishes before decoding."""
+    contexts: dict[int, int] = {}
+    while len(contexts) < num_requests:
+        outputs = engine.step()
+        done = [o for o in outputs if o.finished]
+        if done or not engine.has_unfinished():
+            reason = done[0].reject_reason or f"finished early ({done[0].finish_reason})" if done else "finished early"
+            raise ConfigError(f"decode benchmark requests were not served: {reason}")
+        track_contexts(contexts, outputs)
+    return contexts
+
+
+def track_contexts(contexts: dict[int, int], outputs: list[Any]) -> None:
+    """Update ``contexts`` (request id -> ``num_tokens``) from a step's ``RequestOutput`` list."""
+    for out in outputs:
+        contexts[out.request_id] = out.num_tokens
+
+
 # ---- decode ----------------------------------------------------------------------------------------------------
 def bench_decode(
     model: Transformer,
@@ -241,24 +262,19 @@ def bench_decode(
         )
         for prompt in random_prompts(batch, prompt_len, cfg.vocab_size, seed):
             engine.add_request(prompt, _greedy(warmup + steps + 1))
-        while True:  # prefill (one or more steps) until the next step is a pure decode of every sequence
-            engine.step()
-            if all(s.num_output_tokens >= 1 for s in engine.sequences.values()):
-                break
-            rejected = [s.reject_reason for s in engine.sequences.values() if s.reject_reason]
-            if rejected or not engine.has_unfinished():
-                raise ConfigError(f"decode benchmark requests were not served: {rejected[:1] or 'finished early'}")
+        contexts_now = prefill_until_decoding(engine, batch)
         engine.runner.time_model = True
         step_s, model_s, sweep_s, bytes_per_s, contexts = [], [], [], [], []
         first_step_s = 0.0
         for i in range(warmup + steps):
             if workers is not None and i == warmup:
                 workers.call("comm_stats", True, True)  # time the all-reduces of the measured steps
-            context = [s.num_tokens for s in engine.sequences.values()]  # each decode attends to this many keys
+            context = list(contexts_now.values())  # each decode attends to this many keys
             synchronize(model.device)
             t0 = time.perf_counter()
-            engine.step()
+            outputs = engine.step()
             t = time.perf_counter() - t0
+            track_contexts(contexts_now, outputs)
             s = sweep.run(batch)
             if i == 0:
                 first_step_s = t
@@ -413,7 +429,7 @@ def bench_offline(
     engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode,
                           compile_prefill=compile_prefill)  # fmt: skip
     compile_s = engine.decode.warmup()
-    prefill_compile_s = engine.prefill.warmup(engine.scheduler.config.token_budget)
+    prefill_compile_s = engine.prefill.warmup(engine.token_budget)
     run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up
     times = [run_engine_offline(model, requests, max_num_seqs, engine)[0] for _ in range(repeats)]
     out_tokens = sum(n for _, n in requests)

@@ -162,10 +162,15 @@ def load_bench_model(
 def bench_engine(
     model: Transformer, max_num_seqs: int, max_model_len: int, workers: Any = None, **kwargs: Any
 ) -> Engine:
-    """An engine on ``model`` (with ``workers``: rank 0's shard of a tensor-parallel model on those ranks)."""
+    """An engine on ``model`` (with ``workers``: rank 0's shard of a tensor-parallel model on those ranks) whose pool
+    holds ``max_num_seqs`` requests of ``max_model_len`` tokens at once, each in whole blocks (no preemption)."""
+    max_model_len = min(max_model_len, model.config.max_position_embeddings)
+    if "kv_cache_bytes" not in kwargs:
+        block_size = kwargs.get("block_size", EngineConfig.block_size)
+        kwargs.setdefault("num_blocks", max_num_seqs * -(-max_model_len // block_size))
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
-        max_model_len=min(max_model_len, model.config.max_position_embeddings),
+        max_model_len=max_model_len,
         quantization=getattr(model, "quantization", None),
         group_size=getattr(model, "group_size", DEFAULT_GROUP_SIZE),
         dtype=canonical_dtype(str(model.dtype).replace("torch.", "")),

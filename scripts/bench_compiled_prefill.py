@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     def executors(engine) -> dict[str, PrefillStep]:  # noqa: ANN001
         compiled = PrefillStep(engine.model, engine.cache, engine.backend, compile=True)
         t0 = time.perf_counter()
-        compile_s = compiled.warmup(engine.scheduler.config.token_budget)
+        compile_s = compiled.warmup(engine.token_budget)
         result.setdefault("warmup_s", time.perf_counter() - t0)
         result.setdefault("compile_s", compile_s)
         return {"eager": engine.prefill, "compiled": compiled}

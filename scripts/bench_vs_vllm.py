@@ -157,7 +157,7 @@ def run_workbench(checkpoint: Path, job: dict, threads: int) -> dict:
                           policy=job.get("policy", "continuous"), token_budget=job.get("token_budget"))  # fmt: skip
     t0 = time.perf_counter()
     compile_s = engine.decode.warmup()  # every decode bucket compiled before timing, as vLLM captures at start-up
-    prefill_compile_s = engine.prefill.warmup(engine.scheduler.config.token_budget)  # every token-count range
+    prefill_compile_s = engine.prefill.warmup(engine.token_budget)  # every token-count range
     startup_s = time.perf_counter() - t0
     run_engine_offline(model, requests[:4], job["max_num_seqs"], engine)  # warm-up
     times, tokens = [], []

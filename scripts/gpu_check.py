@@ -326,14 +326,14 @@ def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: i
     out: dict[str, Any] = {"preset": preset, "device": device, "dtype": dtype}
 
     def step_times(engine: Any) -> tuple[list[list[int]], float]:
-        for p in PROMPTS:
-            engine.add_request(p, greedy)
-        times = []
+        ids = [engine.add_request(p, greedy) for p in PROMPTS]
+        times, done = [], {}
         while engine.has_unfinished():
             t0 = time.perf_counter()
-            engine.step()
+            outputs = engine.step()
             times.append(time.perf_counter() - t0)
-        tokens = [s.output_token_ids for s in sorted(engine.sequences.values(), key=lambda s: s.seq_id)]
+            done.update((o.request_id, o.result.tokens) for o in outputs if o.finished)
+        tokens = [done[i] for i in ids]
         return tokens, median(times[2:] or times)
 
     plain_tokens, plain_step = step_times(Engine.from_model(preset, config))

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                           policy=args.policy)  # fmt: skip
     t0 = time.perf_counter()
     compile_s = engine.decode.warmup()  # every decode bucket, before anything is timed
-    prefill_compile_s = engine.prefill.warmup(engine.scheduler.config.token_budget)  # every token-count range
+    prefill_compile_s = engine.prefill.warmup(engine.token_budget)  # every token-count range
     startup_s = time.perf_counter() - t0
     run_engine_offline(model, requests[:4], args.max_num_seqs, engine)  # warm-up
     engine.runner.time_model = True

@@ -16,9 +16,9 @@ admitted, mid-decode, or queued again after a preemption).
 
 Prints served, aborted, rejected, preemptions, blocks leaked, how many unaborted requests' greedy tokens equal the
 reference's (all must), and the resident set size (VmRSS) after the first tenth of the requests and at the end,
-with the process peak (VmHWM). A serving loop drains finished requests, so this one pops them from
-``engine.sequences`` once their tokens are recorded (the engine keeps every request otherwise, by design: its
-results are returned by ``generate``/``replay``). ``--json`` prints one object instead of lines.
+with the process peak (VmHWM). The engine forgets a request once it has returned its final output (``step``,
+``abort``), so memory stays bounded; the soak reads the live requests' state (``engine.sequences``) only to say
+when each abort came. ``--json`` prints one object instead of lines.
 """
 
 from __future__ import annotations
@@ -99,11 +99,10 @@ def run(
 
     def drain(finished) -> None:
         nonlocal preemptions
-        for seq in finished:
-            i = index_of.pop(seq.seq_id)
-            tokens[i], reasons[i] = list(seq.output_token_ids), seq.finish_reason
-            preemptions += seq.num_preemptions
-            engine.sequences.pop(seq.seq_id)
+        for out in finished:
+            i = index_of.pop(out.request_id)
+            tokens[i], reasons[i] = out.result.tokens, out.finish_reason
+            preemptions += out.result.num_preemptions
 
     t0 = time.perf_counter()
     while nxt < len(requests) or engine.has_unfinished():
@@ -132,15 +131,14 @@ def run(
                 preemptions += seq.num_preemptions
                 i = index_of.pop(rid)
                 tokens[i], reasons[i] = list(seq.output_token_ids), "abort"
-                engine.sequences.pop(rid)
                 if check:
                     bm.check_invariants([s.block_table for s in engine.scheduler.running])
-        finished = engine.step()
-        for seq in finished:
-            abort_after.pop(seq.seq_id, None)  # finished before its abort came
+        finished = [out for out in engine.step() if out.finished]
+        for out in finished:
+            abort_after.pop(out.request_id, None)  # finished before its abort came
         drain(finished)
         peak_used = max(peak_used, bm.num_used_blocks)
-        waiting_sum += engine.scheduler.num_waiting
+        waiting_sum += engine.stats()["num_waiting"]
         step += 1
     wall = time.perf_counter() - t0
     bm.check_invariants([])

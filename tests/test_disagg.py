@@ -11,12 +11,8 @@ import random
 
 import pytest
 
-from workbench.cluster.disagg import (
-    DisaggCluster,
-    DisaggConfig,
-    DisaggregationError,
-    Faults,
-)
+from tests.disagg_faults import Faults, FaultyCluster
+from workbench.cluster.disagg import DisaggConfig, DisaggregationError
 from workbench.config import ModelConfig, parse_disaggregate
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
@@ -37,7 +33,7 @@ def checkpoint(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
-    with DisaggCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=DECODE)) as c:
+    with FaultyCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=DECODE)) as c:
         yield c
 
 
@@ -50,7 +46,7 @@ def offline(prompts, sampling=GREEDY):
 
 
 def test_a_killed_decode_engine_ends_the_run_with_the_finished_requests(checkpoint):
-    cluster = DisaggCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=PREFILL))
+    cluster = FaultyCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=PREFILL))
     try:
         with pytest.raises(DisaggregationError, match=r"workbench-decode0.*exited.*1 request\(s\) had finished") as e:
             cluster.run(offline(PROMPTS[:3]), online=False, faults=Faults(kill_decode_after=1))
@@ -69,7 +65,7 @@ def test_a_stopped_engine_ends_the_run_within_15_s_naming_the_rank(checkpoint, r
     import time
 
     monkeypatch.delenv("WORKBENCH_LIVENESS_TIMEOUT", raising=False)
-    cluster = DisaggCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=PREFILL))
+    cluster = FaultyCluster(checkpoint, DisaggConfig(prefill=PREFILL, decode=PREFILL))
     try:
         assert len(cluster.run(offline(PROMPTS[:2]), online=False).requests) == 2
         stopped = next(p for p in cluster.processes.processes if p.name == f"workbench-{role}0")

@@ -157,20 +157,23 @@ def test_a_message_that_overtakes_the_start_of_a_run_is_kept_for_that_run():
     # (two writers, two feeder threads): it belongs to the new run and must not be dropped
     import queue
 
-    from workbench.cluster.disagg import Faults, _next_run
+    from workbench.cluster.disagg import _next_run
 
     class Stub:
-        sequences = {7: None}
+        logs = 0
 
         def reset_clock(self, t0):
             self.t0 = t0
 
+        def new_step_log(self):
+            self.logs += 1
+
     inbox = queue.Queue()
-    for message in (("kv", "first announcement"), ("start", 12.5, Faults()), ("kv", "second")):
+    for message in (("kv", "first announcement"), ("start", 12.5, "option"), ("kv", "second")):
         inbox.put(message)
     stub = Stub()
-    t0, faults, early = _next_run(stub, inbox)
-    assert (t0, early, stub.t0, stub.sequences) == (12.5, [("kv", "first announcement")], 12.5, {})
+    t0, options, early = _next_run(stub, inbox)
+    assert (t0, options, early, stub.t0, stub.logs) == (12.5, ("option",), [("kv", "first announcement")], 12.5, 1)
     assert inbox.get_nowait() == ("kv", "second")  # the rest is the run loop's
     inbox.put(("exit",))
     assert _next_run(stub, inbox) is None

@@ -156,8 +156,9 @@ def test_engine_ledger_and_memory_budget(setup):
     engine = Engine(model, EngineConfig(max_model_len=96, block_size=8, kv_cache_bytes=100_000))
     assert cfg.kv_bytes_per_token("fp32") == 512
     assert engine.block_manager.num_blocks == 100_000 // (8 * 512) == 24
-    engine.generate(PROMPTS[:2], GREEDY)
-    snap = engine.ledger.snapshot(list(engine.sequences.values()))
+    finished = engine.generate(PROMPTS[:2], GREEDY).sequences  # the engine itself keeps no finished request
+    assert engine.sequences == {}
+    snap = engine.ledger.snapshot(finished)
     assert snap["pool_bytes"] == 24 * 8 * 512 and snap["blocks_used"] == 0
     # the two requests held 5 + 9 and 33 + 9 K/V positions (the last sampled token is never cached)
     assert snap["waste"]["used_tokens"] == (5 + MAX_TOKENS - 1) + (33 + MAX_TOKENS - 1)

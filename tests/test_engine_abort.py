@@ -19,14 +19,17 @@ def test_abort_frees_blocks_and_the_others_get_the_same_tokens():
     for _ in range(3):
         engine.step()
     assert engine.block_manager.num_used_blocks > 0
-    seq = engine.abort(drop)
-    assert seq is not None and seq.finish_reason == "abort" and seq.finish_time is not None
+    out = engine.abort(drop)
+    assert out is not None and out.finished and out.finish_reason == "abort" and out.finish_time is not None
+    assert out.new_token_ids == [] and out.result.num_output_tokens == 3 and drop not in engine.sequences
     assert engine.abort(drop) is None  # already gone
     # the survivor: positions 0-4 computed (3 prompt + 2 outputs; the newest output is not in the cache yet): 2 blocks
     assert engine.block_manager.num_used_blocks == 2
+    tokens = []
     while engine.has_unfinished():
-        engine.step()
-    assert engine.sequences[keep].output_token_ids == alone
+        tokens += [t for out in engine.step() if out.request_id == keep for t in out.new_token_ids]
+    assert engine.sequences == {}
+    assert len(tokens) == 12 - 3 and tokens == alone[3:]  # the deltas after the first three steps
     assert engine.block_manager.num_used_blocks == 0
 
 

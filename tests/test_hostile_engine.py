@@ -26,6 +26,15 @@ def alone(model, prompt, sampling=GREEDY) -> list[int]:
     return fresh(model).generate([prompt], sampling).requests[0].tokens
 
 
+def drain(engine: Engine) -> dict:
+    """Step until idle; the final output (with its ``result``) of every request that finished meanwhile."""
+    finished = {}
+    while engine.has_unfinished():
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert engine.sequences == {}  # the engine keeps no finished request
+    return finished
+
+
 @pytest.mark.parametrize("seed", [2**64, 2**64 + 5, -1])
 def test_seed_outside_64_bits_is_rejected_at_validation(seed):
     with pytest.raises(RequestError, match=r"seed must be in \[0, 2\*\*64\)"):
@@ -43,12 +52,11 @@ def test_a_seed_too_large_never_breaks_the_engine(model):
     good = engine.add_request([5, 6, 7], GREEDY)
     rejected = engine.add_request([5, 6, 7], bad)
     dict_bad = engine.add_request([5, 6], {"temperature": 1.0, "seed": 2**64})
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.sequences[rejected].finish_reason == "rejected"
-    assert "2**64" in engine.sequences[rejected].reject_reason
-    assert engine.sequences[dict_bad].finish_reason == "rejected"
-    assert engine.sequences[good].output_token_ids == alone(model, [5, 6, 7])
+    done = drain(engine)
+    assert done[rejected].finish_reason == "rejected"
+    assert "2**64" in done[rejected].reject_reason
+    assert done[dict_bad].finish_reason == "rejected"
+    assert done[good].result.tokens == alone(model, [5, 6, 7])
     # and the engine serves later requests too
     assert engine.generate([[9, 10]], GREEDY).requests[0].tokens == alone(model, [9, 10])
 
@@ -75,7 +83,7 @@ def test_explicit_id_colliding_with_a_later_automatic_id_is_skipped(model):
     result = engine.generate([[4, 5], [6, 7]], GREEDY)
     assert [r.request_id for r in result.requests] == [0, 2]
     assert all(r.finish_reason == "length" for r in result.requests)
-    assert engine.sequences[1].is_finished
+    assert 1 not in engine.sequences and not engine.has_unfinished()  # served by generate too, then dropped
 
 
 @pytest.mark.parametrize(
@@ -92,11 +100,9 @@ def test_wrongly_typed_request_is_rejected_with_a_request_error(model, prompt, s
     engine = fresh(model)
     good = engine.add_request([5, 6, 7], GREEDY)
     rid = engine.add_request(prompt, sampling)
-    while engine.has_unfinished():
-        engine.step()
-    seq = engine.sequences[rid]
-    assert seq.finish_reason == "rejected" and message in seq.reject_reason
-    assert engine.sequences[good].output_token_ids == alone(model, [5, 6, 7])
+    done = drain(engine)
+    assert done[rid].finish_reason == "rejected" and message in done[rid].reject_reason
+    assert done[good].result.tokens == alone(model, [5, 6, 7])
 
 
 def test_int8_engine_dtype_is_refused():
@@ -142,11 +148,7 @@ def test_abort_mid_decode_frees_its_blocks_and_spares_the_others(model):
     assert engine.abort(drop) and seq.finish_reason == "abort" and seq.block_table == []
     engine.block_manager.check_invariants([s.block_table for s in engine.scheduler.running])
     assert not engine.abort(drop) and not engine.abort(12345)  # already finished, unknown
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.sequences[keep].output_token_ids == alone(
-        model, [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)
-    )
+    assert drain(engine)[keep].result.tokens == alone(model, [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True))
     assert engine.block_manager.num_used_blocks == 0
 
 
@@ -154,9 +156,10 @@ def test_replay_with_ids_already_used_is_refused_before_anything_is_queued(model
     from workbench.workloads import Request
 
     engine = fresh(model)
-    engine.generate([[1, 2]], GREEDY)  # request id 0
+    engine.add_request([1, 2], GREEDY)  # request id 0, still in the engine
     with pytest.raises(RequestError, match=r"request id\(s\) \[0\]"):
         engine.replay([Request(5, 0.0, 4, 2), Request(0, 0.0, 4, 2)])
-    assert list(engine.sequences) == [0] and not engine.has_unfinished()
+    assert list(engine.sequences) == [0]
+    assert list(drain(engine)) == [0]  # nothing of the refused replay was queued
     with pytest.raises(RequestError, match=r"request id\(s\) \[7\] appear twice"):
         fresh(model).replay([Request(7, 0.0, 4, 2), Request(7, 0.1, 4, 2)])

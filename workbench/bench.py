@@ -151,10 +151,15 @@ def load_bench_model(
 def bench_engine(
     model: Transformer, max_num_seqs: int, max_model_len: int, workers: Any = None, **kwargs: Any
 ) -> Engine:
-    """An engine on ``model`` (with ``workers``: rank 0's shard of a tensor-parallel model on those ranks)."""
+    """An engine on ``model`` (with ``workers``: rank 0's shard of a tensor-parallel model on those ranks) whose pool
+    holds ``max_num_seqs`` requests of ``max_model_len`` tokens at once, each in whole blocks (no preemption)."""
+    max_model_len = min(max_model_len, model.config.max_position_embeddings)
+    if "kv_cache_bytes" not in kwargs:
+        block_size = kwargs.get("block_size", EngineConfig.block_size)
+        kwargs.setdefault("num_blocks", max_num_seqs * -(-max_model_len // block_size))
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
-        max_model_len=min(max_model_len, model.config.max_position_embeddings),
+        max_model_len=max_model_len,
         quantization=getattr(model, "quantization", None),
         group_size=getattr(model, "group_size", DEFAULT_GROUP_SIZE),
         dtype=canonical_dtype(str(model.dtype).replace("torch.", "")),
@@ -167,6 +172,27 @@ def bench_engine(
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def prefill_until_decoding(engine: Engine, num_requests: int) -> dict[int, int]:
+    """Step an engine holding ``num_requests`` new requests until each has its first token, so that its next step is
+    a pure decode of all; returns each request's ``num_tokens`` (the keys its next decode attends to), which
+    ``track_contexts`` keeps current. ConfigError when one is rejected or finishes before decoding."""
+    contexts: dict[int, int] = {}
+    while len(contexts) < num_requests:
+        outputs = engine.step()
+        done = [o for o in outputs if o.finished]
+        if done or not engine.has_unfinished():
+            reason = done[0].reject_reason or f"finished early ({done[0].finish_reason})" if done else "finished early"
+            raise ConfigError(f"decode benchmark requests were not served: {reason}")
+        track_contexts(contexts, outputs)
+    return contexts
+
+
+def track_contexts(contexts: dict[int, int], outputs: list[Any]) -> None:
+    """Update ``contexts`` (request id -> ``num_tokens``) from a step's ``RequestOutput`` list."""
+    for out in outputs:
+        contexts[out.request_id] = out.num_tokens
 
 
 # ---- decode ----------------------------------------------------------------------------------------------------
@@ -230,21 +256,16 @@ def bench_decode(
         )
         for prompt in random_prompts(batch, prompt_len, cfg.vocab_size, seed):
             engine.add_request(prompt, _greedy(warmup + steps + 1))
-        while True:  # prefill (one or more steps) until the next step is a pure decode of every sequence
-            engine.step()
-            if all(s.num_output_tokens >= 1 for s in engine.sequences.values()):
-                break
-            rejected = [s.reject_reason for s in engine.sequences.values() if s.reject_reason]
-            if rejected or not engine.has_unfinished():
-                raise ConfigError(f"decode benchmark requests were not served: {rejected[:1] or 'finished early'}")
+        contexts_now = prefill_until_decoding(engine, batch)
         engine.runner.time_model = True
         step_s, model_s, sweep_s, bytes_per_s, contexts = [], [], [], [], []
         first_step_s = 0.0
         for i in range(warmup + steps):
             if workers is not None and i == warmup:
                 workers.call("comm_stats", True, True)  # time the all-reduces of the measured steps
-            context = [s.num_tokens for s in engine.sequences.values()]  # each decode attends to this many keys
-            t, _ = timed(engine.step, model.device)
+            context = list(contexts_now.values())  # each decode attends to this many keys
+            t, outputs = timed(engine.step, model.device)
+            track_contexts(contexts_now, outputs)
             s = sweep.run(batch)
             if i == 0:
                 first_step_s = t
@@ -394,7 +415,7 @@ def bench_offline(
     engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode,
                           compile_prefill=compile_prefill)  # fmt: skip
     compile_s = engine.decode.warmup()
-    prefill_compile_s = engine.prefill.warmup(engine.scheduler.config.token_budget)
+    prefill_compile_s = engine.prefill.warmup(engine.token_budget)
     run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up
     times = [run_engine_offline(model, requests, max_num_seqs, engine)[0] for _ in range(repeats)]
     out_tokens = sum(n for _, n in requests)

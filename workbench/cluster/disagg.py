@@ -11,9 +11,9 @@ the tensor-parallel machinery of ``workbench.engine.tp_runner``: its first rank 
 every rank moves its own KV heads (``transfer_plan``: rank i to rank i with equal TP, heads re-sliced otherwise).
 Control messages travel on multiprocessing queues between the coordinator and each engine's first rank.
 Request ``i`` goes to prefill engine ``i mod P`` and decode engine ``i mod D``. The prefill engine serves it with
-``max_tokens=1``: its first token ends it there, its blocks are held (``Scheduler.hold_finished``) and its prompt's
-KV is sent; the decode engine admits it with that KV (``Scheduler.admit_prefilled``) and decodes the rest, its sampling
-generator continued from the prefill's (``Engine.handoff_state``, ``Engine.resume_sampling``): seeded sampling gives
+``max_tokens=1``: its first token ends it there, its blocks are held (``Engine.hold``, ``Engine.release``) and its
+prompt's KV is sent; the decode engine admits it with that KV (``Engine.add_prefilled``) and decodes the rest, its
+sampling generator continued from the prefill's (``Engine.handoff_state``): seeded sampling gives
 the colocated tokens.
 
 Definitions (DistServe's): TTFT is from arrival to the moment the first token reaches the client **from the decode
@@ -36,10 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import queue
-import signal
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +61,7 @@ from workbench.engine.engine import RequestResult
 from workbench.engine.tp_runner import ShardWorker
 from workbench.errors import ConfigError
 from workbench.model.sharding import check_tensor_parallel_size
-from workbench.request import SamplingParams, Sequence
+from workbench.request import SamplingParams
 from workbench.timing import now, set_threads
 
 POLL_S = 0.002  # how long an idle engine waits on its queue before looking again
@@ -168,16 +165,6 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Faults:
-    """Fault injection for tests: request ids whose first transfer, or every transfer, arrives damaged, and a
-    decode engine that dies after finishing ``kill_decode_after`` requests."""
-
-    corrupt_once: tuple[int, ...] = ()
-    corrupt_always: tuple[int, ...] = ()
-    kill_decode_after: int | None = None
-
-
-@dataclass(frozen=True)
 class RequestSpec:
     request_id: int
     prompt_ids: list[int]
@@ -242,14 +229,15 @@ def _drain(inbox: mp.Queue, wait_s: float) -> list[tuple]:
 class KVPeer:
     """One rank's connector over its shard of the pool: a ``KVSender`` and a ``KVReceiver``, made anew per run."""
 
+    sender_class = KVSender
+
     def __init__(self, cache: Any, first_head: int) -> None:
         self.cache, self.first_head = cache, first_head
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
 
-    def begin(self, t0: float, faults: Faults, timeout_s: float) -> None:
-        once, always = frozenset(faults.corrupt_once), frozenset(faults.corrupt_always)
-        self.sender = KVSender(self.cache, wall_clock(t0), once, always, self.first_head)
+    def begin(self, t0: float, timeout_s: float) -> None:
+        self.sender = self.sender_class(self.cache, wall_clock(t0), self.first_head)
         self.receiver = KVReceiver(self.cache, timeout_s, self.first_head)
 
     def send(self, rid: int, table: list[int], n: int, pieces: list[Piece], attempt: int) -> list[tuple[int, Piece]]:
@@ -296,10 +284,9 @@ class EngineKV:
     """An engine driver's handle on the connector of all its ranks: ``call(name, ...)`` runs ``KVPeer.name`` on
     every rank and returns their results (in this process for TP 1, through the engine's worker group above)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, peer_class: type[KVPeer] = KVPeer) -> None:
         self.workers = engine.workers
-        if self.workers is None:
-            self.peer = KVPeer(engine.cache, 0)
+        self.peer = peer_class(engine.cache, 0) if self.workers is None else None
 
     def call(self, name: str, *args: Any) -> list[Any]:
         if self.workers is None:
@@ -329,14 +316,13 @@ def _load_engine(
     return engine
 
 
-def _next_run(engine: Any, inbox: mp.Queue) -> tuple[float, Faults, list[tuple]] | None:
-    """Wait for the coordinator: ("start", t0, faults) begins a run on the shared clock; ("exit",) ends.
+def _next_run(engine: Any, inbox: mp.Queue) -> tuple[float, tuple, list[tuple]] | None:
+    """Wait for the coordinator: ("start", t0, *options) begins a run on the shared clock; ("exit",) ends.
 
-    Also returns the messages that came before the start: they belong to the new run (the previous one consumed all
-    of its own before it ended). Two processes write to a decode engine's queue, each through its own feeder thread,
-    so the prefill engine's first KV announcement of a run can overtake the coordinator's start."""
-    from workbench.engine.metrics import StepLog
-
+    Returns t0, the options (``EngineLoop.begin``'s further arguments) and the messages that came before the start:
+    they belong to the new run (the previous one consumed all of its own before it ended). Two processes write to a
+    decode engine's queue, each through its own feeder thread, so the prefill engine's first KV announcement of a
+    run can overtake the coordinator's start."""
     early: list[tuple] = []
     while True:
         message = inbox.get()
@@ -345,192 +331,176 @@ def _next_run(engine: Any, inbox: mp.Queue) -> tuple[float, Faults, list[tuple]]
         if message[0] != "start":
             early.append(message)
             continue
-        engine.reset_clock(message[1])  # a new run: its own clock, step log and request ids
-        engine.step_log = StepLog()
-        engine.sequences.clear()  # the previous run's requests are all finished
-        return message[1], message[2], early
+        engine.reset_clock(message[1])  # a new run: its own clock and step log (the engine kept no request)
+        engine.new_step_log()
+        return message[1], tuple(message[2:]), early
 
 
-def _pool_stats(engine: Any, role: str, rank: int, extra: dict[str, Any]) -> tuple:
-    rows = engine.step_log.to_records()
-    busy = sum(r["duration_s"] for r in rows)
-    return ("pool", role, rank, {"num_steps": len(rows), "busy_s": busy, "steps": rows, **extra})
+class EngineLoop:
+    """The driver of one engine of a disaggregated world: serves one run after another through the engine's API.
 
+    The prefill side (``prefill_run``) serves each request with ``max_tokens=1`` and holds its blocks
+    (``Engine.hold``) until the decode side acknowledges its KV; the decode side (``decode_run``) admits each with
+    its KV (``Engine.add_prefilled``), or recomputes it when the transfer cannot be had. Finished requests are
+    reported to the coordinator (``report``)."""
 
-def _prefill_main(
-    engine: Any, kv: EngineKV, rank: int, index: int, cfg: DisaggConfig, plan: list[Piece],
-    inboxes: dict[int, mp.Queue], out: mp.Queue,
-) -> None:  # fmt: skip
-    engine.scheduler.hold_finished = True
-    while (run := _next_run(engine, inboxes[rank])) is not None:
-        kv.call("begin", run[0], run[1], cfg.transfer_timeout_s)
-        _prefill_run(engine, kv, rank, index, *run, plan, inboxes, out)
+    peer_class = KVPeer
 
+    def __init__(
+        self, engine: Any, rank: int, index: int, role: str, cfg: DisaggConfig, plan: list[Piece],
+        inboxes: dict[int, mp.Queue], out: mp.Queue,
+    ) -> None:  # fmt: skip
+        self.engine, self.rank, self.index, self.role, self.cfg, self.plan = engine, rank, index, role, cfg, plan
+        self.inboxes, self.inbox, self.out = inboxes, inboxes[rank], out
+        self.kv = EngineKV(engine, self.peer_class)
 
-def _prefill_run(
-    engine: Any, kv: EngineKV, rank: int, index: int, t0: float, faults: Faults, early: list[tuple],
-    plan: list[Piece], inboxes: dict[int, mp.Queue], out: mp.Queue,
-) -> None:  # fmt: skip
-    clock, inbox = wall_clock(t0), inboxes[rank]
-    scales = layer_scales(engine.cache)
-    in_flight: set[int] = set()
+    def serve(self) -> None:
+        """Serve runs until the coordinator says exit."""
+        if self.role == "prefill":
+            self.engine.hold()
+        while (run := _next_run(self.engine, self.inbox)) is not None:
+            t0, options, early = run
+            self.begin(t0, *options)
+            stats = (self.prefill_run if self.role == "prefill" else self.decode_run)(t0, early)
+            rows = self.engine.step_log.to_records()
+            busy = sum(r["duration_s"] for r in rows)
+            self.out.put(("pool", self.role, self.index, {"num_steps": len(rows), "busy_s": busy, "steps": rows,
+                                                          **stats}))  # fmt: skip
 
-    def send(spec: RequestSpec, table: list[int], attempt: int) -> None:
-        pieces = [Piece(rank + p.src, spec.decode_rank + p.dst, p.head_lo, p.head_hi) for p in plan]
-        posted = sorted(x for per_rank in kv.call("send", spec.request_id, table, len(spec.prompt_ids), pieces,
-                                                   attempt) for x in per_rank)  # fmt: skip
-        meta = KVTransfer(spec.request_id, rank, len(spec.prompt_ids), tuple(p for _, p in posted), attempt, clock(),
-                          scales)  # fmt: skip
-        in_flight.add(spec.request_id)
-        inboxes[spec.decode_rank].put(("kv", spec, meta, *first_tokens[spec.request_id]))
+    def begin(self, t0: float) -> None:
+        """A run starts at ``t0`` (``time.perf_counter``): fresh connectors on every rank."""
+        self.kv.call("begin", t0, self.cfg.transfer_timeout_s)
 
-    specs: dict[int, RequestSpec] = {}
-    first_tokens: dict[int, tuple[int, float, Any]] = {}  # rid -> (first token, when, the generator's state)
-    attempts: dict[int, int] = {}
-    stopping = False
-    max_len = engine.scheduler.config.max_model_len
-    while True:
-        idle = not engine.has_unfinished()
-        messages, early = early + _drain(inbox, 0.0 if early or not idle else POLL_S), []
-        for message in messages:
-            kind = message[0]
-            if kind == "request":
-                spec: RequestSpec = message[1]
-                specs[spec.request_id] = spec
-                engine.add_request(
-                    spec.prompt_ids, dataclasses.replace(spec.sampling, max_tokens=1), spec.arrival_time,
-                    spec.request_id,
-                )  # fmt: skip
-            elif kind == "ack":  # the decode side has the KV (or will recompute it): free the blocks
-                rid = message[1]
-                kv.call("finish", rid)
-                in_flight.discard(rid)
-                engine.scheduler.release_held(rid)
-            elif kind == "nack":  # the KV arrived damaged: send the staged copy again
-                rid = message[1]
-                attempts[rid] = attempts.get(rid, 0) + 1
-                send(specs[rid], engine.scheduler.held[rid].block_table, attempts[rid])
-            elif kind == "stop":
-                stopping = True
-        if engine.has_unfinished():
-            for seq in engine.step():
-                spec = specs[seq.seq_id]
-                result = RequestResult.from_sequence(seq)
-                done_here = (
-                    seq.finish_reason in ("rejected", "stop")
-                    or spec.sampling.max_tokens == 1
-                    or len(spec.prompt_ids) + 1 >= max_len
-                )
-                state = engine.handoff_state(seq.seq_id)
-                if done_here:  # nothing for a decode engine to do
-                    if seq.seq_id in engine.scheduler.held:
-                        engine.scheduler.release_held(seq.seq_id)
-                    out.put(("done", result, {}))
-                    continue
-                first_tokens[seq.seq_id] = (seq.output_token_ids[0], seq.first_token_time, state)
-                send(spec, seq.block_table, 0)
-        if stopping and not engine.has_unfinished() and not in_flight:
-            break
-    out.put(_pool_stats(engine, "prefill", index, {}))
+    def report(self, result: RequestResult, transfer: dict[str, Any]) -> None:
+        """Send a finished request's result (and its transfer's counts) to the coordinator."""
+        self.out.put(("done", result, transfer))
 
+    def prefill_run(self, t0: float, early: list[tuple]) -> dict[str, Any]:
+        engine, kv, rank, clock = self.engine, self.kv, self.rank, wall_clock(t0)
+        scales = layer_scales(engine.cache)
+        in_flight: set[int] = set()
 
-def _decode_main(
-    engine: Any, kv: EngineKV, rank: int, index: int, cfg: DisaggConfig, plan: list[Piece],
-    inboxes: dict[int, mp.Queue], out: mp.Queue,
-) -> None:  # fmt: skip
-    while (run := _next_run(engine, inboxes[rank])) is not None:
-        kv.call("begin", run[0], run[1], cfg.transfer_timeout_s)
-        _decode_run(engine, kv, rank, index, *run, cfg, inboxes, out)
+        def send(spec: RequestSpec, table: list[int], attempt: int) -> None:
+            pieces = [Piece(rank + p.src, spec.decode_rank + p.dst, p.head_lo, p.head_hi) for p in self.plan]
+            posted = sorted(x for per_rank in kv.call("send", spec.request_id, table, len(spec.prompt_ids), pieces,
+                                                       attempt) for x in per_rank)  # fmt: skip
+            meta = KVTransfer(spec.request_id, rank, len(spec.prompt_ids), tuple(p for _, p in posted), attempt,
+                              clock(), scales)  # fmt: skip
+            in_flight.add(spec.request_id)
+            self.inboxes[spec.decode_rank].put(("kv", spec, meta, *first_tokens[spec.request_id]))
 
-
-def _decode_run(
-    engine: Any, kv: EngineKV, rank: int, index: int, t0: float, faults: Faults, early: list[tuple],
-    cfg: DisaggConfig, inboxes: dict[int, mp.Queue], out: mp.Queue,
-) -> None:  # fmt: skip
-    clock, inbox, prefill_inboxes = wall_clock(t0), inboxes[rank], inboxes
-    arrived: deque[tuple[RequestSpec, KVTransfer, int, float, Any, float]] = deque()
-    recomputed: dict[int, tuple[int, float]] = {}  # rid -> (first token, when it reached the client)
-    transfers: dict[int, dict[str, Any]] = {}
-    waited: set[int] = set()
-    stopping, num_done = False, 0
-    eos = engine.model.config.eos_token_ids
-    while True:
-        idle = not engine.has_unfinished() and not arrived
-        messages, early = early + _drain(inbox, 0.0 if early or not idle else POLL_S), []
-        for message in messages:
-            if message[0] == "kv":
-                arrived.append((*message[1:], clock()))
-            elif message[0] == "stop":
-                stopping = True
-        while arrived:
-            spec, meta, first, first_at, state, announced = arrived[0]  # state: the prefill's generator
-            rid = spec.request_id
-            seq = Sequence(rid, spec.prompt_ids, spec.sampling, spec.arrival_time, eos_token_ids=eos)
-            seq.output_token_ids = [first]  # its KV is the prompt's, to be received; the first token's comes next
-            if not engine.scheduler.admit_prefilled(seq):
-                waited.add(rid)
-                break  # backpressure: the KV stays on the prefill side until blocks free up here
-            arrived.popleft()
-            recv_start = clock()
-            outcomes = kv.call("receive", meta, seq.block_table)  # every rank's (ok, why)
-            ok, why = next(((o, w) for o, w in outcomes if not o), (True, ""))
-            landed = clock()
-            info = transfers.setdefault(
-                rid, {"kv_transfer_bytes": 0, "kv_transfer_s": 0.0, "num_transfers": 0, "num_retries": 0,
-                      "num_recomputed": 0},
-            )  # fmt: skip
-            info["num_transfers"] += 1
-            # the last attempt's timeline on the run clock: the prefill side's first token, the send posted, the
-            # announcement's arrival here, the receive posted (after this engine's step in flight), the KV landed
-            info["timeline"] = {"prefill_token_s": first_at, "sent_s": meta.sent_at, "announced_s": announced,
-                                "receive_posted_s": recv_start, "landed_s": landed}  # fmt: skip
-            if ok:
-                info["kv_transfer_bytes"] += meta.num_bytes
-                info["kv_transfer_s"] += landed - max(meta.sent_at, recv_start)
-                seq.first_token_time = landed
-                seq.token_times = [landed]
-                engine.sequences[rid] = seq
-                engine.resume_sampling(rid, state)  # the next draw follows the prefill's, as on one engine
-                prefill_inboxes[meta.src_rank].put(("ack", rid))
-                continue
-            engine.scheduler.abort(rid)
-            if why == "checksum mismatch" and meta.attempt < cfg.max_retries:
-                info["num_retries"] += 1
-                prefill_inboxes[meta.src_rank].put(("nack", rid))
-                continue
-            # give up on the transfer: the decode engine computes the prompt's KV itself
-            info["num_recomputed"] += 1
-            prefill_inboxes[meta.src_rank].put(("ack", rid))
-            recomputed[rid] = (first, landed)
-            engine.add_request(
-                list(spec.prompt_ids) + [first],
-                dataclasses.replace(spec.sampling, max_tokens=spec.sampling.max_tokens - 1),
-                spec.arrival_time,
-                rid,
-            )
-            engine.resume_sampling(rid, state)
-        if engine.has_unfinished():
-            for seq in engine.step():
-                result = RequestResult.from_sequence(seq)
-                if seq.seq_id in recomputed:
-                    first, at = recomputed.pop(seq.seq_id)
-                    result = dataclasses.replace(
-                        result,
-                        prompt_ids=result.prompt_ids[:-1],
-                        num_prompt_tokens=result.num_prompt_tokens - 1,
-                        tokens=[first, *result.tokens],
-                        num_output_tokens=result.num_output_tokens + 1,
-                        first_token_time=at,
-                        token_times=[at, *result.token_times],
+        specs: dict[int, RequestSpec] = {}
+        first_tokens: dict[int, tuple[int, float, Any]] = {}  # rid -> (first token, when, the generator's state)
+        attempts: dict[int, int] = {}
+        stopping = False
+        max_len = engine.max_model_len
+        while True:
+            idle = not engine.has_unfinished()
+            messages, early = early + _drain(self.inbox, 0.0 if early or not idle else POLL_S), []
+            for message in messages:
+                kind = message[0]
+                if kind == "request":
+                    spec: RequestSpec = message[1]
+                    specs[spec.request_id] = spec
+                    engine.add_request(
+                        spec.prompt_ids, dataclasses.replace(spec.sampling, max_tokens=1), spec.arrival_time,
+                        spec.request_id,
+                    )  # fmt: skip
+                elif kind == "ack":  # the decode side has the KV (or will recompute it): free the blocks
+                    rid = message[1]
+                    kv.call("finish", rid)
+                    in_flight.discard(rid)
+                    engine.release(rid)
+                elif kind == "nack":  # the KV arrived damaged: send the staged copy again
+                    rid = message[1]
+                    attempts[rid] = attempts.get(rid, 0) + 1
+                    send(specs[rid], engine.held_blocks(rid), attempts[rid])
+                elif kind == "stop":
+                    stopping = True
+            if engine.has_unfinished():
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    rid, spec = out.request_id, specs[out.request_id]
+                    done_here = (
+                        out.finish_reason in ("rejected", "stop")
+                        or spec.sampling.max_tokens == 1
+                        or len(spec.prompt_ids) + 1 >= max_len
                     )
-                out.put(("done", result, transfers.get(seq.seq_id, {})))
-                num_done += 1
-                if faults.kill_decode_after is not None and num_done >= faults.kill_decode_after:
-                    time.sleep(0.2)  # let the queue's feeder thread deliver, then die without a word
-                    os.kill(os.getpid(), signal.SIGKILL)
-        if stopping and not arrived and not engine.has_unfinished():
-            break
-    out.put(_pool_stats(engine, "decode", index, {"num_backpressure": len(waited)}))
+                    state = engine.handoff_state(rid)
+                    if done_here:  # nothing for a decode engine to do
+                        engine.release(rid)
+                        self.report(out.result, {})
+                        continue
+                    first_tokens[rid] = (out.result.tokens[0], out.first_token_time, state)
+                    send(spec, engine.held_blocks(rid), 0)
+            if stopping and not engine.has_unfinished() and not in_flight:
+                return {}
+
+    def decode_run(self, t0: float, early: list[tuple]) -> dict[str, Any]:
+        engine, kv, cfg, clock = self.engine, self.kv, self.cfg, wall_clock(t0)
+        arrived: deque[tuple[RequestSpec, KVTransfer, int, float, Any, float]] = deque()
+        transfers: dict[int, dict[str, Any]] = {}
+        waited: set[int] = set()
+        stopping = False
+        while True:
+            idle = not engine.has_unfinished() and not arrived
+            messages, early = early + _drain(self.inbox, 0.0 if early or not idle else POLL_S), []
+            for message in messages:
+                if message[0] == "kv":
+                    arrived.append((*message[1:], clock()))
+                elif message[0] == "stop":
+                    stopping = True
+            while arrived:
+                spec, meta, first, first_at, state, announced = arrived[0]  # state: the prefill's generator
+                rid = spec.request_id
+                outcome: dict[str, Any] = {}
+
+                def receive(
+                    table: list[int], meta: KVTransfer = meta, outcome: dict[str, Any] = outcome
+                ) -> float | None:
+                    outcome["posted"] = clock()
+                    outcomes = kv.call("receive", meta, table)  # every rank's (ok, why)
+                    outcome["ok"], outcome["why"] = next(((o, w) for o, w in outcomes if not o), (True, ""))
+                    outcome["landed"] = clock()
+                    return outcome["landed"] if outcome["ok"] else None
+
+                admitted = engine.add_prefilled(
+                    rid, spec.prompt_ids, spec.sampling, spec.arrival_time, first, first_at, state, receive
+                )
+                if admitted == "full":
+                    waited.add(rid)
+                    break  # backpressure: the KV stays on the prefill side until blocks free up here
+                arrived.popleft()
+                info = transfers.setdefault(
+                    rid, {"kv_transfer_bytes": 0, "kv_transfer_s": 0.0, "num_transfers": 0, "num_retries": 0,
+                          "num_recomputed": 0},
+                )  # fmt: skip
+                info["num_transfers"] += 1
+                # the last attempt's timeline on the run clock: the prefill side's first token, the send posted, the
+                # announcement's arrival here, the receive posted (after this engine's step in flight), the KV landed
+                landed = outcome["landed"]
+                info["timeline"] = {"prefill_token_s": first_at, "sent_s": meta.sent_at, "announced_s": announced,
+                                    "receive_posted_s": outcome["posted"], "landed_s": landed}  # fmt: skip
+                if admitted == "admitted":
+                    info["kv_transfer_bytes"] += meta.num_bytes
+                    info["kv_transfer_s"] += landed - max(meta.sent_at, outcome["posted"])
+                    self.inboxes[meta.src_rank].put(("ack", rid))
+                    continue
+                if outcome["why"] == "checksum mismatch" and meta.attempt < cfg.max_retries:
+                    info["num_retries"] += 1
+                    self.inboxes[meta.src_rank].put(("nack", rid))
+                    continue
+                # give up on the transfer: the decode engine computes the prompt's KV itself, the first token kept
+                info["num_recomputed"] += 1
+                self.inboxes[meta.src_rank].put(("ack", rid))
+                engine.add_prefilled(rid, spec.prompt_ids, spec.sampling, spec.arrival_time, first, landed, state)
+            if engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        self.report(out.result, transfers.get(out.request_id, {}))
+            if stopping and not arrived and not engine.has_unfinished():
+                return {"num_backpressure": len(waited)}
 
 
 # ---- the coordinator ------------------------------------------------------------------------------------------
@@ -538,7 +508,10 @@ class DisaggCluster:
     """P prefill and D decode engine processes, started once and serving one run after another.
 
     Use as a context manager (or ``close()``): every process is stopped at the end, killed if it must be.
+    ``loop_class``: what drives each engine (``EngineLoop``; tests subclass it to inject faults).
     """
+
+    loop_class: type[EngineLoop] = EngineLoop
 
     def __init__(self, source: str, cfg: DisaggConfig, seed: int = 0) -> None:
         cfg.check_model(ModelConfig.resolve(source))
@@ -558,7 +531,7 @@ class DisaggCluster:
         init = f"tcp://127.0.0.1:{free_port()}"
         self.processes = ProcessSet(
             list(range(world)), world, backend, init, cfg.transfer_timeout_s + 60, _rank_entry,
-            lambda rank: (str(source), cfg, seed, self.inboxes, self.out), name,
+            lambda rank: (str(source), cfg, seed, self.inboxes, self.out, self.loop_class), name,
         )  # fmt: skip
         self._closed = False
         ready: set[int] = set()
@@ -589,7 +562,6 @@ class DisaggCluster:
         self,
         requests: list[tuple[list[int], SamplingParams, float]],
         online: bool = True,
-        faults: Faults | None = None,
         progress: Any = None,
     ) -> DisaggResult:
         """Serve ``requests`` — (prompt ids, sampling, arrival time in seconds) — and return their results in order.
@@ -605,7 +577,7 @@ class DisaggCluster:
         ids = list(range(len(requests)))
         t0 = now()
         for inbox in self.inboxes.values():
-            inbox.put(("start", t0, faults or Faults()))
+            inbox.put(self._start_message(t0))
 
         def on_result(message: tuple) -> None:
             if message[0] == "done":
@@ -640,6 +612,10 @@ class DisaggCluster:
         backpressure = sum(p.get("num_backpressure", 0) for p in pools.values())
         engines = {i: (n % self.num_p, n % self.num_d) for n, i in enumerate(order)}
         return DisaggResult([results[i] for i in ids], transfers, pools, duration, backpressure, engines)
+
+    def _start_message(self, t0: float) -> tuple:
+        """What starts a run on every engine: ("start", t0, *options for ``loop_class.begin``)."""
+        return ("start", t0)
 
     def _wait(
         self, on_message: Any, done: Any, results: dict[int, RequestResult], seconds: float | None = None,
@@ -682,7 +658,7 @@ def run_disaggregated(
 
 def _rank_entry(
     rank: int, world_size: int, report: Any, source: str, cfg: DisaggConfig, seed: int,
-    inboxes: dict[int, mp.Queue], out: mp.Queue,
+    inboxes: dict[int, mp.Queue], out: mp.Queue, loop_class: type[EngineLoop] = EngineLoop,
 ) -> None:  # fmt: skip
     """One rank of the disaggregated world: join every engine's subgroup (each rank creates each, in one order, as
     ``dist.new_group`` requires), then drive an engine (an engine's first rank) or serve its driver (the others)."""
@@ -701,10 +677,8 @@ def _rank_entry(
         return
     engine = _load_engine(source, config, seed, cfg.threads_per_engine, out, rank, group)
     try:
-        kv = EngineKV(engine)
         plan = transfer_plan(ModelConfig.resolve(source), layout.prefill_tp, layout.decode_tp)
-        main = _prefill_main if role == "prefill" else _decode_main
-        main(engine, kv, rank, index, cfg, plan, inboxes, out)
+        loop_class(engine, rank, index, role, cfg, plan, inboxes, out).serve()
     finally:
         engine.shutdown()
 

@@ -3,9 +3,9 @@
 Its shape follows vLLM v1's KV connector, split in the same two halves:
 
 - the **scheduler side** decides. On the prefill engine, a request whose prefill has produced its first token is
-  finished but keeps its blocks (``Scheduler.hold_finished``) until its KV has reached the decode engine
+  finished but keeps its blocks (``Engine.hold``) until its KV has reached the decode engine
   (``KVSender.finish``): a full decode pool therefore fills the prefill pool and stops its admissions
-  (backpressure), and nothing is dropped. On the decode engine, ``Scheduler.admit_prefilled`` allocates blocks
+  (backpressure), and nothing is dropped. On the decode engine, ``Engine.add_prefilled`` allocates blocks
   for the request's tokens, and the connector loads the prompt's KV into them before its first decode step.
 - the **worker side** moves the bytes: ``KVSender.start`` gathers the K and V of the prompt's token slots from
   every layer into one byte buffer per piece (``pack``: K, V and, for an int8 pool, their fp32 scales per token and
@@ -171,12 +171,9 @@ class KVSender:
         self,
         cache: KVCache,
         clock: Callable[[], float],
-        corrupt_once: frozenset[int] = frozenset(),
-        corrupt_always: frozenset[int] = frozenset(),
         first_head: int = 0,
     ) -> None:
         self.cache, self.clock, self.first_head = cache, clock, first_head
-        self.corrupt_once, self.corrupt_always = corrupt_once, corrupt_always  # fault injection, for tests
         self.in_flight: dict[int, dict[int, tuple[torch.Tensor, dist.Work | None]]] = {}  # rid -> piece -> (buf, work)
 
     def start(
@@ -199,15 +196,14 @@ class KVSender:
                 buffer, previous = staged[index]
                 if previous is not None:
                     previous.wait()  # the damaged attempt was received: complete it before sending the copy again
-            wire = buffer
-            if (attempt == 0 and request_id in self.corrupt_once) or request_id in self.corrupt_always:
-                wire = buffer.clone()
-                wire[0] += 1  # the bytes on the wire differ from the announced checksum
-            tag = (request_id << ATTEMPT_BITS) | attempt
-            work = dist.isend(_on_wire_device(wire), piece.dst, tag=tag)
+            work = self.post(buffer, piece.dst, request_id, attempt)
             staged[index] = (buffer, work)
             out.append((index, dataclasses.replace(piece, num_bytes=buffer.numel(), checksum=checksum(buffer))))
         return out
+
+    def post(self, buffer: torch.Tensor, dst: int, request_id: int, attempt: int) -> dist.Work:
+        """Post one piece's bytes to decode rank ``dst``, tagged by request and attempt."""
+        return dist.isend(_on_wire_device(buffer), dst, tag=(request_id << ATTEMPT_BITS) | attempt)
 
     def finish(self, request_id: int) -> None:
         """The receiver has the KV (or gave up on it): drop the staging buffers."""

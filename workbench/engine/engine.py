@@ -2,10 +2,14 @@
 
     Request -> Scheduler.schedule() -> StepPlan -> ModelRunner.execute() -> Scheduler.update() -> metrics
 
+The engine's API, the only way in for the server, the benchmarks, disaggregation and the simulator's measurements:
 ``add_request`` queues a request (an invalid one is rejected with its reason, the others keep running), ``abort``
-drops one between steps (the server does when a client goes away); ``step``
-runs one scheduler step; ``generate`` serves a list of prompts offline (all arrive at once); ``replay`` serves a
-workload online, admitting each request when its arrival time comes on the wall clock. Every timestamp is seconds
+drops one between steps (the server does when a client goes away); ``step`` runs one scheduler step and returns a
+``RequestOutput`` (the new tokens; once finished, the whole result) for each request it touched, after which a
+finished request is forgotten; ``hold``/``held_blocks``/``release`` and ``add_prefilled`` hand a request from a
+prefill engine to a decode engine; ``stats`` gives the queue and pool gauges. ``generate`` serves a list of prompts
+offline (all arrive at once); ``replay`` serves a workload online, admitting each request when its arrival time
+comes on the wall clock. Every timestamp is seconds
 since the engine's clock was started (``reset_clock``), and each step's measured duration is what advances it.
 """
 
@@ -86,6 +90,30 @@ class RequestResult(RequestRecord):
 
 
 @dataclass
+class RequestOutput:
+    """What one ``Engine.step`` (or ``abort``) did for one request: a delta, as vLLM's ``RequestOutput``.
+
+    ``new_token_ids``/``new_token_times``: the tokens this step produced and their times (engine clock);
+    ``num_output_tokens``/``num_tokens``: the totals after it (``num_tokens`` = prompt + outputs, the keys its next
+    decode attends to). Once ``finished``, ``finish_reason`` says why (length | stop | rejected | abort) and
+    ``result`` holds the whole request (the engine has dropped it by then).
+    """
+
+    request_id: int
+    new_token_ids: list[int]
+    new_token_times: list[float]
+    num_output_tokens: int
+    num_tokens: int
+    arrival_time: float
+    first_token_time: float | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    reject_reason: str | None = None
+    finish_time: float | None = None
+    result: RequestResult | None = None
+
+
+@dataclass
 class RunResult:
     """What ``generate``/``replay`` return: per-request results, the step log and the run's duration."""
 
@@ -157,10 +185,12 @@ class Engine:
                                               max_len, block_size)  # fmt: skip
             self.runner.speculator = self.speculator
             self.scheduler.proposer = self.speculator.propose
-        self.step_log = StepLog()
+        self.step_log = StepLog()  # every step of a run; a server bounds it (``new_step_log(max_steps)``)
         # called after every executed step with its plan and log record (``workbench.sim.measure`` pairs them)
         self.on_step: Callable[[StepPlan, StepRecord], None] | None = None
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, Sequence] = {}  # unfinished requests only: step() and abort() drop the others
+        self._num_reported: dict[int, int] = {}  # request id -> output tokens already reported by step()
+        self._keep: dict[int, Sequence] | None = None  # generate/replay: their finished sequences, for the RunResult
         self._ids = itertools.count()
         self._early_finished: list[Sequence] = []
         self._handoff_states: dict[int, torch.Tensor] = {}  # held requests' generators (handoff_state)
@@ -222,8 +252,9 @@ class Engine:
     ) -> int:
         """Queue a request and return its id. An invalid request is finished at once as 'rejected' with the reason.
 
-        ``request_id`` None takes the next automatic id not yet used; an id already in ``sequences`` raises
-        RequestError before anything changes (a result could not be told apart from the earlier one's).
+        ``request_id`` None takes the next automatic id not yet used; the id of a request still in the engine
+        raises RequestError before anything changes (its outputs could not be told apart from the earlier one's).
+        A rejected request's output (finish_reason 'rejected', with the reason) comes with the next ``step``.
         """
         if request_id is None:
             rid = next(self._ids)
@@ -272,22 +303,24 @@ class Engine:
         if bad:
             raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
-    def abort(self, request_id: int) -> Sequence | None:
-        """Drop an unfinished request between steps (finish_reason 'abort'): its KV blocks go back to the pool and
-        its sampler state is released. None when it is unknown or already finished."""
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Drop an unfinished request between steps (finish_reason 'abort'): its KV blocks go back to the pool, its
+        sampler state is released and the engine forgets it. Its final output (no new tokens); None when it is
+        unknown or already finished."""
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
         seq.finish_time = self.now()
         self.runner.release(request_id)
-        return seq
+        return self._output(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._early_finished)
 
     # ---- one step ----------------------------------------------------------------------------------------
-    def step(self, start: float | None = None) -> list[Sequence]:
-        """Schedule, execute and update once; returns the sequences that finished (or were rejected).
+    def step(self, start: float | None = None) -> list[RequestOutput]:
+        """Schedule, execute and update once; returns an output for every request that got tokens or finished (or
+        was rejected) in this step. Finished requests leave the engine (held ones stay in the pool: ``release``).
 
         ``start``: the step's start time when the caller already read the clock (``replay`` passes the time at
         which it admitted arrivals, so that a simulator replaying the step log admits exactly the same ones).
@@ -309,7 +342,119 @@ class Engine:
                 if state is not None:
                     self._handoff_states[seq.seq_id] = state
             self.runner.release(seq.seq_id)
-        return finished
+        return self._outputs(plan, finished)
+
+    def _outputs(self, plan: StepPlan, finished: list[Sequence]) -> list[RequestOutput]:
+        """The step's deltas: every unfinished sequence of the plan that sampled, then every finished one."""
+        out = [self._output(c.seq) for c in plan.chunks if c.samples and not c.seq.is_finished]
+        return out + [self._output(seq) for seq in finished]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """``seq``'s tokens since its last output; a finished sequence is dropped from the engine here."""
+        rid, done = seq.seq_id, seq.is_finished
+        sent = self._num_reported.pop(rid, 0) if done else self._num_reported.get(rid, 0)
+        n = len(seq.output_token_ids)
+        if not done:
+            self._num_reported[rid] = n
+        else:
+            self.sequences.pop(rid, None)
+            if self._keep is not None:
+                self._keep[rid] = seq
+        return RequestOutput(
+            request_id=rid, new_token_ids=seq.output_token_ids[sent:], new_token_times=seq.token_times[sent:],
+            num_output_tokens=n, num_tokens=seq.num_tokens, arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time, finished=done, finish_reason=seq.finish_reason,
+            reject_reason=seq.reject_reason, finish_time=seq.finish_time,
+            result=RequestResult.from_sequence(seq) if done else None,
+        )  # fmt: skip
+
+    def stats(self) -> dict[str, int]:
+        """The queue and pool gauges a server exports: ``num_running``, ``num_waiting``, ``num_blocks``,
+        ``block_size``, ``num_used_blocks``, ``num_preemptions`` (cumulative) and ``max_model_len``."""
+        sched, bm = self.scheduler, self.block_manager
+        return {
+            "num_running": sched.num_running, "num_waiting": sched.num_waiting, "num_blocks": bm.num_blocks,
+            "block_size": bm.block_size, "num_used_blocks": bm.num_used_blocks,
+            "num_preemptions": sched.num_preemptions, "max_model_len": sched.config.max_model_len,
+        }  # fmt: skip
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + outputs) this engine serves."""
+        return self.scheduler.config.max_model_len
+
+    @property
+    def token_budget(self) -> int:
+        """The most tokens one step computes (``SchedulerConfig.token_budget``)."""
+        return self.scheduler.config.token_budget
+
+    def new_step_log(self, max_steps: int | None = None) -> None:
+        """Start a fresh step log; ``max_steps`` keeps only the latest that many steps (a long-running server)."""
+        self.step_log = StepLog(max_steps=max_steps)
+
+    # ---- handoff (prefill/decode disaggregation) -------------------------------------------------------------
+    def hold(self, enabled: bool = True) -> None:
+        """The prefill side of disaggregation: from now on a finished request keeps its KV blocks (their KV is
+        still to be sent) until ``release``; the pool then fills and admissions stop by themselves (backpressure)."""
+        self.scheduler.hold_finished = enabled
+
+    def held_blocks(self, request_id: int) -> list[int]:
+        """The KV block table of held request ``request_id`` (to send its KV again after a damaged transfer)."""
+        try:
+            return self.scheduler.held[request_id].block_table
+        except KeyError:
+            raise RequestError(f"request {request_id} is not held by this engine") from None
+
+    def release(self, request_id: int) -> bool:
+        """Free the KV blocks of a held finished request (its KV reached the decode side, or is no longer
+        wanted); False when it is not held."""
+        if request_id not in self.scheduler.held:
+            return False
+        self.scheduler.release_held(request_id)
+        self._handoff_states.pop(request_id, None)
+        return True
+
+    def add_prefilled(
+        self,
+        request_id: int,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        arrival_time: float,
+        first_token: int,
+        first_token_time: float,
+        sampler_state: torch.Tensor | None = None,
+        receive: Callable[[list[int]], float | None] | None = None,
+    ) -> str:
+        """The decode side of disaggregation: admit a request whose prompt another engine prefilled and whose first
+        token it sampled; its sampling continues from ``sampler_state`` (that engine's ``handoff_state``).
+
+        With ``receive``: blocks are allocated for the prompt's KV and ``receive(block_table)`` fills them (the KV
+        connector), returning when the KV landed (engine clock: the request's first token time, as the client
+        sees it) or None when it failed. Returns 'admitted'; 'full' with nothing changed when the pool or the
+        batch has no room now (the sender keeps the KV: backpressure); 'failed' with nothing kept when the
+        receive failed. Without ``receive`` the prompt is recomputed here (queued like a preempted request,
+        holding its first token at ``first_token_time``): 'admitted'. RequestError when it can never be served.
+        """
+        if request_id in self.sequences:
+            raise RequestError(f"request_id {request_id} is already in use by this engine; give a new id")
+        seq = Sequence(request_id, prompt_ids, sampling, arrival_time, eos_token_ids=self.model.config.eos_token_ids)
+        seq.output_token_ids = [first_token]
+        seq.first_token_time, seq.token_times = first_token_time, [first_token_time]
+        if receive is None:
+            if not self.scheduler.add(seq):
+                raise RequestError(f"request {request_id} cannot be served here: {seq.reject_reason}")
+        else:
+            if not self.scheduler.admit_prefilled(seq):
+                return "full"
+            landed = receive(seq.block_table)
+            if landed is None:
+                self.scheduler.abort(request_id)
+                return "failed"
+            seq.first_token_time, seq.token_times = landed, [landed]
+        self.sequences[request_id] = seq
+        self._num_reported[request_id] = 1  # the first token was reported by the prefill side
+        self.resume_sampling(request_id, sampler_state)
+        return "admitted"
 
     def handoff_state(self, seq_id: int) -> torch.Tensor | None:
         """The sampling generator's state of held request ``seq_id`` as it finished here (taken: asked once), for
@@ -334,6 +479,7 @@ class Engine:
                 "or a list with one per prompt"
             )
         start = self.now()
+        self._keep = {}
         ids = [self.add_request(p, sp, arrival_time=start) for p, sp in zip(prompts, params)]
         while self.has_unfinished():
             self.step()
@@ -361,6 +507,7 @@ class Engine:
             )
         base = sampling or SamplingParams()
         self.reset_clock()
+        self._keep = {}
         ids, i = [], 0
         while i < len(pending) or self.has_unfinished():
             now = self.now()
@@ -372,15 +519,16 @@ class Engine:
                 ids.append(self.add_request(list(prompt), sp, arrival_time=r.arrival_time_s, request_id=rid))
                 i += 1
             if self.has_unfinished():
-                done = self.step(now)
+                done = sum(out.finished for out in self.step(now))
                 if progress is not None and done:
-                    progress.update(len(done))
+                    progress.update(done)
             elif i < len(pending):
                 time.sleep(max(0.0, pending[i].arrival_time_s - self.now()))
         return self._result(ids, self.now())
 
     def _result(self, ids: list[int], duration_s: float) -> RunResult:
-        seqs = [self.sequences[i] for i in ids]
+        kept, self._keep = self._keep or {}, None
+        seqs = [kept[i] for i in ids]
         extra = {} if self.speculator is None else {"speculative": self.scheduler.spec_stats.to_dict()}
         return RunResult(
             requests=[RequestResult.from_sequence(s) for s in seqs],

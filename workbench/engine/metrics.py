@@ -28,7 +28,7 @@ The JSON layout (``summarize``) is the contract of ``workbench replay`` and ``wo
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -153,12 +153,13 @@ def summarize(
 
 
 def requests_to_dataframe(requests: list[Sequence] | list[RequestRecord]) -> pd.DataFrame:
-    """One row per request: ids, lengths, timestamps and derived latencies (pandas imported lazily)."""
+    """One row per request: ids, lengths, timestamps and derived latencies (``RequestRecord``'s fields, also for a
+    ``RequestResult``; pandas imported lazily)."""
     import pandas as pd
 
     rows = []
     for rec in map(_record, requests):
-        row = {k: v for k, v in asdict(rec).items() if k != "token_times"}
+        row = {f.name: getattr(rec, f.name) for f in fields(RequestRecord) if f.name != "token_times"}
         if is_completed(rec):
             lat = request_latencies(rec)
             row.update(ttft_s=lat["ttft_s"], tpot_s=lat["tpot_s"], e2el_s=lat["e2el_s"])
@@ -188,14 +189,23 @@ class StepRecord:
 
 @dataclass
 class StepLog:
-    """The per-step log of a run: enough to draw a timeline of prefill/decode mixes and stalls."""
+    """The per-step log of a run: enough to draw a timeline of prefill/decode mixes and stalls.
+
+    ``max_steps`` bounds it for a long-running server: it then keeps the latest ``max_steps`` to ``2 * max_steps``
+    steps (older ones are dropped in halves); ``num_recorded`` counts every step, dropped or not."""
 
     steps: list[StepRecord] = field(default_factory=list)
+    max_steps: int | None = None
+    num_recorded: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise ValueError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
 
     def record(self, plan: StepPlan, start_s: float, end_s: float, num_blocks_used: int) -> StepRecord:
         """Log one executed ``StepPlan``: the one step record of the engine and the simulator."""
         rec = StepRecord(
-            step=len(self.steps),
+            step=self.num_recorded,
             start_s=start_s,
             end_s=end_s,
             num_prefill_tokens=plan.num_prefill_tokens,
@@ -207,6 +217,9 @@ class StepLog:
             num_idle_slots=plan.num_idle_slots,
         )
         self.steps.append(rec)
+        self.num_recorded += 1
+        if self.max_steps is not None and len(self.steps) > 2 * self.max_steps:
+            del self.steps[: -self.max_steps]
         return rec
 
     def __len__(self) -> int:

@@ -111,8 +111,8 @@ def measure_policies(
             engine = Engine(net, engine_config(policy, max_num_seqs, max_model_len))
             runs[policy].append(engine.replay(list(requests)).summary()["metrics"])
             loads.append({"policy": policy, "repeat": rep, "load_before": before, "load_after": load_average()})
-            bm = engine.block_manager
-            pool[policy] = {"num_blocks": bm.num_blocks, "block_size": bm.block_size}
+            st = engine.stats()
+            pool[policy] = {"num_blocks": st["num_blocks"], "block_size": st["block_size"]}
             if bar is not None:
                 bar.update(1)
     if bar is not None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.bench import decode_step_bytes, load_bench_model
+from workbench.bench import decode_step_bytes, load_bench_model, prefill_until_decoding, track_contexts
 from workbench.config import (
     DEFAULT_GROUP_SIZE,
     ModelConfig,
@@ -127,7 +127,7 @@ def decode_schemes(
         warmup = max(warmup, 1)  # the first decode step of each engine compiles
     rows = []
     for batch in batch_sizes:
-        engines = {}
+        engines, live = {}, {}
         for s in schemes:
             model = models[s.weights_key]
             max_len = prompt_len + warmup + steps + 2
@@ -136,15 +136,15 @@ def decode_schemes(
             engine = _engine(model, s, batch, max_len, compile_decode)
             for prompt in random_prompts(batch, prompt_len, model.config.vocab_size, seed):
                 engine.add_request(prompt, SamplingParams(max_tokens=warmup + steps + 1, ignore_eos=True))
-            while not all(q.num_output_tokens >= 1 for q in engine.sequences.values()):
-                engine.step()  # prefill until the next step is a pure decode of every sequence
+            live[s] = prefill_until_decoding(engine, batch)  # the next step is a pure decode of every sequence
             engines[s] = engine
         times: dict[Scheme, list[float]] = {s: [] for s in schemes}
         contexts: dict[Scheme, list[int]] = {s: [] for s in schemes}
         for i in range(warmup + steps):
             for s, engine in engines.items():  # A, B, C, A, B, C, ...
-                context = [q.num_tokens for q in engine.sequences.values()]
-                t, _ = timed(engine.step, engine.model.device)
+                context = list(live[s].values())
+                t, outputs = timed(engine.step, engine.model.device)
+                track_contexts(live[s], outputs)
                 if i >= warmup:
                     times[s].append(t)
                     contexts[s] = context

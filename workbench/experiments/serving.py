@@ -113,16 +113,17 @@ def long_prompt_among_decodes(
         engine.add_request(torch.randint(0, vocab, (decode_prompt_len,), generator=g).tolist(), decode_params)
         for _ in range(num_decodes)
     ]
+    finished = {}
     for _ in range(inject_after_steps):
-        engine.step()
+        finished.update((o.request_id, o.result) for o in engine.step() if o.finished)
     long_id = engine.add_request(
         torch.randint(0, vocab, (long_prompt_len,), generator=g).tolist(), SamplingParams(max_tokens=4, ignore_eos=True)
     )
     while engine.has_unfinished():
-        engine.step()
+        finished.update((o.request_id, o.result) for o in engine.step() if o.finished)
     engine.shutdown()
-    long_seq = engine.sequences[long_id]
-    shorts = [engine.sequences[i] for i in short_ids]
+    long_seq = finished[long_id]
+    shorts = [finished[i] for i in short_ids]
     # gaps between decode tokens that straddle the long prompt's arrival .. first token
     window = (long_seq.arrival_time, long_seq.first_token_time)
     stall_itls = [

@@ -359,7 +359,7 @@ def build_app(
 ) -> web.Application:
     """The aiohttp application over ``engine``; the engine loop starts and stops with the app."""
     limits = limits or ServerLimits()
-    max_len = engine.scheduler.config.max_model_len
+    max_len = engine.max_model_len
     bytes_per_token = limits.max_bytes_per_token
     if bytes_per_token is None:
         bytes_per_token = codec.max_token_bytes if codec is not None else DEFAULT_MAX_BYTES_PER_TOKEN

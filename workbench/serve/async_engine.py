@@ -3,7 +3,9 @@
 One asyncio task owns the ``Engine``: between steps it admits the requests handlers queued and applies their
 aborts; each ``Engine.step`` runs in a single worker thread (torch releases the GIL, so the event loop keeps
 accepting connections and writing streams meanwhile); after each step it hands every request its new token ids
-through the request's own ``asyncio.Queue``. Handlers never touch the engine: they call ``add`` and ``abort``, which
+through the request's own ``asyncio.Queue`` (the step's ``RequestOutput`` deltas; the engine forgets a request once it
+finished, and its step log is bounded, so a long-running server holds no finished request). Handlers never touch the
+engine: they call ``add`` and ``abort``, which
 only queue work for the loop, so no lock is needed. When nothing is left to run the loop sleeps until ``add``.
 """
 
@@ -15,12 +17,13 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from workbench.engine.engine import Engine
+from workbench.engine.engine import Engine, RequestOutput
 from workbench.errors import RequestError
-from workbench.request import SamplingParams, Sequence
+from workbench.request import SamplingParams
 from workbench.serve.prom import ServerMetrics
 
 log = logging.getLogger("workbench.serve")
+STEP_LOG_STEPS = 1024  # the server keeps the latest this many (to twice as many) engine steps
 
 
 @dataclass
@@ -41,8 +44,9 @@ class RequestHandle:
     sampling: SamplingParams
     arrival_time: float
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    num_sent: int = 0
     finished: bool = False
+    admitted: bool = False  # the engine accepted it (its prompt tokens are counted)
+    last_token_time: float | None = None  # of its latest token on the engine clock (for the ITL)
 
 
 class AsyncEngine:
@@ -51,7 +55,8 @@ class AsyncEngine:
     def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.metrics.blocks_total.set(engine.block_manager.num_blocks)
+        engine.new_step_log(max_steps=STEP_LOG_STEPS)
+        self.metrics.blocks_total.set(engine.stats()["num_blocks"])
         self._ids = itertools.count()
         self._to_add: list[RequestHandle] = []
         self._to_abort: list[tuple[int, str]] = []
@@ -106,12 +111,12 @@ class AsyncEngine:
                         await self._wake.wait()
                     continue
                 try:
-                    finished = await loop.run_in_executor(self._executor, self.engine.step)
+                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception as exc:  # an engine bug: fail the requests in flight, keep serving new ones
                     log.exception("engine step failed")
                     self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                     continue
-                self._dispatch(finished)
+                self._dispatch(outputs)
         finally:
             self._apply_queued()
             for handle in list(self._live.values()):
@@ -130,51 +135,51 @@ class AsyncEngine:
             except RequestError as exc:
                 self._finish(handle, Output([], "rejected", str(exc)))
                 continue
-            seq = self.engine.sequences[handle.request_id]
-            if seq.finish_reason == "rejected":
-                self.engine.sequences.pop(handle.request_id, None)
-                self._finish(handle, Output([], "rejected", seq.reject_reason))
-                continue
-            self._live[handle.request_id] = handle
-            self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
+            self._live[handle.request_id] = handle  # a rejection comes back as the next step's output
         to_abort, self._to_abort = self._to_abort, []
         for rid, reason in to_abort:
             handle = self._live.pop(rid, None)
-            seq = self.engine.abort(rid) if handle is not None else None
-            if seq is None:
+            out = self.engine.abort(rid) if handle is not None else None
+            if out is None:
                 continue
-            self.engine.sequences.pop(rid, None)
+            self._admitted(handle)
             self.metrics.finished.labels(self.metrics.model_name, reason).inc()
-            if reason == "stop" and seq.token_times:
-                self.metrics.e2e.observe(seq.token_times[-1] - seq.arrival_time)
+            if reason == "stop" and handle.last_token_time is not None:
+                self.metrics.e2e.observe(handle.last_token_time - out.arrival_time)
             handle.queue.put_nowait(Output([], reason))
 
-    def _dispatch(self, finished: list[Sequence]) -> None:
-        done = {seq.seq_id for seq in finished}
-        for rid, handle in list(self._live.items()):
-            seq = self.engine.sequences.get(rid)
-            if seq is None:
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            handle = self._live.get(out.request_id)
+            if handle is None:
                 continue
-            new = seq.output_token_ids[handle.num_sent :]
-            self._observe_tokens(seq, handle.num_sent, len(new))
-            handle.num_sent += len(new)
-            if rid in done:
-                del self._live[rid]
-                self.engine.sequences.pop(rid, None)
-                self.metrics.e2e.observe(seq.finish_time - seq.arrival_time)
-                self._finish(handle, Output(new, seq.finish_reason))
-            elif new:
-                handle.queue.put_nowait(Output(new))
+            if out.finish_reason == "rejected":
+                del self._live[out.request_id]
+                self._finish(handle, Output([], "rejected", out.reject_reason))
+                continue
+            self._admitted(handle)
+            self._observe_tokens(handle, out)
+            if out.finished:
+                del self._live[out.request_id]
+                self.metrics.e2e.observe(out.finish_time - out.arrival_time)
+                self._finish(handle, Output(out.new_token_ids, out.finish_reason))
+            elif out.new_token_ids:
+                handle.queue.put_nowait(Output(out.new_token_ids))
         self._update_gauges()
 
-    def _observe_tokens(self, seq: Sequence, start: int, count: int) -> None:
-        times = seq.token_times
-        for i in range(start, start + count):
-            if i == 0:
-                self.metrics.ttft.observe(seq.first_token_time - seq.arrival_time)
+    def _admitted(self, handle: RequestHandle) -> None:
+        if not handle.admitted:
+            handle.admitted = True
+            self.metrics.prompt_tokens.inc(len(handle.prompt_ids))
+
+    def _observe_tokens(self, handle: RequestHandle, out: RequestOutput) -> None:
+        for t in out.new_token_times:
+            if handle.last_token_time is None:
+                self.metrics.ttft.observe(out.first_token_time - out.arrival_time)
             else:
-                self.metrics.itl.observe(times[i] - times[i - 1])
-        self.metrics.generation_tokens.inc(count)
+                self.metrics.itl.observe(t - handle.last_token_time)
+            handle.last_token_time = t
+        self.metrics.generation_tokens.inc(len(out.new_token_ids))
 
     def _finish(self, handle: RequestHandle, out: Output) -> None:
         handle.finished = True
@@ -185,16 +190,15 @@ class AsyncEngine:
     def _fail_all(self, reason: str) -> None:
         for rid, handle in list(self._live.items()):
             self.engine.abort(rid)
-            self.engine.sequences.pop(rid, None)
             del self._live[rid]
             self._finish(handle, Output([], "error", reason))
 
     def _update_gauges(self) -> None:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        self.metrics.running.set(sched.num_running)
-        self.metrics.waiting.set(sched.num_waiting + len(self._to_add))
-        self.metrics.blocks_used.set(bm.num_used_blocks)
-        self.metrics.kv_usage.set(bm.num_used_blocks / bm.num_blocks)
-        if sched.num_preemptions > self._num_preemptions:
-            self.metrics.preemptions.inc(sched.num_preemptions - self._num_preemptions)
-            self._num_preemptions = sched.num_preemptions
+        st = self.engine.stats()
+        self.metrics.running.set(st["num_running"])
+        self.metrics.waiting.set(st["num_waiting"] + len(self._to_add))
+        self.metrics.blocks_used.set(st["num_used_blocks"])
+        self.metrics.kv_usage.set(st["num_used_blocks"] / st["num_blocks"])
+        if st["num_preemptions"] > self._num_preemptions:
+            self.metrics.preemptions.inc(st["num_preemptions"] - self._num_preemptions)
+            self._num_preemptions = st["num_preemptions"]

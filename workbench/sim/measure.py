@@ -51,7 +51,7 @@ def measure_engine_steps(
 
         def observe(plan: StepPlan, _record: Any, engine: Any = engine, stats=stats, busy_after=busy_after) -> None:  # noqa: ANN001
             stats.append(plan_stats(plan))
-            busy_after.append(engine.scheduler.has_unfinished())
+            busy_after.append(engine.has_unfinished())
 
         engine.on_step = observe
         engine.replay(requests, seed=seed)

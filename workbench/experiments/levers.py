@@ -190,8 +190,7 @@ def scheme_decode_arm(
     engine = _engine(model, scheme, batch, max_len, compile_decode)
     for prompt in random_prompts(batch, prompt_len, model.config.vocab_size, seed):
         engine.add_request(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    while not all(q.num_output_tokens >= 1 for q in engine.sequences.values()):
-        engine.step()  # prefill until the next step is a pure decode of every sequence
+    prefill_until_decoding(engine, batch)  # the next step is a pure decode of every sequence
 
     def trial(_round: int) -> float:
         times = []

@@ -171,13 +171,14 @@ def test_profile_with_a_datasheet_accelerator_is_refused_unless_forced(capsys):
     capsys.readouterr()
 
 
-def test_simulate_pool_of_an_80_gb_accelerator_is_tracked_at_the_workloads_size(capsys):
+def test_simulate_pool_of_an_80_gb_accelerator_is_tracked_at_what_the_batch_can_fill(capsys):
     rc = main(["simulate", "--model", "tiny-gqa", "--hardware", "h100-sxm", "--trace", "poisson:1",
                "--num-requests", "2", "--prompt-lens", "fixed:40", "--output-lens", "fixed:9", "--json"])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
-    # two requests of 49 tokens in 16-token blocks: 4 blocks each; over the 1% watermark: ceil(8 / 0.99) + 1
-    assert out["replicas"][0]["num_blocks"] == 10
+    # at most 256 sequences (max_num_seqs) of max_model_len 256 tokens hold 16-token blocks, 16 + 1 each; over the
+    # 1% watermark: ceil(256 * 17 / 0.99) + 1 (bounded by the batch, not by the trace, which is read as it runs)
+    assert out["replicas"][0]["num_blocks"] == 4397
     # the pool the accelerator holds is still the one reported: (80 GB x 0.9 - weights) / block bytes
     assert out["engine"]["num_blocks"] > 10**6
 

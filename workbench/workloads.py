@@ -26,12 +26,15 @@ id, so requests that share hash ids share token blocks and a prefix cache sees t
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -119,14 +122,28 @@ def synthetic_workload(
     seed: int = 0,
 ) -> list[Request]:
     """Seeded synthetic requests: Gamma(cv) arrivals at ``rate`` requests/s (Poisson for cv = 1)."""
+    return list(iter_synthetic(num_requests, rate, cv, prompt_lens, output_lens, seed))
+
+
+def iter_synthetic(
+    num_requests: int,
+    rate: float,
+    cv: float = 1.0,
+    prompt_lens: str | LengthSpec = "uniform:64:1024",
+    output_lens: str | LengthSpec = "uniform:16:256",
+    seed: int = 0,
+) -> Iterator[Request]:
+    """``synthetic_workload``'s requests made one at a time, from arrays of their times and lengths (24 bytes a
+    request) drawn now."""
     if num_requests < 0:
         raise TraceError(f"num_requests must be >= 0, got {num_requests}")
     rng = np.random.default_rng(seed)
-    arrivals = gamma_arrivals(num_requests, rate, cv, rng)
+    arrivals = np.asarray(gamma_arrivals(num_requests, rate, cv, rng), dtype=np.float64)
     pspec = prompt_lens if isinstance(prompt_lens, LengthSpec) else LengthSpec.parse(prompt_lens)
     ospec = output_lens if isinstance(output_lens, LengthSpec) else LengthSpec.parse(output_lens)
-    prompts, outputs = pspec.sample(num_requests, rng), ospec.sample(num_requests, rng)
-    return [Request(i, arrivals[i], prompts[i], outputs[i]) for i in range(num_requests)]
+    prompts = np.asarray(pspec.sample(num_requests, rng), dtype=np.int64)
+    outputs = np.asarray(ospec.sample(num_requests, rng), dtype=np.int64)
+    return (Request(i, float(arrivals[i]), int(prompts[i]), int(outputs[i])) for i in range(num_requests))
 
 
 # ---- real traces -----------------------------------------------------------------------------------------
@@ -171,27 +188,33 @@ def _int_field(value: object, name: str, where: str, minimum: int = 0) -> int:
     return number
 
 
-def load_azure_csv(path: str | Path) -> list[Request]:
-    """Read an Azure LLM inference trace CSV; arrival times are seconds after the first row's TIMESTAMP."""
+def iter_azure_csv(path: str | Path) -> Iterator[Request]:
+    """The requests of an Azure LLM inference trace CSV, read row by row as they are taken (the file is opened and
+    its header checked now); arrival times are seconds after the first row's TIMESTAMP."""
     path = Path(path)
     try:
         handle = path.open(newline="")
     except FileNotFoundError:
         raise TraceError(f"trace file not found: {path}") from None
-    requests: list[Request] = []
+    reader = csv.reader(handle)
+    header = next(reader, None)
+    if header is None or [h.strip() for h in header[:3]] != list(AZURE_COLUMNS):
+        handle.close()
+        raise TraceError(f"{path}:1: expected header {','.join(AZURE_COLUMNS)}, got {header!r}")
+    return _azure_rows(path, handle, reader, len(header))
+
+
+def _azure_rows(path: Path, handle: Any, reader: Any, num_fields: int) -> Iterator[Request]:
     with handle:
-        reader = csv.reader(handle)
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header[:3]] != list(AZURE_COLUMNS):
-            raise TraceError(f"{path}:1: expected header {','.join(AZURE_COLUMNS)}, got {header!r}")
         first: tuple[int, float] | None = None
         previous: tuple[float, int] | None = None
+        count = 0
         for lineno, row in enumerate(reader, start=2):
             where = f"{path}:{lineno}"
             if not row:
                 continue
-            if len(row) != len(header):
-                raise TraceError(f"{where}: expected {len(header)} fields, got {len(row)}")
+            if len(row) != num_fields:
+                raise TraceError(f"{where}: expected {num_fields} fields, got {len(row)}")
             try:
                 day, sec = _azure_seconds(row[0])
             except ValueError as exc:
@@ -203,20 +226,30 @@ def load_azure_csv(path: str | Path) -> list[Request]:
             previous = (arrival, lineno)
             prompt = _int_field(row[1].strip(), "ContextTokens", where, minimum=1)
             output = _int_field(row[2].strip(), "GeneratedTokens", where)
-            requests.append(Request(len(requests), arrival, prompt, output))
-    return requests
+            yield Request(count, arrival, prompt, output)
+            count += 1
 
 
-def load_mooncake_jsonl(path: str | Path) -> list[Request]:
-    """Read a Mooncake trace (JSON lines); arrival times are seconds after the first line's timestamp (ms)."""
+def load_azure_csv(path: str | Path) -> list[Request]:
+    """Read an Azure LLM inference trace CSV; arrival times are seconds after the first row's TIMESTAMP."""
+    return list(iter_azure_csv(path))
+
+
+def iter_mooncake_jsonl(path: str | Path) -> Iterator[Request]:
+    """The requests of a Mooncake trace (JSON lines), read line by line as they are taken (the file is opened now);
+    arrival times are seconds after the first line's timestamp (ms)."""
     path = Path(path)
     try:
         handle = path.open()
     except FileNotFoundError:
         raise TraceError(f"trace file not found: {path}") from None
-    requests: list[Request] = []
+    return _mooncake_lines(path, handle)
+
+
+def _mooncake_lines(path: Path, handle: Any) -> Iterator[Request]:
     first_ms: float | None = None
     previous: tuple[float, int] | None = None
+    count = 0
     with handle:
         for lineno, line in enumerate(handle, start=1):
             where = f"{path}:{lineno}"
@@ -252,47 +285,120 @@ def load_mooncake_jsonl(path: str | Path) -> list[Request]:
             arrival = (ts - first_ms) / 1000.0
             _check_order(where, arrival, previous, path)
             previous = (arrival, lineno)
-            requests.append(Request(len(requests), arrival, prompt, output, hash_ids=hash_ids))
-    return requests
+            yield Request(count, arrival, prompt, output, hash_ids=hash_ids)
+            count += 1
+
+
+def load_mooncake_jsonl(path: str | Path) -> list[Request]:
+    """Read a Mooncake trace (JSON lines); arrival times are seconds after the first line's timestamp (ms)."""
+    return list(iter_mooncake_jsonl(path))
+
+
+def iter_trace_file(path: str | Path) -> Iterator[Request]:
+    """An Azure ``.csv`` or a Mooncake ``.jsonl`` file, by suffix, read lazily (``iter_azure_csv``)."""
+    path = Path(path)
+    if path.suffix == ".csv":
+        return iter_azure_csv(path)
+    if path.suffix in (".jsonl", ".json"):
+        return iter_mooncake_jsonl(path)
+    raise TraceError(f"{path}: unknown trace format; expected a .csv (Azure) or .jsonl (Mooncake) file")
 
 
 def load_trace_file(path: str | Path) -> list[Request]:
     """An Azure ``.csv`` or a Mooncake ``.jsonl`` file, by suffix."""
-    path = Path(path)
-    if path.suffix == ".csv":
-        return load_azure_csv(path)
-    if path.suffix in (".jsonl", ".json"):
-        return load_mooncake_jsonl(path)
-    raise TraceError(f"{path}: unknown trace format; expected a .csv (Azure) or .jsonl (Mooncake) file")
+    return list(iter_trace_file(path))
 
 
 # ---- transformations -------------------------------------------------------------------------------------
-def scale_time(requests: list[Request], time_scale: float = 1.0, rate_scale: float = 1.0) -> list[Request]:
-    """Arrivals multiplied by ``time_scale`` and divided by ``rate_scale`` (2.0 = twice the request rate)."""
+def _time_factor(time_scale: float, rate_scale: float) -> float:
     for name, value in (("time_scale", time_scale), ("rate_scale", rate_scale)):
         if not value > 0 or not math.isfinite(value):
             raise TraceError(f"{name} must be a positive number, got {value!r}")
-    factor = time_scale / rate_scale
+    return time_scale / rate_scale
+
+
+def scale_time(requests: list[Request], time_scale: float = 1.0, rate_scale: float = 1.0) -> list[Request]:
+    """Arrivals multiplied by ``time_scale`` and divided by ``rate_scale`` (2.0 = twice the request rate)."""
+    factor = _time_factor(time_scale, rate_scale)
     if factor == 1.0:
         return list(requests)
     return [replace(r, arrival_time_s=r.arrival_time_s * factor) for r in requests]
 
 
-def truncate_to_context(requests: list[Request], max_len: int) -> list[Request]:
-    """Clip each request so that prompt + output <= ``max_len``, keeping at least one output token."""
+def check_max_len(max_len: int) -> None:
+    """A TraceError unless ``max_len`` holds one prompt and one output token."""
     if max_len < 2:
         raise TraceError(f"max_len must be >= 2 (one prompt and one output token), got {max_len}")
-    out = []
-    for r in requests:
-        prompt = min(r.prompt_len, max_len - 1)
-        output = max(min(r.output_len, max_len - prompt), 1)
-        if prompt == r.prompt_len and output == r.output_len:
-            out.append(r)
-            continue
-        ids = r.prompt_token_ids[:prompt] if r.prompt_token_ids is not None else None
-        hashes = r.hash_ids[: math.ceil(prompt / MOONCAKE_BLOCK_TOKENS)] if r.hash_ids is not None else None
-        out.append(replace(r, prompt_len=prompt, output_len=output, prompt_token_ids=ids, hash_ids=hashes))
-    return out
+
+
+def clip_request(r: Request, max_len: int) -> Request:
+    """``r`` clipped so that prompt + output <= ``max_len``, keeping at least one output token (``r`` itself when
+    it fits)."""
+    prompt = min(r.prompt_len, max_len - 1)
+    output = max(min(r.output_len, max_len - prompt), 1)
+    if prompt == r.prompt_len and output == r.output_len:
+        return r
+    ids = r.prompt_token_ids[:prompt] if r.prompt_token_ids is not None else None
+    hashes = r.hash_ids[: math.ceil(prompt / MOONCAKE_BLOCK_TOKENS)] if r.hash_ids is not None else None
+    return replace(r, prompt_len=prompt, output_len=output, prompt_token_ids=ids, hash_ids=hashes)
+
+
+def truncate_to_context(requests: list[Request], max_len: int) -> list[Request]:
+    """Clip each request so that prompt + output <= ``max_len``, keeping at least one output token."""
+    check_max_len(max_len)
+    return [clip_request(r, max_len) for r in requests]
+
+
+def iter_workload(
+    name: str,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    rate_scale: float = 1.0,
+    max_len: int | None = None,
+    num_requests: int = 1000,
+    prompt_lens: str = "uniform:64:1024",
+    output_lens: str = "uniform:16:256",
+    seed: int = 0,
+) -> Iterator[Request]:
+    """``load_workload``'s requests, one at a time: a trace file is read as the requests are taken, so a consumer
+    that keeps none holds one row at a time. Its arguments are checked (and a file opened) now, its rows when read.
+    """
+    if limit is not None and limit < 0:
+        raise TraceError(f"limit must be >= 0, got {limit}")
+    factor = _time_factor(time_scale, rate_scale)
+    if max_len is not None:
+        check_max_len(max_len)
+    requests: Iterable[Request]
+    if name in TRACE_FILES:
+        requests = iter_trace_file(TRACE_FILES[name])
+    elif name.startswith(("poisson:", "gamma:")):
+        parts = name.split(":")
+        try:
+            rate = float(parts[1])
+            cv = float(parts[2]) if parts[0] == "gamma" and len(parts) == 3 else 1.0
+        except (ValueError, IndexError):
+            raise TraceError(f"bad synthetic workload {name!r}; expected poisson:RATE or gamma:RATE:CV") from None
+        if (parts[0] == "poisson" and len(parts) != 2) or (parts[0] == "gamma" and len(parts) != 3):
+            raise TraceError(f"bad synthetic workload {name!r}; expected poisson:RATE or gamma:RATE:CV")
+        n = num_requests if limit is None else min(limit, num_requests)
+        requests = iter_synthetic(n, rate, cv, prompt_lens, output_lens, seed)
+    elif Path(name).suffix in (".csv", ".jsonl", ".json") or Path(name).exists():
+        requests = iter_trace_file(name)
+    else:
+        raise TraceError(
+            f"unknown trace {name!r}; expected one of {', '.join(TRACE_FILES)}, poisson:RATE, gamma:RATE:CV "
+            "or a .csv/.jsonl file"
+        )
+    return _transformed(requests, limit, factor, max_len)
+
+
+def _transformed(
+    requests: Iterable[Request], limit: int | None, factor: float, max_len: int | None
+) -> Iterator[Request]:
+    for r in itertools.islice(requests, limit):
+        if factor != 1.0:
+            r = replace(r, arrival_time_s=r.arrival_time_s * factor)
+        yield r if max_len is None else clip_request(r, max_len)
 
 
 def load_workload(
@@ -311,34 +417,8 @@ def load_workload(
     ``num_requests``, ``prompt_lens``, ``output_lens`` and ``seed`` apply to the synthetic names only
     (``limit`` caps them too).
     """
-    if limit is not None and limit < 0:
-        raise TraceError(f"limit must be >= 0, got {limit}")
-    if name in TRACE_FILES:
-        requests = load_trace_file(TRACE_FILES[name])
-    elif name.startswith(("poisson:", "gamma:")):
-        parts = name.split(":")
-        try:
-            rate = float(parts[1])
-            cv = float(parts[2]) if parts[0] == "gamma" and len(parts) == 3 else 1.0
-        except (ValueError, IndexError):
-            raise TraceError(f"bad synthetic workload {name!r}; expected poisson:RATE or gamma:RATE:CV") from None
-        if (parts[0] == "poisson" and len(parts) != 2) or (parts[0] == "gamma" and len(parts) != 3):
-            raise TraceError(f"bad synthetic workload {name!r}; expected poisson:RATE or gamma:RATE:CV")
-        n = num_requests if limit is None else min(limit, num_requests)
-        requests = synthetic_workload(n, rate, cv, prompt_lens, output_lens, seed)
-    elif Path(name).suffix in (".csv", ".jsonl", ".json") or Path(name).exists():
-        requests = load_trace_file(name)
-    else:
-        raise TraceError(
-            f"unknown trace {name!r}; expected one of {', '.join(TRACE_FILES)}, poisson:RATE, gamma:RATE:CV "
-            "or a .csv/.jsonl file"
-        )
-    if limit is not None:
-        requests = requests[:limit]
-    requests = scale_time(requests, time_scale, rate_scale)
-    if max_len is not None:
-        requests = truncate_to_context(requests, max_len)
-    return requests
+    return list(iter_workload(name, limit, time_scale, rate_scale, max_len, num_requests, prompt_lens, output_lens,
+                              seed))  # fmt: skip
 
 
 # ---- token ids and engine sequences ---------------------------------------------------------------------

@@ -514,6 +514,9 @@ class DisaggCluster:
     loop_class: type[EngineLoop] = EngineLoop
 
     def __init__(self, source: str, cfg: DisaggConfig, seed: int = 0) -> None:
+        from workbench.model.checkpoint import check_model_source
+
+        check_model_source(source)  # a bad checkpoint is one line here, not a traceback from every rank
         cfg.check_model(ModelConfig.resolve(source))
         self.cfg = cfg
         self.num_p, self.num_d = cfg.num_prefill, cfg.num_decode
@@ -606,8 +609,10 @@ class DisaggCluster:
                     pools[f"{message[1]}{message[2]}"] = message[3]
 
             self._wait(on_pool, lambda: len(pools) == len(self.inboxes), results)
-        except BaseException:
+        except BaseException as exc:
             self.close(grace_s=1.0)
+            if isinstance(exc, KeyboardInterrupt):  # Ctrl-C: the requests that finished, for partial results
+                exc.partial = [results[i] for i in sorted(results)]  # type: ignore[attr-defined]
             raise
         backpressure = sum(p.get("num_backpressure", 0) for p in pools.values())
         engines = {i: (n % self.num_p, n % self.num_d) for n, i in enumerate(order)}

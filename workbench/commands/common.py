@@ -16,7 +16,9 @@ Plain argparse: a command imports this module at its top, so it imports nothing 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -219,17 +221,37 @@ def clip_to_context(requests: list[Any], max_len: int) -> tuple[list[Any], int]:
 
     A TraceError when there is no request to run (a header-only csv, an empty jsonl, ``--limit 0``): latencies of
     zero requests are not a result."""
-    from workbench.errors import TraceError
-    from workbench.workloads import truncate_to_context
+    stream = ClippedStream(iter(requests), max_len)
+    return list(stream), stream.num_clipped
 
-    clipped = truncate_to_context(requests, max_len)
-    if not clipped:
-        raise TraceError(
-            "the trace has no requests (an empty or header-only file, or --limit 0): give a trace with at least one "
-            "request, or a --limit of 1 or more"
-        )
-    changed = sum(1 for a, b in zip(requests, clipped) if (a.prompt_len, a.output_len) != (b.prompt_len, b.output_len))
-    return clipped, changed
+
+class ClippedStream:
+    """The requests of a stream clipped to ``max_len`` as they are read (``workbench.workloads.clip_request``), and
+    ``num_clipped``, how many that shortened so far. A TraceError now when the stream has no request (as
+    ``clip_to_context``)."""
+
+    def __init__(self, requests: Iterator[Any], max_len: int) -> None:
+        from workbench.errors import TraceError
+        from workbench.workloads import check_max_len
+
+        check_max_len(max_len)
+        self.max_len = max_len
+        self.num_clipped = 0
+        self._first = next(requests, None)
+        if self._first is None:
+            raise TraceError(
+                "the trace has no requests (an empty or header-only file, or --limit 0): give a trace with at least "
+                "one request, or a --limit of 1 or more"
+            )
+        self._rest = requests
+
+    def __iter__(self) -> Iterator[Any]:
+        from workbench.workloads import clip_request
+
+        for r in itertools.chain([self._first], self._rest):
+            clipped = clip_request(r, self.max_len)
+            self.num_clipped += clipped is not r
+            yield clipped
 
 
 def print_serving_metrics(m: dict[str, Any]) -> None:

@@ -22,6 +22,10 @@ TTFT counts the KV transfer) and the object also holds ``kv_transfer`` (``bytes`
 ``output_len``, ``kv_transfer_bytes``, ``kv_transfer_s``, ...) and ``pools``, each pool's step log. Each pool has its
 own tensor-parallel size, ``--prefill-tp`` / ``--decode-tp`` (default ``--tensor-parallel-size``: the names and
 meaning of ``simulate --disaggregate``), and ``--kv-cache-dtype int8|fp8`` moves the quantized KV with its scales.
+
+Ctrl-C (SIGINT): the worker ranks (tensor-parallel, disaggregated) ignore it and are stopped by the driver; the
+results of the requests that had finished are printed (the same layout, over those requests, with ``interrupted``
+true and ``num_requests`` the trace's), then one line on stderr, exit code 130.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from workbench.commands.common import (
 )
 from workbench.commands.generate import add_engine_arguments, add_model_arguments, engine_config_from_args
 from workbench.errors import ConfigError
+from workbench.timing import now
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,13 +116,23 @@ def run(args: argparse.Namespace) -> int:
     if args.disaggregate:
         return _run_disaggregated(args, config, requests, num_clipped, max_len)
     engine = Engine.from_model(args.model, config, seed=args.model_seed)
-    compile_s = engine.decode.warmup()  # --compile-decode: every batch bucket before the clock starts
-    if compile_s:
-        print(f"workbench replay: decode compiled for batches {sorted(compile_s)} in {sum(compile_s.values()):.1f} s",
-              file=sys.stderr)  # fmt: skip
-    with progress_bar(total=len(requests), desc="replay", unit="request") as bar:
-        result = engine.replay(requests, seed=args.trace_seed, progress=bar)
-    engine.shutdown()
+    try:
+        compile_s = engine.decode.warmup()  # --compile-decode: every batch bucket before the clock starts
+        if compile_s:
+            print(f"workbench replay: decode compiled for batches {sorted(compile_s)} in "
+                  f"{sum(compile_s.values()):.1f} s", file=sys.stderr)  # fmt: skip
+        with progress_bar(total=len(requests), desc="replay", unit="request") as bar:
+            result = engine.replay(requests, seed=args.trace_seed, progress=bar)
+    except KeyboardInterrupt:
+        duration = engine.now()
+        engine.shutdown()
+        from workbench.request import RequestRecord
+
+        finished = [RequestRecord.from_sequence(s) for s in engine.sequences.values() if s.is_finished]
+        _print_partial(args, finished, len(requests), duration)
+        raise
+    finally:
+        engine.shutdown()
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     summary["rejected"] = [
         {"request_id": r.request_id, "reason": r.reject_reason}
@@ -144,6 +159,24 @@ def run(args: argparse.Namespace) -> int:
     return all_rejected_exit_code("replay", summary)
 
 
+def _print_partial(args: argparse.Namespace, finished: list[Any], num_requests: int, duration_s: float) -> None:
+    """After Ctrl-C: the serving summary of the requests that had finished (``interrupted`` true; ``num_requests``
+    is the trace's), as JSON or the table, before the command's one line and exit code 130."""
+    from workbench.engine.metrics import summarize
+
+    summary = summarize(finished, duration_s=duration_s, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                        slo_e2el_s=args.slo_e2el)  # fmt: skip
+    summary |= {"num_requests": num_requests, "interrupted": True, "model": str(args.model), "trace": args.trace}
+    summary["finished_request_ids"] = sorted(r.request_id for r in finished)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"replay of {args.trace} interrupted: {summary['num_finished']}/{num_requests} requests had finished "
+              f"in {duration_s:.2f} s; their metrics:")  # fmt: skip
+        print_serving_metrics(summary["metrics"])
+    sys.stdout.flush()
+
+
 def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], num_clipped: int, max_len: int) -> int:
     """``replay --disaggregate P:D``: the same trace through prefill and decode engine processes; the colocated
     JSON plus ``kv_transfer``, a ``requests`` list and the per-pool step logs (``pools``)."""
@@ -163,8 +196,16 @@ def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], 
         )
         for r in trace
     ]
-    with progress_bar(total=len(requests), desc=f"replay {args.disaggregate}", unit="request") as bar:
-        result = run_disaggregated(args.model, requests, cfg, seed=args.model_seed, online=True, progress=bar)
+    t0 = now()
+    try:
+        with progress_bar(total=len(requests), desc=f"replay {args.disaggregate}", unit="request") as bar:
+            result = run_disaggregated(args.model, requests, cfg, seed=args.model_seed, online=True, progress=bar)
+    except KeyboardInterrupt as exc:
+        finished = getattr(exc, "partial", [])  # RequestResults, request_id their index in the trace
+        for r in finished:
+            r.request_id = trace[r.request_id].request_id
+        _print_partial(args, finished, len(requests), now() - t0)
+        raise
     summary = summarize(
         result.requests, duration_s=result.duration_s, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
         slo_e2el_s=args.slo_e2el,

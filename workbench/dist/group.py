@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -189,19 +191,22 @@ def _spawned_rank(
     heartbeat: Any,
 ) -> None:
     """A spawned process: watch the parent (and beat), join the group, run ``entry(rank, world_size, report,
-    *entry_args)``; an exception is reported on the pipe (one line and the traceback) before the process fails."""
+    *entry_args)``; an exception is reported on the pipe (one line and the traceback, which the driver's error
+    carries as ``remote_traceback``) and the process exits with code 1 without printing it: the user sees the
+    driver's one line, not a traceback per rank. SIGINT is ignored here (``ProcessSet``): on Ctrl-C the driver
+    stops its ranks."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid, heartbeat), daemon=True).start()
     try:
         _init(backend, init_method, rank, world_size, timeout_s)
     except BaseException:
         report.send(_describe(f"rank {rank} failed to join the group"))
-        raise
+        sys.exit(1)
     try:
         entry(rank, world_size, report, *entry_args)
     except BaseException:
         if not report.closed:
             report.send(_describe(f"rank {rank} failed"))
-        raise
+        sys.exit(1)
     finally:
         dist.destroy_process_group()
 
@@ -209,6 +214,25 @@ def _spawned_rank(
 def _worker_entry(rank: int, world_size: int, report: Connection, factory: Callable[..., Any], args: tuple) -> None:
     """A WorkerGroup rank: build the worker, then serve calls from rank 0 until shutdown."""
     _serve(factory(rank, world_size, *args), report)
+
+
+@contextmanager
+def _sigint_ignored_by_children() -> Iterator[None]:
+    """Processes started inside start with SIGINT ignored (Python keeps a SIGINT disposition it inherits as ignored),
+    so Ctrl-C, which the terminal sends to the whole process group, reaches the driver alone: the driver stops its
+    ranks, and no rank prints a KeyboardInterrupt traceback. SIGINT is blocked meanwhile, so a Ctrl-C in this window
+    is delivered to the driver when it ends, not lost. Only the main thread can change signal handling: elsewhere
+    this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 class ProcessSet:
@@ -240,21 +264,22 @@ class ProcessSet:
         self.reports: list[Connection] = []
         self.liveness_s = liveness_timeout_s() if liveness_s is None else liveness_s
         self._beats = [context.Value("d", 0.0, lock=False) for _ in self.ranks]
-        self._unresponsive: tuple[str, str] | None = None
+        self._first_problem: tuple[str, str] | None = None
         self._done = threading.Event()
-        for rank, beat in zip(self.ranks, self._beats):
-            receive, send = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_spawned_rank,
-                args=(rank, world_size, backend, init_method, timeout_s, os.getpid(), entry, entry_args(rank), send,
-                      beat),
-                name=names(rank),
-                daemon=True,
-            )  # fmt: skip
-            process.start()
-            send.close()
-            self.processes.append(process)
-            self.reports.append(receive)
+        with _sigint_ignored_by_children():
+            for rank, beat in zip(self.ranks, self._beats):
+                receive, send = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_spawned_rank,
+                    args=(rank, world_size, backend, init_method, timeout_s, os.getpid(), entry, entry_args(rank),
+                          send, beat),
+                    name=names(rank),
+                    daemon=True,
+                )  # fmt: skip
+                process.start()
+                send.close()
+                self.processes.append(process)
+                self.reports.append(receive)
         threading.Thread(target=self._watch, daemon=True, name="workbench-liveness").start()
 
     def _watch(self) -> None:
@@ -264,7 +289,7 @@ class ProcessSet:
             for rank, process, beat in zip(self.ranks, self.processes, self._beats):
                 last = beat.value
                 if last > 0 and at - last > self.liveness_s and process.is_alive():
-                    self._unresponsive = (
+                    self._first_problem = (
                         f"rank {rank} ({process.name}, pid {process.pid}) gave no sign of life for "
                         f"{at - last:.1f} s (stopped or frozen) and was killed; the liveness bound is "
                         f"{self.liveness_s:g} s (${LIVENESS_ENV})",
@@ -278,18 +303,19 @@ class ProcessSet:
         """A set of no processes (the driver under torchrun, which spawns nothing)."""
         empty = cls.__new__(cls)
         empty.ranks, empty.processes, empty.reports, empty._beats = [], [], [], []
-        empty._unresponsive, empty._done, empty.liveness_s = None, threading.Event(), LIVENESS_TIMEOUT_S
+        empty._first_problem, empty._done, empty.liveness_s = None, threading.Event(), LIVENESS_TIMEOUT_S
         return empty
 
     def problem(self, clean_exit_ok: bool = False) -> tuple[str, str] | None:
         """(what went wrong with a process, its traceback), or None while all are alive (or exited with 0,
         when ``clean_exit_ok``) and quiet."""
-        if self._unresponsive is not None:
-            return self._unresponsive
+        if self._first_problem is not None:
+            return self._first_problem
         for rank, process, report in zip(self.ranks, self.processes, self.reports):
             if report.poll():
                 try:
-                    return report.recv()
+                    self._first_problem = report.recv()  # kept: every later call names the same first cause
+                    return self._first_problem
                 except EOFError:
                     pass
             if not process.is_alive() and not (clean_exit_ok and process.exitcode == 0):
@@ -423,6 +449,11 @@ class WorkerGroup:
         try:
             _broadcast([(method, args, kwargs)], self.group)
             return getattr(self.worker, method)(*args, **kwargs)
+        except KeyboardInterrupt:
+            # Ctrl-C mid-call: the other ranks may be inside a collective rank 0 will never join, so a polite shutdown
+            # (one more broadcast) could wait for the collective timeout; they hold nothing to save: stop them now
+            self._abandon()
+            raise
         except Exception as exc:
             # the ranks may now disagree on where they are in the sequence of collectives: the group is unusable
             # (inputs are validated on the driver before a call, so this is a fault, not a bad request)
@@ -442,6 +473,15 @@ class WorkerGroup:
             if self._owns_world:
                 dist.destroy_process_group()
         self._workers.stop(grace_s)
+
+    def _abandon(self) -> None:
+        """Kill the spawned ranks and leave the group without a last collective (the ranks are out of step)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._workers.kill()
+        if self._owns_world and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _check_alive(self) -> None:
         if self._worker_problem() is not None:

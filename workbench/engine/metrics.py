@@ -28,6 +28,8 @@ The JSON layout (``summarize``) is the contract of ``workbench replay`` and ``wo
 
 from __future__ import annotations
 
+import math
+from array import array
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -44,9 +46,9 @@ STAT_KEYS = ("mean", "median", "p90", "p95", "p99")
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2el_s")
 
 
-def stats(values: list[float]) -> dict[str, float]:
-    """mean, median, p90, p95, p99 of ``values`` (0.0 each when empty, as vLLM)."""
-    if not values:
+def stats(values: Any) -> dict[str, float]:
+    """mean, median, p90, p95, p99 of ``values`` (a list or array; 0.0 each when empty, as vLLM)."""
+    if len(values) == 0:
         return {k: 0.0 for k in STAT_KEYS}
     arr = np.asarray(values, dtype=np.float64)
     p90, p95, p99 = np.percentile(arr, [90, 95, 99])
@@ -56,6 +58,40 @@ def stats(values: list[float]) -> dict[str, float]:
         "p90": float(p90),
         "p95": float(p95),
         "p99": float(p99),
+    }
+
+
+def counted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float]:
+    """``stats`` of the sample holding each of the sorted, distinct ``values`` ``counts`` times, without expanding
+    it: the median and numpy's linear-interpolation percentiles are computed as numpy computes them on the expanded
+    array (the same order statistics, the same interpolation formula); the mean is ``sum(value * count) / n``,
+    which may differ from numpy's pairwise sum of the expanded array in the last bits."""
+    n = int(counts.sum())
+    if n == 0:
+        return {k: 0.0 for k in STAT_KEYS}
+    ends = np.cumsum(counts)
+
+    def at(index: np.ndarray) -> np.ndarray:  # the expanded sorted sample's elements at these indexes
+        return values[np.searchsorted(ends, index, side="right")]
+
+    q = np.true_divide(np.array([90.0, 95.0, 99.0]), 100)
+    virtual = (n - 1) * q  # numpy's virtual index of the linear method
+    previous = np.floor(virtual)
+    above = virtual >= n - 1
+    low = np.where(above, n - 1, previous).astype(np.int64)
+    high = np.where(above, n - 1, previous + 1).astype(np.int64)
+    gamma = virtual - previous
+    a, b = at(low), at(high)
+    diff = b - a
+    pct = np.where(gamma >= 0.5, b - diff * (1 - gamma), a + diff * gamma)  # numpy's _lerp
+    middle = at(np.array([(n - 1) // 2, n // 2]))
+    median = middle[0] if n % 2 else (middle[0] + middle[1]) / 2
+    return {
+        "mean": float(np.dot(values, counts.astype(np.float64)) / n),
+        "median": float(median),
+        "p90": float(pct[0]),
+        "p95": float(pct[1]),
+        "p99": float(pct[2]),
     }
 
 
@@ -96,6 +132,121 @@ def meets_slos(
     return not (slo_e2el_s is not None and lat["e2el_s"] > slo_e2el_s)
 
 
+class ServingStats:
+    """The streaming form of ``summarize`` (and how it computes): finished requests are added one at a time, in any
+    order, each with its position in the workload, and only what the summary needs is kept: TTFT, TPOT and E2EL of
+    each completed request (three float64 and a position) and the inter-token latencies as a count per distinct
+    value (the gaps of requests decoded in the same steps are equal, so a simulator's run of many requests keeps a
+    short table). Token lists are never held: memory grows by 32 bytes per completed request, not per token."""
+
+    ITL_BUFFER = 1 << 20  # gaps buffered before they are folded into the value -> count table
+
+    def __init__(self) -> None:
+        self.num_requests = 0
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # over the completed requests
+        self.num_output_tokens = 0
+        self.first_arrival = math.inf  # over every request added
+        self.last_finish = -math.inf  # over the completed requests
+        self._position = array("q")
+        self._ttft = array("d")
+        self._tpot = array("d")  # NaN for a request with one output token
+        self._e2el = array("d")
+        self._gaps = array("d")
+        self._itl_values = np.empty(0, dtype=np.float64)
+        self._itl_counts = np.empty(0, dtype=np.int64)
+
+    @property
+    def num_completed(self) -> int:
+        return len(self._ttft)
+
+    def add(self, rec: Sequence | RequestRecord, position: int | None = None) -> None:
+        """Count one finished request (a ``Sequence`` or a ``RequestRecord``); ``position`` is its place in the
+        workload (default: the order of the calls), which orders the samples as ``summarize`` orders them."""
+        position = self.num_requests if position is None else position
+        self.num_requests += 1
+        self.num_preemptions += rec.num_preemptions
+        self.first_arrival = min(self.first_arrival, rec.arrival_time)
+        if not is_completed(rec):  # type: ignore[arg-type]
+            return
+        ttft = rec.first_token_time - rec.arrival_time  # type: ignore[operator]
+        e2el = rec.finish_time - rec.arrival_time  # type: ignore[operator]
+        n_out = rec.num_output_tokens
+        self._position.append(position)
+        self._ttft.append(ttft)
+        self._tpot.append((e2el - ttft) / (n_out - 1) if n_out > 1 else math.nan)
+        self._e2el.append(e2el)
+        self.num_output_tokens += n_out
+        self.num_prompt_tokens += rec.num_prompt_tokens
+        self.last_finish = max(self.last_finish, rec.finish_time)  # type: ignore[type-var]
+        times = rec.token_times
+        if len(times) > 1:
+            self._gaps.extend(np.diff(np.asarray(times, dtype=np.float64)))
+            if len(self._gaps) >= self.ITL_BUFFER:
+                self._fold_gaps()
+
+    def _fold_gaps(self) -> None:
+        values = np.concatenate([self._itl_values, np.frombuffer(self._gaps, dtype=np.float64)])
+        counts = np.concatenate([self._itl_counts, np.ones(len(self._gaps), dtype=np.int64)])
+        self._itl_values, inverse = np.unique(values, return_inverse=True)
+        self._itl_counts = np.bincount(inverse.ravel(), weights=counts, minlength=len(self._itl_values)).astype(
+            np.int64
+        )
+        self._gaps = array("d")
+
+    def summary(
+        self,
+        duration_s: float | None = None,
+        num_preemptions: int | None = None,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
+        slo_e2el_s: float | None = None,
+    ) -> dict[str, Any]:
+        """The contract JSON object of ``replay``/``simulate`` (see ``summarize``)."""
+        self._fold_gaps()
+        order = np.argsort(np.frombuffer(self._position, dtype=np.int64), kind="stable")
+        ttft, tpot, e2el = (np.frombuffer(a, dtype=np.float64)[order] for a in (self._ttft, self._tpot, self._e2el))
+        done = len(ttft)
+        if duration_s is None:
+            duration_s = self.last_finish - self.first_arrival if done else 0.0
+        if num_preemptions is None:
+            num_preemptions = self.num_preemptions
+        good_mask = np.ones(done, dtype=bool)
+        if slo_ttft_s is not None:
+            good_mask &= ~(ttft > slo_ttft_s)
+        if slo_tpot_s is not None:
+            good_mask &= ~(tpot > slo_tpot_s)  # NaN (one output token) meets any TPOT SLO
+        if slo_e2el_s is not None:
+            good_mask &= ~(e2el > slo_e2el_s)
+        good = int(good_mask.sum())
+        has_slo = any(x is not None for x in (slo_ttft_s, slo_tpot_s, slo_e2el_s))
+        records = self.num_requests
+
+        def per_s(x: float) -> float:
+            return x / duration_s if duration_s and duration_s > 0 else 0.0
+
+        metrics: dict[str, Any] = {
+            "ttft_s": stats(ttft),
+            "tpot_s": stats(tpot[~np.isnan(tpot)]),
+            "itl_s": counted_stats(self._itl_values, self._itl_counts),
+            "e2el_s": stats(e2el),
+            "request_throughput": per_s(done),
+            "output_throughput": per_s(self.num_output_tokens),
+            "total_token_throughput": per_s(self.num_prompt_tokens + self.num_output_tokens),
+            # without any SLO there is nothing to attain: null, not "100% within SLOs"
+            "goodput": per_s(good) if has_slo else None,
+            "slo_attainment": (100.0 * good / records if records else 0.0) if has_slo else None,
+            "slos": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "e2el_s": slo_e2el_s},
+        }
+        return {
+            "num_requests": records,
+            "num_finished": done,
+            "num_preemptions": int(num_preemptions),
+            "duration_s": float(duration_s),
+            "metrics": metrics,
+        }
+
+
 def summarize(
     requests: list[Sequence] | list[RequestRecord],
     duration_s: float | None = None,
@@ -111,45 +262,12 @@ def summarize(
     ``metrics`` with ``ttft_s``/``tpot_s``/``itl_s``/``e2el_s`` (each ``mean``, ``median``, ``p90``,
     ``p95``, ``p99``), ``request_throughput``, ``output_throughput``, ``total_token_throughput``,
     ``goodput``, ``slo_attainment`` (%; both null when no SLO is given) and the ``slos`` used.
+    Computed by ``ServingStats`` (the same numbers as a run that streams its requests into one).
     """
-    records = [_record(r) for r in requests]
-    done = [r for r in records if is_completed(r)]
-    lats = [request_latencies(r) for r in done]
-    if duration_s is None:
-        if done:
-            duration_s = max(r.finish_time for r in done) - min(r.arrival_time for r in records)  # type: ignore[type-var]
-        else:
-            duration_s = 0.0
-    if num_preemptions is None:
-        num_preemptions = sum(r.num_preemptions for r in records)
-    good = sum(meets_slos(lat, slo_ttft_s, slo_tpot_s, slo_e2el_s) for lat in lats)
-    has_slo = any(x is not None for x in (slo_ttft_s, slo_tpot_s, slo_e2el_s))
-    out_tokens = sum(r.num_output_tokens for r in done)
-    in_tokens = sum(r.num_prompt_tokens for r in done)
-
-    def per_s(x: float) -> float:
-        return x / duration_s if duration_s and duration_s > 0 else 0.0
-
-    metrics: dict[str, Any] = {
-        "ttft_s": stats([lat["ttft_s"] for lat in lats]),
-        "tpot_s": stats([lat["tpot_s"] for lat in lats if lat["tpot_s"] is not None]),
-        "itl_s": stats([g for lat in lats for g in lat["itl_s"]]),
-        "e2el_s": stats([lat["e2el_s"] for lat in lats]),
-        "request_throughput": per_s(len(done)),
-        "output_throughput": per_s(out_tokens),
-        "total_token_throughput": per_s(in_tokens + out_tokens),
-        # without any SLO there is nothing to attain: null, not "100% within SLOs"
-        "goodput": per_s(good) if has_slo else None,
-        "slo_attainment": (100.0 * good / len(records) if records else 0.0) if has_slo else None,
-        "slos": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "e2el_s": slo_e2el_s},
-    }
-    return {
-        "num_requests": len(records),
-        "num_finished": len(done),
-        "num_preemptions": int(num_preemptions),
-        "duration_s": float(duration_s),
-        "metrics": metrics,
-    }
+    acc = ServingStats()
+    for r in requests:
+        acc.add(r)
+    return acc.summary(duration_s, num_preemptions, slo_ttft_s, slo_tpot_s, slo_e2el_s)
 
 
 def requests_to_dataframe(requests: list[Sequence] | list[RequestRecord]) -> pd.DataFrame:

@@ -149,6 +149,9 @@ def start_workers(
     Under ``torchrun`` (multi-node use) nothing is spawned: every process torchrun started runs this, rank 0 becomes
     the driver and returns its group, and every other rank serves it until the run ends, then exits (0).
     """
+    from workbench.model.checkpoint import check_model_source
+
+    check_model_source(source)  # a bad checkpoint is one line here, not a traceback from every rank
     args = (str(source), dtype, device, seed, num_threads)
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])

@@ -60,8 +60,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._empty: deque[int] = deque(range(num_blocks))  # ref 0, no hash
+        # Blocks are made when first taken (ids in order), so a pool sized from an accelerator's memory (millions of
+        # blocks) costs what the run uses: ``blocks`` holds the ids taken so far, ids from len(blocks) on are fresh.
+        self.blocks: list[Block] = []
+        self._empty: deque[int] = deque()  # ref 0, no hash, taken before (fresh ids are taken first, then these)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, registered; oldest first (LRU)
         self._hash_to_block: dict[int, int] = {}
         # cumulative counters
@@ -73,7 +75,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks with no user: empty ones plus cached ones that may be evicted."""
-        return len(self._empty) + len(self._evictable)
+        return self.num_blocks - len(self.blocks) + len(self._empty) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -94,7 +96,10 @@ class BlockManager:
 
     # ---- low level ---------------------------------------------------------------------------------------
     def _take_free_block(self) -> int:
-        if self._empty:
+        if len(self.blocks) < self.num_blocks:  # a fresh block: before any freed one, as a free list 0..n-1 would be
+            block_id = len(self.blocks)
+            self.blocks.append(Block(block_id))
+        elif self._empty:
             block_id = self._empty.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)  # least recently freed
@@ -264,7 +269,7 @@ class BlockManager:
                 assert block.token_ids is not None and len(block.token_ids) == self.block_size
         assert len(self._hash_to_block) == sum(b.hash is not None for b in self.blocks)
         if block_tables is not None:
-            counts = [0] * self.num_blocks
+            counts = [0] * len(self.blocks)
             for table in block_tables:
                 assert len(set(table)) == len(table), f"a block appears twice in one table {table}"
                 for block_id in table:

@@ -132,17 +132,12 @@ def _is_ignorable(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
-def load_checkpoint(
-    path: str | Path,
-    dtype: str | torch.dtype = "fp32",
-    device: str | torch.device = "cpu",
-    tensor_parallel: tuple[int, int] | None = None,
-) -> Transformer:
-    """Load a local HF checkpoint directory. Errors name the missing file or tensor, or the wrong shape.
-
-    ``tensor_parallel`` ``(rank, size)``: load only that rank's shard (``workbench.model.sharding``): every
-    tensor is read as a slice of the file, so the rank never holds the whole model.
-    """
+def check_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Path], dict[str, tuple[int, ...]]]:
+    """Check what a checkpoint directory says without reading a weight: its ``config.json``, every safetensors file
+    (its header readable), each tensor the config needs present with its shape and a floating-point dtype, and no
+    tensor the config does not use. A CheckpointError names the first problem. Returns (config, tensor name ->
+    file, expected shapes). ``load_checkpoint`` starts with it; the drivers of multi-process engines call it (through
+    ``check_model_source``) before they start a rank, so a bad checkpoint is one line, not a traceback per rank."""
     ckpt = Path(path)
     if not ckpt.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {ckpt}")
@@ -166,9 +161,6 @@ def load_checkpoint(
             f"{ckpt}: tensor(s) {unused[:5]}{more} are not used by the model config.json describes "
             f"({cfg.num_layers} layers); the config and the weights disagree (num_hidden_layers?)"
         )
-
-    shard = None if tensor_parallel is None else TensorParallelShard(cfg, *tensor_parallel)
-    tensors: dict[str, torch.Tensor] = {}
     for file in sorted(set(files[n] for n in expected)):
         with _open_safetensors(file) as f:
             for name in expected:
@@ -183,7 +175,41 @@ def load_checkpoint(
                             f"{file}: tensor {name} has dtype {t.get_dtype()}; weights must be floating point "
                             f"({', '.join(FLOAT_DTYPES)}): write the checkpoint again with float weights"
                         )
-                    value = _read_slice(t, file, name, shard)
+    return cfg, files, expected
+
+
+def check_model_source(name_or_path: str | Path) -> None:
+    """What ``load_model`` would refuse before reading a weight: a checkpoint directory (or the ``config.json`` of
+    one) is ``check_checkpoint``-ed, anything else must resolve to a model config (a preset or a config.json)."""
+    path = Path(name_or_path)
+    if path.is_file() and path.name == "config.json" and _has_weights(path.parent):
+        path = path.parent
+    if path.is_dir():
+        check_checkpoint(path)
+    else:
+        ModelConfig.resolve(name_or_path)
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+    tensor_parallel: tuple[int, int] | None = None,
+) -> Transformer:
+    """Load a local HF checkpoint directory. Errors name the missing file or tensor, or the wrong shape.
+
+    ``tensor_parallel`` ``(rank, size)``: load only that rank's shard (``workbench.model.sharding``): every
+    tensor is read as a slice of the file, so the rank never holds the whole model.
+    """
+    ckpt = Path(path)
+    cfg, files, expected = check_checkpoint(ckpt)
+    shard = None if tensor_parallel is None else TensorParallelShard(cfg, *tensor_parallel)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(set(files[n] for n in expected)):
+        with _open_safetensors(file) as f:
+            for name in expected:
+                if files[name] == file:
+                    value = _read_slice(_get_slice(f, file, name), file, name, shard)
                     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                         bad = int((~torch.isfinite(value)).sum())
                         raise CheckpointError(f"{file}: tensor {name} holds {bad} NaN or infinite value(s)")

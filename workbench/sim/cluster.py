@@ -41,7 +41,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,7 +52,7 @@ from workbench.config import (
     ceil_div,
 )
 from workbench.engine.config import ServingConfig
-from workbench.engine.metrics import StepLog, summarize
+from workbench.engine.metrics import ServingStats, StepLog
 from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
@@ -77,8 +77,10 @@ class SimConfig(ServingConfig):
     ``num_blocks``: KV blocks per replica; None derives it from the hardware's memory:
     ``(mem_capacity * gpu_memory_utilization - weight bytes) / (block_size * kv bytes per token)``
     (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given. A
-    derived pool larger than the workload could ever fill is tracked at the size it could fill (the same schedule,
-    with bookkeeping that grows with the workload, not with the memory); ``num_blocks`` given is tracked as is.
+    derived pool larger than the batch could ever fill (``max_num_seqs`` sequences of ``max_model_len``) is tracked
+    at the size it could fill, without prefix caching (the same schedule, with bookkeeping bounded by the batch, not
+    by the memory or the trace); with prefix caching, or ``num_blocks`` given, the pool is tracked as is, its blocks
+    made as they are first taken (``BlockManager``).
     It models a GPU server, so two defaults differ from the CPU engine's (and are written here only): 256
     sequences (vLLM's ``max_num_seqs``) and bf16. The shared fields (``ServingConfig``: policy, block size, token
     budget, max_num_seqs, max_model_len, dtype, quantization, group size, KV dtype, tensor-parallel size) are the
@@ -381,7 +383,8 @@ class Router:
 # ---- results ---------------------------------------------------------------------------------------------
 @dataclass
 class SimResult:
-    """What ``simulate`` returns: per-request records, the run's duration, per-replica figures, wall time."""
+    """What ``simulate`` returns: the serving statistics of its requests (``stats``), per-request records (empty
+    when ``simulate`` was told not to keep them), the run's duration, per-replica figures, wall time."""
 
     records: list[RequestRecord]
     duration_s: float
@@ -392,17 +395,18 @@ class SimResult:
     config: SimConfig
     cost_model: dict[str, Any] = field(default_factory=dict)
     rejected: list[dict[str, Any]] = field(default_factory=list)  # request_id and reason of each rejected request
+    stats: ServingStats = field(default_factory=ServingStats)  # every request, kept records or not
 
     @property
     def num_preemptions(self) -> int:
-        return sum(r.num_preemptions for r in self.records)
+        return self.stats.num_preemptions
 
     def summary(self, **slos: float | None) -> dict[str, Any]:
         """The contract JSON of ``workbench replay`` plus ``wall_s``, ``requests_per_wall_s``, ``num_steps``,
         ``us_per_step`` and per-replica utilisation."""
-        out = summarize(self.records, duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
+        out = self.stats.summary(duration_s=self.duration_s, num_preemptions=self.num_preemptions, **slos)
         out["wall_s"] = self.wall_s
-        out["requests_per_wall_s"] = len(self.records) / self.wall_s if self.wall_s > 0 else 0.0
+        out["requests_per_wall_s"] = self.stats.num_requests / self.wall_s if self.wall_s > 0 else 0.0
         out["num_steps"] = self.num_steps
         out["us_per_step"] = 1e6 * self.wall_s / self.num_steps if self.num_steps else 0.0
         out["replicas"] = self.replicas
@@ -411,7 +415,7 @@ class SimResult:
 
 # ---- the simulation --------------------------------------------------------------------------------------
 def simulate(
-    requests: list[Request],
+    requests: Iterable[Request],
     model: ModelConfig | str,
     cost_model: CostModel | SequenceABC[CostModel],
     config: SimConfig | None = None,
@@ -421,6 +425,7 @@ def simulate(
     sampling: SamplingParams | None = None,
     fast: bool = True,
     progress: Any = None,
+    keep_records: bool = True,
 ) -> SimResult:
     """Serve ``requests`` (``workbench.workloads.Request``) on simulated replicas; see the module docstring.
 
@@ -431,23 +436,32 @@ def simulate(
     (deterministically from ``seed``) only when prefix caching needs them. ``fast=False`` steps every decode
     through ``schedule``/``update`` (the reference the bulk fast path is tested against). ``progress``: a tqdm-like
     object updated once per finished (or rejected) request.
+
+    Memory. A list of requests is sorted by arrival; any other iterable is read as the simulation goes (it must be
+    in arrival order: a trace file read lazily, ``workbench.workloads.iter_workload``), so only the requests in
+    flight are held. Each finished request goes into ``SimResult.stats`` (``ServingStats``: 32 bytes a request);
+    ``keep_records=False`` keeps no ``RequestRecord`` (token timelines) of its own, so a run of millions of
+    requests holds what is in flight, those statistics and the set of request ids seen (to refuse a repeat). A
+    pool sized from an accelerator's memory is tracked at what the batch can fill (see ``SimConfig``); with prefix
+    caching the cache keeps every distinct block the pool can hold, as the real one would.
     """
     wall0 = now()
     config = config or SimConfig()
     cfg = model if isinstance(model, ModelConfig) else ModelConfig.resolve(model)
     sched_cfg = config.scheduler_config(cfg)
-    requests = list(requests)
     roles = ("prefill", "decode") if config.disaggregate else ("mixed",)
     capacity = {role: config.resolved_num_blocks(cfg, hardware, role) for role in roles}
     tracked = dict(capacity)
-    if config.num_blocks is None:
-        never_short = _blocks_never_short(requests, sched_cfg, config.block_size)
+    if config.num_blocks is None and not config.enable_prefix_caching:
+        never_short = _blocks_never_short(sched_cfg, config.block_size)
         tracked = {role: min(c, never_short) for role, c in capacity.items()}
     total = config.total_replicas
     costs = [cost_model] * total if isinstance(cost_model, CostModel) else list(cost_model)
     if len(costs) != total:
         raise ConfigError(f"{len(costs)} cost models given for {total} replicas")
-    records: dict[int, RequestRecord] = {}
+    stats = ServingStats()
+    records: dict[int, RequestRecord] | None = {} if keep_records else None
+    position: dict[int, int] = {}  # request id -> its place in arrival order, while in flight
     transfers: list[tuple[float, int, Sequence, float]] = []
     # each GPU of the prefill group sends its own shard of a prompt's KV at once, over a link of link_gbps each
     kv_bytes_per_token = cfg.kv_bytes_per_token(config.kv_cache_dtype) / (
@@ -462,7 +476,10 @@ def simulate(
     rejected: list[dict[str, Any]] = []
 
     def done(replica: Replica, seq: Sequence, now: float) -> None:
-        records[seq.seq_id] = RequestRecord.from_sequence(seq)
+        stats.add(seq, position.pop(seq.seq_id))
+        output_len.pop(seq.seq_id, None)
+        if records is not None:
+            records[seq.seq_id] = RequestRecord.from_sequence(seq)
         if progress is not None:
             progress.update(1)
         if seq.finish_reason == "rejected":
@@ -505,15 +522,19 @@ def simulate(
     back_router = Router(config.router, back) if back else None
     vocab = cfg.vocab_size
     caching = config.enable_prefix_caching
-    pending = sorted(requests, key=lambda r: r.arrival_time_s)
-    for r in pending:
-        if not (r.arrival_time_s >= 0 and math.isfinite(r.arrival_time_s)):
-            raise ConfigError(f"request {r.request_id}: arrival time must be a number >= 0, got {r.arrival_time_s!r}")
+    if isinstance(requests, (list, tuple)):
+        for r in requests:  # all checked before anything runs
+            _check_arrival(r, None)
+        stream = iter(sorted(requests, key=lambda r: r.arrival_time_s))
+    else:
+        stream = iter(requests)
     seen: set[int] = set()
-    i, n = 0, len(pending)
+    order: list[int] = []  # request ids in arrival order (keep_records only)
     inf = math.inf
+    nxt: Request | None = next(stream, None)
+    last_arrival = 0.0
     while True:
-        t_arr = pending[i].arrival_time_s if i < n else inf
+        t_arr = nxt.arrival_time_s if nxt is not None else inf
         for rep in front:
             rep.advance(t_arr)
         t_xfer = transfers[0][0] if transfers else inf
@@ -526,22 +547,27 @@ def simulate(
             _, _, seq, receive_s = heapq.heappop(transfers)
             back_router.pick().add_prefilled(seq, t_xfer, receive_s)  # type: ignore[union-attr]
             continue
-        r = pending[i]
-        i += 1
+        r = nxt
+        _check_arrival(r, last_arrival if seen else None)
+        nxt = next(stream, None)
         if r.request_id in seen:
             raise ConfigError(f"request id {r.request_id} appears twice in the workload")
         seen.add(r.request_id)
+        position[r.request_id] = len(seen) - 1
+        if records is not None:
+            order.append(r.request_id)
+        last_arrival = r.arrival_time_s
         want = max(int(r.output_len), 1)
-        output_len[r.request_id] = want
+        if back:
+            output_len[r.request_id] = want
         ids = prompt_token_ids(r, vocab, seed) if (caching or r.prompt_token_ids is not None) else [0] * r.prompt_len
         first = _sampling(sampling, 1 if back else want)
         router.pick().add(Sequence(r.request_id, ids, first, r.arrival_time_s), t_arr)
     reps = front + back
-    duration = max([rep.clock for rep in reps] + [pending[-1].arrival_time_s if pending else 0.0])
-    ordered = [records[r.request_id] for r in pending if r.request_id in records]
-    missing = len(pending) - len(ordered)
-    if missing:
-        raise RuntimeError(f"simulation ended with {missing} request(s) unfinished")
+    duration = max([rep.clock for rep in reps] + [last_arrival])
+    if position:
+        raise RuntimeError(f"simulation ended with {len(position)} request(s) unfinished")
+    ordered = [records[i] for i in order] if records is not None else []
     replicas = [
         {
             "index": rep.index,
@@ -569,17 +595,29 @@ def simulate(
         config=config,
         cost_model=costs[0].describe() if costs else {},
         rejected=rejected,
+        stats=stats,
     )
 
 
-def _blocks_never_short(requests: list, sched_cfg: Any, block_size: int) -> int:
-    """A pool size past which more blocks change nothing: every block all the requests could ever hold, over the
-    admission watermark. With at least this many no allocation fails and no cached block is evicted, so a pool
-    derived from an accelerator's memory (millions of blocks) is tracked at this size with the same schedule;
-    the bookkeeping grows with the workload, not with the memory."""
-    max_len = sched_cfg.max_model_len
-    need = sum(ceil_div(min(r.prompt_len + max(int(r.output_len), 1), max_len), block_size) for r in requests)
-    return math.ceil(need / (1.0 - sched_cfg.watermark)) + 1
+def _check_arrival(request: Request, previous: float | None) -> None:
+    """A ConfigError unless the request's arrival time is a number >= 0, not before ``previous`` (a stream's order)."""
+    t = request.arrival_time_s
+    if not (t >= 0 and math.isfinite(t)):
+        raise ConfigError(f"request {request.request_id}: arrival time must be a number >= 0, got {t!r}")
+    if previous is not None and t < previous:
+        raise ConfigError(f"request {request.request_id} arrives at {t!r} s, before the one read before it "
+                          f"({previous!r} s): a streamed workload must be in arrival order")  # fmt: skip
+
+
+def _blocks_never_short(sched_cfg: SchedulerConfig, block_size: int) -> int:
+    """A pool size past which more blocks change nothing without prefix caching: at most ``max_num_seqs`` sequences
+    hold blocks, each those of at most ``max_model_len`` + 1 tokens, so with this many over the admission watermark
+    no allocation fails (the same schedule as any larger pool). A pool derived from an accelerator's memory
+    (millions of blocks) is tracked at this size: the bookkeeping is bounded by the batch, not by the memory or the
+    trace. (With prefix caching, freed blocks stay cached until the pool runs out: the whole pool is tracked, its
+    blocks made as they are first taken.)"""
+    per_seq = ceil_div(sched_cfg.max_model_len, block_size) + 1
+    return math.ceil(sched_cfg.max_num_seqs * per_seq / (1.0 - sched_cfg.watermark)) + 1
 
 
 def _sampling(base: SamplingParams | None, max_tokens: int) -> SamplingParams:

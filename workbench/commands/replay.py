@@ -123,13 +123,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{sum(compile_s.values()):.1f} s", file=sys.stderr)  # fmt: skip
         with progress_bar(total=len(requests), desc="replay", unit="request") as bar:
             result = engine.replay(requests, seed=args.trace_seed, progress=bar)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         duration = engine.now()
         engine.shutdown()
-        from workbench.request import RequestRecord
-
-        finished = [RequestRecord.from_sequence(s) for s in engine.sequences.values() if s.is_finished]
-        _print_partial(args, finished, len(requests), duration)
+        _print_partial(args, getattr(exc, "partial", []), len(requests), duration)
         raise
     finally:
         engine.shutdown()

@@ -493,7 +493,8 @@ class Engine:
         Each request needs ``arrival_time_s``, ``output_len`` and ``prompt_token_ids`` or a ``prompt_len``
         (``workbench.workloads.Request``: ids are then drawn deterministically, equal Mooncake hash ids giving equal
         blocks); it is served with ``sampling`` (greedy by default) and exactly ``output_len`` tokens (EOS ignored).
-        ``progress``: a tqdm-like object updated once per finished request.
+        ``progress``: a tqdm-like object updated once per finished request. On Ctrl-C the ``KeyboardInterrupt``
+        carries ``partial``: the ``RequestResult`` of every request that had finished (for partial results).
         """
         vocab = self.model.config.vocab_size
         pending = sorted(requests, key=lambda r: r.arrival_time_s)
@@ -508,7 +509,21 @@ class Engine:
         base = sampling or SamplingParams()
         self.reset_clock()
         self._keep = {}
-        ids, i = [], 0
+        ids: list[int] = []
+        try:
+            self._replay_loop(pending, ids, base, vocab, seed, progress)
+        except KeyboardInterrupt as exc:
+            kept, self._keep = self._keep or {}, None
+            finished = [RequestResult.from_sequence(kept[rid]) for rid in ids if rid in kept]
+            exc.partial = finished  # type: ignore[attr-defined]
+            raise
+        return self._result(ids, self.now())
+
+    def _replay_loop(
+        self, pending: list[Any], ids: list[int], base: SamplingParams, vocab: int, seed: int, progress: Any
+    ) -> None:
+        """``replay``'s loop: admit each request at its arrival (its id appended to ``ids``), step until done."""
+        i = 0
         while i < len(pending) or self.has_unfinished():
             now = self.now()
             while i < len(pending) and pending[i].arrival_time_s <= now:
@@ -524,7 +539,6 @@ class Engine:
                     progress.update(done)
             elif i < len(pending):
                 time.sleep(max(0.0, pending[i].arrival_time_s - self.now()))
-        return self._result(ids, self.now())
 
     def _result(self, ids: list[int], duration_s: float) -> RunResult:
         kept, self._keep = self._keep or {}, None

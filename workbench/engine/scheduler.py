@@ -429,7 +429,6 @@ class Scheduler:
         finished, self._rejected = self._rejected, []
         bm = self.block_manager
         caching = bm.enable_prefix_caching
-        max_model_len = self.config.max_model_len
         running_status = SequenceStatus.RUNNING
         self.num_steps += 1
         for chunk in plan.chunks:
@@ -453,19 +452,27 @@ class Scheduler:
                 token = sampled[seq.seq_id]
             except KeyError:
                 raise ValueError(f"update(): no sampled token for sequence {seq.seq_id}") from None
-            seq.output_token_ids.append(token)
-            seq.token_times.append(now)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            num_output = len(seq.output_token_ids)
-            if token in seq.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif num_output >= seq.sampling.max_tokens or len(seq.prompt_token_ids) + num_output >= max_model_len:
-                seq.finish_reason = "length"
-            else:
-                continue
-            self._finish(seq, now, finished)
+            if self._append_token(seq, token, now):
+                self._finish(seq, now, finished)
         return finished
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> bool:
+        """Append one generated token at ``now``; True when it finishes ``seq`` (EOS: 'stop'; ``max_tokens`` or
+        the context limit: 'length', ``finish_reason`` set)."""
+        seq.output_token_ids.append(token)
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        num_output = len(seq.output_token_ids)
+        if token in seq.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif (
+            num_output >= seq.sampling.max_tokens or len(seq.prompt_token_ids) + num_output >= self.config.max_model_len
+        ):
+            seq.finish_reason = "length"
+        else:
+            return False
+        return True
 
     def _finish(self, seq: Sequence, now: float, finished: list[Sequence]) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -493,22 +500,11 @@ class Scheduler:
             raise ValueError(f"update(): tokens {emitted} are not an accepted prefix of {chunk.spec_token_ids} + one")
         self.spec_stats.record(k, len(emitted) - 1)
         self.num_decode_tokens += chunk.num_new_tokens
-        max_model_len = self.config.max_model_len
         done = False
         for token in emitted:
-            seq.output_token_ids.append(token)
-            seq.token_times.append(now)
-            num_output = len(seq.output_token_ids)
-            if token in seq.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif num_output >= seq.sampling.max_tokens or len(seq.prompt_token_ids) + num_output >= max_model_len:
-                seq.finish_reason = "length"
-            else:
-                continue
-            done = True
-            break
-        if seq.first_token_time is None:
-            seq.first_token_time = now
+            if self._append_token(seq, token, now):
+                done = True
+                break
         # positions start .. start + m - 1 hold the last token and the m - 1 accepted proposals: their K/V stand
         seq.num_computed_tokens = seq.num_tokens - 1
         self.block_manager.truncate(seq, seq.num_computed_tokens)

@@ -352,5 +352,7 @@ def test_bench_serve_prints_the_reason_when_every_request_fails(server, capsys, 
     free = socket.create_server(("127.0.0.1", 0))
     port = free.getsockname()[1]
     free.close()  # nothing listens there now
-    assert main([*BENCH, "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny"]) == 1
-    assert "every request failed" in capsys.readouterr().err
+    # a dead server is named before any request is sent: one line, exit 2 (issue 34)
+    assert main([*BENCH, "--base-url", f"http://127.0.0.1:{port}", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot connect to the server at http://127.0.0.1:{port}" in err and "Connection refused" in err

@@ -105,8 +105,13 @@ def run_serve(args: argparse.Namespace) -> int:
     for name, ms in goodput.items():
         warn_implausible_slo(f"--goodput {name}:{ms:g}", name, ms / 1e3, "ms")
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    check_reachable(base_url)
     endpoint = args.endpoint or ("/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
+    if "chat" in endpoint and args.dataset_name != "sharegpt" and args.tokenizer is None:  # ids, not text
+        raise ConfigError(
+            "a chat endpoint needs text prompts: pass --tokenizer DIR to decode the random ids into text, or "
+            "use --dataset-name sharegpt"
+        )
+    check_reachable(base_url)  # after every check of the arguments, before any request
     if args.dataset_name == "random":
         reqs = b.random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                  args.random_range_ratio, args.random_vocab_size, args.seed)  # fmt: skip
@@ -121,11 +126,6 @@ def run_serve(args: argparse.Namespace) -> int:
         max_len = asyncio.run(b.server_max_model_len(base_url, args.model))
         reqs = b.trace_requests(args.dataset_path, args.num_prompts, max_len, args.random_vocab_size, args.seed)
     if "chat" in endpoint and not all(isinstance(r.prompt, str) for r in reqs):
-        if args.tokenizer is None:
-            raise ConfigError(
-                "a chat endpoint needs text prompts: pass --tokenizer DIR to decode the random ids into text, or "
-                "use --dataset-name sharegpt"
-            )
         reqs = b.decode_prompts(reqs, args.tokenizer)
     outputs, duration = asyncio.run(b.run_benchmark(
         base_url, endpoint, args.model, reqs, args.request_rate, args.burstiness, args.max_concurrency, args.seed,

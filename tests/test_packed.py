@@ -17,6 +17,7 @@ from workbench.model.packed import (
     PackedLinear,
     pack_linears,
     packing_available,
+    plain_linears,
     unpack_linears,
 )
 from workbench.request import SamplingParams
@@ -63,6 +64,27 @@ def test_pack_linears_shares_weights_keeps_tie_and_skips_quantized():
     assert model.layers[0].mlp.down_proj.weight is weight and model.lm_head.weight is model.embed_tokens.weight
     assert not packing_available(torch.device("cpu"), torch.float16)
     assert not packing_available(torch.device("meta"), torch.float32)
+
+
+@needs_onednn
+def test_plain_linears_runs_plain_products_and_puts_the_same_packed_layers_back():
+    model = load_model("tiny-gqa", dtype=torch.float32, device="cpu", seed=0)
+    pack_linears(model)
+    before = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    calls = []
+    hook = PackedLinear.forward
+    PackedLinear.forward = lambda self, x: calls.append(1) or hook(self, x)  # type: ignore[method-assign]
+    try:
+        with plain_linears(model):
+            assert not any(isinstance(m, PackedLinear) for m in model.modules())
+            down = model.layers[0].mlp.down_proj
+            assert type(down) is nn.Linear and down.weight is before["layers.0.mlp.down_proj"].weight
+            model.prefill([[1, 2, 3, 4, 5, 6, 7, 8]], model.new_cache(1, 8), [0])
+        assert calls == []  # 8 rows would take the packed product (PACKED_MIN_ROWS <= 8)
+    finally:
+        PackedLinear.forward = hook  # type: ignore[method-assign]
+    after = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
 
 
 @needs_onednn

@@ -6,8 +6,9 @@ sanity checks. Together they give:
 - the machine's ceilings (matmul peak, memory read bandwidth) measured *in this process* at the start and at the
   end (``measured_spec(refresh=True, cache_dir=None)``: never a file cache written by another process at another
   time), and whether they moved;
-- a reference step (a fixed small prefill and a fixed small decode of the notebook's model), timed at the start and
-  at the end: its drift says whether the machine changed under the experiment;
+- a reference step (a fixed small prefill and a fixed small decode of the notebook's model, its linears plain even
+  where an engine packed them in between), timed at the start and at the end: its drift says whether the machine
+  changed under the experiment;
 - the load average and the CPU steal time before and after, and the torch thread count;
 - anomalies: an MFU or MBU above 1 beyond ``UTILIZATION_TOLERANCE``, a batch that makes decode slower per token,
   a drift beyond ``DRIFT_THRESHOLD``, a ceiling that moved by more than ``CEILING_THRESHOLD``.
@@ -105,6 +106,7 @@ def reference_step(model: Any, repeats: int = 5) -> dict[str, Any]:
     import torch
 
     from workbench.device import synchronize
+    from workbench.model.packed import plain_linears
 
     cfg = model.config
     n = min(REFERENCE_PREFILL_TOKENS, cfg.max_position_embeddings - 1)
@@ -124,10 +126,11 @@ def reference_step(model: Any, repeats: int = 5) -> dict[str, Any]:
         synchronize(model.device)
 
     out = {}
-    for name, fn in (("prefill", prefill), ("decode", decode)):
-        stats = time_stats(fn, warmup=1, repeats=repeats, sync=sync)
-        stats.pop("times_s")
-        out[name] = stats
+    with plain_linears(model):  # an engine packs the model it runs (Engine.__init__): time the same products
+        for name, fn in (("prefill", prefill), ("decode", decode)):
+            stats = time_stats(fn, warmup=1, repeats=repeats, sync=sync)
+            stats.pop("times_s")
+            out[name] = stats
     return out
 
 

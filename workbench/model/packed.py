@@ -23,6 +23,8 @@ another copy of every weight in each compiled batch size. Without it a compiled 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -74,6 +76,14 @@ class PackedLinear(nn.Linear):
         new.packed_weight = packed
         return new
 
+    def plain(self) -> nn.Linear:
+        """An ``nn.Linear`` sharing this layer's weight and bias, without the packed copy."""
+        plain = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(plain)
+        plain.in_features, plain.out_features = self.in_features, self.out_features
+        plain.weight, plain.bias = self.weight, self.bias
+        return plain
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != self.weight.dtype:
@@ -108,10 +118,25 @@ def unpack_linears(model: Any) -> int:
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, PackedLinear):
-                plain = nn.Linear.__new__(nn.Linear)
-                nn.Module.__init__(plain)
-                plain.in_features, plain.out_features = child.in_features, child.out_features
-                plain.weight, plain.bias = child.weight, child.bias
-                setattr(module, name, plain)
+                setattr(module, name, child.plain())
                 count += 1
     return count
+
+
+@contextmanager
+def plain_linears(model: Any) -> Iterator[None]:
+    """Run ``model`` with plain ``nn.Linear`` products inside the block, whatever an engine packed before; on exit
+    the very ``PackedLinear`` objects it held are put back (no second re-layout). The measurement hygiene's
+    reference step uses it: an engine packs the model it is given (``Engine.__init__``), so without it a reference
+    timed before the first engine and one timed after would run different products."""
+    swapped = []
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(module, name, child.plain())
+                swapped.append((module, name, child))
+    try:
+        yield
+    finally:
+        for module, name, child in swapped:
+            setattr(module, name, child)

@@ -157,6 +157,27 @@ def test_emulated_dtype_note_thresholds():
     assert emulated_dtype_note("fp32", 1.0, 100e9) is None  # fp32 is the reference, never emulated
 
 
+def test_isa_emulated_dtype_note_follows_the_isa_torch_reports(monkeypatch):
+    import platform
+
+    import torch
+
+    from workbench.hardware import isa_emulated_dtype_note
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # this project's AMD EPYC
+    note = isa_emulated_dtype_note("bfloat16")
+    assert note is not None and "bf16" in note and "AVX2" in note and "--dtype fp32" in note
+    assert isa_emulated_dtype_note("fp32") is None  # the reference, never emulated
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # oneDNN's bf16 kernels
+    assert isa_emulated_dtype_note("bf16") is None
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)
+    assert "fp16" in isa_emulated_dtype_note("fp16")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # ISA names that say nothing about bf16 units
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
+    assert isa_emulated_dtype_note("bf16") is None
+
+
 def test_warn_if_emulated_measures_only_reduced_precision_on_a_cpu(capsys, monkeypatch):
     from workbench import hardware
 

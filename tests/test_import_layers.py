@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # bottom to top; a module may import from its own layer or below ("kernels" is the top-level kernels/ package)
 LAYERS = (
-    ("config", "errors", "device", "request", "timing", "atomic", "parsing"),
+    ("config", "errors", "device", "request", "timing", "atomic", "parsing", "runtime"),
     ("hardware", "roofline"),
     ("kernels",),  # Triton kernels: their benchmark prices its work with the roofline; the model calls them
     ("kv", "model"),

@@ -54,6 +54,13 @@ def test_decode_bytes_of_quantized_formats_by_hand():
     groups = 2 * (128 * 2 + 64 * 2 + 320 * 2 + 64 * 5) + 256 * 2  # (out x in / 32) groups, a (scale, zero) each
     int4 = bench.decode_step_bytes(cfg, "fp32", contexts, "int4", 32)
     assert plain["weight_bytes"] - int4["weight_bytes"] == 4 * linear - (linear // 2 + 2 * 4 * groups)
+    # a tied head (tiny-qwen2: hidden 64, vocab 256, tied) is read as its quantized copy, not as the fp32 table
+    tied = ModelConfig.resolve("tiny-qwen2")
+    tied_plain = bench.decode_step_bytes(tied, "fp32", contexts)
+    tied_int8 = bench.decode_step_bytes(tied, "fp32", contexts, "int8")
+    tied_linear = 2 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64) + 256 * 64  # intermediate 128; + the head
+    tied_rows = 2 * (128 + 64 + 256 + 64) + 256
+    assert tied_plain["weight_bytes"] - tied_int8["weight_bytes"] == 4 * tied_linear - (tied_linear + 4 * tied_rows)
     kv8 = bench.decode_step_bytes(cfg, "fp32", contexts, kv_cache_dtype="int8")
     assert kv8["kv_bytes"] == pytest.approx(plain["kv_bytes"] * (16 + 4) / (16 * 4))  # int8 + fp32 scale per head
 

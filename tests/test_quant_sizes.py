@@ -43,9 +43,11 @@ def test_int4_groupwise_weight_bytes():
     assert TOY.weight_bytes("fp32", "int4", group_size=32) == 2 * per_layer + head + PLAIN_FP32 == 86_976
 
 
-def test_tied_head_stays_unquantized():
+def test_tied_head_is_a_quantized_copy_beside_the_table():
     tied = TOY.with_overrides(tie_word_embeddings=True)
-    assert tied.weight_bytes("bf16", "int8") == 2 * (36_864 + 512 * 2) + (6_400 + 320) * 2
+    # layers as above; the head's copy 6,400 bytes + 100 bf16 scales; the table (the lookup's) and the norms in bf16
+    assert tied.weight_bytes("bf16", "int8") == 2 * (36_864 + 512 * 2) + (6_400 + 100 * 2) + (6_400 + 320) * 2
+    assert tied.weight_bytes("bf16") == tied.num_params() * 2  # unquantized: the head is the table itself
 
 
 def test_int4_group_size_must_divide_every_input():

@@ -49,6 +49,7 @@ from workbench.request import SamplingParams
 from workbench.roofline import memory_bandwidth_utilization, step_work
 from workbench.timing import (
     median,
+    now,
     random_prompts,
     set_threads,  # noqa: F401  (the one thread setter, re-exported: scripts import it here)
     timed,
@@ -81,14 +82,12 @@ def decode_step_bytes(
     """Bytes a decode step moves per the roofline: weights read once, K/V read (and the new K/V written).
 
     ``context_lens``: each sequence's length after the step (it attends to that many keys). Under a weight
-    ``quantization`` the roofline's unquantized weight bytes lose what ``ModelConfig.weight_bytes`` says the
-    format saves (every linear matrix is read once per step either way); a quantized KV cache scales the KV bytes
-    by ``kv_bytes_per_token`` (int8's scales included).
+    ``quantization`` every linear matrix and the LM head (a tied one: its quantized copy) are read in the format,
+    scales included (the roofline's ``step_work``); a quantized KV cache scales the KV bytes by
+    ``kv_bytes_per_token`` (int8's scales included).
     """
-    work = step_work(cfg, dtype, decode_contexts=list(context_lens))
+    work = step_work(cfg, dtype, decode_contexts=list(context_lens), quantization=quantization, group_size=group_size)
     weight = work.weight_bytes
-    if canonical_quantization(quantization) is not None:
-        weight -= cfg.weight_bytes(dtype) - cfg.weight_bytes(dtype, quantization, group_size)
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
     kv = work.kv_bytes * cfg.kv_bytes_per_token(kv_dtype) / cfg.kv_bytes_per_token(dtype)
     return {"weight_bytes": weight, "kv_bytes": kv, "bytes": weight + kv}
@@ -410,13 +409,20 @@ def bench_offline(
     ``compile_decode``: pure decodes run compiled (``EngineConfig.compile_decode``), every batch bucket compiled
     before the timing; ``compile_s`` reports the seconds of each. ``compile_prefill``: prefill and mixed steps run
     compiled (``EngineConfig.compile_prefill``), every token-count range compiled before the timing;
-    ``prefill_compile_s`` reports the seconds of each."""
+    ``prefill_compile_s`` reports the seconds of each. ``warmup_s``: the seconds from the engine's start to its first
+    timed request (compilations and the untimed run), the figure to set against vLLM's start-up; ``compile_cache``:
+    inductor's on-disk caches and their hits during it (``workbench.engine.compile_cache``: a second process
+    should only hit)."""
+    from workbench.engine.compile_cache import cache_counts, cache_state
+
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
+    counts, t0 = cache_counts(), now()
     engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode,
                           compile_prefill=compile_prefill)  # fmt: skip
     compile_s = engine.decode.warmup()
     prefill_compile_s = engine.prefill.warmup(engine.token_budget)
     run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up
+    warmup_s = now() - t0
     times = [run_engine_offline(model, requests, max_num_seqs, engine)[0] for _ in range(repeats)]
     out_tokens = sum(n for _, n in requests)
     all_tokens = out_tokens + sum(len(p) for p, _ in requests)
@@ -435,6 +441,8 @@ def bench_offline(
         "compile_s": compile_s,
         "compiled_prefill": compile_prefill,
         "prefill_compile_s": prefill_compile_s,
+        "warmup_s": warmup_s,
+        "compile_cache": cache_state(counts),
     }
 
 

@@ -53,6 +53,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("WORKBENCH_PRELOAD"):  # allocator / OpenMP libraries: a re-execution with LD_PRELOAD
+        from workbench.runtime import reexec_with_preloads
+
+        try:
+            reexec_with_preloads(argv)
+        except WorkbenchError as exc:
+            print(f"workbench: error: {exc}", file=sys.stderr)
+            return 2
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     _check_flags(parser, argv, command)  # a mistyped flag first, before argparse asks for the one it replaced

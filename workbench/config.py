@@ -429,8 +429,9 @@ class ModelConfig:
     def weight_bytes(
         self, dtype: str = "bf16", quantization: str | None = None, group_size: int = DEFAULT_GROUP_SIZE
     ) -> int:
-        """Bytes of all weights: the linear layers (and an untied LM head) under ``quantization`` with their
-        scales, everything else (embedding, norms, biases) in ``dtype``."""
+        """Bytes of all weights: the linear layers and the LM head under ``quantization`` with their scales,
+        everything else (embedding, norms, biases) in ``dtype``. A tied head under a quantization is a quantized copy
+        of the embedding table (the table stays in ``dtype`` for the lookup): both are held and counted."""
         q = canonical_quantization(quantization)
         if q is None:
             return self.num_params() * dtype_bytes(dtype)
@@ -440,8 +441,8 @@ class ModelConfig:
             quantized_matrix_bytes(o, i, q, dtype, group_size) for o, i in shapes.values()
         )
         plain = self.num_params() - self.num_layers * sum(o * i for o, i in shapes.values())
+        quantized += quantized_matrix_bytes(self.vocab_size, self.hidden_size, q, dtype, group_size)
         if not self.tie_word_embeddings:
-            quantized += quantized_matrix_bytes(self.vocab_size, self.hidden_size, q, dtype, group_size)
             plain -= self.vocab_size * self.hidden_size
         return quantized + plain * dtype_bytes(dtype)
 

@@ -491,6 +491,35 @@ def emulated_dtype_note(dtype: str, dtype_rate: float, fp32_rate: float) -> str 
     )
 
 
+# x86 ISAs torch reports (``torch.backends.cpu.get_cpu_capability()``) and those on which its bf16 matrix products
+# run oneDNN's kernels (AVX-512: bf16 instructions, AMX, or AVX-512 conversions in registers). Below AVX-512 (AVX2,
+# as on this project's AMD EPYC) ATen converts element by element: about 1 GFLOP/s against 170 for fp32 (issue 15).
+# fp16 products run oneDNN's kernels only with AMX-FP16 (or AVX512-FP16, which torch does not report).
+X86_CPU_CAPABILITIES = ("NO AVX", "DEFAULT", "AVX2", "AVX512")
+BF16_NATIVE_CPU_CAPABILITIES = ("AVX512",)
+
+
+def isa_emulated_dtype_note(dtype: str) -> str | None:
+    """Why ``dtype``'s CPU matrix products are emulated on this x86 CPU, decided by the ISA torch reports (no
+    timing, so a loaded machine cannot change the answer), or None: fp32, a dtype torch has kernels for here, or a
+    CPU that is not x86 (its ISA names say nothing about bf16 units)."""
+    import torch
+
+    name = canonical_dtype(dtype)
+    capability = torch.backends.cpu.get_cpu_capability()
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+    if name == "fp32" or not x86 or capability not in X86_CPU_CAPABILITIES:
+        return None
+    if name == "bf16" and capability in BF16_NATIVE_CPU_CAPABILITIES:
+        return None
+    if name == "fp16" and capability == "AVX512" and torch.cpu._is_amx_fp16_supported():
+        return None
+    return (
+        f"{name} matrix products are emulated on this CPU (torch reports the ISA {capability}, which has no {name} "
+        "matrix kernels in torch): its timings would measure the emulation, not the bytes it saves; use --dtype fp32"
+    )
+
+
 def warn_if_emulated(dtype: str, device: Any) -> str | None:
     """On a CPU, print (once per process and dtype) and return the emulation warning for ``dtype``, else None."""
     if str(getattr(device, "type", device)) != "cpu" or canonical_dtype(dtype) == "fp32":

@@ -423,8 +423,9 @@ class Shard:
         return held + sum(w[name] for name in mlp)
 
     def lm_head_bytes(self, cfg: ModelConfig, dtype: str, quantization: str | None, group_size: int) -> float:
-        """The LM head's rows on one GPU: under ``quantization`` when untied, the (tied) table in ``dtype``."""
-        if cfg.tie_word_embeddings:
+        """The LM head's rows on one GPU under ``quantization`` (a tied head: a quantized copy of the table), or
+        unquantized in ``dtype``."""
+        if canonical_quantization(quantization) is None:
             return self.vocab_size * cfg.hidden_size * dtype_bytes(dtype)
         return quantized_matrix_bytes(self.vocab_size, cfg.hidden_size, quantization, dtype, group_size)
 
@@ -438,6 +439,8 @@ class Shard:
         a = dtype_bytes(dtype)
         embedding = self.vocab_size * cfg.hidden_size * a
         head = self.lm_head_bytes(cfg, dtype, quantization, group_size)
+        # an unquantized tied head is the embedding table itself; a quantized one is a copy held beside it
+        shares_table = cfg.tie_word_embeddings and canonical_quantization(quantization) is None
         if cfg.is_moe or cfg.is_mla:
             cfg.check_quantization(quantization, group_size)
             per_stage, pp = [], self.pipeline_parallel_size
@@ -446,13 +449,13 @@ class Shard:
                 total = sum(self._layer_held_params(cfg, i) for i in layers) * a
                 total += embedding if stage == 0 else 0
                 if stage == pp - 1:
-                    total += cfg.hidden_size * a + (0 if cfg.tie_word_embeddings and pp == 1 else head)
+                    total += cfg.hidden_size * a + (0 if shares_table and pp == 1 else head)
                 per_stage.append(total)
             return int(max(per_stage))
         layer = sum(self.layer_weight_bytes(cfg, dtype, quantization, group_size).values())
         last = cfg.hidden_size * a + head  # final norm + LM head
         if self.pipeline_parallel_size == 1:
-            ends = embedding + last - (head if cfg.tie_word_embeddings else 0)
+            ends = embedding + last - (head if shares_table else 0)
         else:
             ends = max(embedding, last)
         return int(self.num_layers * layer + ends)
@@ -780,7 +783,7 @@ class RooflineModel:
         weight_eff = {"int8": cal.int8_weight_efficiency, "int4": cal.int4_weight_efficiency}.get(
             self.quantization or "", 1.0
         )
-        quantized_ops = set(cfg.linear_shapes()) | (set() if cfg.tie_word_embeddings else {"lm_head"})
+        quantized_ops = set(cfg.linear_shapes()) | {"lm_head"}  # a tied head: its quantized copy
         # (name, count, peak, flops coef, weight coef, kv coef, act coef, weight bytes per distinct expert),
         # coefficients already x count (ideal)
         self._ops: list[tuple[Any, ...]] = []

@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     from workbench import bench
     from workbench.device import resolve_device
     from workbench.hardware import measured_spec, warn_if_emulated
+    from workbench.runtime import runtime_state
     from workbench.timing import set_threads
 
     threads = set_threads(args.threads, what="--threads")
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if compile_decode is None:  # CUDA replays CUDA graphs instead; the Triton backend is not compiled
         compile_decode = device.type == "cpu" and args.attention_backend != "triton"
     out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
+    out["runtime"] = runtime_state()  # allocator and OpenMP library (WORKBENCH_PRELOAD, workbench.runtime)
     if emulated:
         out["warning"] = emulated
     schemes = _schemes(args)
@@ -371,6 +373,12 @@ def format_table(out: dict[str, Any]) -> str:
             lines.append("decode compiled first (not timed): " + _compile_note(o["compile_s"]))
         if o.get("prefill_compile_s"):
             lines.append("prefill compiled first (not timed): " + _compile_note(o["prefill_compile_s"], "tokens="))
+        if "warmup_s" in o:
+            c = o["compile_cache"]
+            lines.append(f"warm-up before the first timed request: {o['warmup_s']:.0f} s; inductor's caches "
+                         f"({c['dir']}): FX graph {c['fx_graph_hits']} hits / {c['fx_graph_misses']} misses / "
+                         f"{c['fx_graph_bypasses']} bypasses, AOT autograd {c['aot_autograd_hits']} / "
+                         f"{c['aot_autograd_misses']} / {c['aot_autograd_bypasses']}")  # fmt: skip
     else:
         for key in ("decode", "offline"):
             if key in out:

@@ -9,29 +9,28 @@ Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
   ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
-  on CUDA over its packed layout; on the CPU ``int4_rows`` over the group-halves layout (decode) or the GEMM of
-  the dequantized weight (many rows).
+  on CUDA over its packed layout; on the CPU (decode) torch's packed CPU operator ``_weight_int4pack_mm_for_cpu``
+  fed bf16 activations (AVX2 and up), else ``int4_rows`` over the group-halves layout; the GEMM of the dequantized
+  weight for many rows.
 
-What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and an untied
-LM head. A tied LM head shares the embedding table, which stays in the activation dtype: it is also a lookup
-table read one row per token, and quantizing it would change the embeddings as well as the logits. Norms and
-biases stay in the activation dtype (``ModelConfig.weight_bytes`` counts the same split). A quantized *copy* of a
-tied head for the logits product alone (the lookup keeping the table) is not made: it would cut ``bench-300m``'s
-per-step read from 403 to 305 MB under int8 (the fp32 head is 131 MB, a third of the int8 scheme's bytes) at the
-price of 33 MB more memory and a second weight count (memory: table + copy; decode: the copy) through
-``ModelConfig.weight_bytes``, the roofline and the simulator. ``scripts/bench_quant_ops.py`` measures what it would
-buy: the sweep's speed-up with the head in fp32 and with it in the scheme (``speedup_head_fp32``,
-``speedup_head_quantized``).
+What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and the LM head.
+A tied LM head shares the embedding table, which stays in the activation dtype (it is a lookup table read one row
+per token, and quantizing it would change the embeddings as well as the logits): the head becomes a quantized *copy*
+of the table for the logits product alone. That holds the table and the copy (``ModelConfig.weight_bytes`` counts
+both: 33 MB more for ``bench-300m`` under int8) and a decode reads the copy instead of the table (the roofline's
+``lm_head_bytes``; ``bench-300m``'s int8 step reads 305 instead of 403 MB). Norms and biases stay in the activation
+dtype (``ModelConfig.weight_bytes`` counts the same split).
 
 Why these paths and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its weight-only
-int8/int4 paths on the CPU end in the ``aten`` packed operators, and on this CPU (2 threads, torch 2.13) those are
-no decode kernels for fp32 activations: ``_weight_int8pack_mm`` took 5x the fp32 GEMV's time on a 1 x 1024 by
-5632 x 1024 product (fed bf16 it is the fastest int8 product, ``INT8_BF16_CAPABILITIES``),
-and inductor's C++ GEMM template for it needs max-autotune with frozen weights. The CPU decode products are
-therefore plain tensor expressions (``int8_rows``, ``int4_rows``) that inductor compiles into one vectorized
-dequantize-multiply-reduce loop per matrix (checked with ``TORCH_LOGS=output_code``: ``at::vec`` loads of the codes,
-converts and one accumulator per output row); inside the engine's compiled decode step they fuse into its graph,
-eagerly each compiles once per shape at its first call. Nothing here is a hand-written kernel.
+int8/int4 paths on the CPU end in the same ``aten`` packed operators, which are decode kernels only when fed bf16
+activations (fed fp32, ``_weight_int8pack_mm`` took 5x the fp32 GEMV's time on a 1 x 1024 by 5632 x 1024 product;
+``INT8_BF16_CAPABILITIES``), and inductor's C++ GEMM template for them needs max-autotune with frozen weights. So
+the CPU decode products call those operators directly on bf16 activations where torch vectorizes them, and
+elsewhere (no AVX2; an int4 matrix whose output rows do not divide by 16) run plain tensor expressions
+(``int8_rows``, ``int4_rows``) that inductor compiles into one vectorized dequantize-multiply-reduce loop per
+matrix (inside the engine's compiled decode step they fuse into its graph, eagerly each compiles once per shape at
+its first call). ``int8_rows`` and ``int4_rows`` are also the references the operators are tested against. Nothing
+here is a hand-written kernel.
 """
 
 from __future__ import annotations
@@ -58,6 +57,11 @@ INT8_SPLIT = 4  # products added per accumulation in int8_rows
 # on the 32000 x 1024 head); at 4 rows 2.5-3.3x faster than the fp32 GEMM. The price is bf16's rounding of x and y
 # (a relative error of 3e-3 against the int8 format's own 8e-3 on the same matrices).
 INT8_BF16_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX")
+# The same holds for torch's packed int4 CPU operator (``_weight_int4pack_mm_for_cpu``, ATen
+# ``native/cpu/int4mm_kernel.cpp``): its AVX2 and AVX-512 kernels take bf16 activations, other dtypes a scalar loop.
+# Its packed layout depends on the ISA torch dispatches to (32 output rows interleaved per block on AVX2, 64 on
+# AVX-512), so a layer packs its codes at load time on the CPU that runs it. It takes row counts that divide by 16.
+INT4_PACKED_ROWS_MULTIPLE = 16
 ENGINE_QUANTIZATIONS = ("int8", "int4")  # fp8 weights: roofline and simulator only (no CPU fp8 matmul here)
 CUDA_INT4_INNER_K_TILES = 8
 
@@ -138,6 +142,12 @@ def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset:
 _COMPILED: dict[str, Any] = {}
 
 
+def cpu_packed_bf16() -> bool:
+    """Whether torch's packed int8/int4 CPU operators have a vectorized kernel for bf16 activations on this CPU (the
+    ISA torch dispatches to, ``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` can lower)."""
+    return torch.backends.cpu.get_cpu_capability() in INT8_BF16_CAPABILITIES
+
+
 def _compiled(fn: Any) -> Any:
     """``fn`` compiled by inductor for eager callers, once per process; inside a compiled graph (the engine's
     compiled decode step) ``fn`` itself, which inductor fuses into the step. One compilation per shape
@@ -174,7 +184,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.to(device=dev, dtype=dtype))  # (out,) activation dtype
         # the CPU decode product feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the
         # scale (2 bytes an output row, not a buffer: not part of the format's counted bytes, never moved off the CPU)
-        self.bf16_rows = dev.type == "cpu" and torch.backends.cpu.get_cpu_capability() in INT8_BF16_CAPABILITIES
+        self.bf16_rows = dev.type == "cpu" and cpu_packed_bf16()
         self.scale_bf16 = scale.to(torch.bfloat16) if self.bf16_rows else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
@@ -201,9 +211,13 @@ class Int4Linear(nn.Module):
 
     On CUDA the tinygemm operator ``aten._weight_int4pack_mm`` over its packed layout (``qweight``) and
     ``scales_and_zeros``. On the CPU ``qweight`` is the group-halves layout of ``int4_rows`` (out, groups, g/2)
-    with ``scale`` and ``offset`` (out, groups, 1): products of at most ``INT8_PACKED_MAX_ROWS`` rows run
-    ``int4_rows`` compiled by inductor, more rows dequantize and run the dtype's GEMM (the packed CPU operator,
-    ``_weight_int4pack_mm_for_cpu``, took 28x the fp32 GEMM's time at 32 rows).
+    with ``scale`` and ``offset`` (out, groups, 1). Products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's
+    packed CPU operator ``_weight_int4pack_mm_for_cpu`` on bf16 activations where torch vectorizes it (AVX2 and up,
+    ``packed_rows``: a copy of the codes in its ISA-dependent layout, ``qweight_packed``, with bf16 scales and zeros,
+    attributes and not buffers: the counted format is the group-halves layout, which the copy doubles in memory
+    but not in a decode's reads), else ``int4_rows`` compiled by inductor (the reference the packed path is tested
+    against); more rows dequantize and run the dtype's GEMM (the packed operator took 28x the fp32 GEMM's time at
+    32 rows fed fp32).
     """
 
     def __init__(self, linear: nn.Linear, group_size: int = DEFAULT_GROUP_SIZE) -> None:
@@ -226,6 +240,17 @@ class Int4Linear(nn.Module):
             self.register_buffer("qweight", (g[..., :half] | g[..., half:] << 4).contiguous().to(dev))
             self.register_buffer("scale", scale[..., None].to(device=dev, dtype=dtype))  # (out, groups, 1)
             self.register_buffer("offset", (zero - 8.0 * scale)[..., None].to(device=dev, dtype=dtype))
+        # the CPU decode product: torch's packed operator over its own layout of the same codes, bf16 activations
+        self.packed_rows = (
+            dev.type == "cpu" and cpu_packed_bf16() and self.out_features % INT4_PACKED_ROWS_MULTIPLE == 0
+        )
+        self.qweight_packed = self.scales_and_zeros_bf16 = None
+        if self.packed_rows:
+            # (out, in) int32 codes -> (out, in / 2) uint8 in the layout of the ISA torch runs on
+            self.qweight_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+            # (in / g, out, 2): (scale, zero) per group and output row, bf16 as the activations
+            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+            self.scales_and_zeros_bf16 = sz.to(torch.bfloat16)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -246,6 +271,10 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
         elif x2.shape[0] > INT8_PACKED_MAX_ROWS:
             y = torch.nn.functional.linear(x2, self.dequantized_weight(x.dtype))
+        elif self.packed_rows:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16).contiguous(), self.qweight_packed, self.group_size, self.scales_and_zeros_bf16
+            ).to(x.dtype)
         else:
             y = _compiled(int4_rows)(x2, self.qweight, self.scale, self.offset)
         y = y.reshape(*shape[:-1], self.out_features)
@@ -297,7 +326,8 @@ def quantize_linear(linear: nn.Linear, quantization: str, group_size: int = DEFA
 
 @torch.no_grad()
 def quantize_model(model: Any, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> Any:
-    """Replace ``model``'s linear layers (and an untied LM head) by quantized ones, in place; returns the model.
+    """Replace ``model``'s linear layers and its LM head by quantized ones, in place; returns the model. A tied head
+    becomes a quantized copy of the embedding table, which stays as it is for the lookup.
 
     ``model`` is a ``workbench.model.transformer.Transformer`` already on its device and dtype.
     """
@@ -311,8 +341,7 @@ def quantize_model(model: Any, quantization: str | None, group_size: int = DEFAU
         attn.o_proj = quantize_linear(attn.o_proj, q, group_size)
         mlp.gate_up_proj = quantize_linear(mlp.gate_up_proj, q, group_size)
         mlp.down_proj = quantize_linear(mlp.down_proj, q, group_size)
-    if not model.config.tie_word_embeddings:
-        model.lm_head = quantize_linear(model.lm_head, q, group_size)
+    model.lm_head = quantize_linear(model.lm_head, q, group_size)  # tied: a copy, the table keeps its dtype
     model.quantization, model.group_size = q, group_size
     return model
 

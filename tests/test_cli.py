@@ -61,7 +61,7 @@ def test_generate_errors_are_clear(args, message, capsys):
 
 @pytest.mark.parametrize(
     "bad, message",
-    [("1,999", "outside the vocabulary"), (",".join(["1"] * 300), "longer than max_model_len")],
+    [("1,999", "outside the vocabulary"), (",".join(["1"] * 300), "maximum context length is 256")],
 )
 def test_a_bad_request_is_rejected_and_the_others_are_served(bad, message, capsys):
     rc = main(["generate", "--model", "tiny-mha", "--max-new-tokens", "3", "--ignore-eos", "--json",

@@ -1,4 +1,4 @@
-"""The command line's parsing and its honest outputs: no abbreviations, defaults in every --help, clipped requests
+"""The command line's parsing and its honest outputs: no abbreviations, defaults in every --help, rejected requests
 counted, goodput null without an SLO."""
 
 from __future__ import annotations
@@ -29,17 +29,18 @@ def test_rate_is_not_taken_for_rate_scale(capsys) -> None:
     assert exc.value.code == 2 and "unrecognized arguments: --rate 4" in capsys.readouterr().err
 
 
-def test_simulate_counts_clipped_requests_and_has_no_goodput_without_slo(capsys) -> None:
-    # fixed 489-token prompts and 8-token outputs, max_model_len 256: every request is clipped
+def test_simulate_says_its_max_model_len_and_has_no_goodput_without_slo(capsys) -> None:
+    # fixed 240-token prompts and 8-token outputs fit max_model_len 256: none rejected (tests/test_request_ingest.py
+    # has the rows that do not fit)
     argv = ["simulate", "--model", "Llama-3.1-8B", "--trace", "poisson:2", "--num-requests", "8",
-            "--prompt-lens", "fixed:489", "--output-lens", "fixed:8", "--max-model-len", "256"]  # fmt: skip
+            "--prompt-lens", "fixed:240", "--output-lens", "fixed:8", "--max-model-len", "256"]  # fmt: skip
     assert cli.main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["num_clipped"] == 8 and out["max_model_len"] == 256
+    assert out["num_rejected"] == 0 and out["first_rejected"] is None and out["max_model_len"] == 256
     assert out["metrics"]["goodput"] is None and out["metrics"]["slo_attainment"] is None
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
-    assert "8 request(s) clipped to max_model_len 256" in text and "n/a (no SLO given" in text
+    assert "max_model_len 256, 0 request(s) rejected" in text and "n/a (no SLO given" in text
     assert "model Llama-3.1-8B" in text and "cost model roofline" in text and "output tok/s" in text
     assert cli.main([*argv, "--slo-ttft", "10", "--json"]) == 0
     m = json.loads(capsys.readouterr().out)["metrics"]

@@ -163,7 +163,7 @@ def test_profile_of_another_model_is_refused_unless_forced(capsys):
 def test_profile_with_a_datasheet_accelerator_is_refused_unless_forced(capsys):
     profile = "data/profiles/tiny-gqa-intel-r-xeon-r-processor.json"
     base = ["simulate", "--model", "tiny-gqa", "--trace", "poisson:1", "--num-requests", "2", "--cost-model",
-            "profiled", "--profile", profile, "--json"]  # fmt: skip
+            "profiled", "--profile", profile, "--prompt-lens", "uniform:16:128", "--json"]  # fmt: skip
     assert main(base) == 0  # the profile's own machine, with the pool its engine had
     assert json.loads(capsys.readouterr().out)["hardware"].startswith("profile: ")
     one_line_error(capsys, main([*base, "--hardware", "h100-sxm"]), "not on h100-sxm", "--force-profile")

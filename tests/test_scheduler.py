@@ -277,17 +277,21 @@ def test_rejected_requests_do_not_stop_the_others() -> None:
         Sequence(100, [], SamplingParams(max_tokens=2)),
         Sequence(101, list(range(200)), SamplingParams(max_tokens=2)),  # longer than max_model_len 128
         Sequence(102, [1] * 60, SamplingParams(max_tokens=60)),  # needs 30 blocks of 4; pool has 20
+        Sequence(103, [1] * 8, SamplingParams(max_tokens=121)),  # 8 + 121 > 128: rejected, not capped at 128
     ]
     sched, finished, _ = run(PROMPTS, MAX_TOKENS, "continuous", num_blocks=20, extra=extra)
     by_id = {s.seq_id: s for s in finished}
-    assert sorted(by_id) == [0, 1, 2, 3, 4, 5, 100, 101, 102]
-    for i in (100, 101, 102):
+    assert sorted(by_id) == [0, 1, 2, 3, 4, 5, 100, 101, 102, 103]
+    for i in (100, 101, 102, 103):
         assert by_id[i].finish_reason == "rejected" and by_id[i].output_token_ids == []
     assert "empty prompt" in by_id[100].reject_reason
     assert "max_model_len" in by_id[101].reject_reason
     assert "30 KV blocks" in by_id[102].reject_reason
+    assert (
+        "maximum context length is 128 tokens; the prompt has 8 and max_tokens asks for 121" in by_id[103].reject_reason
+    )
     assert all(by_id[i].output_token_ids == EXPECTED[i] for i in range(6))
-    assert sched.num_rejected == 3
+    assert sched.num_rejected == 4
 
 
 def test_eos_stops_unless_ignored() -> None:
@@ -301,11 +305,16 @@ def test_eos_stops_unless_ignored() -> None:
     assert seq.eos_token_ids == ()
 
 
-def test_max_model_len_finishes_with_length() -> None:
+def test_a_request_that_fills_max_model_len_finishes_and_one_beyond_it_is_rejected_not_capped() -> None:
     prompt = make_prompts(1, [10])[0]
-    _, fin, _ = run([prompt], [50], "continuous", max_model_len=16)
-    assert fin[0].num_tokens == 16 and fin[0].finish_reason == "length"
-    assert fin[0].output_token_ids == reference_outputs(prompt, 50, 16)
+    _, fin, _ = run([prompt, prompt], [6, 7], "continuous", max_model_len=16)  # 10 + 6 = 16 fits; 10 + 7 does not
+    by_id = {s.seq_id: s for s in fin}
+    assert by_id[0].num_tokens == 16 and by_id[0].finish_reason == "length"
+    assert by_id[0].output_token_ids == reference_outputs(prompt, 6, 16)
+    assert by_id[1].finish_reason == "rejected" and by_id[1].output_token_ids == []
+    assert "maximum context length is 16 tokens; the prompt has 10 and max_tokens asks for 7 more" in (
+        by_id[1].reject_reason
+    )
 
 
 def test_abort_frees_blocks() -> None:
@@ -371,11 +380,12 @@ def test_random_workloads_finish_with_reference_tokens(
 ) -> None:
     max_model_len = 32
     prefix = [(11 * j + 4) % VOCAB for j in range(shared_prefix)]
-    prompts = [(prefix + make_prompts(1, [p], seed=i)[0])[:max_model_len] for i, (p, _, _) in enumerate(lengths)]
-    max_tokens = [m for _, m, _ in lengths]
+    prompts = [(prefix + make_prompts(1, [p], seed=i)[0])[: max_model_len - 1] for i, (p, _, _) in enumerate(lengths)]
+    # within the context: a longer request is rejected (test_rejected_requests_do_not_stop_the_others), never capped
+    max_tokens = [min(m, max_model_len - len(p)) for p, (_, m, _) in zip(prompts, lengths)]
     arrivals = [float(a) for _, _, a in lengths]
     # the smallest pool that holds the longest request alone, plus some spare blocks
-    longest = max(min(len(p) + m, max_model_len) - 1 for p, m in zip(prompts, max_tokens))
+    longest = max(len(p) + m - 1 for p, m in zip(prompts, max_tokens))
     num_blocks = -(-max(longest, max(map(len, prompts))) // block_size) + spare_blocks
     budget = max(chunk_size, 4) if policy == "chunked" else None
     sched, finished, _ = run(

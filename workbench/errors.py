@@ -22,8 +22,13 @@ class CheckpointError(WorkbenchError):
 class RequestError(WorkbenchError, ValueError):
     """One request is invalid (empty prompt, too long, token id out of range, bad sampling parameters).
 
-    The engine rejects that request with this reason and keeps serving the others.
+    The engine rejects that request with this reason and keeps serving the others. ``param`` names the request
+    field at fault where one is (``prompt``, ``max_tokens``, ...): the server returns it as OpenAI's ``param``.
     """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class TraceError(WorkbenchError, ValueError):

@@ -74,6 +74,51 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# ---- the one request ingest ----------------------------------------------------------------------------------
+# Every entry point (the server's protocol, Engine.add_request behind generate/replay/bench, the scheduler's
+# admission behind the simulator, trace rows) applies this one rule, vLLM's: a request whose prompt + max_tokens
+# exceeds max_model_len is rejected (never silently capped); an unset max_tokens takes the room the prompt leaves.
+
+
+def default_max_tokens(num_prompt_tokens: int, max_model_len: int) -> int:
+    """vLLM's ``max_tokens`` when a request leaves it unset (chat): the room the prompt leaves in the context, at
+    least 1 (a prompt that fills the context is then refused by ``validate_request``)."""
+    return max(1, max_model_len - num_prompt_tokens)
+
+
+def validate_request(
+    prompt: list[int] | tuple[int, ...] | int, max_tokens: int, max_model_len: int, vocab_size: int | None = None
+) -> None:
+    """Raise RequestError (with ``param``) unless a request of ``prompt`` (token ids, or a length when the ids are
+    not known yet, as for a trace row) and ``max_tokens`` can be served by a model of ``max_model_len`` positions
+    and ``vocab_size`` tokens: a non-empty prompt, every id in the vocabulary, prompt + max_tokens within the
+    context. The sampling parameters themselves are checked by ``SamplingParams``."""
+    num_prompt_tokens = prompt if isinstance(prompt, int) else len(prompt)
+    if num_prompt_tokens == 0:
+        raise RequestError("empty prompt: at least one token id is needed", param="prompt")
+    if vocab_size is not None and not isinstance(prompt, int):
+        bad = [t for t in prompt if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size)]
+        if bad:
+            raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", param="prompt")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise RequestError(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} and "
+            f"max_tokens asks for {max_tokens} more ({num_prompt_tokens + max_tokens} in all): shorten the prompt, "
+            "lower max_tokens, or serve with a larger max_model_len",
+            param="max_tokens" if num_prompt_tokens < max_model_len else "prompt",
+        )
+
+
+def fits_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:
+    """True when a request of these lengths passes ``validate_request`` (a disaggregated prefill serves only the
+    first token of such a request; it hands any other to the engine whole, to be rejected with the reason)."""
+    try:
+        validate_request(num_prompt_tokens, max_tokens, max_model_len)
+    except RequestError:
+        return False
+    return True
+
+
 class Sequence:
     """One request: its tokens, sampling parameters, KV block table, progress counters and timestamps (s)."""
 

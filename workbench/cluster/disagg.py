@@ -61,7 +61,7 @@ from workbench.engine.engine import RequestResult
 from workbench.engine.tp_runner import ShardWorker
 from workbench.errors import ConfigError
 from workbench.model.sharding import check_tensor_parallel_size
-from workbench.request import SamplingParams
+from workbench.request import SamplingParams, fits_context
 from workbench.timing import now, set_threads
 
 POLL_S = 0.002  # how long an idle engine waits on its queue before looking again
@@ -214,6 +214,15 @@ class DisaggResult:
 
 
 # ---- the two kinds of engine process ----------------------------------------------------------------------------
+def prefill_sampling(sampling: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """What the prefill engine serves of a request: its first token (``max_tokens`` 1) when the whole request passes
+    the one request rule (``workbench.request.fits_context``), else the request itself, which that engine then rejects
+    with the reason any entry point gives (never a prefill of a request the decode side would refuse)."""
+    if not fits_context(num_prompt_tokens, sampling.max_tokens, max_model_len):
+        return sampling
+    return dataclasses.replace(sampling, max_tokens=1)
+
+
 def _drain(inbox: mp.Queue, wait_s: float) -> list[tuple]:
     """Every message waiting in ``inbox``; waits up to ``wait_s`` for the first one when none is there."""
     out = []
@@ -393,7 +402,6 @@ class EngineLoop:
         first_tokens: dict[int, tuple[int, float, Any]] = {}  # rid -> (first token, when, the generator's state)
         attempts: dict[int, int] = {}
         stopping = False
-        max_len = engine.max_model_len
         while True:
             idle = not engine.has_unfinished()
             messages, early = early + _drain(self.inbox, 0.0 if early or not idle else POLL_S), []
@@ -402,10 +410,8 @@ class EngineLoop:
                 if kind == "request":
                     spec: RequestSpec = message[1]
                     specs[spec.request_id] = spec
-                    engine.add_request(
-                        spec.prompt_ids, dataclasses.replace(spec.sampling, max_tokens=1), spec.arrival_time,
-                        spec.request_id,
-                    )  # fmt: skip
+                    engine.add_request(spec.prompt_ids, prefill_sampling(spec.sampling, len(spec.prompt_ids),
+                                       engine.max_model_len), spec.arrival_time, spec.request_id)  # fmt: skip
                 elif kind == "ack":  # the decode side has the KV (or will recompute it): free the blocks
                     rid = message[1]
                     kv.call("finish", rid)
@@ -422,11 +428,7 @@ class EngineLoop:
                     if not out.finished:
                         continue
                     rid, spec = out.request_id, specs[out.request_id]
-                    done_here = (
-                        out.finish_reason in ("rejected", "stop")
-                        or spec.sampling.max_tokens == 1
-                        or len(spec.prompt_ids) + 1 >= max_len
-                    )
+                    done_here = out.finish_reason in ("rejected", "stop") or spec.sampling.max_tokens == 1
                     state = engine.handoff_state(rid)
                     if done_here:  # nothing for a decode engine to do
                         engine.release(rid)

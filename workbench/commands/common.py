@@ -217,24 +217,27 @@ LATENCY_LABELS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL", "e2el_s": 
 
 
 def clip_to_context(requests: list[Any], max_len: int) -> tuple[list[Any], int]:
-    """``truncate_to_context(requests, max_len)`` and how many requests it shortened (to be reported, not hidden).
+    """``truncate_to_context(requests, max_len)`` and how many requests it shortened (to be reported, not hidden):
+    the capacity planner's workload shaping. ``replay`` and ``simulate`` clip nothing: a row beyond ``max_model_len``
+    is rejected there, as any request (``workbench.request.validate_request``).
 
     A TraceError when there is no request to run (a header-only csv, an empty jsonl, ``--limit 0``): latencies of
     zero requests are not a result."""
-    stream = ClippedStream(iter(requests), max_len)
+    stream = TraceStream(iter(requests), max_len)
     return list(stream), stream.num_clipped
 
 
-class ClippedStream:
-    """The requests of a stream clipped to ``max_len`` as they are read (``workbench.workloads.clip_request``), and
-    ``num_clipped``, how many that shortened so far. A TraceError now when the stream has no request (as
-    ``clip_to_context``)."""
+class TraceStream:
+    """The requests of a stream as they are read, clipped to ``max_len`` when one is given
+    (``workbench.workloads.clip_request``; ``num_clipped`` counts the rows that shortened so far). A TraceError now
+    when the stream has no request (as ``clip_to_context``)."""
 
-    def __init__(self, requests: Iterator[Any], max_len: int) -> None:
+    def __init__(self, requests: Iterator[Any], max_len: int | None = None) -> None:
         from workbench.errors import TraceError
         from workbench.workloads import check_max_len
 
-        check_max_len(max_len)
+        if max_len is not None:
+            check_max_len(max_len)
         self.max_len = max_len
         self.num_clipped = 0
         self._first = next(requests, None)
@@ -249,6 +252,9 @@ class ClippedStream:
         from workbench.workloads import clip_request
 
         for r in itertools.chain([self._first], self._rest):
+            if self.max_len is None:
+                yield r
+                continue
             clipped = clip_request(r, self.max_len)
             self.num_clipped += clipped is not r
             yield clipped
@@ -270,16 +276,30 @@ def print_serving_metrics(m: dict[str, Any]) -> None:
         print(f"  goodput {m['goodput']:.2f} req/s, {m['slo_attainment']:.1f}% of requests within SLOs ({slos})")
 
 
+def add_rejections(summary: dict[str, Any], rejected: list[dict[str, Any]]) -> None:
+    """A serving run's rejected requests in its summary: ``rejected`` (each one's ``request_id`` and ``reason``, in
+    the order the run rejected them), ``num_rejected`` and ``first_rejected`` (the first of them, or None), so that a
+    trace whose rows exceed ``max_model_len`` says how many and which, instead of being capped."""
+    summary["rejected"] = rejected
+    summary["num_rejected"] = len(rejected)
+    summary["first_rejected"] = rejected[0] if rejected else None
+
+
 def all_rejected_exit_code(command: str, summary: dict[str, Any]) -> int:
-    """1, with one line on stderr, when a serving run rejected every one of its requests (its latencies would be
-    reported as 0.0); else 0."""
+    """1 when a serving run rejected every one of its requests (its latencies would be reported as 0.0); else 0.
+    Any rejection is one line on stderr: how many, and the first one's request id and reason."""
     import sys
 
     rejected = summary.get("rejected") or []
+    if not rejected:
+        return 0
+    first = rejected[0]
     if summary["num_requests"] > 0 and len(rejected) == summary["num_requests"]:
-        print(f"workbench {command}: all {len(rejected)} requests were rejected; the first: {rejected[0]['reason']}",
+        print(f"workbench {command}: all {len(rejected)} requests were rejected; the first: {first['reason']}",
               file=sys.stderr)  # fmt: skip
         return 1
+    print(f"workbench {command}: {len(rejected)} of {summary['num_requests']} requests rejected (the others were "
+          f"served); the first, request {first['request_id']}: {first['reason']}", file=sys.stderr)  # fmt: skip
     return 0
 
 

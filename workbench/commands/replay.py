@@ -5,14 +5,15 @@
         [--disaggregate P:D [--threads-per-engine N] [--prefill-tp N] [--decode-tp M]]
 
 Traces: ``azure-code``, ``azure-conv``, ``mooncake-conversation``, ``mooncake-synthetic``, ``poisson:RATE``
-(``gamma:RATE:CV``), or a file. Requests are clipped to the engine's ``max_model_len`` and get deterministic random
-prompt ids (equal Mooncake hash ids give equal blocks). Each request generates exactly its trace output length.
+(``gamma:RATE:CV``), or a file. Requests get deterministic random prompt ids (equal Mooncake hash ids give equal
+blocks) and each generates exactly its trace output length; a row whose prompt + output exceeds ``max_model_len`` is
+rejected, as any request (``workbench.request.validate_request``; never clipped), and the others are served.
 With ``--json``: one object with ``num_requests``, ``num_finished``, ``num_preemptions``, ``metrics`` (``ttft_s``,
 ``tpot_s``, ``itl_s``, ``e2el_s`` each with ``mean``, ``median``, ``p90``, ``p95``, ``p99``; ``request_throughput``,
 ``output_throughput``, ``goodput``, ``slo_attainment``: null without an SLO), plus ``rejected`` (id and reason of
-each rejected request), ``num_clipped`` (requests shortened to ``max_model_len``), the engine configuration and
-``decode_compile_s`` (with ``--compile-decode``: the seconds each decode batch bucket took to compile, before the
-replay's clock started).
+each rejected request), ``num_rejected`` and ``first_rejected`` (the first of them; stderr names it too), the
+engine configuration and ``decode_compile_s`` (with ``--compile-decode``: the seconds each decode batch bucket took
+to compile, before the replay's clock started).
 Before it starts it prints the wall-clock span of the arrivals (stderr) and refuses a span beyond
 ``--max-duration`` (default one hour). The exit code is 1 when every request was rejected.
 
@@ -37,6 +38,7 @@ from dataclasses import asdict
 from typing import Any
 
 from workbench.commands.common import (
+    add_rejections,
     add_slo_arguments,
     add_trace_arguments,
     all_rejected_exit_code,
@@ -89,9 +91,9 @@ def check_span(requests: list, max_duration_s: float, yes: bool = True) -> float
     return span
 
 
-def _workload(args: argparse.Namespace, max_len: int) -> tuple[list[Any], int]:
-    """The trace, clipped to ``max_len`` (and how many requests that shortened), its span checked."""
-    from workbench.commands.common import clip_to_context
+def _workload(args: argparse.Namespace) -> list[Any]:
+    """The trace's requests as they are (a row beyond ``max_model_len`` is the engine's to reject), span checked."""
+    from workbench.commands.common import TraceStream
     from workbench.workloads import load_workload
 
     requests = load_workload(
@@ -99,9 +101,9 @@ def _workload(args: argparse.Namespace, max_len: int) -> tuple[list[Any], int]:
         num_requests=args.num_requests, prompt_lens=args.prompt_lens, output_lens=args.output_lens,
         seed=args.trace_seed,
     )  # fmt: skip
-    requests, num_clipped = clip_to_context(requests, max_len)
+    requests = list(TraceStream(iter(requests)))  # a TraceError for a trace without requests
     check_span(requests, args.max_duration, yes=args.yes)
-    return requests, num_clipped
+    return requests
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     check_parallel_layout(args)
     max_len = config.resolved_max_model_len(ModelConfig.resolve(args.model))
-    requests, num_clipped = _workload(args, max_len)
+    requests = _workload(args)
     if args.disaggregate:
-        return _run_disaggregated(args, config, requests, num_clipped, max_len)
+        return _run_disaggregated(args, config, requests, max_len)
     engine = Engine.from_model(args.model, config, seed=args.model_seed)
     try:
         compile_s = engine.decode.warmup()  # --compile-decode: every batch bucket before the clock starts
@@ -131,15 +133,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
-    summary["rejected"] = [
-        {"request_id": r.request_id, "reason": r.reject_reason}
-        for r in result.requests
-        if r.finish_reason == "rejected"
-    ]
+    rejected = [r for r in result.requests if r.finish_reason == "rejected"]
+    add_rejections(summary, [{"request_id": r.request_id, "reason": r.reject_reason} for r in rejected])
     summary["engine"] = asdict(config)
     summary["model"] = str(args.model)
     summary["trace"] = args.trace
-    summary["num_clipped"] = num_clipped
     summary["max_model_len"] = max_len
     summary["decode_compile_s"] = compile_s
     summary["device"] = str(engine.model.device)
@@ -150,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"replay of {args.trace} on the real engine: model {args.model}, device {summary['device']}, "
               f"policy {config.policy}")  # fmt: skip
         print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} "
-              f"preemptions, {summary['duration_s']:.2f} s; {num_clipped} request(s) clipped to max_model_len "
-              f"{max_len}")  # fmt: skip
+              f"preemptions, {summary['duration_s']:.2f} s; max_model_len {max_len}, {summary['num_rejected']} "
+              "request(s) rejected")  # fmt: skip
         print_serving_metrics(summary["metrics"])
     return all_rejected_exit_code("replay", summary)
 
@@ -174,7 +172,7 @@ def _print_partial(args: argparse.Namespace, finished: list[Any], num_requests: 
     sys.stdout.flush()
 
 
-def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], num_clipped: int, max_len: int) -> int:
+def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], max_len: int) -> int:
     """``replay --disaggregate P:D``: the same trace through prefill and decode engine processes; the colocated
     JSON plus ``kv_transfer``, a ``requests`` list and the per-pool step logs (``pools``)."""
     from workbench.cluster.disagg import disagg_config_from_args, run_disaggregated
@@ -219,18 +217,19 @@ def _run_disaggregated(args: argparse.Namespace, config: Any, trace: list[Any], 
         "disaggregate": args.disaggregate,
         "prefill_tp": cfg.prefill.tensor_parallel_size,
         "decode_tp": cfg.decode.tensor_parallel_size,
-        "num_clipped": num_clipped,
         "max_model_len": max_len,
         "engine": asdict(config),
         "model": str(args.model),
         "trace": args.trace,
     }
+    add_rejections(summary, summary["rejected"])
     if args.json:
         print(json.dumps(summary))
         return all_rejected_exit_code("replay", summary)
     kv = summary["kv_transfer"]
     print(f"replay of {args.trace} through {args.disaggregate} prefill:decode engines: model {args.model}, "
-          f"policy {config.policy}; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
+          f"policy {config.policy}; max_model_len {max_len}, {summary['num_rejected']} request(s) "
+          "rejected")  # fmt: skip
     print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['duration_s']:.2f} s; KV moved: "
           f"{kv['bytes'] / 1e6:.2f} MB in {kv['num_transfers']} transfers ({kv['seconds'] * 1e3:.1f} ms), "
           f"{kv['num_retries']} retried, {kv['num_recomputed']} recomputed, {kv['num_backpressure']} waited for "

@@ -14,10 +14,12 @@ each replica a ``--tensor-parallel-size`` x ``--pipeline-parallel-size`` group (
 shard; ``--dtype`` (activations), ``--quantization``, ``--kv-cache-dtype``; ``--calibration hardware`` (default) or
 ``ideal``, ``--step-overhead-s``; optional ``--prefill-efficiency``/``--decode-efficiency``), ``profiled`` (a
 profile measured on this machine by ``workbench fit-profile``) or ``op-profile`` (the sum of the model's operations,
-each measured here by ``workbench profile-ops``, plus the per-step overhead fitted there). Requests are clipped to
-``max_model_len`` and generate exactly their trace output length, as in ``workbench replay``. With ``--json``: the
-keys of ``workbench replay --json`` (``num_requests``, ``num_finished``, ``num_preemptions``, ``duration_s``,
-``metrics``, ``rejected``, ``engine``, ``model``, ``trace``) plus ``wall_s`` and ``requests_per_wall_s``
+each measured here by ``workbench profile-ops``, plus the per-step overhead fitted there). Each request generates
+exactly its trace output length, as in ``workbench replay``, and a row whose prompt + output exceeds
+``max_model_len`` is rejected (the rule of every request, ``workbench.request.validate_request``; never clipped),
+the others served. With ``--json``: the keys of ``workbench replay --json`` (``num_requests``, ``num_finished``,
+``num_preemptions``, ``duration_s``, ``metrics``, ``rejected``, ``num_rejected``, ``first_rejected``, ``engine``,
+``model``, ``trace``) plus ``wall_s`` and ``requests_per_wall_s``
 (simulation speed), ``num_steps``, ``us_per_step``, ``replicas`` (per-replica steps and utilisation), ``hardware``
 and ``cost_model``. A profile fitted on another model, or a ``--hardware`` accelerator other than the profile's
 machine, is an error unless ``--force-profile``. The exit code is 1 when every request was rejected;
@@ -37,7 +39,8 @@ import sys
 from dataclasses import asdict
 
 from workbench.commands.common import (
-    ClippedStream,
+    TraceStream,
+    add_rejections,
     add_scheduler_arguments,
     add_slo_arguments,
     add_trace_arguments,
@@ -164,18 +167,17 @@ def run(args: argparse.Namespace) -> int:
             config.num_blocks = profiled_engine_num_blocks(config, cfg)
     # the trace is read as the simulation goes and only --plot keeps per-request records: the memory is what is in
     # flight, not the trace (workbench.sim.cluster.simulate)
-    requests = ClippedStream(iter_workload(
+    requests = TraceStream(iter_workload(
         args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
         num_requests=args.num_requests, prompt_lens=args.prompt_lens,
         output_lens=args.output_lens, seed=args.trace_seed,
-    ), max_len)  # fmt: skip
+    ))  # fmt: skip
     with progress_bar(desc="simulate", unit="request") as bar:
         result = simulate(iter(requests), cfg, cost, config, hardware=hw, seed=args.trace_seed,
                           record_steps=args.step_log is not None or args.plot is not None, progress=bar,
                           keep_records=args.plot is not None)  # fmt: skip
-    num_clipped = requests.num_clipped
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
-    summary["rejected"] = result.rejected
+    add_rejections(summary, result.rejected)
     engine = asdict(config)
     engine["num_blocks"] = result.replicas[0]["num_blocks_capacity"] if result.replicas else config.num_blocks
     summary["engine"] = engine
@@ -183,7 +185,6 @@ def run(args: argparse.Namespace) -> int:
     summary["trace"] = args.trace
     summary["hardware"] = hw.name if hw is not None else f"profile: {cost.meta.get('machine', 'unknown machine')}"
     summary["cost_model"] = result.cost_model
-    summary["num_clipped"] = num_clipped
     summary["max_model_len"] = max_len
     timeline = None
     if args.plot:
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cost_name = result.cost_model.get("name", args.cost_model)
         print(f"simulated {args.trace}: model {args.model}, hardware {summary['hardware']}, cost model "
-              f"{cost_name}; {num_clipped} request(s) clipped to max_model_len {max_len}")  # fmt: skip
+              f"{cost_name}; max_model_len {max_len}, {summary['num_rejected']} request(s) rejected")  # fmt: skip
         print(f"{summary['num_finished']}/{summary['num_requests']} finished, {summary['num_preemptions']} "
               f"preemptions, {summary['duration_s']:.2f} s simulated in {summary['wall_s']:.2f} s "
               f"({summary['requests_per_wall_s']:.0f} req/s, {summary['us_per_step']:.1f} us/step)")  # fmt: skip

@@ -43,7 +43,7 @@ from workbench.kv.ledger import MemoryLedger
 from workbench.model.packed import pack_linears, unpack_linears
 from workbench.model.sharding import check_tensor_parallel_size
 from workbench.model.transformer import Transformer
-from workbench.request import RequestRecord, SamplingParams, Sequence, SequenceStatus
+from workbench.request import RequestRecord, SamplingParams, Sequence, SequenceStatus, validate_request
 from workbench.workloads import prompt_token_ids
 
 
@@ -251,6 +251,8 @@ class Engine:
         request_id: int | None = None,
     ) -> int:
         """Queue a request and return its id. An invalid request is finished at once as 'rejected' with the reason.
+        Requests are checked by ``workbench.request.validate_request``, the rule every entry point shares: ids in the
+        vocabulary, and a prompt + ``max_tokens`` beyond ``max_model_len`` is rejected (never capped).
 
         ``request_id`` None takes the next automatic id not yet used; the id of a request still in the engine
         raises RequestError before anything changes (its outputs could not be told apart from the earlier one's).
@@ -280,7 +282,8 @@ class Engine:
                 raise RequestError(
                     f"sampling must be a SamplingParams, a dict of its fields or None, got {type(sampling).__name__}"
                 )
-            self._check_tokens(prompt)
+            sp = sampling if sampling is not None else SamplingParams()
+            validate_request(prompt, sp.max_tokens, self.max_model_len, self.model.config.vocab_size)
         except (RequestError, TypeError) as exc:
             reason = str(exc)
             sampling = None
@@ -294,14 +297,6 @@ class Engine:
         else:
             self.scheduler.add(seq)
         return rid
-
-    def _check_tokens(self, prompt_ids: list[int]) -> None:
-        if len(prompt_ids) == 0:
-            raise RequestError("empty prompt: at least one token id is needed")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
-        if bad:
-            raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Drop an unfinished request between steps (finish_reason 'abort'): its KV blocks go back to the pool, its

@@ -35,9 +35,10 @@ crosses a block boundary. When that block is not available the most recently arr
 preempted by recomputation (vLLM's default): its blocks are freed, it returns to the front of the waiting
 queue with ``num_computed_tokens = 0`` and keeps its outputs. The oldest running sequence is thus never
 preempted while another runs, and alone it always fits (``add`` rejects a request whose longest possible
-length would not), so every accepted request finishes. Admission keeps ``watermark`` of the pool free while
-something is running (vLLM's 1% watermark against immediate re-preemption); no request is admitted in a
-step that preempted one.
+length would not, and one whose prompt + ``max_tokens`` exceeds ``max_model_len``: the one rule of
+``workbench.request.validate_request``, so no request is ever capped), so every accepted request
+finishes. Admission keeps ``watermark`` of the pool free while something is running (vLLM's 1% watermark
+against immediate re-preemption); no request is admitted in a step that preempted one.
 
 Speculative decoding (``proposer`` set; ``workbench.engine.speculative``): at each ``schedule()`` the proposer gives
 proposed tokens for the running decodes; a decode then carries ``k`` of them (``ScheduledChunk.spec_token_ids``, cut to
@@ -62,7 +63,7 @@ from dataclasses import dataclass, field
 from workbench.engine.speculative import SpecStats
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
-from workbench.request import Sequence, SequenceStatus
+from workbench.request import Sequence, SequenceStatus, validate_request
 
 POLICIES = ("static", "continuous", "chunked", "prefill-first", "decode-first")
 
@@ -234,18 +235,15 @@ class Scheduler:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def max_len_of(self, seq: Sequence) -> int:
-        """The most tokens (prompt + outputs) ``seq`` can reach: max_tokens, capped by the model's context."""
-        longest = seq.num_prompt_tokens + seq.sampling.max_tokens
-        return min(longest, max(self.config.max_model_len, seq.num_prompt_tokens + 1))
+        """The most tokens (prompt + outputs) ``seq`` can reach: prompt + ``max_tokens`` (``check_request`` admits
+        no request beyond ``max_model_len``)."""
+        return seq.num_prompt_tokens + seq.sampling.max_tokens
 
     def check_request(self, seq: Sequence) -> None:
-        """Raise RequestError if ``seq`` can never be served by this scheduler and pool."""
-        if seq.num_prompt_tokens == 0:
-            raise RequestError("empty prompt")
-        if seq.num_prompt_tokens > self.config.max_model_len:
-            raise RequestError(
-                f"prompt of {seq.num_prompt_tokens} tokens is longer than max_model_len ({self.config.max_model_len})"
-            )
+        """Raise RequestError if ``seq`` can never be served by this scheduler and pool: the one request rule
+        (``workbench.request.validate_request``: a prompt, prompt + ``max_tokens`` within ``max_model_len``), then
+        the pool, which must hold the request's longest KV alone."""
+        validate_request(seq.num_prompt_tokens, seq.sampling.max_tokens, self.config.max_model_len)
         # the last token is sampled, never computed, so the cache holds at most max_len - 1 positions
         bm = self.block_manager
         needed = bm.num_blocks_for(max(self.max_len_of(seq) - 1, seq.num_prompt_tokens))
@@ -457,8 +455,8 @@ class Scheduler:
         return finished
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> bool:
-        """Append one generated token at ``now``; True when it finishes ``seq`` (EOS: 'stop'; ``max_tokens`` or
-        the context limit: 'length', ``finish_reason`` set)."""
+        """Append one generated token at ``now``; True when it finishes ``seq`` (EOS: 'stop'; ``max_tokens``, which
+        admission keeps within the context: 'length', ``finish_reason`` set)."""
         seq.output_token_ids.append(token)
         seq.token_times.append(now)
         if seq.first_token_time is None:
@@ -466,9 +464,7 @@ class Scheduler:
         num_output = len(seq.output_token_ids)
         if token in seq.eos_token_ids:
             seq.finish_reason = "stop"
-        elif (
-            num_output >= seq.sampling.max_tokens or len(seq.prompt_token_ids) + num_output >= self.config.max_model_len
-        ):
+        elif num_output >= seq.sampling.max_tokens:
             seq.finish_reason = "length"
         else:
             return False
@@ -520,17 +516,16 @@ class Scheduler:
         block is bookkeeping, not a scheduling decision): zero unless no
         request waits (the static policy ignores waiting requests while its batch runs) and every running
         sequence decodes; otherwise the steps up to and including the first that finishes a sequence by
-        ``max_tokens`` or the context limit (EOS ignored), capped where the pool would run out of blocks.
+        ``max_tokens`` (EOS ignored), capped where the pool would run out of blocks.
         """
         if (self.waiting and self.policy != "static") or not self.running or self._rejected:
             return 0
-        max_model_len = self.config.max_model_len
         steps = None
         for seq in self.running:
             num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
             if seq.num_computed_tokens != num_tokens - 1:
                 return 0
-            left = min(seq.sampling.max_tokens - len(seq.output_token_ids), max_model_len - num_tokens)
+            left = seq.sampling.max_tokens - len(seq.output_token_ids)
             steps = left if steps is None or left < steps else steps
         steps = max(steps or 0, 0)
         free = self.block_manager.num_free_blocks

@@ -10,6 +10,8 @@ Accepted fields: OpenAI's, plus vLLM's extensions that benchmark clients send (`
 Fields this engine does not implement (``n``, ``best_of``, ``logprobs``, ``echo``, penalties, ``logit_bias``,
 ``suffix``) are accepted only at their no-op value; any other value, and any unknown field, is a 400 naming it.
 Defaults follow OpenAI: temperature 1, ``max_tokens`` 16 for completions and the rest of the context for chat.
+Prompt ids and lengths go through ``workbench.request.validate_request``, the rule of every entry point (vLLM's: a
+prompt + ``max_tokens`` beyond ``max_model_len`` is refused, a 400 here, never capped).
 
 Pure Python (no torch, no aiohttp): the tokenizer is passed in.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.errors import RequestError, WorkbenchError
-from workbench.request import SamplingParams
+from workbench.request import SamplingParams, default_max_tokens, validate_request
 
 # field -> the values at which an unimplemented feature is a no-op
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
@@ -140,17 +142,17 @@ def _stop(body: dict[str, Any]) -> list[str]:
     return stops
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None, prompt_len: int, max_model_len: int) -> SamplingParams:
+def _sampling(
+    body: dict[str, Any], max_tokens: int | None, prompt_ids: list[int], max_model_len: int, vocab_size: int | None
+) -> SamplingParams:
     if max_tokens is None:  # chat: the rest of the context
-        max_tokens = max(1, max_model_len - prompt_len)
+        max_tokens = default_max_tokens(len(prompt_ids), max_model_len)
     if max_tokens < 1:
         raise ProtocolError(f"max_tokens must be an integer >= 1, got {max_tokens}", param="max_tokens")
-    if prompt_len + max_tokens > max_model_len:
-        raise ProtocolError(
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} and "
-            f"max_tokens asks for {max_tokens} more",
-            param="max_tokens" if prompt_len < max_model_len else "prompt",
-        )
+    try:
+        validate_request(prompt_ids, max_tokens, max_model_len, vocab_size)  # the one rule of every entry point
+    except RequestError as exc:
+        raise ProtocolError(str(exc), param=exc.param) from None
     top_k = _int(body, "top_k", 0)
     try:
         return SamplingParams(
@@ -182,12 +184,19 @@ def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
         raise ProtocolError(str(exc), param="stream_options") from None
 
 
-def _finish(body: dict[str, Any], prompt_ids: list[int], max_tokens: int | None, max_model_len: int, text: str | None):  # noqa: ANN202
+def _finish(
+    body: dict[str, Any],
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    max_model_len: int,
+    text: str | None,
+    vocab_size: int | None = None,
+):  # noqa: ANN202
     stream = _bool(body, "stream")
     include_usage, continuous_usage = _stream_options(body, stream)
     return GenerationRequest(
         prompt_ids=prompt_ids,
-        sampling=_sampling(body, max_tokens, len(prompt_ids), max_model_len),
+        sampling=_sampling(body, max_tokens, prompt_ids, max_model_len, vocab_size),
         stop=_stop(body),
         stream=stream,
         include_usage=include_usage,
@@ -221,15 +230,12 @@ def check_text_fits(num_bytes: int, max_model_len: int, max_bytes_per_token: int
         )
 
 
-def _token_ids(value: list[Any], vocab_size: int) -> list[int]:
+def _token_ids(value: list[Any]) -> list[int]:
     if not value:
         raise ProtocolError("prompt is empty: give text or at least one token id", param="prompt")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ProtocolError("a prompt given as a list must hold token ids (integers)", param="prompt")
-    bad = [t for t in value if not 0 <= t < vocab_size]
-    if bad:
-        raise ProtocolError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", param="prompt")
-    return list(value)
+    return list(value)  # the vocabulary is checked with the rest of the request (validate_request)
 
 
 def parse_completion(
@@ -265,10 +271,10 @@ def parse_completion(
         check_text_fits(_utf8_len(prompt, "prompt", "prompt"), max_model_len, max_bytes_per_token, "prompt")
         text, prompt_ids = prompt, codec.encode(prompt)
     elif isinstance(prompt, list):
-        prompt_ids = _token_ids(prompt, vocab_size)
+        prompt_ids = _token_ids(prompt)
     else:
         raise ProtocolError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-    return _finish(body, prompt_ids, _int(body, "max_tokens", 16), max_model_len, text)
+    return _finish(body, prompt_ids, _int(body, "max_tokens", 16), max_model_len, text, vocab_size)
 
 
 def _message_text(message: Any, i: int) -> dict[str, str]:

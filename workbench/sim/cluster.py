@@ -57,7 +57,7 @@ from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfi
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.sizing import plan_num_blocks
-from workbench.request import RequestRecord, SamplingParams, Sequence
+from workbench.request import RequestRecord, SamplingParams, Sequence, fits_context
 from workbench.sim.costmodel import CostModel, plan_stats
 from workbench.sim.stats import correlated_uniform
 from workbench.timing import now
@@ -561,7 +561,10 @@ def simulate(
         if back:
             output_len[r.request_id] = want
         ids = prompt_token_ids(r, vocab, seed) if (caching or r.prompt_token_ids is not None) else [0] * r.prompt_len
-        first = _sampling(sampling, 1 if back else want)
+        # disaggregated: the prefill side serves the first token, unless the whole request breaks the one request
+        # rule; then the prefill side rejects it as any entry point would (nothing is prefilled for a request
+        # the decode side would refuse)
+        first = _sampling(sampling, 1 if back and fits_context(len(ids), want, sched_cfg.max_model_len) else want)
         router.pick().add(Sequence(r.request_id, ids, first, r.arrival_time_s), t_arr)
     reps = front + back
     duration = max([rep.clock for rep in reps] + [last_arrival])

@@ -19,7 +19,7 @@ biases stay in the activation dtype (``ModelConfig.weight_bytes`` counts the sam
 tied head for the logits product alone (the lookup keeping the table) is not made: it would cut ``bench-300m``'s
 per-step read from 403 to 305 MB under int8 (the fp32 head is 131 MB, a third of the int8 scheme's bytes) at the
 price of 33 MB more memory and a second weight count (memory: table + copy; decode: the copy) through
-``ModelConfig.weight_bytes``, the roofline and the simulator. ``scripts/bench_quant_ops.py`` measures what it would
+``ModelConfig.weight_bytes``, the roofline and the simulator. ``workbench bench quant-ops`` measures what it would
 buy: the sweep's speed-up with the head in fp32 and with it in the scheme (``speedup_head_fp32``,
 ``speedup_head_quantized``).
 

@@ -394,6 +394,64 @@ def run_engine_offline(
     return seconds, [r.tokens for r in result.requests]
 
 
+def step_kind(num_prefill_tokens: int, num_decode_tokens: int) -> str:
+    """'prefill', 'mixed', or 'decode b=1' / 'decode b<=8' / 'decode b<=16' / 'decode b<=32' / 'decode b>32'."""
+    if num_prefill_tokens and num_decode_tokens:
+        return "mixed"
+    if num_prefill_tokens:
+        return "prefill"
+    for top in (1, 8, 16, 32):
+        if num_decode_tokens <= top:
+            return f"decode b<={top}" if top > 1 else "decode b=1"
+    return "decode b>32"
+
+
+def offline_breakdown(
+    model: Transformer, engine: Engine, requests: list[tuple[list[int], int]], top_ops: int = 12
+) -> dict[str, Any]:
+    """Where the offline set's time goes: one more run of ``requests`` through ``engine`` (warmed up) with every step
+    timed (``ModelRunner.time_model``: the model's forward and LM head, synchronised) and sorted by ``step_kind``;
+    what is left of a step outside the model is engine overhead (scheduling, batch preparation, sampling), and the
+    wall time minus the steps is the time between steps. ``wall_s``, ``steps``, ``between_steps_s`` and ``by_kind``
+    (per kind: ``steps``, ``wall_s``, ``model_s``, ``overhead_s``, ``share`` of the wall time). With ``top_ops`` > 0
+    the set runs again under ``torch.profiler`` (CPU ops, self time): ``profiler_top_ops`` (``op``, ``self_share``,
+    ``calls``; the profiler slows the run, so only shares are reported)."""
+    n = engine.config.max_num_seqs
+    rows: list[tuple[str, float, float]] = []
+    engine.runner.time_model = True
+    engine.on_step = lambda plan, rec: rows.append(
+        (step_kind(rec.num_prefill_tokens, rec.num_decode_tokens), rec.duration_s, engine.runner.last_model_s)
+    )
+    try:
+        wall, _ = run_engine_offline(model, requests, n, engine)
+    finally:
+        engine.on_step, engine.runner.time_model = None, False
+    kinds: dict[str, dict[str, float]] = {}
+    for kind, dur, model_s in rows:
+        k = kinds.setdefault(kind, {"steps": 0, "wall_s": 0.0, "model_s": 0.0})
+        k["steps"] += 1
+        k["wall_s"] += dur
+        k["model_s"] += model_s
+    out: dict[str, Any] = {
+        "wall_s": wall,
+        "steps": len(rows),
+        "between_steps_s": wall - sum(r[1] for r in rows),
+        "by_kind": {kind: {**v, "overhead_s": v["wall_s"] - v["model_s"], "share": v["wall_s"] / wall}
+                    for kind, v in sorted(kinds.items())},
+    }  # fmt: skip
+    if top_ops > 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run_engine_offline(model, requests, n, engine)
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events) or 1.0
+        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top_ops]
+        out["profiler_top_ops"] = [{"op": e.key, "self_share": e.self_cpu_time_total / total, "calls": e.count}
+                                   for e in top]  # fmt: skip
+    return out
+
+
 def bench_offline(
     model: Transformer,
     num_requests: int = 64,
@@ -403,6 +461,7 @@ def bench_offline(
     seed: int = 0,
     compile_decode: bool = False,
     compile_prefill: bool = False,
+    breakdown_top_ops: int | None = None,
 ) -> dict[str, Any]:
     """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up).
 
@@ -412,7 +471,8 @@ def bench_offline(
     ``prefill_compile_s`` reports the seconds of each. ``warmup_s``: the seconds from the engine's start to its first
     timed request (compilations and the untimed run), the figure to set against vLLM's start-up; ``compile_cache``:
     inductor's on-disk caches and their hits during it (``workbench.engine.compile_cache``: a second process
-    should only hit)."""
+    should only hit). ``breakdown_top_ops`` (not None): then ``breakdown``, the set once more by kind
+    of step (``offline_breakdown``, with that many profiler operators)."""
     from workbench.engine.compile_cache import cache_counts, cache_state
 
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
@@ -427,6 +487,9 @@ def bench_offline(
     out_tokens = sum(n for _, n in requests)
     all_tokens = out_tokens + sum(len(p) for p, _ in requests)
     t = median(times)
+    extra = {}
+    if breakdown_top_ops is not None:
+        extra["breakdown"] = offline_breakdown(model, engine, requests, breakdown_top_ops)
     return {
         "num_requests": len(requests),
         "context": context,
@@ -443,7 +506,7 @@ def bench_offline(
         "prefill_compile_s": prefill_compile_s,
         "warmup_s": warmup_s,
         "compile_cache": cache_state(counts),
-    }
+    } | extra
 
 
 # ---- against transformers ------------------------------------------------------------------------------------
@@ -481,7 +544,7 @@ def hf_generate(hf_model: Any, prompts: list[list[int]], max_new_tokens: int, pa
 
 def decode_rate(generate: Any, new_tokens: int, device: Any = None) -> tuple[float, list[int]]:
     """Batch-1 decode tokens/s of ``generate(n) -> tokens``: ``(N - 1) / (t(N new tokens) - t(1 new token))``, so
-    that prefill cancels out (``scripts/vllm_worker.py`` writes the same formula); and the N tokens."""
+    that prefill cancels out (``workbench/experiments/vllm_worker.py`` writes the same formula); and the N tokens."""
     t1, _ = timed(lambda: generate(1), device)
     tn, tokens = timed(lambda: generate(new_tokens), device)
     return (new_tokens - 1) / max(tn - t1, 1e-9), tokens

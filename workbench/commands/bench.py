@@ -4,17 +4,21 @@
                             [--quantization none int8 int4] [--group-size 128] [--kv-cache-dtype auto int8]
     workbench bench prefill [--model ...] [--prompt-len 128 512 1024] [--json]
     workbench bench offline [--model ...] [--num-requests 64] [--context 256] [--max-num-seqs 32] [--json]
+                            [--breakdown [--top-ops 12]]
     workbench bench hf      [--model ...] [--prompt-len 32] [--new-tokens 32] [--no-offline] [--json]
     workbench bench serve   --base-url URL --model NAME [vllm bench serve's flags]   (workbench.commands.bench_serve)
+    workbench bench linear | quant-ops | compiled | decode-parts | roofline | allreduce | gpu-costs | simulator
+                    | op-steps | vllm | serve-load    (one part of the stack on its own: workbench.commands.bench_tools)
 
 ``--model`` defaults to the CPU benchmark preset ``bench-300m`` (random weights, ~300M parameters); a directory
 loads a real checkpoint. ``--threads`` sets torch's intra-op threads (default: every usable core) and is
 reported. With ``--json`` one object is printed: ``results`` holds one row per batch size (decode: ``tokens_per_s``,
 ``mbu``, ``gemv_ratio``, ``overhead_share``) or prompt length (prefill: ``mfu``); ``offline`` its tokens/s;
 ``hf`` holds ``decode`` and ``offline``, each with ``ours_tokens_per_s``, ``hf_tokens_per_s``, ``ratio`` and
-``identical_tokens``. The machine's ceilings (``workbench.hardware.measured_spec``) are measured again at the start
-of each run, so that MBU and MFU divide by figures taken under the same load (``--cached-ceilings`` reuses the
-cached ones). See ``workbench.bench`` for what is measured and how.
+``identical_tokens``; ``offline --breakdown`` adds ``breakdown``, the set once more by kind of step
+(``workbench.bench.offline_breakdown``). The machine's ceilings (``workbench.hardware.measured_spec``) are measured
+again at the start of each run, so that MBU and MFU divide by figures taken under the same load
+(``--cached-ceilings`` reuses the cached ones). See ``workbench.bench`` for what is measured and how.
 
 ``bench decode`` with several ``--quantization`` / ``--group-size`` / ``--kv-cache-dtype`` values compares the schemes
 in one run (``workbench.experiments.levers``): their decode steps interleaved, ``results`` one row per scheme and
@@ -29,7 +33,9 @@ import argparse
 import json
 from typing import Any
 
-KINDS = ("decode", "prefill", "offline", "hf", "serve")
+from workbench.commands import bench_tools as tools
+
+KINDS = ("decode", "prefill", "offline", "hf", "serve", *tools.TOOL_HELP)
 MODE_HELP = {
     "decode": "decode steps per batch size: tokens/s, MBU, the matrix-vector share (several --quantization "
     "values: compared in one run)",
@@ -37,6 +43,7 @@ MODE_HELP = {
     "offline": "an offline request set through the engine: output tokens/s (vLLM: bench throughput)",
     "hf": "our engine against HF transformers on the same prompts",
     "serve": "load an OpenAI-compatible server the way vllm bench serve does",
+    **tools.TOOL_HELP,  # one part of the stack on its own (workbench.commands.bench_tools)
 }
 ALIASES = {"throughput": "offline"}  # vLLM's name of the offline benchmark
 ENGINE_MODES = ("decode", "prefill", "offline", "hf")
@@ -51,36 +58,51 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
     def owns(*kinds: str) -> bool:
         return kind is None or kind in kinds
 
-    p.add_argument("--model", default="bench-300m", help="preset name, config.json or checkpoint directory")
+    if kind not in tools.NO_MODEL:
+        p.add_argument("--model", default="bench-300m", help="preset name, config.json or checkpoint directory")
     if owns(*ENGINE_MODES):
         add_serving_arguments(p, EngineConfig, ("dtype",))
         p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    if owns(*ENGINE_MODES, *tools.uses("threads")):
         p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all usable cores)")
-    if owns("decode"):
+    if owns("decode", *tools.uses("batch")):
         p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    if owns("decode"):
         p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="shard the model over N processes, --threads each; rows add the all-reduce share of a "
                        "step and its bandwidth")  # fmt: skip
         p.add_argument("--max-processes", type=int, default=None,
                        help="most worker processes --tensor-parallel-size may start (default: the CPU cores of this "
                        "machine)")  # fmt: skip
-    if owns("decode", "prefill", "hf"):
+    if owns("decode", "prefill", "hf", *tools.uses("prompt_len")):
         p.add_argument("--prompt-len", type=int, nargs="+", default=None,
-                       help="prompt lengths in tokens (default: prefill 128 512 1024; decode 128; hf 32)")  # fmt: skip
-    if owns("decode"):
+                       help="prompt lengths in tokens (default: prefill 128 512 1024; decode and compiled 128; hf and "
+                       "vllm 32; serve-load 24)")  # fmt: skip
+    if owns("decode", *tools.uses("steps")):
         p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
-    if owns("decode", "prefill", "offline"):
+    if owns("decode", "prefill", "offline", *tools.uses("warmup")):
         p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps or runs")
-    if owns("prefill", "offline", "hf"):
+    if owns("prefill", "offline", "hf", *tools.uses("repeats")):
         p.add_argument("--repeats", type=int, default=3, help="timed repetitions")
-    if owns("hf"):
-        p.add_argument("--new-tokens", type=int, default=32, help="tokens generated for batch-1 decode")
-    if owns("offline", "hf"):
+    if owns("hf", *tools.uses("new_tokens")):
+        p.add_argument("--new-tokens", type=int, default=32,
+                       help="tokens generated per request (hf, vllm: of the batch-1 decode)")  # fmt: skip
+    if owns("offline", "hf", *tools.uses("offline_set")):
         p.add_argument("--num-requests", type=int, default=64, help="offline set size")
         p.add_argument("--context", type=int, default=256, help="offline set: longest prompt + output, in tokens")
         add_serving_arguments(p, EngineConfig, ("max_num_seqs",))  # also HF's static batch size
-    if owns("hf"):
-        p.add_argument("--no-offline", action="store_true", help="batch-1 decode only")
+    if owns("hf", *tools.uses("no_offline")):
+        p.add_argument("--no-offline", action="store_true", help="skip the offline set (hf: batch-1 decode only)")
+    if owns("offline"):
+        p.add_argument("--breakdown", action="store_true",
+                       help="then the set once more by kind of step: model time, engine overhead, time between steps "
+                       "(workbench.bench.offline_breakdown)")  # fmt: skip
+        p.add_argument(
+            "--top-ops",
+            type=int,
+            default=12,
+            help="with --breakdown: the operators of a torch.profiler run listed (0: no profiler run)",
+        )
     if owns("decode"):
         p.add_argument(
             "--attention-backend",
@@ -88,16 +110,17 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
             choices=("auto", "torch", "triton", "cpu"),
             help="backend (auto: the paged C++ decode 'cpu' on the CPU where it builds, else torch)",
         )
-    if owns("decode", "offline", "hf"):
+    if owns("decode", "offline", "hf", *tools.uses("compile_decode")):
         p.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=None,
                        help="the engine's torch.compile'd decode step (default: on for the CPU with the torch or cpu "
                        "backend; compiled before the timing, once per batch bucket)")  # fmt: skip
-    if owns("offline"):
+    if owns("offline", *tools.uses("compile_prefill")):
         p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, default=None,
                        help="the engine's compiled prefill and mixed steps (default: as --compile-decode; compiled "
                        "before the timing, once per token-count range)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the request draw")
-    if owns("decode", "prefill", "offline"):
+    if kind not in tools.NO_MODEL:
+        p.add_argument("--seed", type=int, default=0, help="seed of random weights, prompts and the request draw")
+    if owns("decode", "prefill", "offline", *tools.uses("cached_ceilings")):
         p.add_argument("--cached-ceilings", action="store_true",
                        help="reuse this machine's cached ceilings instead of measuring them again in this "
                        "run")  # fmt: skip
@@ -113,6 +136,7 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
         from workbench.commands.bench_serve import add_serve_arguments
 
         add_serve_arguments(p)  # a client of an OpenAI-compatible server (vLLM's flags)
+    tools.add_tool_options(p, owns)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,6 +189,8 @@ def _machine(hw: Any, threads: int, device: Any) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     args.kind = ALIASES.get(args.kind, args.kind)
+    if args.kind in tools.TOOL_HELP:
+        return tools.run_tool(args)
     if args.kind == "serve":
         from workbench.commands.bench_serve import run_serve
 
@@ -242,9 +268,14 @@ def run(args: argparse.Namespace) -> int:
                 out["results"] += bench.bench_prefill(model, [n], args.repeats, args.warmup, hw, seed=args.seed)
         else:
             compile_prefill = compile_decode if args.compile_prefill is None else args.compile_prefill
+            if args.top_ops < 0:
+                from workbench.errors import ConfigError
+
+                raise ConfigError(f"--top-ops must be >= 0 (0: no profiler run), got {args.top_ops}")
             out["offline"] = bench.bench_offline(
                 model, args.num_requests, args.context, args.max_num_seqs, args.repeats, seed=args.seed,
                 compile_decode=compile_decode, compile_prefill=compile_prefill,
+                breakdown_top_ops=args.top_ops if args.breakdown else None,
             )  # fmt: skip
     if args.json:
         print(json.dumps(out))
@@ -379,6 +410,8 @@ def format_table(out: dict[str, Any]) -> str:
                          f"({c['dir']}): FX graph {c['fx_graph_hits']} hits / {c['fx_graph_misses']} misses / "
                          f"{c['fx_graph_bypasses']} bypasses, AOT autograd {c['aot_autograd_hits']} / "
                          f"{c['aot_autograd_misses']} / {c['aot_autograd_bypasses']}")  # fmt: skip
+        if "breakdown" in o:
+            lines += _breakdown_lines(o["breakdown"])
     else:
         for key in ("decode", "offline"):
             if key in out:
@@ -391,6 +424,21 @@ def format_table(out: dict[str, Any]) -> str:
                 if r.get("compile_s"):
                     lines.append(f"{'':>8}  decode compiled first (not timed): " + _compile_note(r["compile_s"]))
     return "\n".join(lines)
+
+
+def _breakdown_lines(b: dict[str, Any]) -> list[str]:
+    lines = [f"once more by kind of step: {b['steps']} steps in {b['wall_s']:.2f} s",
+             f"{'step kind':14s} {'steps':>6s} {'wall s':>8s} {'share':>6s} {'model s':>8s} "
+             f"{'overhead s':>10s}"]  # fmt: skip
+    for kind, v in b["by_kind"].items():
+        lines.append(f"{kind:14s} {v['steps']:6d} {v['wall_s']:8.2f} {100 * v['share']:5.1f}% {v['model_s']:8.2f} "
+                     f"{v['overhead_s']:10.2f}")  # fmt: skip
+    lines.append(
+        f"{'between steps':14s} {'':6s} {b['between_steps_s']:8.2f} {100 * b['between_steps_s'] / b['wall_s']:5.1f}%"
+    )
+    lines += [f"  {op['op']:40s} {100 * op['self_share']:5.1f}% of CPU self time, {op['calls']} calls"
+              for op in b.get("profiler_top_ops", [])]  # fmt: skip
+    return lines
 
 
 def _compile_note(compile_s: dict[int, float], key: str = "b=") -> str:

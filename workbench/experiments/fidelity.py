@@ -753,7 +753,7 @@ HELD_OUT_MAX_TARGET = 0.30
 
 def published_errors() -> tuple[list[dict], dict[str, dict]]:
     """The calibrated roofline against every published GPU row (``workbench.sim.published.error_table`` with each
-    source's stack, as ``scripts/validate_gpu_costs.py`` prints it) and the median and largest absolute error per
+    source's stack, as ``workbench bench gpu-costs`` prints it) and the median and largest absolute error per
     split (calibration, held_out)."""
     from workbench.sim.published import error_table, load_published, load_stack_overheads, summarize_errors
 

@@ -208,3 +208,28 @@ def timing_table(rows: Sequence[dict[str, Any]], keys: Sequence[str] = ("phase",
         if key in df:
             out[label] = df[key].round(digits)
     return out
+
+
+# (batch, prompt_len) of the prefills and (batch, context_len) of the decodes ``roofline_cases`` times
+ROOFLINE_PREFILL_CASES = ((1, 128), (4, 64))
+ROOFLINE_DECODE_CASES = ((1, 128), (8, 128))
+
+
+def roofline_cases(
+    model: Transformer,
+    hw: HardwareSpec,
+    dtype: str,
+    repeats: int = 5,
+    prefill_cases: Sequence[tuple[int, int]] = ROOFLINE_PREFILL_CASES,
+    decode_cases: Sequence[tuple[int, int]] = ROOFLINE_DECODE_CASES,
+) -> list[dict[str, Any]]:
+    """Predicted (the roofline at ``hw``'s ceilings) against measured step times (``workbench bench roofline``): each
+    case's ``add_roofline`` row with ``ratio_measured_over_predicted``, how far this machine's kernels are from its
+    own ceilings (a reported number, never an assertion)."""
+    rows = []
+    for batch, prompt_len in prefill_cases:
+        rows += measure_prefill(model, [prompt_len], batch=batch, repeats=repeats)
+    for batch, context_len in decode_cases:
+        rows += measure_decode(model, [batch], [context_len], warmup=2, repeats=repeats)
+    return [dict(r, ratio_measured_over_predicted=r["time_s"] / r["predicted_s"])
+            for r in add_roofline(rows, model, hw, dtype)]  # fmt: skip

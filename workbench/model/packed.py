@@ -8,7 +8,7 @@ re-laid out once, at load (``_reorder_linear_weight``), and multiplied in that b
 (``_linear_pointwise``), which is also what vLLM's CPU backend does through oneDNN. Measured on the 2-core Intel
 Xeon of this project (AVX-512, torch 2.13, fp32, the model's matrices, same run): 1.85x faster than ``F.linear``
 at 8 rows, 1.26x at 32, 1.13x at 128, even at 256 and more, slower at 1 and 2 rows (0.90x, 0.82x);
-``scripts/bench_cpu_linear.py`` measures the crossover on the machine at hand.
+``workbench bench linear`` measures the crossover on the machine at hand.
 
 ``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
 quantization code are unchanged) and adds the packed copy, used for ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``
@@ -18,7 +18,7 @@ Under ``torch.compile`` (the engine's compiled decode step) the packed product i
 ``workbench::packed_linear``, which inductor calls as an opaque kernel: inductor's own lowering of
 ``mkldnn._linear_pointwise`` takes only weights frozen into the graph as constants (``freezing``), which would put
 another copy of every weight in each compiled batch size. Without it a compiled step multiplies with plain
-``aten.mm``; ``scripts/bench_compiled_decode.py`` compares the two.
+``aten.mm``; ``workbench bench compiled`` compares the two.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# scripts/bench_cpu_linear.py on the project's 2-core Intel Xeon (bench-300m's matrices, fp32, 2026-12-01, load
+# workbench bench linear on the project's 2-core Intel Xeon (bench-300m's matrices, fp32, 2026-12-01, load
 # 1.3-3.3): packed / plain speed 0.90x at 1 row, 0.82x at 2, 1.37x at 4, 1.85x at 8, 1.26x at 32, 1.13x at 128,
 # 1.03x at 256 and 512, 1.03x at 1024
 PACKED_MIN_ROWS = 4

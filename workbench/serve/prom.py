@@ -98,3 +98,35 @@ def bucket_delta(after: list[tuple[float, float]], before: list[tuple[float, flo
     """The buckets of the observations made between two scrapes."""
     old = dict(before)
     return [(le, count - old.get(le, 0.0)) for le, count in after]
+
+
+def scrape(base_url: str, timeout_s: float = 30.0) -> str:
+    """The Prometheus text of a server's ``GET /metrics``."""
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/metrics", timeout=timeout_s) as resp:
+        return resp.read().decode()
+
+
+def metric_total(text: str, name: str, label: str = "") -> float:
+    """The sum of every sample of metric ``name`` (a counter, a gauge) whose labels contain ``label``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+LATENCY_HISTOGRAMS = {"ttft": "workbench:time_to_first_token_seconds", "itl": "workbench:inter_token_latency_seconds"}
+
+
+def server_quantiles(before: str, after: str, percentiles: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+    """The server's own TTFT and ITL over the requests between two scrapes: ``<metric>_count`` and
+    ``p<P>_<metric>_ms`` per percentile (``histogram_quantile`` of the buckets' difference)."""
+    out = {}
+    for metric, name in LATENCY_HISTOGRAMS.items():
+        delta = bucket_delta(histogram_buckets(after, name), histogram_buckets(before, name))
+        out[f"{metric}_count"] = delta[-1][1] if delta else 0.0
+        for p in percentiles:
+            out[f"p{p}_{metric}_ms"] = histogram_quantile(p / 100, delta) * 1e3
+    return out

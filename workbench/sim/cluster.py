@@ -23,7 +23,7 @@ tokens, FCFS, keeping the watermark) at the top of its next step, and its next t
 that admission: the first token reaches the client from the decode side (DistServe's definition, and the real
 disaggregated engine's), so it counts the prefill, the transfer and any wait for room.
 Two settings describe a real engine's handoff rather than a dedicated link (``workbench.cluster.disagg`` on gloo, and
-``scripts/sim_fidelity.py --disaggregate``, which measures both): ``kv_handoff_s``, host time from the prefill
+``workbench fidelity --disaggregate``, which measures both): ``kv_handoff_s``, host time from the prefill
 step's end to the transfer's start (the sender's gather and the control message; or drawn, seeded, from measured
 ones: ``kv_handoff_quantiles_s``, each draw rank-correlated with the noise of the prefill step before it by
 ``kv_handoff_rank_correlation``, as the real engines' slow moments fall on both), and

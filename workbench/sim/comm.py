@@ -4,7 +4,7 @@ The analytic collectives the roofline and the simulator price (ring all-reduce a
 sends over an accelerator's ``Interconnect``) live in ``workbench.hardware`` (layer 2, below the roofline); this
 module measures and fits real ones against them.
 
-A ``CollectiveProfile`` is what ``scripts/bench_allreduce.py`` measures on a machine: the median time of one
+A ``CollectiveProfile`` is what ``workbench bench allreduce`` measures on a machine: the median time of one
 all-reduce against its message size, for one backend and world size. ``time_s(num_bytes)`` interpolates between
 the measured sizes (log-log, the curve is close to a power law between neighbours) and extrapolates past them with
 the latency-bandwidth ("alpha-beta") fit ``latency_s + num_bytes / bandwidth_bytes_per_s``.

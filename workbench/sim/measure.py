@@ -96,7 +96,7 @@ def warm_packed_linears(model: Any, max_rows: int, max_sampled: int) -> int:
     ``max_sampled``, the most rows a step samples), so that the steps measured after it find oneDNN's primitive for
     their shape already made. The first product of a (matrix, rows) shape in a process builds that primitive:
     ~0.7 ms for tiny-gqa's matrices, ~1 ms for SmolLM2-135M's, once per process, against 0.03-0.2 ms for the product
-    itself (``scripts/op_profile_steps.py`` shows it). Without this, the steps of a measurement are a mix of cold
+    itself (``workbench bench op-steps`` shows it). Without this, the steps of a measurement are a mix of cold
     and warm shapes, set by which token counts earlier runs in the same process happened to visit, which the
     simulator's steady-state cost cannot follow. The primitives must fit in oneDNN's cache (``enlarge_onednn_cache``,
     called before the process's first one). Returns the number of calls made (0 for a model not packed)."""

@@ -10,7 +10,7 @@ it (``Stack``: its serving stack's host time per step, per request and per colle
 where the source states one). ``error_table`` compares them; ``fit`` chooses each accelerator's calibration (one
 kernel floor shared by all: at batch 1 a floor per accelerator cannot be told from a host time per step) and each
 source's stack overheads from the calibration rows by a coarse grid search (coordinate descent on the median
-absolute relative error plus a quarter of the worst), for ``scripts/validate_gpu_costs.py``. The collectives' own
+absolute relative error plus a quarter of the worst), for ``workbench bench gpu-costs``. The collectives' own
 latencies are not fitted: they are NCCL's tuning model, in ``accelerators.yaml``.
 """
 
@@ -338,3 +338,31 @@ __all__ = [
     "predict",
     "summarize_errors",
 ]
+
+
+def validation_report(ideal: bool = False, fit_now: bool = False, path: str | Path = PUBLISHED_FILE) -> dict[str, Any]:
+    """The cost model against the published rows (``workbench bench gpu-costs``): ``rows`` (``error_table``),
+    ``summary`` per split (``summarize_errors``), the serving ``stacks`` used, ``fitted`` (with ``fit_now``: each
+    accelerator's calibration chosen now on the calibration rows, and the fit's ``loss``) and ``calibration`` (what
+    priced the rows: ideal, fitted now, or each accelerator's source in accelerators.yaml). ``ideal``: the bare
+    roofline, each source's published setup (its bandwidth) kept."""
+    import dataclasses
+
+    rows = load_published(path)
+    stacks = load_stack_overheads(path)
+    if ideal:
+        stacks = {k: dataclasses.replace(v, per_step_s=0.0, per_request_s=0.0, per_collective_s=0.0)
+                  for k, v in stacks.items()}  # fmt: skip
+    specs, fitted = None, {}
+    if fit_now:
+        specs, stacks, loss = fit(rows)
+        fitted = {hw: {"calibration": {k: v for k, v in spec.calibration.to_dict().items() if k != "source"}}
+                  for hw, spec in specs.items()}  # fmt: skip
+        fitted["loss"] = loss
+    table = error_table(rows, None if ideal else "hardware", specs, stacks)
+    summary = {
+        split: summarize_errors([r for r in table if r["split"] == split]) for split in ("calibration", "held_out")
+    }
+    sources = {hw: get_hardware(hw).calibration.source for hw in sorted({r.hardware for r in rows})}
+    return {"rows": table, "summary": summary, "stacks": {k: dataclasses.asdict(v) for k, v in stacks.items()},
+            "fitted": fitted, "calibration": "ideal" if ideal else "fitted now" if fit_now else sources}  # fmt: skip

@@ -1,7 +1,10 @@
-"""Time vLLM on the workbench's requests; run by ``scripts/bench_vs_vllm.py`` with vLLM's own interpreter.
+"""Time vLLM on the workbench's requests; run by path with vLLM's own interpreter by ``workbench bench vllm``
+(``workbench.experiments.vs_vllm``).
 
-This file imports only the standard library and vLLM, because it runs in vLLM's virtual environment, never in
-the project's. It reads a JSON job written by ``bench_vs_vllm.py``::
+This file runs in vLLM's virtual environment, never in the project's: it imports the standard library, vLLM, and
+``workbench.timing`` (the one timer, itself standard library only) from this checkout, whose root it appends to
+``sys.path`` after vLLM is imported (so nothing of the project's shadows vLLM's packages). It reads a JSON job
+written by ``workbench.experiments.vs_vllm``::
 
     {"checkpoint": DIR, "max_model_len": N, "max_num_seqs": S, "block_size": B, "repeats": R,
      "enable_prefix_caching": false,
@@ -17,16 +20,19 @@ given at once, median of ``repeats`` after a warm-up) and the batch-1 decode rat
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
+from pathlib import Path
 
 
 def main(job_path: str, out_path: str) -> int:
     with open(job_path) as fh:
         job = json.load(fh)
-    t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
+
+    sys.path.append(str(Path(__file__).resolve().parents[2]))  # after vLLM: the checkout's workbench.timing
+    from workbench.timing import median, now, timed
+
+    t0 = now()
 
     llm = LLM(
         model=job["checkpoint"],
@@ -41,16 +47,15 @@ def main(job_path: str, out_path: str) -> int:
         seed=0,
         **({"max_num_batched_tokens": job["token_budget"]} if job.get("token_budget") else {}),
     )
-    startup_s = time.perf_counter() - t0
+    startup_s = now() - t0
 
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
 
     def run(prompts: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
         inputs = [{"prompt_token_ids": p} for p in prompts]
-        start = time.perf_counter()
-        outs = llm.generate(inputs, [greedy(n) for n in lens], use_tqdm=False)
-        return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+        seconds, outs = timed(lambda: llm.generate(inputs, [greedy(n) for n in lens], use_tqdm=False))
+        return seconds, [list(o.outputs[0].token_ids) for o in outs]
 
     offline = job["offline"]
     prompts, lens = [p for p, _ in offline], [n for _, n in offline]
@@ -73,10 +78,10 @@ def main(job_path: str, out_path: str) -> int:
         "version": vllm.__version__,
         "startup_s": startup_s,
         "offline_times_s": times,
-        "offline_time_s": statistics.median(times),
+        "offline_time_s": median(times),
         "offline_tokens": tokens,
         "decode_rates": rates,
-        "decode_tokens_per_s": statistics.median(rates),
+        "decode_tokens_per_s": median(rates),
         "decode_tokens": decode_tokens[0],
     }
     with open(out_path, "w") as fh:

@@ -331,8 +331,10 @@ def test_server_quantiles_by_hand() -> None:
 
 @pytest.mark.slow
 def test_serve_load_small(capsys) -> None:
+    # 16 tokens: the client that drops after 3 chunks must leave well before its request could finish, or the
+    # server finishes it ('length') before it sees the disconnect and counts no abort
     out = run_json(capsys, ["bench", "serve-load", "--clients", "4", "--disconnect-share", "0.25", "--new-tokens",
-                            "4", "--prompt-len", "8", "--bench-prompts", "4", "--json"])  # fmt: skip
+                            "16", "--prompt-len", "8", "--bench-prompts", "4", "--json"])  # fmt: skip
     load = out["load"]
     assert out["load_ok"] and load["disconnected"] == 1 and load["completed"] == 3
     assert load["completed_with_reference_tokens"] == 3 and load["kv_blocks_used_after"] == 0

@@ -423,7 +423,7 @@ def _op_steps(args: argparse.Namespace) -> tuple[dict, Any]:
 
     threads = _threads(args)
     start, t0 = load_average(), now()
-    firsts = first_products(args.model, args.seed)  # first: oneDNN's primitives are per process
+    profile = None
     if args.op_profile:
         from workbench.errors import ConfigError
 
@@ -434,7 +434,8 @@ def _op_steps(args: argparse.Namespace) -> tuple[dict, Any]:
             raise ConfigError(f"--op-profile {args.op_profile}: not a readable op profile ({exc})") from None
         if profile.get("model") != args.model:
             raise ConfigError(f"--op-profile is of model {profile.get('model')!r}, not --model {args.model!r}")
-    else:
+    firsts = first_products(args.model, args.seed)  # first: oneDNN's primitives are per process
+    if profile is None:
         profile = profile_ops(args.model, "cpu", "fp32", max_tokens=args.profile_max_tokens, progress=False)
         profile["model"] = args.model
     out = {"bench": "op-steps", "model": args.model, "num_threads": threads, "first_products_ms": firsts,

@@ -242,8 +242,8 @@ def test_op_steps_cli(capsys, monkeypatch) -> None:
         return samples, []
 
     monkeypatch.setattr(op_timing, "measure_training_steps", replays)
-    out = run_json(capsys, ["bench", "op-steps", "--model", "tiny-gqa", "--op-profile", str(path), "--overhead-requests",
-                            "5", "--held-out-seed", "7", "--threads", "1", "--json"])  # fmt: skip
+    argv = ["bench", "op-steps", "--model", "tiny-gqa", "--op-profile", str(path), "--overhead-requests", "5"]
+    out = run_json(capsys, [*argv, "--held-out-seed", "7", "--threads", "1", "--json"])
     assert seeds == [(1000, 5), (7, 5)]
     for name in ("training", "held_out"):
         assert out[name]["all"]["num_steps"] == 4 and out[name]["all"]["ops_only_error"] == pytest.approx(-0.5)

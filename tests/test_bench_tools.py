@@ -86,6 +86,11 @@ def test_compiled_eager_control_is_identical(capsys) -> None:
     assert prefill["identical_tokens"] and prefill["eager"]["prefill_model_s"] > 0
 
 
+def test_compiled_refuses_a_batch_beyond_its_engine(capsys) -> None:
+    rc = main(["bench", "compiled", "--model", "tiny-gqa", "--batch", "8", "--max-num-seqs", "4"])
+    one_line_error(capsys, rc, "--batch", "--max-num-seqs 4")
+
+
 def test_offline_breakdown_accounts_for_every_step(capsys, fake_ceilings) -> None:
     out = run_json(capsys, ["bench", "offline", "--model", "tiny-gqa", "--num-requests", "5", "--context", "16",
                             "--max-num-seqs", "4", "--repeats", "1", "--warmup", "0", "--no-compile-decode",

@@ -212,15 +212,23 @@ def _quant_ops(args: argparse.Namespace) -> tuple[dict, Any]:
 
 def _compiled(args: argparse.Namespace) -> tuple[dict, Any]:
     from workbench.bench import bench_engine, load_bench_model, offline_requests
+    from workbench.config import ModelConfig
+    from workbench.errors import ConfigError
     from workbench.experiments import compiled as cmp
     from workbench.experiments.hygiene import load_average
 
+    positions = ModelConfig.resolve(args.model).max_position_embeddings
+    context = (args.prompt_len or [128])[0]
+    if min(args.batch) < 1 or max(args.batch) > args.max_num_seqs:
+        raise ConfigError(f"--batch must be within [1, --max-num-seqs {args.max_num_seqs}], got {args.batch}")
+    if min(args.tokens) < 1 or max(args.tokens) > positions or not 1 <= context < positions:
+        raise ConfigError(f"--tokens and --prompt-len must be within [1, {positions}) (the model's positions), got "
+                          f"{args.tokens} and {context}")  # fmt: skip
     threads = _threads(args)
     compile = not args.eager_control
     start = load_average()
     model = load_bench_model(args.model, "fp32", "cpu", args.seed)
     requests = offline_requests(model.config.vocab_size, args.num_requests, args.context, args.seed)
-    context = (args.prompt_len or [128])[0]
     max_len = max(context + 1, max(args.tokens), max(len(q) + n for q, n in requests))
     engine = bench_engine(model, args.max_num_seqs, max_len)
     executors, startup = cmp.decode_executors(model, engine, args.batch, compile, None if args.no_mm else args.model)
@@ -423,7 +431,7 @@ def _op_steps(args: argparse.Namespace) -> tuple[dict, Any]:
 
     threads = _threads(args)
     start, t0 = load_average(), now()
-    firsts = first_products(args.model, args.seed)  # first: oneDNN's primitives are per process
+    profile = None
     if args.op_profile:
         from workbench.errors import ConfigError
 
@@ -434,7 +442,8 @@ def _op_steps(args: argparse.Namespace) -> tuple[dict, Any]:
             raise ConfigError(f"--op-profile {args.op_profile}: not a readable op profile ({exc})") from None
         if profile.get("model") != args.model:
             raise ConfigError(f"--op-profile is of model {profile.get('model')!r}, not --model {args.model!r}")
-    else:
+    firsts = first_products(args.model, args.seed)  # first: oneDNN's primitives are per process
+    if profile is None:
         profile = profile_ops(args.model, "cpu", "fp32", max_tokens=args.profile_max_tokens, progress=False)
         profile["model"] = args.model
     out = {"bench": "op-steps", "model": args.model, "num_threads": threads, "first_products_ms": firsts,

@@ -114,6 +114,10 @@ def test_offline_counts_every_requested_token(tiny):
     assert out["output_tokens"] == sum(n for _, n in requests)
     assert out["total_tokens"] == sum(n + len(p) for p, n in requests)
     assert out["output_tokens_per_s"] == pytest.approx(out["output_tokens"] / out["time_s"])
+    # an eager engine compiles nothing: its warm-up is the untimed run alone, with no cache lookups in it
+    cache = out["compile_cache"]
+    assert out["warmup_s"] > 0 and cache["dir"] and cache["fx_graph_cache"] in (True, False)
+    assert all(cache[k] == 0 for k in cache if k.endswith(("hits", "misses", "bypasses")))
 
 
 def test_engine_and_transformers_agree_token_for_token(tiny_checkpoint):

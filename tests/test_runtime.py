@@ -16,6 +16,8 @@ def test_preload_names_and_their_errors(monkeypatch):
         runtime.preload_paths("mimalloc")
     with pytest.raises(ConfigError, match="one allocator"):
         runtime.preload_paths("jemalloc,tcmalloc")
+    with pytest.raises(ConfigError, match="no library at /nowhere/libx.so"):
+        runtime.preload_paths("/nowhere/libx.so")
     monkeypatch.setattr(runtime, "find_library", lambda name: None)
     with pytest.raises(ConfigError, match=r"no iomp library on this machine \(pip install intel-openmp\)"):
         runtime.preload_paths("iomp")

@@ -4,11 +4,11 @@ vLLM's CPU launcher preloads tcmalloc and Intel's OpenMP runtime (``libiomp5``) 
 runs on glibc's malloc and GNU OpenMP (``libgomp``, what torch's wheels link) unless asked. ``WORKBENCH_PRELOAD``
 names what to preload, comma-separated: ``jemalloc`` (the library the project's own ``ray`` dependency ships, or the
 system's ``libjemalloc.so.2``), ``tcmalloc`` (the system's ``libtcmalloc_minimal.so.4`` / ``libtcmalloc.so.4``),
-``iomp`` (``libiomp5.so`` of the ``intel-openmp`` wheel, ``pip install intel-openmp``, which serves torch's
-``GOMP_*`` calls in place of ``libgomp``). A library must be loaded before the process starts, so the ``workbench``
-command re-executes itself once with ``LD_PRELOAD`` set (``reexec_with_preloads``); a name whose library is not
-found is an error naming where it was looked for. ``runtime_state`` says what the running process has mapped,
-which ``bench`` records in its JSON.
+``iomp`` (``libiomp5.so`` of the ``intel-openmp`` wheel, ``pip install llm-workbench[cpu-runtime]``, which serves
+torch's ``GOMP_*`` calls in place of ``libgomp``), or a library's path. A library must be loaded before the process
+starts, so the ``workbench`` command re-executes itself once with ``LD_PRELOAD`` set (``reexec_with_preloads``); a
+name whose library is not found is an error naming where it was looked for. ``runtime_state`` says what the running
+process has mapped, which ``bench`` records in its JSON.
 """
 
 from __future__ import annotations
@@ -44,13 +44,19 @@ def find_library(name: str) -> Path | None:
 
 
 def preload_paths(spec: str) -> list[str]:
-    """The libraries a ``WORKBENCH_PRELOAD`` value names (comma-separated; '' or 'none': none); one not found here
-    is a ``ConfigError`` naming where it was looked for. At most one allocator."""
-    names = [n.strip().lower() for n in spec.split(",") if n.strip() and n.strip().lower() != "none"]
+    """The libraries a ``WORKBENCH_PRELOAD`` value names (comma-separated names or paths; '' or 'none': none); one
+    not found here is a ``ConfigError`` naming where it was looked for. At most one allocator by name."""
+    names = [n.strip() if "/" in n else n.strip().lower() for n in spec.split(",")]
+    names = [n for n in names if n and n != "none"]
     if sum(n in ("jemalloc", "tcmalloc") for n in names) > 1:
         raise ConfigError(f"{PRELOAD_ENV}={spec!r}: name one allocator (jemalloc or tcmalloc), not both")
     paths = []
     for name in names:
+        if "/" in name:  # a path of its own
+            if not Path(name).is_file():
+                raise ConfigError(f"{PRELOAD_ENV}: no library at {name}")
+            paths.append(name)
+            continue
         found = find_library(name)
         if found is None:
             where = ", ".join(str(p) for p in _candidates(name))

@@ -40,7 +40,7 @@ from workbench.kv.sizing import plan_num_blocks
 from workbench.model.accuracy import logit_agreement
 from workbench.request import SamplingParams
 from workbench.roofline import memory_bandwidth_utilization, step_work
-from workbench.timing import median, random_prompts, timed
+from workbench.timing import median, random_prompts, spread_row, timed
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,6 @@ def _engine(model: Any, scheme: Scheme, max_num_seqs: int, max_model_len: int, c
     return Engine(model, cfg)
 
 
-def _spread(times: list[float]) -> dict[str, float]:
-    return {"time_s": median(times), "time_min_s": min(times), "time_max_s": max(times)}
-
-
 def decode_schemes(
     models: dict,
     schemes: Sequence[Scheme],
@@ -151,7 +147,7 @@ def decode_schemes(
         base = None
         for s in schemes:
             cfg = models[s.weights_key].config
-            t = _spread(times[s])
+            t = spread_row(times[s])
             moved = decode_step_bytes(cfg, s.dtype, contexts[s], s.quantization, s.group_size, s.kv_cache_dtype)
             flops = step_work(cfg, s.dtype, decode_contexts=contexts[s]).flops
             row = {
@@ -253,7 +249,7 @@ def prefill_schemes(
         for s in schemes:
             cfg = models[s.weights_key].config
             flops = step_work(cfg, s.dtype, prefill_chunks=[(n, 0)]).flops
-            t = _spread(times[s])
+            t = spread_row(times[s])
             row = {"scheme": s.label, "prompt_len": n, **t, "flops": flops, "achieved_flops_per_s": flops / t["time_s"]}
             base = base or row
             row["speedup"] = base["time_s"] / row["time_s"]

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     specs = None
     stacks = load_stack_overheads()
     if args.ideal:  # the bare roofline, but each source's published setup (its bandwidth) as it was
-        stacks = {k: dataclasses.replace(v, per_step_s=0.0, per_request_s=0.0, per_collective_s=0.0)
+        stacks = {k: dataclasses.replace(v, per_kernel_s=0.0, per_request_s=0.0, per_collective_s=0.0,
+                                      per_kernel_by_hardware=())
                   for k, v in load_stack_overheads().items()}  # fmt: skip
     fitted = {}
     if args.fit:
@@ -58,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     for split, s in summary.items():
         print(f"{split}: {s['n']} rows, median |error| {100 * s['median_abs_error']:.1f}%, "
               f"max |error| {100 * s['max_abs_error']:.1f}%")  # fmt: skip
-    print("serving stacks (per step, per request, per collective; bandwidth): "
-          + ", ".join(f"{k} {v.per_step_s * 1e3:.2f} ms, {v.per_request_s * 1e3:.0f} ms, "
+    print("serving stacks (host per kernel, per request, per collective; bandwidth): "
+          + ", ".join(f"{k} {dict(v.per_kernel_by_hardware) or v.per_kernel_s * 1e6} us, "
+                      f"{v.per_request_s * 1e3:.0f} ms, "
                       f"{v.per_collective_s * 1e6:.0f} us; "
                       f"{'datasheet' if v.mem_bandwidth is None else f'{v.mem_bandwidth / 1e12:.2f} TB/s'}"
                       for k, v in stacks.items()))  # fmt: skip

@@ -197,7 +197,8 @@ def test_gpu_costs_ideal_or_fit(capsys) -> None:
     one_line_error(capsys, rc, "--ideal", "--fit")
     ideal = run_json(capsys, ["bench", "gpu-costs", "--ideal", "--json"])
     assert ideal["calibration"] == "ideal"
-    assert all(v["per_step_s"] == 0.0 == v["per_request_s"] for v in ideal["stacks"].values())
+    assert all(v["per_kernel_s"] == 0.0 == v["per_request_s"] and not v["per_kernel_by_hardware"]
+               for v in ideal["stacks"].values())  # fmt: skip
 
 
 def test_simulator_speed_counts_the_trace(capsys) -> None:

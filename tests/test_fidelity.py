@@ -84,11 +84,29 @@ def test_the_published_claim_holds_the_issues_bar() -> None:
     from workbench.experiments.fidelity import published_claim
 
     def summary(med: float, top: float) -> dict:
-        return {"held_out": {"n": 17, "median_abs_error": med, "max_abs_error": top}}
+        return {"gptfast": {"n": 13, "median_abs_error": 0.1, "max_abs_error": 0.2},
+                "all": {"n": 29, "median_abs_error": med, "max_abs_error": top}}  # fmt: skip
 
     assert published_claim(summary(0.08, 0.27))["verdict"] == CONFIRMED
     assert published_claim(summary(0.08, 0.31))["verdict"] == NOT_CONFIRMED  # one case beyond 30%
     assert published_claim(summary(0.16, 0.20))["verdict"] == NOT_CONFIRMED  # the median beyond 15%
+
+
+def test_the_best_cost_model_is_the_one_with_most_statistics_within_by_hand() -> None:
+    from workbench.experiments.fidelity import best_cost_model
+
+    def row(model: str, within: bool, err: float) -> dict:
+        return {"model": model, "within": within, "rel_error": err}
+
+    rows = [row("op-profile", True, 0.05), row("op-profile", False, -0.5), row("profiled", True, 0.09),
+            row("profiled", True, -0.02), row("profiled noise", True, 0.2),
+            row("profiled noise", True, 0.01)]  # fmt: skip
+    claim = best_cost_model(rows)
+    # profiled and profiled noise both hold 2/2; profiled's worst (9%) is below the noise variant's (20%)
+    assert claim["evidence"]["best"] == "profiled" and claim["verdict"] == CONFIRMED
+    assert claim["evidence"]["op-profile"] == {"num_within": 1, "num_statistics": 2, "max_abs_rel_error": 0.5}
+    assert "best: profiled, 2/2" in claim["detail"]
+    assert best_cost_model(rows[:2])["verdict"] == NOT_CONFIRMED
 
 
 def test_the_handoff_leaves_out_announcements_that_waited_for_a_decode_step() -> None:

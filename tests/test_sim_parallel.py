@@ -213,6 +213,30 @@ def test_calibration_curve_floor_and_overhead_by_hand() -> None:
     assert cm.step_time(stats) == pytest.approx(model.prefill([10], detailed=False).time_s - 0.25)
 
 
+def test_kernel_latency_adds_to_every_kernel_by_hand() -> None:
+    # hand_cfg's 2 layers x 17 kernels (attn_norm, q, k, v, rope, kv_write, attn_scores, softmax, attn_value, o,
+    # residual, mlp_norm, gate, up, act_mul, down, residual) + embedding, final norm, LM head = 37 kernels a step;
+    # at TP 2 each GPU runs the same 37, and the all-reduces (collectives, not kernels priced here) take none
+    cfg = hand_cfg()
+    lat = Calibration(kernel_latency_s=1e-3, kernel_floor_s=2e-3)
+    floor_only = Calibration(kernel_floor_s=2e-3)
+    for tp in (1, 2):
+        with_lat = RooflineModel(cfg, TOY_HW, tensor_parallel_size=tp, calibration=lat)
+        without = RooflineModel(cfg, TOY_HW, tensor_parallel_size=tp, calibration=floor_only)
+        for chunks, decodes in (([(10, 0)], []), ([], [5, 9])):
+            a, b = with_lat.step_cost(chunks, decodes), without.step_cost(chunks, decodes)
+            assert a.time_s == pytest.approx(b.time_s + 37e-3, rel=1e-12)
+            # one op: the floor (2 ms: the toy's kernels take microseconds) and 1 ms more, each of the 2 layers
+            assert ops_of(a)["q_proj"].time_s == pytest.approx(2 * (2e-3 + 1e-3))
+            assert with_lat.step_time(chunks, decodes) == pytest.approx(a.time_s, rel=1e-12)
+    # the simulator's piecewise-linear decode segments carry it too
+    cost = RooflineCostModel(cfg, TOY_HW, calibration=lat)
+    assert cost.decode_time(3, 30) == pytest.approx(RooflineModel(cfg, TOY_HW, calibration=lat).time_from_stats(
+        3, 3, 30, 30), rel=1e-12)  # fmt: skip
+    with pytest.raises(ConfigError, match="kernel_latency_s"):
+        Calibration(kernel_latency_s=-1e-6)
+
+
 # ---- formats ---------------------------------------------------------------------------------------------------
 def test_fp8_needs_fp8_hardware_and_every_kv_byte_count_agrees() -> None:
     cfg = ModelConfig.resolve("Llama-3.1-8B")

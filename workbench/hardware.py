@@ -163,6 +163,10 @@ class Calibration:
     - every operation streams memory at ``memory_efficiency`` of the bandwidth;
     - no kernel takes less than ``kernel_floor_s`` (launch and tail: norms, rotary, SiLU, adds at small token
       counts are this, not their bytes);
+    - every kernel pays ``kernel_latency_s`` on top of its compute or streaming time: its fixed cost (launch,
+      the ramp-up of its first wave and the tail of its last), the latency term of the latency-bandwidth
+      ("alpha-beta", Hockney 1994) model applied to a kernel, so a matrix that streams in a few microseconds (a
+      7B layer's projections split over 8 GPUs) is not priced at its bytes alone;
     - ``step_overhead_s``: host time per scheduler step (scheduling, input preparation, sampling) that the
       device does not hide;
     - ``int8_weight_efficiency`` / ``int4_weight_efficiency``: weight-only quantized products stream their weights
@@ -176,6 +180,7 @@ class Calibration:
     fp8_max: float = 1.0
     memory_efficiency: float = 1.0
     kernel_floor_s: float = 0.0
+    kernel_latency_s: float = 0.0
     step_overhead_s: float = 0.0
     int8_weight_efficiency: float = 1.0
     int4_weight_efficiency: float = 1.0
@@ -187,7 +192,13 @@ class Calibration:
             value = getattr(self, fname)
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 raise ConfigError(f"calibration {fname} must be in (0, 1], got {value!r}")
-        for fname in ("linear_half_tokens", "attention_half_tokens", "kernel_floor_s", "step_overhead_s"):
+        for fname in (
+            "linear_half_tokens",
+            "attention_half_tokens",
+            "kernel_floor_s",
+            "kernel_latency_s",
+            "step_overhead_s",
+        ):
             value = getattr(self, fname)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ConfigError(f"calibration {fname} must be a number >= 0, got {value!r}")
@@ -359,8 +370,8 @@ def load_table(path: str | Path = HARDWARE_FILE) -> dict[str, HardwareSpec]:
 INTERCONNECT_KEYS = ("name", "intra_node_gbs", "inter_node_gbps", "base_latency_us", "step_latency_us",
                      "inter_node_latency_us", "gpus_per_node", "source")  # fmt: skip
 CALIBRATION_KEYS = ("linear_max", "linear_half_tokens", "attention_max", "attention_half_tokens", "fp8_max",
-                    "memory_efficiency", "kernel_floor_us", "step_overhead_us", "int8_weight_efficiency",
-                    "int4_weight_efficiency", "source")  # fmt: skip
+                    "memory_efficiency", "kernel_floor_us", "kernel_latency_us", "step_overhead_us",
+                    "int8_weight_efficiency", "int4_weight_efficiency", "source")  # fmt: skip
 
 
 def _interconnect(row: Any, where: str) -> Interconnect | None:
@@ -387,10 +398,12 @@ def _calibration(row: Any, where: str) -> Calibration:
         return IDEAL
     if not isinstance(row, dict) or set(row) - set(CALIBRATION_KEYS):
         raise ConfigError(f"{where}: calibration must be a mapping with keys among {', '.join(CALIBRATION_KEYS)}")
-    values = {k: float(v) for k, v in row.items() if k not in ("source", "kernel_floor_us", "step_overhead_us")}
+    micro = ("kernel_floor_us", "kernel_latency_us", "step_overhead_us")
+    values = {k: float(v) for k, v in row.items() if k != "source" and k not in micro}
     return Calibration(
         **values,
         kernel_floor_s=float(row.get("kernel_floor_us", 0.0)) * 1e-6,
+        kernel_latency_s=float(row.get("kernel_latency_us", 0.0)) * 1e-6,
         step_overhead_s=float(row.get("step_overhead_us", 0.0)) * 1e-6,
         source=str(row.get("source", "")),
     )

@@ -59,7 +59,8 @@ Parallelism, calibration and formats
   the combine of each MoE layer (``Interconnect.all_to_all_s`` of ``tokens / ep x k x hidden`` values per GPU).
 - ``calibration`` (``workbench.hardware.Calibration``; None = the ideal roofline above): a matrix product over
   ``M`` rows reaches ``max * M / (M + half)`` of the peak, memory streams at ``memory_efficiency``, no kernel is
-  shorter than ``kernel_floor_s`` (its ``bound`` then reads ``floor``), and ``step_overhead`` adds the host's time.
+  shorter than ``kernel_floor_s`` (its ``bound`` then reads ``floor``), every kernel adds ``kernel_latency_s`` (its
+  fixed cost: launch, first-wave ramp-up, tail) to that, and ``step_overhead`` adds the host's time.
 - ``dtype`` is the activations'; ``quantization`` the linear weights' (bytes by ``quantized_matrix_bytes``, scales
   included; int8/int4 weight-only, fp8 computing at the FP8 peak, an error without one); ``kv_dtype`` the cache's
   (bytes by ``ModelConfig.kv_bytes_per_token``, int8's per-token scales included), so the simulator's pool and
@@ -788,9 +789,9 @@ class RooflineModel:
         # coefficients already x count (ideal)
         self._ops: list[tuple[Any, ...]] = []
         # per term: (name, wall multiple, rows kind, flops/peak on the 5 stats, bytes/bandwidth on the 5 stats,
-        # floor, bytes/bandwidth per distinct expert); a term's time is max(flops time x 1/efficiency(rows), bytes
-        # time, floor), and the step's wall time the sum of multiple x time
-        self._terms: list[tuple[str, float, int, tuple[float, ...], tuple[float, ...], float, float]] = []
+        # floor, bytes/bandwidth per distinct expert, fixed latency); a term's time is max(flops time x
+        # 1/efficiency(rows), bytes time, floor) + latency, and the step's wall time the sum of multiple x time
+        self._terms: list[tuple[str, float, int, tuple[float, ...], tuple[float, ...], float, float, float]] = []
         for name in self.op_names:
             kind = _op_kind(name)
             count, total = (1, 1) if kind == "model" else counts[kind]
@@ -806,7 +807,7 @@ class RooflineModel:
             if name in quantized_ops and weight_eff != 1.0:  # quantized weights stream slower
                 time_coef = tuple((w / weight_eff + k + c) / bw for w, k, c in zip(wc, kc, ac))
             self._terms.append((name, mult, _ROWS.get(name, 0), tuple(x / peak for x in fc), time_coef,
-                                count * cal.kernel_floor_s, ew / bw))  # fmt: skip
+                                count * cal.kernel_floor_s, ew / bw, count * cal.kernel_latency_s))  # fmt: skip
         # communication: times affine in the step's statistics (seconds on (1, tokens, seqs, pairs, context))
         self._comm: dict[str, tuple[int, float, tuple[float, ...], tuple[float, ...]]] = {}
         tp, pp = shard.tensor_parallel_size, shard.pipeline_parallel_size
@@ -841,11 +842,11 @@ class RooflineModel:
             self._add_comm("moe_all_to_all", 2 * count, total / count, (2 * count * t0, 2 * count * t1 * held, 0, 0, 0),
                            (0, 2 * count * held * (ep - 1) / ep, 0, 0, 0))  # fmt: skip
         for name, (_count, mult, times, _bytes) in self._comm.items():
-            self._terms.append((name, mult, 0, (0.0,) * 5, times, 0.0, 0.0))
+            self._terms.append((name, mult, 0, (0.0,) * 5, times, 0.0, 0.0, 0.0))
         if cal.step_overhead_s > 0:
-            self._terms.append(("step_overhead", 1.0, 0, (0.0,) * 5, (cal.step_overhead_s, 0, 0, 0, 0), 0.0, 0.0))
-        self._fast = [(m, r, f[1], f[2], f[3], b[0], b[1], b[2], b[4], fl, be)
-                      for _n, m, r, f, b, fl, be in self._terms]  # fmt: skip
+            self._terms.append(("step_overhead", 1.0, 0, (0.0,) * 5, (cal.step_overhead_s, 0, 0, 0, 0), 0.0, 0.0, 0.0))
+        self._fast = [(m, r, f[1], f[2], f[3], b[0], b[1], b[2], b[4], fl, be, lat)
+                      for _n, m, r, f, b, fl, be, lat in self._terms]  # fmt: skip
 
     def _add_comm(
         self, name: str, count: int, mult: float, times: tuple[float, ...], link_bytes: tuple[float, ...]
@@ -908,24 +909,25 @@ class RooflineModel:
         d = self.distinct_experts(tokens)
         factors = self._factors(tokens, seqs, d)
         total = 0.0
-        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor, be in self._fast:
+        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor, be, lat in self._fast:
             tc = (f1 * tokens + f2 * seqs + f3 * pairs) * factors[rows]
             tb = b0 + b1 * tokens + b2 * seqs + b4 * context + be * d
             t = tc if tc > tb else tb
-            total += mult * (t if t > floor else floor)
+            total += mult * ((t if t > floor else floor) + lat)
         return total
 
     def decode_lines(self, num_seqs: int) -> list[tuple[float, tuple[tuple[float, float], ...]]]:
         """A pure-decode step of ``num_seqs`` sequences as a function of the context C it reads (pairs = context
-        = C): per term ``(multiple, lines)`` with time ``multiple * max(a + b C for (a, b) in lines)``."""
+        = C): per term ``(multiple, lines)`` with time ``multiple * max(a + b C for (a, b) in lines)`` (a kernel's
+        fixed latency is in each line of its term)."""
         n = float(num_seqs)
         d = self.distinct_experts(n)
         factors = self._factors(n, n, d)
         out = []
-        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor, be in self._fast:
-            lines = [((f1 + f2) * n * factors[rows], f3 * factors[rows]), (b0 + (b1 + b2) * n + be * d, b4)]
+        for mult, rows, f1, f2, f3, b0, b1, b2, b4, floor, be, lat in self._fast:
+            lines = [((f1 + f2) * n * factors[rows] + lat, f3 * factors[rows]), (b0 + (b1 + b2) * n + be * d + lat, b4)]
             if floor > 0:
-                lines.append((floor, 0.0))
+                lines.append((floor + lat, 0.0))
             out.append((mult, tuple(lines)))
         return out
 
@@ -951,10 +953,10 @@ class RooflineModel:
             d = self.distinct_experts(tokens)
             factors = self._factors(tokens, seqs, d)
             for (name, count, _peak, fc, wc, kc, ac, ew), term in zip(self._ops, self._terms):
-                _n, mult, rows, ft, bt, floor, be = term
+                _n, mult, rows, ft, bt, floor, be, lat = term
                 f, w_, k_, a_ = _dot(fc, x), _dot(wc, x) + ew * d, _dot(kc, x), _dot(ac, x)
                 tc, tb = _dot(ft, x) * factors[rows], _dot(bt, x) + be * d
-                t = max(tc, tb, floor)
+                t = max(tc, tb, floor) + lat
                 bound = "floor" if floor > max(tc, tb) else ("compute" if tc >= tb else "memory")
                 flops, wb, kb, ab = flops + f, wb + w_, kb + k_, ab + a_
                 time_s += t
@@ -995,6 +997,13 @@ class RooflineModel:
             pipeline_parallel_size=self.pipeline_parallel_size,
             expert_parallel_size=self.expert_parallel_size,
         )
+
+    @property
+    def num_kernels(self) -> int:
+        """Kernels one GPU of the group runs in a step: every operation of every layer (a step passes through all
+        the stages) and the model's own (embedding, final norm, LM head); collectives not counted. What a serving
+        stack that launches each kernel from the host pays its per-kernel host time for."""
+        return round(sum(count * mult for (_n, count, *_r), (_n2, mult, *_t) in zip(self._ops, self._terms)))
 
     # ---- memory -------------------------------------------------------------------------------------------
     def weight_bytes_per_gpu(self) -> int:

@@ -6,6 +6,8 @@
     workbench bench offline [--model ...] [--num-requests 64] [--context 256] [--max-num-seqs 32] [--json]
     workbench bench hf      [--model ...] [--prompt-len 32] [--new-tokens 32] [--no-offline] [--json]
     workbench bench serve   --base-url URL --model NAME [vllm bench serve's flags]   (workbench.commands.bench_serve)
+    workbench bench soak    [--model tiny-gqa] [--num-requests 2000] [--abort-fraction 0.1] [--speculative-config JSON]
+                            [--server]   (workbench.commands.bench_soak: no leaked block, no finished request held)
 
 ``--model`` defaults to the CPU benchmark preset ``bench-300m`` (random weights, ~300M parameters); a directory
 loads a real checkpoint. ``--threads`` sets torch's intra-op threads (default: every usable core) and is
@@ -29,7 +31,7 @@ import argparse
 import json
 from typing import Any
 
-KINDS = ("decode", "prefill", "offline", "hf", "serve")
+KINDS = ("decode", "prefill", "offline", "hf", "serve", "soak")
 MODE_HELP = {
     "decode": "decode steps per batch size: tokens/s, MBU, the matrix-vector share (several --quantization "
     "values: compared in one run)",
@@ -37,6 +39,8 @@ MODE_HELP = {
     "offline": "an offline request set through the engine: output tokens/s (vLLM: bench throughput)",
     "hf": "our engine against HF transformers on the same prompts",
     "serve": "load an OpenAI-compatible server the way vllm bench serve does",
+    "soak": "many requests with aborts through the engine (or --server: workbench serve): no leaked block, no "
+    "finished request held, flat memory",
 }
 ALIASES = {"throughput": "offline"}  # vLLM's name of the offline benchmark
 ENGINE_MODES = ("decode", "prefill", "offline", "hf")
@@ -51,7 +55,8 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
     def owns(*kinds: str) -> bool:
         return kind is None or kind in kinds
 
-    p.add_argument("--model", default="bench-300m", help="preset name, config.json or checkpoint directory")
+    p.add_argument("--model", default="tiny-gqa" if kind == "soak" else "bench-300m",
+                   help="preset name, config.json or checkpoint directory")  # fmt: skip
     if owns(*ENGINE_MODES):
         add_serving_arguments(p, EngineConfig, ("dtype",))
         p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -113,6 +118,10 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
         from workbench.commands.bench_serve import add_serve_arguments
 
         add_serve_arguments(p)  # a client of an OpenAI-compatible server (vLLM's flags)
+    if owns("soak"):
+        from workbench.commands.bench_soak import add_soak_arguments
+
+        add_soak_arguments(p)  # after every other mode's: the options they share keep their declaration
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
         from workbench.commands.bench_serve import run_serve
 
         return run_serve(args)
+    if args.kind == "soak":
+        from workbench.commands.bench_soak import run_soak
+
+        return run_soak(args)
     from workbench import bench
     from workbench.device import resolve_device
     from workbench.hardware import measured_spec, warn_if_emulated

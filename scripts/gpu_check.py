@@ -12,10 +12,16 @@
 5. beyond one device, on the one GPU (``dist_check.json``): the tensor-parallel path over NCCL at
    ``tensor_parallel_size=1`` against the plain engine (same greedy tokens; the per-step overhead of the worker
    group), and a disaggregated 1:1 pair of engine processes sharing the GPU (KV over NCCL, else over gloo staged
-   through the host: NCCL refuses two ranks on one device), tokens against colocated and the transfer bandwidth.
+   through the host: NCCL refuses two ranks on one device), tokens against colocated and the transfer bandwidth;
+6. speculative decoding's verify step (``spec_check.json``): the engine with the oracle proposer (k = 4,
+   acceptance 0.8) against the same engine without speculation, bf16: greedy tokens compared, tokens/s of both in
+   interleaved rounds and the speed-up, at batch 1 and 8; an fp32 run whose tokens must be identical. The verify
+   step (k + 1 query tokens per sequence) runs through the ragged prefill path, eagerly: the decode-step executor
+   records CUDA graphs of one-token decode steps only (the baseline's decode is graphed, the verify step is not;
+   the output says so).
 
     python scripts/gpu_check.py OUTDIR        (normally through scripts/gpu_check.sh OUTDIR)
-    python scripts/gpu_check.py OUTDIR --dry-run    (CPU: steps 1 and 5 on a tiny model, the rest only listed)
+    python scripts/gpu_check.py OUTDIR --dry-run    (CPU: steps 1, 5 and 6 on a tiny model, the rest only listed)
 
 Needs only torch, triton and transformers (no package registry, nothing installed, no notebook stack): the
 repository root goes on PYTHONPATH. Everything must finish within ``--budget-s`` (default 285 s); each step gets
@@ -369,6 +375,91 @@ def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: i
     return out
 
 
+# ---- 6. speculative decoding's verify step -------------------------------------------------------------------------
+VERIFY_GRAPHS = (
+    "no: the verify step (k + 1 query tokens per sequence) runs through the ragged prefill path eagerly; the "
+    "decode-step executor records CUDA graphs of one-token decode steps only (the baseline's decode is graphed)"
+)
+
+
+def spec_check(
+    outdir: Path,
+    device: str,
+    preset: str = "SmolLM2-135M",
+    k: int = 4,
+    acceptance: float = 0.8,
+    new_tokens: int = 64,
+    rounds: int = 3,
+    batches: tuple[int, ...] = (1, 8),
+) -> dict[str, Any]:
+    """Greedy tokens and tokens/s of the engine with the oracle proposer against without (module docstring, step 6).
+
+    Per batch: both engines on the same random prompts of 32 tokens, ``new_tokens`` each (EOS ignored), one untimed
+    run each (CUDA graphs recorded; the baseline's tokens become the oracle's references), then ``rounds``
+    interleaved timed runs (A B, B A, ...). Pass: the proposals were verified, and in fp32 (the CPU dry run, and a
+    batch-8 run on CUDA) the tokens with speculation equal those without; in bf16 the agreement is reported (the
+    ragged verify kernels and the graphed decode may round differently)."""
+    from workbench.engine.config import EngineConfig
+    from workbench.engine.engine import Engine
+    from workbench.engine.speculative import expected_tokens_per_step
+    from workbench.model.checkpoint import load_model
+    from workbench.request import SamplingParams
+    from workbench.timing import median, random_prompts, timed
+
+    on_cuda = device == "cuda"
+    preset = preset if on_cuda else "tiny-gqa"
+    spec = {"method": "oracle", "acceptance": acceptance, "num_speculative_tokens": k}
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    runs = [("bf16", b, rounds) for b in batches] + [("fp32", batches[-1], 0)] if on_cuda else [("fp32", 1, rounds)]
+    rows: list[dict[str, Any]] = []
+    ok = True
+    models: dict[str, Any] = {}
+    for dtype, batch, timed_rounds in runs:
+        if dtype not in models:
+            models[dtype] = load_model(preset, dtype=dtype, device=device, seed=0)
+        model = models[dtype]
+        prompts = random_prompts(batch, 32, model.config.vocab_size, seed=batch)
+        cfg = {"device": device, "dtype": dtype, "max_num_seqs": batch, "max_model_len": 32 + new_tokens + k + 2}
+        base = Engine(model, EngineConfig(**cfg))
+        fast = Engine(model, EngineConfig(**cfg, speculative_config=spec))
+        reference = [r.tokens for r in base.generate(prompts, params).requests]
+        for p, tokens in zip(prompts, reference):
+            fast.speculator.proposer.add_reference(p, tokens)
+        got = [r.tokens for r in fast.generate(prompts, params).requests]
+        times: dict[str, list[float]] = {"base": [], "spec": []}
+        for r in range(timed_rounds):
+            for name in ("base", "spec") if r % 2 == 0 else ("spec", "base"):
+                eng = base if name == "base" else fast
+                seconds, _ = timed(lambda eng=eng, p=prompts: eng.generate(p, params), model.device)
+                times[name].append(seconds)
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, reference)]
+        stats = fast.speculative_stats()
+        row: dict[str, Any] = {
+            "dtype": dtype, "batch": batch, "k": k, "acceptance": acceptance, "new_tokens": new_tokens,
+            "prompts_identical": sum(d is None for d in first_diff), "prompts": batch,
+            "first_divergence": [d for d in first_diff if d is not None],
+            "acceptance_rate": stats["acceptance_rate"], "mean_accepted_length": stats["mean_accepted_length"],
+            "expected_tokens_per_step": expected_tokens_per_step(acceptance, k),
+            "baseline_cuda_graphs": on_cuda, "verify_cuda_graphs": VERIFY_GRAPHS if on_cuda else "n/a (CPU)",
+        }  # fmt: skip
+        if timed_rounds:
+            base_s, spec_s = median(times["base"]), median(times["spec"])
+            row |= {"base_tokens_per_s": batch * new_tokens / base_s, "spec_tokens_per_s": batch * new_tokens / spec_s,
+                    "speedup": base_s / spec_s,
+                    "speedup_per_round": [b / s for b, s in zip(times["base"], times["spec"])]}  # fmt: skip
+        ok &= stats["num_drafts"] > 0
+        if dtype == "fp32":
+            ok &= row["prompts_identical"] == batch
+        rows.append(row)
+        speed = f", speed-up {row['speedup']:.2f}x" if timed_rounds else ""
+        print(f"[gpu_check] speculative {dtype} batch {batch}: {row['prompts_identical']}/{batch} prompts identical"
+              f"{speed}, acceptance {row['acceptance_rate']:.2f}; verify step CUDA graphs: "
+              f"{row['verify_cuda_graphs']}", flush=True)  # fmt: skip
+    result = {"ok": bool(ok), "preset": preset, "device": device, "rows": rows}
+    (outdir / "spec_check.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
 # ---- 4. the engine benchmarks -----------------------------------------------------------------------------------
 def engine_bench_commands(ckpt: Path) -> list[tuple[str, float, list[str]]]:
     """(name, time limit in s, ``workbench`` arguments) of each engine benchmark, trimmed to ~2 minutes in all."""
@@ -458,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tests-budget-s", type=float, default=45.0, help="at most this much for the kernel tests")
     parser.add_argument("--kernel-bench-budget-s", type=float, default=25.0, help="at most this for kernels.bench")
     parser.add_argument("--dist-budget-s", type=float, default=40.0, help="at most this for step 5")
+    parser.add_argument("--spec-budget-s", type=float, default=30.0, help="at most this for step 6")
     parser.add_argument("--dry-run", action="store_true", help="CPU: the decode check on a tiny model; list the rest")
     args = parser.parse_args(argv)
     start = time.monotonic()
@@ -467,11 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         dist = dist_check(outdir, "cpu", preset="tiny-gqa", steps=4)
         print(f"[gpu_check] dry run: dist check {'OK' if dist['ok'] else 'FAILED'}")
+        spec = spec_check(outdir, "cpu", new_tokens=16, rounds=1)
+        print(f"[gpu_check] dry run: speculative check {'OK' if spec['ok'] else 'FAILED'}")
         result = decode_check(outdir, "cpu")
         for _, limit, cmd in engine_bench_commands(outdir / "engine-ckpt"):
             print(f"[gpu_check] would run ({limit} s): workbench {' '.join(cmd)}")
         print(f"[gpu_check] dry run: decode check {'OK' if result['ok'] else 'FAILED'}")
-        return 0 if result["ok"] and dist["ok"] else 1
+        return 0 if result["ok"] and dist["ok"] and spec["ok"] else 1
     summary: dict[str, Any] = {"python": sys.version.split()[0]}
     try:
         import torch
@@ -528,22 +622,32 @@ def main(argv: list[str] | None = None) -> int:
         bench = json.loads((outdir / "bench.json").read_text())
         summary["bench"]["copy_bandwidth_gbps"] = bench.get("copy_bandwidth_gbps")
         summary["bench"]["targets"] = bench.get("targets")
-    summary["engine_bench"] = engine_bench(outdir, args.budget_s - (time.monotonic() - start) - 5 - args.dist_budget_s)
+    reserved = 5 + args.dist_budget_s + args.spec_budget_s  # steps 5 and 6 come after the benchmarks
+    summary["engine_bench"] = engine_bench(outdir, args.budget_s - (time.monotonic() - start) - reserved)
     t0 = time.monotonic()
     cmd = [sys.executable, str(Path(__file__).resolve()), str(outdir), "--dist-only"]
-    left = args.budget_s - (time.monotonic() - start) - 3
+    left = args.budget_s - (time.monotonic() - start) - 3 - args.spec_budget_s
     rc_dist, _ = run_logged(cmd, outdir / "dist_check.log", max(10.0, min(left, args.dist_budget_s)), child_env())
     try:
         summary["dist"] = json.loads((outdir / "dist_check.json").read_text())
     except (OSError, ValueError):
         summary["dist"] = {"ok": False, "error": f"no result (exit {rc_dist}); see dist_check.log"}
     summary["dist"]["seconds"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    cmd = [sys.executable, str(Path(__file__).resolve()), str(outdir), "--spec-only"]
+    left = args.budget_s - (time.monotonic() - start) - 3
+    rc_spec, _ = run_logged(cmd, outdir / "spec_check.log", max(10.0, min(left, args.spec_budget_s)), child_env())
+    try:
+        summary["spec"] = json.loads((outdir / "spec_check.json").read_text())
+    except (OSError, ValueError):
+        summary["spec"] = {"ok": False, "error": f"no result (exit {rc_spec}); see spec_check.log"}
+    summary["spec"]["seconds"] = time.monotonic() - t0
     summary["seconds"] = time.monotonic() - start
     (outdir / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     print((outdir / "summary.txt").read_text() if (outdir / "summary.txt").exists() else "", flush=True)
     ok = tests["returncode"] == 0 and tests["failed"] == 0 and tests["errors"] == 0 and rc == 0
     ok = ok and summary["decode"].get("ok", False) and summary["engine_bench"]["returncode"] == 0
-    ok = ok and summary["dist"].get("ok", False)
+    ok = ok and summary["dist"].get("ok", False) and summary["spec"].get("ok", False)
     print(f"[gpu_check] {'OK' if ok else 'FAILED'} in {summary['seconds']:.0f} s; summary in {outdir}/gpu_check.json")
     return 0 if ok else 1
 
@@ -555,4 +659,7 @@ if __name__ == "__main__":
     if "--dist-only" in sys.argv:  # step 5 in its own process (see main)
         sys.path.insert(0, str(REPO))
         sys.exit(0 if dist_check(Path(sys.argv[1]).resolve(), "cuda")["ok"] else 1)
+    if "--spec-only" in sys.argv:  # step 6 in its own process (see main)
+        sys.path.insert(0, str(REPO))
+        sys.exit(0 if spec_check(Path(sys.argv[1]).resolve(), "cuda")["ok"] else 1)
     sys.exit(main())

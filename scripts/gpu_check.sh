@@ -2,9 +2,10 @@
 # The GPU check (scripts/gpu_check.py): the decode executor's CUDA-graph decode in bf16 against the eager step and
 # transformers, the kernel tests on CUDA (bf16 and a >2**31-element block pool included), `python -m kernels.bench`,
 # the engine benchmarks (decode with both backends, prefill, against transformers), and beyond one device (TP over
-# NCCL at size 1 against the plain engine; a disaggregated pair sharing the GPU), in under 5 minutes, with
+# NCCL at size 1 against the plain engine; a disaggregated pair sharing the GPU), speculative decoding's verify
+# step (oracle proposer, k 4, bf16: tokens with and without, the speed-up), in under 5 minutes, with
 # JSON and logs written to OUTDIR.
-#   usage: scripts/gpu_check.sh OUTDIR          (DRY_RUN=1: on the CPU, the decode check on a tiny model only)
+#   usage: scripts/gpu_check.sh OUTDIR          (DRY_RUN=1: on the CPU, the decode, dist and speculative checks on a tiny model)
 # Needs only the preinstalled torch, triton and transformers (pytest if present; built-in checks otherwise).
 # Nothing is installed: the repository root goes on PYTHONPATH. PYTHON overrides the interpreter (default python3).
 set -euo pipefail

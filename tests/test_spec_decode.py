@@ -360,3 +360,96 @@ def test_measure_speedup_runs_both_arms_on_the_same_tokens(models):
     assert out["speedup"] == pytest.approx(out["base"]["median_s"] / out["spec"]["median_s"])
     assert out["expected_tokens_per_step"] == pytest.approx(3.3616)
     assert out["speculative"]["num_drafts"] > 0  # the timed runs' counters (tokens identical: checked inside)
+
+
+# ---- the counters in the JSON and the server's /metrics, counted by hand --------------------------------------------
+def _serve_in_process(engine, requests):
+    """Requests (prompt, max_tokens) through the server's engine loop (``AsyncEngine``), every wait bounded; the
+    metrics' text."""
+    import asyncio
+
+    from workbench.serve.async_engine import AsyncEngine
+    from workbench.serve.prom import ServerMetrics
+
+    metrics = ServerMetrics("m", engine.num_speculative_tokens)
+
+    async def main():
+        loop_engine = AsyncEngine(engine, metrics)
+        task = asyncio.create_task(loop_engine.run())
+        handles = [loop_engine.add(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in requests]
+        for h in handles:
+            while (await asyncio.wait_for(h.queue.get(), 60)).finish_reason is None:
+                pass
+        loop_engine.stop()
+        await asyncio.wait_for(task, 60)
+
+    asyncio.run(main())
+    return metrics.render().decode()
+
+
+def _spec_counters(text):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"per_pos": {}}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "workbench:spec_decode_num_accepted_tokens_per_pos_total":
+                out["per_pos"][int(s.labels["position"])] = s.value
+            elif s.name.startswith("workbench:spec_decode_") and s.name.endswith("_total"):
+                out[s.name.removeprefix("workbench:spec_decode_").removesuffix("_total")] = s.value
+    return out
+
+
+@pytest.mark.parametrize("acceptance", [1.0, 0.0])
+def test_counters_in_json_and_metrics_by_hand(models, acceptance):
+    pytest.importorskip("prometheus_client")
+    _, model, expected = models["tiny-gqa"]
+    engine = Engine(model, EngineConfig(max_model_len=80, speculative_config={
+        "method": "oracle", "acceptance": acceptance, "num_speculative_tokens": 4}))  # fmt: skip
+    for prompt, tokens in zip(PROMPTS, expected):  # the target's greedy tokens (HF's: the engine's, tested above)
+        engine.speculator.proposer.add_reference(prompt, tokens)
+    # k = 4, at most max_tokens - outputs - 1 per verify (the step's own token is the last one). max_tokens 10:
+    # acceptance 1: the prefill's token, a verify of 4 (5 tokens: 6), a verify of 3 (4 tokens: 10); max_tokens 3:
+    # the prefill's, a verify of 1 (2 tokens). Drafts 3, proposed 8, all accepted; through position 0..3: 3, 2, 2, 1.
+    # acceptance 0 (every proposal wrong): max_tokens 10 verifies after 1..8 outputs, proposing 4, 4, 4, 4, 4, 3,
+    # 2, 1 (after 9: nothing left to propose); max_tokens 3 verifies once, 1 token. Drafts 9, proposed 27, none.
+    text = _serve_in_process(engine, [(PROMPTS[1], 10), (PROMPTS[2], 3)])
+    got = _spec_counters(text)
+    if acceptance == 1.0:
+        want = {"num_drafts": 3, "num_draft_tokens": 8, "num_accepted_tokens": 8, "per_pos": {0: 3, 1: 2, 2: 2, 3: 1}}
+    else:
+        want = {"num_drafts": 9, "num_draft_tokens": 27, "num_accepted_tokens": 0, "per_pos": {0: 0, 1: 0, 2: 0, 3: 0}}
+    assert got == want
+    stats = engine.speculative_stats()
+    assert stats["num_accepted_tokens_per_pos"] == [want["per_pos"][i] for i in range(4)]
+    assert stats["acceptance_rate"] == want["num_accepted_tokens"] / want["num_draft_tokens"]
+    assert stats["mean_accepted_length"] == pytest.approx(want["num_accepted_tokens"] / want["num_drafts"])
+    # per position: accepted through it over the proposals that reached it (1 each at acceptance 1, 0 at 0)
+    assert stats["per_position_acceptance"] == [acceptance] * 4
+    assert sum(engine.request_state().values()) == 0  # the loop's engine holds no finished request
+
+
+def test_gpu_check_speculative_step_runs_on_the_cpu(tmp_path):
+    # scripts/gpu_check.py's step 6 on the CPU (its dry run): fp32, so the tokens with speculation must equal those
+    # without; the speed-up is reported, not checked
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = gpu_check.spec_check(tmp_path, "cpu", new_tokens=12, rounds=1)
+    assert out["ok"] and json.loads((tmp_path / "spec_check.json").read_text()) == out
+    (row,) = out["rows"]
+    assert (row["dtype"], row["batch"], row["prompts_identical"]) == ("fp32", 1, 1) and row["speedup"] > 0
+
+
+def test_measure_speedup_takes_given_prompts(models):
+    from workbench.experiments.speculative import measure_speedup
+
+    _, model, _ = models["tiny-gqa"]
+    spec = {"method": "oracle", "acceptance": 0.8, "num_speculative_tokens": 3}
+    out = measure_speedup(model, spec, max_tokens=8, rounds=1, prompts=[[5, 6, 7, 8] * 4, [9, 10] * 3])
+    assert (out["batch"], out["prompt_len"], out["max_tokens"]) == (2, 16, 8)
+    assert out["speculative"]["num_drafts"] > 0  # both arms ran on these prompts (their tokens are checked inside)

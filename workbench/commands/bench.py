@@ -9,6 +9,8 @@
     workbench bench serve   --base-url URL --model NAME [vllm bench serve's flags]   (workbench.commands.bench_serve)
     workbench bench linear | quant-ops | compiled | decode-parts | roofline | allreduce | gpu-costs | simulator
                     | op-steps | vllm | serve-load    (one part of the stack on its own: workbench.commands.bench_tools)
+    workbench bench soak    [--model tiny-gqa] [--num-requests 2000] [--abort-fraction 0.1] [--speculative-config JSON]
+                            [--server]   (workbench.commands.bench_soak: no leaked block, no finished request held)
 
 ``--model`` defaults to the CPU benchmark preset ``bench-300m`` (random weights, ~300M parameters); a directory
 loads a real checkpoint. ``--threads`` sets torch's intra-op threads (default: every usable core) and is
@@ -35,7 +37,7 @@ from typing import Any
 
 from workbench.commands import bench_tools as tools
 
-KINDS = ("decode", "prefill", "offline", "hf", "serve", *tools.TOOL_HELP)
+KINDS = ("decode", "prefill", "offline", "hf", "serve", "soak", *tools.TOOL_HELP)
 MODE_HELP = {
     "decode": "decode steps per batch size: tokens/s, MBU, the matrix-vector share (several --quantization "
     "values: compared in one run)",
@@ -43,6 +45,8 @@ MODE_HELP = {
     "offline": "an offline request set through the engine: output tokens/s (vLLM: bench throughput)",
     "hf": "our engine against HF transformers on the same prompts",
     "serve": "load an OpenAI-compatible server the way vllm bench serve does",
+    "soak": "many requests with aborts through the engine (or --server: workbench serve): no leaked block, no "
+    "finished request held, flat memory",
     **tools.TOOL_HELP,  # one part of the stack on its own (workbench.commands.bench_tools)
 }
 ALIASES = {"throughput": "offline"}  # vLLM's name of the offline benchmark
@@ -59,7 +63,8 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
         return kind is None or kind in kinds
 
     if kind not in tools.NO_MODEL:
-        p.add_argument("--model", default="bench-300m", help="preset name, config.json or checkpoint directory")
+        p.add_argument("--model", default="tiny-gqa" if kind == "soak" else "bench-300m",
+                       help="preset name, config.json or checkpoint directory")  # fmt: skip
     if owns(*ENGINE_MODES):
         add_serving_arguments(p, EngineConfig, ("dtype",))
         p.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -137,6 +142,10 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
 
         add_serve_arguments(p)  # a client of an OpenAI-compatible server (vLLM's flags)
     tools.add_tool_options(p, owns)
+    if owns("soak"):
+        from workbench.commands.bench_soak import add_soak_arguments
+
+        add_soak_arguments(p)  # after every other mode's: the options they share keep their declaration
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -195,6 +204,10 @@ def run(args: argparse.Namespace) -> int:
         from workbench.commands.bench_serve import run_serve
 
         return run_serve(args)
+    if args.kind == "soak":
+        from workbench.commands.bench_soak import run_soak
+
+        return run_soak(args)
     from workbench import bench
     from workbench.device import resolve_device
     from workbench.hardware import measured_spec, warn_if_emulated

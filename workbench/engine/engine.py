@@ -7,9 +7,11 @@ The engine's API, the only way in for the server, the benchmarks, disaggregation
 drops one between steps (the server does when a client goes away); ``step`` runs one scheduler step and returns a
 ``RequestOutput`` (the new tokens; once finished, the whole result) for each request it touched, after which a
 finished request is forgotten; ``hold``/``held_blocks``/``release`` and ``add_prefilled`` hand a request from a
-prefill engine to a decode engine; ``stats`` gives the queue and pool gauges. ``generate`` serves a list of prompts
-offline (all arrive at once); ``replay`` serves a workload online, admitting each request when its arrival time
-comes on the wall clock. Every timestamp is seconds
+prefill engine to a decode engine; ``stats`` gives the queue and pool gauges, ``speculative_stats`` speculative
+decoding's acceptance counters, ``request_state`` the per-request entries it holds (none of a finished request) and
+``check_invariants`` checks the block manager against the live requests' block tables. ``generate`` serves a list of
+prompts offline (all arrive at once); ``replay`` serves a workload online, admitting each request when its arrival
+time comes on the wall clock. Every timestamp is seconds
 since the engine's clock was started (``reset_clock``), and each step's measured duration is what advances it.
 """
 
@@ -372,6 +374,40 @@ class Engine:
             "block_size": bm.block_size, "num_used_blocks": bm.num_used_blocks,
             "num_preemptions": sched.num_preemptions, "max_model_len": sched.config.max_model_len,
         }  # fmt: skip
+
+    @property
+    def num_speculative_tokens(self) -> int | None:
+        """Speculative decoding's k (tokens proposed per step at most); None when speculation is off."""
+        spec = self.config.speculative_config
+        return None if spec is None else spec.num_speculative_tokens
+
+    def speculative_stats(self) -> dict[str, Any] | None:
+        """Speculative decoding's acceptance counters since the engine started (``SpecStats.to_dict``: counts,
+        ``acceptance_rate``, ``mean_accepted_length``, per position); None when speculation is off."""
+        return None if self.speculator is None else self.scheduler.spec_stats.to_dict()
+
+    def request_state(self) -> dict[str, int]:
+        """How many requests each per-request store of the engine holds: ``sequences`` (unfinished requests),
+        ``scheduler`` (waiting, running and held), ``reported`` (output counts already sent), ``generators`` (seeded
+        samplers), ``handoff`` (held requests' generator states) and ``speculator`` (a draft model's sequences, the
+        oracle's continuations). Once every request has finished or been aborted (and none is held) each is 0: the
+        engine holds no finished request (``workbench bench soak`` checks it)."""
+        sched = self.scheduler
+        return {
+            "sequences": len(self.sequences),
+            "scheduler": sched.num_requests,
+            "reported": len(self._num_reported),
+            "generators": self.runner.sampler.num_generators,
+            "handoff": len(self._handoff_states),
+            "speculator": 0 if self.speculator is None else self.speculator.num_requests,
+        }
+
+    def check_invariants(self) -> None:
+        """The block manager's invariants against the block tables of every request holding blocks (running or
+        held): reference counts, free lists, no block twice (AssertionError on a violation)."""
+        sched = self.scheduler
+        tables = [s.block_table for s in sched.running] + [s.block_table for s in sched.held.values()]
+        self.block_manager.check_invariants(tables)
 
     @property
     def max_model_len(self) -> int:

@@ -224,6 +224,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests the scheduler tracks: waiting, running and held (finished ones are forgotten)."""
+        return len(self._by_id) + len(self.held)
+
     def has_unfinished(self) -> bool:
         """True while a request waits or runs, or a rejection is still to be reported by ``update``."""
         return bool(self.waiting or self.running or self._rejected)

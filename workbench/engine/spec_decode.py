@@ -22,9 +22,11 @@ Proposers (each ``propose(seq, k) -> list[int]``):
 - ``OracleProposer``: the target's own greedy continuation with each token kept with probability ``acceptance``,
   else replaced by a different token (seeded coin flips), so a run's acceptance rate is dialled for experiments.
   The continuation is honest: a reference run of the target (``add_reference``, e.g. the tokens of a run without
-  speculation, as the speed-up benchmark does), or else the target's greedy continuation computed on first need
-  with the plain static loop (``workbench.model.generate.generate_static``, greedy, EOS ignored) from the
-  sequence's tokens so far, and again whenever the sequence's outputs leave it (``num_reference_runs`` counts).
+  speculation, as the speed-up benchmark does; kept by prompt until the caller drops the proposer), or else the
+  target's greedy continuation computed on first need with the plain static loop
+  (``workbench.model.generate.generate_static``, greedy, EOS ignored) from the sequence's tokens so far, and again
+  whenever the sequence's outputs leave it (``num_reference_runs`` counts); a computed one is kept by request and
+  dropped when the request ends (``release``), so a long-running engine holds none of a finished request.
 - ``DraftModelProposer``: a smaller model with the target's vocabulary, its own paged KV pool and block manager;
   each step it catches up on the sequence's tokens it has not seen and proposes its greedy continuation, one
   token per forward; its KV past the accepted tokens is dropped (``BlockManager.truncate``).
@@ -155,6 +157,7 @@ class OracleProposer:
         self.vocab_size = model.config.vocab_size
         self.rng = random.Random(seed)
         self.references: dict[tuple[int, ...], list[int]] = {}  # prompt -> the target's greedy continuation
+        self._computed: dict[int, list[int]] = {}  # request id -> a continuation computed here (until release)
         self.num_reference_runs = 0
 
     def add_reference(self, prompt: list[int], continuation: list[int]) -> None:
@@ -162,12 +165,11 @@ class OracleProposer:
         self.references[tuple(prompt)] = list(continuation)
 
     def _reference(self, seq: Sequence, k: int) -> list[int]:
-        key = tuple(seq.prompt_token_ids)
-        ref = self.references.get(key)
         out = seq.output_token_ids
         n = len(out)
-        if ref is not None and ref[:n] == out and (len(ref) >= n + k or len(ref) >= seq.sampling.max_tokens):
-            return ref
+        for ref in (self.references.get(tuple(seq.prompt_token_ids)), self._computed.get(seq.seq_id)):
+            if ref is not None and ref[:n] == out and (len(ref) >= n + k or len(ref) >= seq.sampling.max_tokens):
+                return ref
         from workbench.model.generate import generate_static
 
         context = seq.prompt_token_ids + out
@@ -177,7 +179,7 @@ class OracleProposer:
             self.num_reference_runs += 1
             params = SamplingParams(max_tokens=horizon, ignore_eos=True)
             ref += generate_static(self.model, [context], params)[0].tokens
-        self.references[key] = ref
+        self._computed[seq.seq_id] = ref
         return ref
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
@@ -190,8 +192,13 @@ class OracleProposer:
             proposal.append(token)
         return proposal
 
+    @property
+    def num_requests(self) -> int:
+        """Requests holding a computed continuation."""
+        return len(self._computed)
+
     def release(self, seq_id: int) -> None:
-        pass
+        self._computed.pop(seq_id, None)
 
 
 class DraftModelProposer:
@@ -238,6 +245,11 @@ class DraftModelProposer:
             proposal.append(token)
         return proposal
 
+    @property
+    def num_requests(self) -> int:
+        """Requests the draft holds a sequence (and KV blocks) for."""
+        return len(self._seqs)
+
     def release(self, seq_id: int) -> None:
         mine = self._seqs.pop(seq_id, None)
         if mine is not None:
@@ -271,6 +283,11 @@ class Speculator:
     def release(self, seq_id: int) -> None:
         if not isinstance(self.proposer, NgramProposer):
             self.proposer.release(seq_id)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose proposer state is held (the n-gram proposer holds none)."""
+        return 0 if isinstance(self.proposer, NgramProposer) else self.proposer.num_requests
 
 
 def make_speculator(

@@ -163,7 +163,9 @@ class SpecStats:
         """The run JSON's ``speculative`` entry: counts, ``acceptance_rate`` (accepted / proposed tokens),
         ``mean_accepted_length`` (accepted tokens per verified proposal; vLLM's mean acceptance length is this + 1,
         the target's own token), ``per_position_acceptance`` (at each position, the proposals accepted up to and
-        including it over those that reached it: cumulative, ``alpha^(i+1)`` for i.i.d. acceptance alpha)."""
+        including it over those that reached it: cumulative, ``alpha^(i+1)`` for i.i.d. acceptance alpha) and
+        ``num_accepted_tokens_per_pos`` (the counts: proposals accepted through each position; vLLM's counter of that
+        name, whose rate it reports over ``num_drafts``)."""
         d, t, a = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
         pairs = zip(self.accepted_per_position, self.proposed_per_position)
         return {
@@ -173,6 +175,7 @@ class SpecStats:
             "acceptance_rate": a / t if t else None,
             "mean_accepted_length": a / d if d else None,
             "per_position_acceptance": [acc / prop if prop else None for acc, prop in pairs],
+            "num_accepted_tokens_per_pos": list(self.accepted_per_position),
         }
 
 

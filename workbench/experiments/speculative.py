@@ -31,14 +31,21 @@ def measure_speedup(
     max_tokens: int = 64,
     rounds: int = 3,
     seed: int = 0,
+    prompts: list[list[int]] | None = None,
     **engine: Any,
 ) -> dict[str, Any]:
     """Tokens/s of ``batch`` greedy requests with ``spec`` over without, in ``rounds`` interleaved rounds (module
-    docstring); ``engine``: further ``EngineConfig`` fields of both arms."""
+    docstring); ``prompts``: these instead of ``batch`` random ones of ``prompt_len`` tokens (e.g. repetitive text,
+    where n-gram lookup finds matches); ``engine``: further ``EngineConfig`` fields of both arms."""
     spec = SpeculativeConfig.parse(spec)
     if rounds < 1:
         raise ConfigError(f"rounds must be >= 1, got {rounds}")
-    prompts = random_prompts(batch, prompt_len, model.config.vocab_size, seed)
+    if prompts is not None:
+        if not prompts or any(not p for p in prompts):
+            raise ConfigError("measure_speedup: prompts must be a non-empty list of non-empty token-id lists")
+        batch, prompt_len = len(prompts), max(len(p) for p in prompts)
+    else:
+        prompts = random_prompts(batch, prompt_len, model.config.vocab_size, seed)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     max_len = prompt_len + max_tokens + 1
     engine = {"max_model_len": max_len, "max_num_seqs": max(batch, 1), **engine}

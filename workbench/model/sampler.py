@@ -49,6 +49,11 @@ class Sampler:
     def release(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
+    @property
+    def num_generators(self) -> int:
+        """Requests holding a generator (released with each finished request)."""
+        return len(self._generators)
+
     def generator_state(self, seq_id: int) -> torch.Tensor | None:
         """The state of the request's generator (None when it has none: greedy so far), to continue it elsewhere."""
         gen = self._generators.get(seq_id)

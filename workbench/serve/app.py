@@ -365,8 +365,9 @@ def build_app(
         bytes_per_token = codec.max_token_bytes if codec is not None else DEFAULT_MAX_BYTES_PER_TOKEN
     body_limit = limits.max_body_bytes or default_max_body_bytes(max_len, bytes_per_token)
     app = web.Application(client_max_size=body_limit, middlewares=[_errors_as_json, _check_api_key])
+    server_metrics = ServerMetrics(model_name, engine.num_speculative_tokens)  # spec_decode counters when on
     app[STATE] = ServerState(
-        AsyncEngine(engine, ServerMetrics(model_name)), codec, model_name, max_len, engine.model.config.vocab_size,
+        AsyncEngine(engine, server_metrics), codec, model_name, max_len, engine.model.config.vocab_size,
         limits=limits, max_bytes_per_token=bytes_per_token, created=int(unix_time()),
     )  # fmt: skip
     log.info("body limit %d bytes, at most %d bytes of text per token", body_limit, bytes_per_token)

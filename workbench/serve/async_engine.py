@@ -202,3 +202,7 @@ class AsyncEngine:
         if st["num_preemptions"] > self._num_preemptions:
             self.metrics.preemptions.inc(st["num_preemptions"] - self._num_preemptions)
             self._num_preemptions = st["num_preemptions"]
+        self.metrics.request_entries.set(sum(self.engine.request_state().values()))
+        spec = self.engine.speculative_stats()
+        if spec is not None:
+            self.metrics.observe_speculative(spec)

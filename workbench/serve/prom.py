@@ -5,6 +5,13 @@ the engine's clock: TTFT from the moment the server's handler received the reque
 the end of the step that produced its first token,
 ITL between consecutive tokens of a request, E2E from receipt to the last token (requests that a client abandoned
 are not counted). Built on ``prometheus_client``, one registry per server.
+
+With speculative decoding on, vLLM's counters of it (as ``vllm:spec_decode_*``): ``spec_decode_num_drafts``
+(proposals verified), ``spec_decode_num_draft_tokens`` (tokens proposed), ``spec_decode_num_accepted_tokens`` and
+``spec_decode_num_accepted_tokens_per_pos`` (label ``position``, 0 to k - 1: proposals accepted through that
+position). Acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts, the rate at
+position i = per_pos[i] / drafts, all over the deltas of two scrapes. ``workbench:engine_request_entries`` counts the
+per-request entries the engine holds (``Engine.request_state``): the requests in flight, none of a finished one.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ LATENCY_BUCKETS_S = (
 class ServerMetrics:
     """Histograms, gauges and counters of one server (``render()`` gives the text of ``GET /metrics``)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -50,7 +57,40 @@ class ServerMetrics:
         self.generation_tokens = counter("workbench:generation_tokens", "Tokens generated.")
         self.finished = Counter("workbench:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], **labels)  # fmt: skip
+        self.request_entries = gauge(
+            "workbench:engine_request_entries", "Per-request entries the engine holds (requests in flight only)."
+        )
         self.model_name = model_name
+        self.spec: dict[str, Any] | None = None  # speculative decoding's counters, when on
+        if num_speculative_tokens is not None:
+            per_pos = Counter(
+                "workbench:spec_decode_num_accepted_tokens_per_pos", "Proposals accepted through each position.",
+                ["model_name", "position"], **labels,
+            )  # fmt: skip
+            self.spec = {
+                "num_drafts": counter("workbench:spec_decode_num_drafts", "Proposals verified."),
+                "num_draft_tokens": counter("workbench:spec_decode_num_draft_tokens", "Tokens proposed."),
+                "num_accepted_tokens": counter("workbench:spec_decode_num_accepted_tokens", "Tokens accepted."),
+                "per_pos": [per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)],
+            }
+        self._spec_seen: dict[str, Any] = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                                           "num_accepted_tokens_per_pos": []}  # fmt: skip
+
+    def observe_speculative(self, stats: dict[str, Any]) -> None:
+        """Advance the speculative counters to the engine's cumulative ``stats`` (``Engine.speculative_stats``)."""
+        if self.spec is None:
+            return
+        seen = self._spec_seen
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if stats[key] > seen[key]:
+                self.spec[key].inc(stats[key] - seen[key])
+        per_pos, old = stats["num_accepted_tokens_per_pos"], seen["num_accepted_tokens_per_pos"]
+        for i, count in enumerate(per_pos[: len(self.spec["per_pos"])]):
+            before = old[i] if i < len(old) else 0
+            if count > before:
+                self.spec["per_pos"][i].inc(count - before)
+        self._spec_seen = {**{k: stats[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
+                           "num_accepted_tokens_per_pos": list(per_pos)}  # fmt: skip
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

@@ -6,6 +6,8 @@
     workbench bench offline [--model ...] [--num-requests 64] [--context 256] [--max-num-seqs 32] [--json]
     workbench bench hf      [--model ...] [--prompt-len 32] [--new-tokens 32] [--no-offline] [--json]
     workbench bench serve   --base-url URL --model NAME [vllm bench serve's flags]   (workbench.commands.bench_serve)
+    workbench bench speculative [--speculative-config JSON] [--batch 1 2 4 8] [--cost-model profiled] [--json]
+                            (workbench.commands.bench_speculative: measured speed-up against the simulator's)
 
 ``--model`` defaults to the CPU benchmark preset ``bench-300m`` (random weights, ~300M parameters); a directory
 loads a real checkpoint. ``--threads`` sets torch's intra-op threads (default: every usable core) and is
@@ -29,7 +31,7 @@ import argparse
 import json
 from typing import Any
 
-KINDS = ("decode", "prefill", "offline", "hf", "serve")
+KINDS = ("decode", "prefill", "offline", "hf", "serve", "speculative")
 MODE_HELP = {
     "decode": "decode steps per batch size: tokens/s, MBU, the matrix-vector share (several --quantization "
     "values: compared in one run)",
@@ -37,9 +39,10 @@ MODE_HELP = {
     "offline": "an offline request set through the engine: output tokens/s (vLLM: bench throughput)",
     "hf": "our engine against HF transformers on the same prompts",
     "serve": "load an OpenAI-compatible server the way vllm bench serve does",
+    "speculative": "speculative decoding's speed-up against batch size, measured beside the simulator's prediction",
 }
 ALIASES = {"throughput": "offline"}  # vLLM's name of the offline benchmark
-ENGINE_MODES = ("decode", "prefill", "offline", "hf")
+ENGINE_MODES = ("decode", "prefill", "offline", "hf", "speculative")
 
 
 def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
@@ -56,23 +59,26 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
         add_serving_arguments(p, EngineConfig, ("dtype",))
         p.add_argument("--device", default="auto", help="auto | cpu | cuda")
         p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all usable cores)")
+    if owns("decode", "speculative"):
+        p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8] if kind == "speculative" else [1, 8, 32],
+                       help="decode batch sizes")  # fmt: skip
     if owns("decode"):
-        p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
         p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="shard the model over N processes, --threads each; rows add the all-reduce share of a "
                        "step and its bandwidth")  # fmt: skip
         p.add_argument("--max-processes", type=int, default=None,
                        help="most worker processes --tensor-parallel-size may start (default: the CPU cores of this "
                        "machine)")  # fmt: skip
-    if owns("decode", "prefill", "hf"):
+    if owns("decode", "prefill", "hf", "speculative"):
         p.add_argument("--prompt-len", type=int, nargs="+", default=None,
-                       help="prompt lengths in tokens (default: prefill 128 512 1024; decode 128; hf 32)")  # fmt: skip
+                       help="prompt lengths in tokens (default: prefill 128 512 1024; decode 128; hf and "
+                       "speculative 32)")  # fmt: skip
     if owns("decode"):
         p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
     if owns("decode", "prefill", "offline"):
         p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps or runs")
-    if owns("prefill", "offline", "hf"):
-        p.add_argument("--repeats", type=int, default=3, help="timed repetitions")
+    if owns("prefill", "offline", "hf", "speculative"):
+        p.add_argument("--repeats", type=int, default=3, help="timed repetitions (speculative: interleaved rounds)")
     if owns("hf"):
         p.add_argument("--new-tokens", type=int, default=32, help="tokens generated for batch-1 decode")
     if owns("offline", "hf"):
@@ -113,6 +119,10 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
         from workbench.commands.bench_serve import add_serve_arguments
 
         add_serve_arguments(p)  # a client of an OpenAI-compatible server (vLLM's flags)
+    if owns("speculative"):
+        from workbench.commands.bench_speculative import add_speculative_bench_arguments
+
+        add_speculative_bench_arguments(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
         from workbench.commands.bench_serve import run_serve
 
         return run_serve(args)
+    if args.kind == "speculative":
+        from workbench.commands.bench_speculative import run_speculative
+
+        return run_speculative(args)
     from workbench import bench
     from workbench.device import resolve_device
     from workbench.hardware import measured_spec, warn_if_emulated

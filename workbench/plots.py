@@ -9,7 +9,8 @@ Figures here: ``plot_roofline`` (log-log roofline with the hardware's ceilings a
 and phase), ``plot_decode_bytes`` (stacked bars of where a decode step's bytes go), and the experiments' figures:
 ``plot_phase_times`` (01), ``plot_variant_decode`` and ``plot_waste`` (02), ``plot_batch_sweep`` and
 ``plot_policy_bars`` (03), ``plot_step_timelines`` and ``plot_budget_tradeoff`` (04), ``plot_decode_levers``,
-``plot_accuracy_speed`` and ``plot_phase_speedups`` (08), and ``plot_trials`` (the paired rounds behind every
+``plot_accuracy_speed`` and ``plot_phase_speedups`` (08), ``plot_speculative_speedup`` (09), and
+``plot_trials`` (the paired rounds behind every
 timing claim: each round's B/A and A/A ratio, the interval and the margin). Every timing is drawn with
 error bars from its min..max over the repeats (rows with ``time_min_s`` / ``time_max_s``). Titles name the axes
 and the setting, never a claim: the claims and their verdicts are in each notebook's conclusion.
@@ -806,4 +807,25 @@ def plot_trials(comparisons: Mapping[str, Any], ax: Axes | None = None) -> Axes:
     ax.set_ylim(-0.6, len(names) - 0.4)
     ax.set(xlabel="ratio B/A (log scale)", title="Paired rounds: per-round ratios and the interval of their mean")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="x-small")
+    return ax
+
+
+def plot_speculative_speedup(rows: Any, roofline_rows: Any, ax: Axes | None = None) -> Axes:
+    """Speculative decoding's speed-up against batch size (09): measured (the ratio of medians, with each round's
+    ratio as dots), the simulator's prediction for the same run, and the roofline's expected speed-up; 1 (no gain)
+    dotted. ``rows``: ``speedup_against_batch`` rows; ``roofline_rows``: ``roofline_speedups`` rows."""
+    ax = _new_ax(ax)
+    batches = [r["batch"] for r in rows]
+    ax.plot(batches, [r["measured_speedup"] for r in rows], "o-", color="#0173B2", label="measured (engine)")
+    for r in rows:
+        ax.scatter([r["batch"]] * len(r["speedup_per_round"]), r["speedup_per_round"], s=12, color="#0173B2",
+                   alpha=0.4)  # fmt: skip
+    ax.plot(batches, [r["predicted_speedup"] for r in rows], "s--", color="#DE8F05", label="simulated (same run)")
+    ax.plot([r["batch"] for r in roofline_rows], [r["speedup"] for r in roofline_rows], "^:", color="#029E73",
+            label="roofline (measured ceilings)")  # fmt: skip
+    ax.axhline(1.0, color="grey", ls=":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="batch size (sequences)", ylabel="tokens/s with speculation / without (x)",
+           title="Speculative decoding's speed-up against batch size")  # fmt: skip
+    ax.legend()
     return ax

@@ -11,6 +11,8 @@
                     | op-steps | vllm | serve-load    (one part of the stack on its own: workbench.commands.bench_tools)
     workbench bench soak    [--model tiny-gqa] [--num-requests 2000] [--abort-fraction 0.1] [--speculative-config JSON]
                             [--server]   (workbench.commands.bench_soak: no leaked block, no finished request held)
+    workbench bench speculative [--speculative-config JSON] [--batch 1 2 4 8] [--cost-model profiled] [--json]
+                            (workbench.commands.bench_speculative: measured speed-up against the simulator's)
 
 ``--model`` defaults to the CPU benchmark preset ``bench-300m`` (random weights, ~300M parameters); a directory
 loads a real checkpoint. ``--threads`` sets torch's intra-op threads (default: every usable core) and is
@@ -37,7 +39,7 @@ from typing import Any
 
 from workbench.commands import bench_tools as tools
 
-KINDS = ("decode", "prefill", "offline", "hf", "serve", "soak", *tools.TOOL_HELP)
+KINDS = ("decode", "prefill", "offline", "hf", "serve", "soak", "speculative", *tools.TOOL_HELP)
 MODE_HELP = {
     "decode": "decode steps per batch size: tokens/s, MBU, the matrix-vector share (several --quantization "
     "values: compared in one run)",
@@ -47,10 +49,11 @@ MODE_HELP = {
     "serve": "load an OpenAI-compatible server the way vllm bench serve does",
     "soak": "many requests with aborts through the engine (or --server: workbench serve): no leaked block, no "
     "finished request held, flat memory",
+    "speculative": "speculative decoding's speed-up against batch size, measured beside the simulator's prediction",
     **tools.TOOL_HELP,  # one part of the stack on its own (workbench.commands.bench_tools)
 }
 ALIASES = {"throughput": "offline"}  # vLLM's name of the offline benchmark
-ENGINE_MODES = ("decode", "prefill", "offline", "hf")
+ENGINE_MODES = ("decode", "prefill", "offline", "hf", "speculative")
 
 
 def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
@@ -70,8 +73,9 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
         p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     if owns(*ENGINE_MODES, *tools.uses("threads")):
         p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all usable cores)")
-    if owns("decode", *tools.uses("batch")):
-        p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes")
+    if owns("decode", "speculative", *tools.uses("batch")):
+        p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8] if kind == "speculative" else [1, 8, 32],
+                       help="decode batch sizes")  # fmt: skip
     if owns("decode"):
         p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="shard the model over N processes, --threads each; rows add the all-reduce share of a "
@@ -79,16 +83,16 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
         p.add_argument("--max-processes", type=int, default=None,
                        help="most worker processes --tensor-parallel-size may start (default: the CPU cores of this "
                        "machine)")  # fmt: skip
-    if owns("decode", "prefill", "hf", *tools.uses("prompt_len")):
+    if owns("decode", "prefill", "hf", "speculative", *tools.uses("prompt_len")):
         p.add_argument("--prompt-len", type=int, nargs="+", default=None,
-                       help="prompt lengths in tokens (default: prefill 128 512 1024; decode and compiled 128; hf and "
-                       "vllm 32; serve-load 24)")  # fmt: skip
+                       help="prompt lengths in tokens (default: prefill 128 512 1024; decode and compiled 128; hf, "
+                       "vllm and speculative 32; serve-load 24)")  # fmt: skip
     if owns("decode", *tools.uses("steps")):
         p.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
     if owns("decode", "prefill", "offline", *tools.uses("warmup")):
         p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps or runs")
-    if owns("prefill", "offline", "hf", *tools.uses("repeats")):
-        p.add_argument("--repeats", type=int, default=3, help="timed repetitions")
+    if owns("prefill", "offline", "hf", "speculative", *tools.uses("repeats")):
+        p.add_argument("--repeats", type=int, default=3, help="timed repetitions (speculative: interleaved rounds)")
     if owns("hf", *tools.uses("new_tokens")):
         p.add_argument("--new-tokens", type=int, default=32,
                        help="tokens generated per request (hf, vllm: of the batch-1 decode)")  # fmt: skip
@@ -146,6 +150,10 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
         from workbench.commands.bench_soak import add_soak_arguments
 
         add_soak_arguments(p)  # after every other mode's: the options they share keep their declaration
+    if owns("speculative"):
+        from workbench.commands.bench_speculative import add_speculative_bench_arguments
+
+        add_speculative_bench_arguments(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -208,6 +216,10 @@ def run(args: argparse.Namespace) -> int:
         from workbench.commands.bench_soak import run_soak
 
         return run_soak(args)
+    if args.kind == "speculative":
+        from workbench.commands.bench_speculative import run_speculative
+
+        return run_speculative(args)
     from workbench import bench
     from workbench.device import resolve_device
     from workbench.hardware import measured_spec, warn_if_emulated

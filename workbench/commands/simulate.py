@@ -6,6 +6,7 @@
         [--replicas N] [--router round-robin|least-outstanding|shortest-queue] [--policy P]
         [--disaggregate P:D --link-gbps X [--link-latency-s S]]
         [--cost-model roofline|profiled|op-profile [--profile FILE]]
+        [--speculative-config JSON [--spec-acceptance ALPHA ...]]
         [engine options] [--slo-ttft S] [--slo-tpot S] [--slo-e2el S] [--step-log FILE] [--json]
 
 Each step's duration comes from a cost model: ``roofline`` (the roofline prediction for the model on the hardware,
@@ -26,6 +27,12 @@ machine, is an error unless ``--force-profile``. The exit code is 1 when every r
 ``--step-log``'s folder is checked before the simulation runs; the results are printed before ``--step-log`` and
 ``--plot`` are written, so a file that cannot be written (exit 2, one line) does not lose them.
 
+``--speculative-config`` (the engine's JSON and ``SpeculativeConfig``): each decode verifies ``k`` proposals in one
+step, priced as the engine runs it (``k + 1`` query tokens over the cached context), each proposal accepted with the
+oracle's ``acceptance`` (or ``--spec-acceptance``: one alpha, or one per position, for ngram and draft); a draft
+model's proposals are priced by the roofline of its config (``workbench.sim.speculation``). The JSON then holds
+``speculative``: acceptance rate, mean accepted length, per-position acceptance.
+
 Memory: the trace is read as the simulation runs, and a finished request leaves only its latencies (TTFT, TPOT,
 E2EL: 32 bytes) and its inter-token gaps as counts per distinct value; a run of 10^6 trace rows stays well under
 2 GB. ``--step-log`` holds a record of every step and ``--plot`` every request's token timeline until the end.
@@ -43,6 +50,7 @@ from workbench.commands.common import (
     add_rejections,
     add_scheduler_arguments,
     add_slo_arguments,
+    add_speculative_arguments,
     add_trace_arguments,
     all_rejected_exit_code,
     check_output_file,
@@ -78,6 +86,33 @@ def roofline_costs(args: argparse.Namespace, cfg: object, hw: object, config: ob
             expert_parallel_size=config.expert_parallel_size, calibration=cal, host_gap_s=None,
         )  # fmt: skip
     return [models[role] for role in roles]
+
+
+def _spec_acceptance(values: list[float] | None) -> float | tuple[float, ...] | None:
+    """--spec-acceptance: one alpha, or one per position."""
+    if values is None:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _draft_cost(args: argparse.Namespace, config: object, hw: object, profiled: bool) -> object:
+    """The cost model of a draft model's proposals (the roofline of its config on the same hardware, formats and
+    calibration as the target's), or None when no draft model speculates."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft":
+        return None
+    from workbench.config import ModelConfig
+    from workbench.errors import ConfigError
+    from workbench.sim.costmodel import make_cost_model
+
+    if profiled:
+        raise ConfigError(f"--cost-model {args.cost_model} has no profile of the draft model; simulate a draft "
+                          "model with --cost-model roofline, or the oracle at its acceptance")  # fmt: skip
+    return make_cost_model(
+        "roofline", ModelConfig.resolve(spec.model), hw, config.dtype, None, args.prefill_efficiency,
+        args.decode_efficiency, quantization=config.quantization, group_size=config.group_size,
+        kv_cache_dtype=config.kv_cache_dtype, calibration=calibration_of(args, hw), host_gap_s=0.0,
+    )  # fmt: skip
 
 
 def _link_latency_s(args: argparse.Namespace) -> float:
@@ -122,6 +157,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--prefill-efficiency", type=float, default=1.0, help="roofline: achieved share in prefill")
     m.add_argument("--decode-efficiency", type=float, default=1.0, help="roofline: achieved share in decode")
     add_calibration_arguments(m)
+    s = p.add_argument_group("speculative decoding")
+    add_speculative_arguments(s)
+    s.add_argument("--spec-acceptance", type=float, nargs="+", default=None, metavar="ALPHA",
+                   help="acceptance of each proposed token (one for all positions, or one per position given the "
+                   "earlier ones accepted), for methods ngram and draft; the oracle's is its 'acceptance'")  # fmt: skip
     add_slo_arguments(p)
     p.add_argument("--step-log", default=None, help="write every replica's per-step log to this JSON file")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -155,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
         link_gbps=args.link_gbps, link_latency_s=_link_latency_s(args),
         pipeline_parallel_size=args.pipeline_parallel_size,
         prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, expert_parallel_size=args.expert_parallel_size,
+        speculative_config=args.speculative_config, spec_acceptance=_spec_acceptance(args.spec_acceptance),
     )  # fmt: skip
+    draft_cost = _draft_cost(args, config, hw, profiled)
     cost = roofline_costs(args, cfg, hw, config) if not profiled else make_cost_model(
         args.cost_model, cfg, hw, args.dtype, args.profile, noise_seed=args.profile_noise_seed)  # fmt: skip
     max_len = config.resolved_max_model_len(cfg)
@@ -175,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar(desc="simulate", unit="request") as bar:
         result = simulate(iter(requests), cfg, cost, config, hardware=hw, seed=args.trace_seed,
                           record_steps=args.step_log is not None or args.plot is not None, progress=bar,
-                          keep_records=args.plot is not None)  # fmt: skip
+                          keep_records=args.plot is not None, draft_cost_model=draft_cost)  # fmt: skip
     summary = result.summary(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_e2el_s=args.slo_e2el)
     add_rejections(summary, result.rejected)
     engine = asdict(config)
@@ -204,6 +246,11 @@ def run(args: argparse.Namespace) -> int:
               f"preemptions, {summary['duration_s']:.2f} s simulated in {summary['wall_s']:.2f} s "
               f"({summary['requests_per_wall_s']:.0f} req/s, {summary['us_per_step']:.1f} us/step)")  # fmt: skip
         print_serving_metrics(summary["metrics"])
+        spec = summary.get("speculative")
+        if spec and spec["num_drafts"]:
+            print(f"  speculative decoding: {spec['num_drafts']} verifies, acceptance rate "
+                  f"{spec['acceptance_rate']:.3f}, mean accepted length "
+                  f"{spec['mean_accepted_length']:.2f}")  # fmt: skip
         for rep in summary["replicas"]:
             print(f"  replica {rep['index']} ({rep['role']}): {rep['num_steps']} steps, "
                   f"utilisation {100 * rep['utilization']:.0f}%")  # fmt: skip

@@ -179,6 +179,23 @@ class SpecStats:
         }
 
 
+def merged_spec_stats(parts: list[SpecStats]) -> SpecStats:
+    """One ``SpecStats`` counting every proposal of ``parts`` (e.g. the replicas of a simulation)."""
+    out = SpecStats()
+    for part in parts:
+        out.num_drafts += part.num_drafts
+        out.num_draft_tokens += part.num_draft_tokens
+        out.num_accepted_tokens += part.num_accepted_tokens
+        grow = len(part.proposed_per_position) - len(out.proposed_per_position)
+        if grow > 0:
+            out.proposed_per_position.extend([0] * grow)
+            out.accepted_per_position.extend([0] * grow)
+        for i, (p, a) in enumerate(zip(part.proposed_per_position, part.accepted_per_position)):
+            out.proposed_per_position[i] += p
+            out.accepted_per_position[i] += a
+    return out
+
+
 class NgramProposer:
     """Prompt lookup (vLLM's n-gram proposer): match the last ``n`` tokens earlier in prompt + outputs.
 

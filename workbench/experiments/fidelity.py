@@ -654,6 +654,7 @@ def profile_for_this_machine(
     max_tokens: int = 2048,
     num_requests: int = 24,
     measure: bool = False,
+    threads: int | None = 1,
 ) -> tuple[Any, str]:
     """(cost model, where it came from): ``kind`` ``op-profile`` or ``profiled``; from ``path`` when given, else
     the committed profile of this machine (``data/profiles/``, named after the CPU model as ``workbench
@@ -661,7 +662,7 @@ def profile_for_this_machine(
     model, the number of CPUs and torch's instruction set, ``workbench.sim.measure.machine_identity``: a VM's CPU
     name can cover parts of several kinds), else measured now (``max_tokens``: the op profile's largest size;
     ``num_requests``: per workload of the engine runs that fit). ``measure``: measure now in any case (the profile
-    then shares the fidelity check's machine and conditions)."""
+    then shares the fidelity check's machine and conditions); ``threads``: torch threads of a profile fitted now."""
     from pathlib import Path
 
     from workbench.errors import ConfigError
@@ -706,7 +707,7 @@ def profile_for_this_machine(
     from workbench.sim.measure import fit_engine_profile
 
     fitted = fit_engine_profile(model, num_requests=num_requests, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len)  # fmt: skip
+                                max_model_len=max_model_len, threads=threads)  # fmt: skip
     return fitted, "fitted now (fit-profile)" + why
 
 

@@ -8,19 +8,40 @@ target's greedy continuation, from the run without speculation). Every timed run
 Returned: each arm's median run time and tokens/s (generated tokens over the whole run, prefill included), the
 speed-up (ratio of the medians and the per-round ratios), the speculative counters of the timed runs, and for the
 oracle the speed-up's ceiling ``expected_tokens_per_step(acceptance, k)`` (a verify step as cheap as a decode).
+
+``predict_speedup`` is the simulator's answer to the same question: the same requests (all at t = 0, ``prompt_len``
+tokens, ``max_tokens`` each) on a simulated replica that runs the engine's scheduler with the same settings, priced
+by a cost model (``workbench.sim``: a profile of this machine, or the roofline), with and without speculation
+(``workbench.sim.speculation``: acceptances drawn with the config's, or a measured run's, per-position acceptance,
+averaged over ``num_seeds`` seeded runs). ``speedup_against_batch`` measures and predicts side by side for each batch
+size: the simulator's error is a number.
+
+Notebook 09's claims, each decided in paired rounds (``workbench.experiments.trials``): ``speculation_trial`` (an
+engine without speculation against one with it, tokens/s, an A/A control), ``ngram_text_trial`` (the n-gram speed-up
+on repetitive against free text, ``text_prompts`` from the tokenizer's public-domain text), ``roofline_speedups``
+(the expected speed-up per batch on the roofline and the predicted crossover batch) and the claim functions
+``speculation_raises_throughput``, ``speculation_gain_falls``, ``ngram_pays_on_repetitive_text``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from workbench.config import ModelConfig, canonical_dtype, ceil_div
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.speculative import SpecStats, SpeculativeConfig, expected_tokens_per_step
+from workbench.engine.speculative import SpecStats, SpeculativeConfig, expected_speedup, expected_tokens_per_step
 from workbench.errors import ConfigError
+from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED, PAIRED, make_claim, paired_claim
+from workbench.experiments.trials import THROUGHPUT_MARGIN, Comparison, DecisionRule, Rounds
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
+from workbench.sim.cluster import SimConfig, simulate
+from workbench.sim.speculation import conditional_acceptance
+from workbench.sim.stats import CostModel
 from workbench.timing import median, random_prompts, timed
+from workbench.workloads import Request
 
 
 def measure_speedup(
@@ -80,3 +101,268 @@ def measure_speedup(
     if spec.method == "oracle":
         out["expected_tokens_per_step"] = expected_tokens_per_step(spec.acceptance, spec.num_speculative_tokens)
     return out
+
+
+def predict_speedup(
+    cost: CostModel,
+    model: ModelConfig | str,
+    spec: SpeculativeConfig | dict[str, Any] | str,
+    batch: int = 1,
+    prompt_len: int = 32,
+    max_tokens: int = 64,
+    acceptance: float | list[float] | None = None,
+    num_seeds: int = 16,
+    block_size: int = 16,
+    dtype: str = "fp32",
+    draft_cost: CostModel | None = None,
+) -> dict[str, Any]:
+    """The simulator's speed-up of ``measure_speedup``'s run: ``batch`` requests at t = 0 of ``prompt_len`` tokens
+    generating ``max_tokens`` each, on one replica with the engine's defaults and ``measure_speedup``'s batch limit
+    and context (policy continuous, ``max_num_seqs = batch``, ``max_model_len = prompt_len + max_tokens + 1``, a pool
+    that holds them all), priced by ``cost``; speculation's acceptances drawn with ``acceptance`` (None: the
+    oracle's) in ``num_seeds`` seeded runs. Returns the simulated run times, the speed-up (the run without over the
+    mean run with) and the mean tokens per verify step."""
+    spec = SpeculativeConfig.parse(spec)
+    cfg = model if isinstance(model, ModelConfig) else ModelConfig.resolve(model)
+    if num_seeds < 1:
+        raise ConfigError(f"num_seeds must be >= 1, got {num_seeds}")
+    max_len = prompt_len + max_tokens + 1
+    requests = [Request(i, 0.0, prompt_len, max_tokens) for i in range(batch)]
+    common = {"num_blocks": batch * (ceil_div(max_len, block_size) + 1) + 1, "block_size": block_size,
+              "max_num_seqs": max(batch, 1), "max_model_len": max_len, "dtype": dtype}  # fmt: skip
+
+    def fresh() -> CostModel:  # a profile keeps idle state across steps: each run starts from a copy
+        copy = getattr(cost, "with_noise", None)
+        return copy(None) if copy is not None else cost
+
+    base_s = simulate(requests, cfg, fresh(), SimConfig(**common)).duration_s
+    spec_cfg = SimConfig(**common, speculative_config=spec, spec_acceptance=acceptance)
+    runs = [simulate(requests, cfg, fresh(), spec_cfg, seed=s, draft_cost_model=draft_cost) for s in range(num_seeds)]
+    spec_s = [r.duration_s for r in runs]
+    drafts = sum(r.speculative["num_drafts"] for r in runs)
+    accepted = sum(r.speculative["num_accepted_tokens"] for r in runs)
+    return {
+        "base_s": base_s, "spec_s": sum(spec_s) / len(spec_s), "spec_s_per_seed": spec_s,
+        "speedup": base_s * len(spec_s) / sum(spec_s),
+        "tokens_per_verify": 1.0 + accepted / drafts if drafts else None,
+    }  # fmt: skip
+
+
+def speedup_against_batch(
+    model: Transformer,
+    spec: SpeculativeConfig | dict[str, Any] | str,
+    cost: CostModel,
+    batches: list[int],
+    prompt_len: int = 32,
+    max_tokens: int = 64,
+    rounds: int = 3,
+    seed: int = 0,
+    num_seeds: int = 16,
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """Per batch size, ``measure_speedup``'s measurement beside ``predict_speedup``'s prediction on ``cost`` for
+    the same run: ``predicted`` at the config's acceptance (the oracle's; other methods: the measured one), and
+    ``predicted_at_measured`` at the run's own per-position acceptance (what the cost model alone gets wrong), each
+    with its ``error`` (predicted / measured - 1). ``progress``: a tqdm-like object updated once per batch size."""
+    spec = SpeculativeConfig.parse(spec)
+    dtype = canonical_dtype(str(model.dtype))
+    rows = []
+    for batch in batches:
+        measured = measure_speedup(model, spec, batch, prompt_len, max_tokens, rounds, seed)
+        stats = measured["speculative"]
+        at_measured = conditional_acceptance(stats["per_position_acceptance"]) or None
+        kwargs = {"batch": batch, "prompt_len": prompt_len, "max_tokens": max_tokens, "num_seeds": num_seeds,
+                  "dtype": dtype}  # fmt: skip
+        predicted = predict_speedup(cost, model.config, spec, acceptance=None if spec.method == "oracle" else
+                                    at_measured, **kwargs)  # fmt: skip
+        predicted_m = predict_speedup(cost, model.config, spec, acceptance=at_measured, **kwargs)
+        rows.append({
+            "batch": batch,
+            "measured_speedup": measured["speedup"],
+            "speedup_per_round": measured["speedup_per_round"],
+            "base_tokens_per_s": measured["base"]["tokens_per_s"],
+            "spec_tokens_per_s": measured["spec"]["tokens_per_s"],
+            "predicted_speedup": predicted["speedup"],
+            "error": predicted["speedup"] / measured["speedup"] - 1.0,
+            "predicted_at_measured_acceptance": predicted_m["speedup"],
+            "error_at_measured_acceptance": predicted_m["speedup"] / measured["speedup"] - 1.0,
+            "predicted_base_s": predicted["base_s"], "measured_base_s": measured["base"]["median_s"],
+            "predicted_spec_s": predicted["spec_s"], "measured_spec_s": measured["spec"]["median_s"],
+            "acceptance_rate": stats["acceptance_rate"],
+            "mean_accepted_length": stats["mean_accepted_length"],
+            "per_position_acceptance": stats["per_position_acceptance"],
+            "expected_tokens_per_step": measured.get("expected_tokens_per_step"),
+        })  # fmt: skip
+        if progress is not None:
+            progress.update(1)
+    return rows
+
+
+# ---- paired rounds and claims (notebook 09) ------------------------------------------------------------------------
+def _generation_arm(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, reference: list[list[int]]
+) -> Any:
+    """A trial of ``engine``: generate ``prompts`` greedily; returns output tokens/s (checked against
+    ``reference``, the run without speculation: speculation must not change a greedy token)."""
+
+    def arm(_round: int) -> float:
+        seconds, result = timed(lambda: engine.generate(prompts, params), engine.model.device)
+        if [q.tokens for q in result.requests] != reference:
+            raise RuntimeError("a speculative arm's greedy tokens differ from the run without speculation")
+        return sum(len(q.tokens) for q in result.requests) / seconds
+
+    return arm
+
+
+def _arm_engines(
+    model: Transformer, spec: SpeculativeConfig, prompts: list[list[int]], params: SamplingParams, max_len: int
+) -> tuple[Engine, Engine, Engine, list[list[int]]]:
+    """(baseline, A/A baseline, speculating) engines for ``prompts``, and the baseline's greedy tokens (the
+    oracle's references)."""
+    cfg = {"max_model_len": max_len, "max_num_seqs": max(len(prompts), 1)}
+    base, control = Engine(model, EngineConfig(**cfg)), Engine(model, EngineConfig(**cfg))
+    speculating = Engine(model, EngineConfig(**cfg, speculative_config=spec))
+    reference = [r.tokens for r in base.generate(prompts, params).requests]
+    if spec.method == "oracle":
+        for p, tokens in zip(prompts, reference):
+            speculating.speculator.proposer.add_reference(p, tokens)
+    return base, control, speculating, reference
+
+
+def speculation_trial(
+    model: Transformer,
+    spec: SpeculativeConfig | dict[str, Any] | str,
+    rounds: Rounds,
+    batch: int = 1,
+    prompt_len: int = 32,
+    max_tokens: int = 32,
+    seed: int = 0,
+    prompts: list[list[int]] | None = None,
+) -> tuple[Comparison, dict[str, Any]]:
+    """Output tokens/s of ``batch`` greedy requests without (A) and with ``spec`` (B) in paired rounds (``rounds``),
+    B claimed higher by more than ``THROUGHPUT_MARGIN``; the A/A control is a second engine without speculation.
+    ``prompts`` (default: ``batch`` random ones of ``prompt_len`` tokens) are the same in every round. Returns the
+    comparison and the speculating engine's acceptance counters over the rounds (``SpecStats.to_dict``)."""
+    spec = SpeculativeConfig.parse(spec)
+    if prompts is None:
+        prompts = random_prompts(batch, prompt_len, model.config.vocab_size, seed)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    max_len = max(len(p) for p in prompts) + max_tokens + 1
+    base, control, speculating, reference = _arm_engines(model, spec, prompts, params, max_len)
+    speculating.scheduler.spec_stats = SpecStats()
+    label = f"{spec.method} k={spec.num_speculative_tokens}"
+    arms = {"no speculation": _generation_arm(base, prompts, params, reference),
+            label: _generation_arm(speculating, prompts, params, reference)}  # fmt: skip
+    comparison = rounds.run(arms, DecisionRule("higher", THROUGHPUT_MARGIN),
+                            control_arm=_generation_arm(control, prompts, params, reference))  # fmt: skip
+    return comparison, speculating.scheduler.spec_stats.to_dict()
+
+
+def text_prompts(model: ModelConfig, prompt_len: int, period: int = 8) -> dict[str, list[int]]:
+    """Two prompts of ``prompt_len`` tokens of the tokenizer's public-domain text (``workbench.model.tokenizer``,
+    trained for ``model``'s vocabulary): ``repetitive``, its first ``period`` tokens over and over (what prompt
+    lookup can find), and ``free``, the running text (nothing repeats by construction)."""
+    from workbench.model.tokenizer import TRAINING_TEXT, train_tokenizer
+
+    ids = train_tokenizer(model).encode(TRAINING_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
+    if len(ids) < prompt_len or period < 1:
+        raise ConfigError(f"the public-domain text has {len(ids)} tokens; prompt_len must be <= that, period >= 1")
+    return {"repetitive": (ids[:period] * (prompt_len // period + 1))[:prompt_len], "free": ids[:prompt_len]}
+
+
+def ngram_text_trial(
+    model: Transformer,
+    spec: SpeculativeConfig | dict[str, Any] | str,
+    prompts: dict[str, list[int]],
+    rounds: Rounds,
+    max_tokens: int = 32,
+) -> tuple[Comparison, dict[str, dict[str, Any]]]:
+    """The speed-up of ``spec`` (n-gram) over no speculation on ``prompts['free']`` (A) against on
+    ``prompts['repetitive']`` (B), in paired rounds: each trial generates its prompt without and with speculation
+    and returns the ratio of the two tokens/s; B claimed higher by more than ``THROUGHPUT_MARGIN``; the A/A control
+    repeats A on engines of its own. Returns the comparison and each text's acceptance counters."""
+    spec = SpeculativeConfig.parse(spec)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    stats: dict[str, SpecStats] = {}
+
+    def arm(name: str, key: str) -> Any:
+        prompt = [prompts[key]]
+        base, _, speculating, reference = _arm_engines(model, spec, prompt, params, len(prompt[0]) + max_tokens + 1)
+        speculating.scheduler.spec_stats = stats[name] = SpecStats()
+        plain = _generation_arm(base, prompt, params, reference)
+        fast = _generation_arm(speculating, prompt, params, reference)
+        return lambda r: fast(r) / plain(r)
+
+    arms = {"free text": arm("free text", "free"), "repetitive text": arm("repetitive text", "repetitive")}
+    comparison = rounds.run(arms, DecisionRule("higher", THROUGHPUT_MARGIN), control_arm=arm("control", "free"))
+    return comparison, {name: s.to_dict() for name, s in stats.items() if name != "control"}
+
+
+def roofline_speedups(
+    rm: Any, alpha: float, k: int, batches: list[int], context_len: int
+) -> tuple[list[dict[str, Any]], int | None]:
+    """Per batch size, the roofline's decode and verify step times at ``context_len`` (``rm``: a
+    ``RooflineModel``) and the expected speed-up ``expected_speedup(alpha, k, decode, verify)``; and the predicted
+    crossover: the smallest batch (powers of two up to 4096) whose expected speed-up is below 1 (None: none)."""
+    rows = []
+    for b in batches:
+        decode_s = rm.decode([context_len] * b, detailed=False).time_s
+        verify_s = rm.verify([context_len] * b, k, detailed=False).time_s
+        rows.append({"batch": b, "decode_s": decode_s, "verify_s": verify_s,
+                     "speedup": expected_speedup(alpha, k, decode_s, verify_s)})  # fmt: skip
+    crossover = None
+    b = 1
+    while b <= 4096:
+        ctx = [context_len] * b
+        s = expected_speedup(alpha, k, rm.decode(ctx, detailed=False).time_s, rm.verify(ctx, k, detailed=False).time_s)
+        if s < 1.0:
+            crossover = b
+            break
+        b *= 2
+    return rows, crossover
+
+
+def speculation_raises_throughput(comparison: Comparison, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Claim: speculation raises batch-1 decode throughput when acceptance is high (paired rounds)."""
+    return paired_claim("Speculative decoding raises batch-1 decode throughput when acceptance is high", comparison,
+                        f"batch-1 output tokens/s, {spec.get('method')} acceptance {spec.get('acceptance')} "
+                        f"k={spec.get('num_speculative_tokens')}")  # fmt: skip
+
+
+def speculation_gain_falls(
+    small: Comparison, large: Comparison, batch_small: int, batch_large: int,
+    predicted_crossover: int | None, measured_crossover: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """Claim: speculation's gain falls as the batch grows. Confirmed when the speed-up's paired interval at
+    ``batch_large`` lies wholly below the one at ``batch_small``; not confirmed when wholly above; else
+    inconclusive (or when either A/A control failed). The evidence is the large batch's comparison (its ratio and
+    interval at the top, as every paired claim's) with the small one's under ``small``, and the roofline's predicted
+    crossover batch beside the measured one (the smallest measured batch with a speed-up below 1)."""
+    failed = any((c.control or {}).get("failed") for c in (small, large))
+    if failed:
+        verdict = INCONCLUSIVE
+    elif large.ci_high < small.ci_low:
+        verdict = CONFIRMED
+    elif large.ci_low > small.ci_high:
+        verdict = NOT_CONFIRMED
+    else:
+        verdict = INCONCLUSIVE
+    evidence = {**large.evidence(), "batch_small": batch_small, "batch_large": batch_large,
+                "small": {k: v for k, v in small.evidence().items() if k != "values"},
+                "speedup_ratio_large_to_small": large.ratio / small.ratio,
+                "predicted_crossover_batch": predicted_crossover,
+                "measured_crossover_batch": measured_crossover}  # fmt: skip
+    detail = (f"speed-up at batch {batch_small}: {small.summary()}; at batch {batch_large}: {large.summary()} "
+              f"({small.rule.confidence:.0%} intervals{', an A/A control failed' if failed else ''}); the roofline "
+              f"predicts no gain from batch {predicted_crossover}, measured: "
+              f"{'a gain at every batch measured' if measured_crossover is None else measured_crossover}")  # fmt: skip
+    return make_claim("Speculation's gain falls as the batch grows", verdict, evidence, detail, (PAIRED,))
+
+
+def ngram_pays_on_repetitive_text(comparison: Comparison, acceptance: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Claim: n-gram speculation gains more on repetitive text than on free text (paired rounds of the two
+    speed-ups), with each text's acceptance in the evidence."""
+    rates = {k: v.get("acceptance_rate") for k, v in acceptance.items()}
+    text = ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} none proposed" for k, v in rates.items())
+    return paired_claim("n-gram speculation gains more on repetitive text than on free text", comparison,
+                        f"speed-up of n-gram speculation (acceptance: {text})", acceptance=rates)  # fmt: skip

@@ -54,17 +54,18 @@ from workbench.config import (
 from workbench.engine.config import ServingConfig
 from workbench.engine.metrics import ServingStats, StepLog
 from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
+from workbench.engine.speculative import SpeculativeConfig, merged_spec_stats
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.sizing import plan_num_blocks
 from workbench.request import RequestRecord, SamplingParams, Sequence, fits_context
 from workbench.sim.costmodel import CostModel, plan_stats
+from workbench.sim.speculation import SIM_TOKEN, SimSpeculator, resolve_acceptance
 from workbench.sim.stats import correlated_uniform
 from workbench.timing import now
 from workbench.workloads import Request, prompt_token_ids
 
 ROUTERS = ("round-robin", "least-outstanding", "shortest-queue")
-SIM_TOKEN = 0  # the token every simulated step samples (EOS is ignored, as in the engine's replay)
 
 
 KV_RECEIVE = ("overlapped", "between-steps")
@@ -107,6 +108,11 @@ class SimConfig(ServingConfig):
     prefill_tp: int | None = None  # disaggregated: the prefill replicas' tensor-parallel size (default: tp)
     decode_tp: int | None = None  # disaggregated: the decode replicas'
     expert_parallel_size: int = 1  # MoE: GPUs per stage splitting the experts, attention data-parallel over them
+    # speculative decoding (workbench.sim.speculation): the engine's --speculative-config, parsed by the same
+    # SpeculativeConfig; spec_acceptance: the acceptance each proposal is drawn with (one alpha, or one per position)
+    # for the methods other than the oracle, whose own 'acceptance' it is
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    spec_acceptance: float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if canonical_dtype(self.dtype) in ("fp8", "int8"):
@@ -161,6 +167,16 @@ class SimConfig(ServingConfig):
             raise ConfigError("kv_handoff_rank_correlation correlates drawn handoffs: it needs kv_handoff_quantiles_s")
         if self.kv_receive not in KV_RECEIVE:
             raise ConfigError(f"kv_receive must be one of {', '.join(KV_RECEIVE)}; got {self.kv_receive!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            if self.disaggregate is not None:
+                raise ConfigError("speculative decoding is not simulated with disaggregation (as the engine refuses "
+                                  "it: the decode side would need the proposer's state); drop one of them")  # fmt: skip
+            resolve_acceptance(self.speculative_config, self.spec_acceptance)  # a ConfigError when it has none
+        elif self.spec_acceptance is not None:
+            raise ConfigError("spec_acceptance (--spec-acceptance) needs a speculative config (--speculative-config)")
+        if isinstance(self.spec_acceptance, list):
+            self.spec_acceptance = tuple(self.spec_acceptance)
 
     @property
     def total_replicas(self) -> int:
@@ -233,6 +249,7 @@ class Replica:
         on_finish: Callable[[Replica, Sequence, float], None] | None = None,
         role: str = "mixed",
         fast: bool = True,
+        speculator: SimSpeculator | None = None,
     ) -> None:
         self.index = index
         self.role = role
@@ -240,6 +257,9 @@ class Replica:
         self.block_manager = BlockManager(num_blocks, block_size, scheduler_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.cost = cost_model
+        self.speculator = speculator  # speculative decoding: the scheduler's proposer and the step's verifier
+        if speculator is not None:
+            self.scheduler.proposer = speculator.propose
         self.clock = 0.0  # when the replica became free (end of its last step, or an arrival while idle)
         self.inflight: tuple[StepPlan, float, float, float | None] | None = None  # (plan, start, end, noise u)
         self.step_noise_u: float | None = None  # the last completed step's noise uniform (CostModel.last_noise_u)
@@ -305,7 +325,7 @@ class Replica:
                 received += self.receive_s.pop(seq.seq_id, 0.0)
                 seq.first_token_time = seq.token_times[0] = max(start + received, seq.token_times[0])
             start += received  # kv_receive 'between-steps': the step waits for the KV it admitted
-            if not ready and not received and self.fast:
+            if not ready and not received and self.fast and self.speculator is None:
                 window = sched.decode_steps_until_change()
                 if window > 1:
                     running = list(sched.running)  # the run may finish some: log what it decoded
@@ -325,11 +345,15 @@ class Replica:
                 self.clock = start
                 self._finish(finished, start)
                 continue
-            end = cost.end_time(start, plan_stats(plan))
+            draft_s = 0.0 if self.speculator is None else self.speculator.draft_time(plan)  # before the verify
+            end = cost.end_time(start + draft_s, plan_stats(plan))
             self.inflight = (plan, start, end, cost.last_noise_u)  # kept with its step: a model may be shared
 
     def _complete(self, plan: StepPlan, start: float, end: float) -> None:
-        sampled = {c.seq.seq_id: SIM_TOKEN for c in plan.chunks if c.samples}
+        if self.speculator is not None:
+            sampled = self.speculator.verify(plan)
+        else:
+            sampled = {c.seq.seq_id: SIM_TOKEN for c in plan.chunks if c.samples}
         finished = self.scheduler.update(plan, sampled, end)
         self.clock = end
         self.busy_s += end - start
@@ -396,6 +420,7 @@ class SimResult:
     cost_model: dict[str, Any] = field(default_factory=dict)
     rejected: list[dict[str, Any]] = field(default_factory=list)  # request_id and reason of each rejected request
     stats: ServingStats = field(default_factory=ServingStats)  # every request, kept records or not
+    speculative: dict[str, Any] | None = None  # speculative decoding's counters over the replicas (SpecStats.to_dict)
 
     @property
     def num_preemptions(self) -> int:
@@ -410,6 +435,8 @@ class SimResult:
         out["num_steps"] = self.num_steps
         out["us_per_step"] = 1e6 * self.wall_s / self.num_steps if self.num_steps else 0.0
         out["replicas"] = self.replicas
+        if self.speculative is not None:
+            out["speculative"] = self.speculative
         return out
 
 
@@ -426,6 +453,7 @@ def simulate(
     fast: bool = True,
     progress: Any = None,
     keep_records: bool = True,
+    draft_cost_model: CostModel | None = None,
 ) -> SimResult:
     """Serve ``requests`` (``workbench.workloads.Request``) on simulated replicas; see the module docstring.
 
@@ -444,6 +472,11 @@ def simulate(
     requests holds what is in flight, those statistics and the set of request ids seen (to refuse a repeat). A
     pool sized from an accelerator's memory is tracked at what the batch can fill (see ``SimConfig``); with prefix
     caching the cache keeps every distinct block the pool can hold, as the real one would.
+
+    Speculative decoding (``config.speculative_config``): each replica's scheduler verifies proposals whose
+    acceptance a coin seeded by ``seed`` and the replica's index draws (``workbench.sim.speculation``); a draft
+    model's proposals are priced by ``draft_cost_model`` (its own cost model, needed for method 'draft'). Every step
+    then goes through ``schedule``/``update`` (the bulk decode path does not speculate).
     """
     wall0 = now()
     config = config or SimConfig()
@@ -507,9 +540,14 @@ def simulate(
         arrive = now + handoff + (0.0 if between_steps else wire)
         heapq.heappush(transfers, (arrive, seq.seq_id, nxt, wire if between_steps else 0.0))
 
+    spec = config.speculative_config
+
     def replica(index: int, on_finish: Callable[[Replica, Sequence, float], None], role: str) -> Replica:
+        speculator = None if spec is None else SimSpeculator(
+            spec, config.spec_acceptance, seed=hash((seed, spec.seed, index)) & 0xFFFFFFFF, draft_cost=draft_cost_model
+        )  # fmt: skip
         return Replica(index, sched_cfg, tracked[role if role in tracked else "mixed"], config.block_size,
-                       costs[index], record_steps, on_finish, role, fast)  # fmt: skip
+                       costs[index], record_steps, on_finish, role, fast, speculator)  # fmt: skip
 
     if config.disaggregate:
         p, d = config.disaggregate
@@ -599,6 +637,7 @@ def simulate(
         cost_model=costs[0].describe() if costs else {},
         rejected=rejected,
         stats=stats,
+        speculative=None if spec is None else merged_spec_stats([rep.scheduler.spec_stats for rep in reps]).to_dict(),
     )
 
 

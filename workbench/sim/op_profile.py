@@ -212,7 +212,7 @@ class OpProfileCostModel(ProfiledCostModel):
         out["rmsnorm"] += ops["rmsnorm"].at(t)  # the final norm
         out["embedding"] = ops["embedding"].at(t)
         out["rotary_table"] = ops["rotary_table"].at(t)
-        rows = stats.prefill_seqs + stats.decode_seqs
+        rows = stats.prefill_seqs + stats.decode_seqs + stats.spec_tokens  # a verify's logits: k + 1 rows
         out["lm_head"] = ops["lm_head"].at(rows)
         out["sample"] = ops["sample"].at(rows)
         ds = stats.decode_seqs

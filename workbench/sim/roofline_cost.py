@@ -79,8 +79,9 @@ class RooflineCostModel(CostModel):
 
     def step_time(self, stats: StepStats) -> float:
         pt, ps, pp, pc, ds, dc = stats[:6]
+        rows = ps + ds + stats.spec_tokens  # logit rows: one per sampling chunk, k + 1 per verify
         time_from_stats = self.roofline.time_from_stats
-        t = time_from_stats(pt + ds, ps + ds, pp + dc, pc + dc)
+        t = time_from_stats(pt + ds, rows, pp + dc, pc + dc)
         ep, ed = self.prefill_efficiency, self.decode_efficiency
         if ep == 1.0 and ed == 1.0:
             return t
@@ -88,7 +89,7 @@ class RooflineCostModel(CostModel):
             return t / ep
         if not pt:
             return t / ed
-        tp, td = time_from_stats(pt, ps, pp, pc), time_from_stats(ds, ds, dc, dc)
+        tp, td = time_from_stats(pt, ps + stats.spec_tokens, pp, pc), time_from_stats(ds, ds, dc, dc)
         return t * (tp / ep + td / ed) / (tp + td)
 
     def _decode_segments(self, n: int) -> tuple[list[float], list[float], list[float]]:

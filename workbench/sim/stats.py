@@ -42,6 +42,10 @@ class StepStats(NamedTuple):
     decode_seqs: int = 0
     decode_context: int = 0  # sum of the decodes' context lengths (keys read, the new one included)
     decode_max_context: int = 0  # the longest decode context (0: unknown)
+    # speculative decoding: proposed tokens the step verifies. A verify (a decode with k proposals) runs as the
+    # engine runs it, a ragged chunk of k + 1 tokens over the cached context (counted in the prefill_* sums), with
+    # logits at all k + 1 positions: these k extra logit rows
+    spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -65,20 +69,24 @@ class StepStats(NamedTuple):
 
 
 def plan_stats(plan: StepPlan) -> StepStats:
-    """``StepStats`` of a scheduler ``StepPlan`` (chunk ``n`` new tokens after ``start`` computed ones)."""
-    pt = ps = pp = pc = ds = dc = dm = 0
+    """``StepStats`` of a scheduler ``StepPlan`` (chunk ``n`` new tokens after ``start`` computed ones). A
+    speculative decode (``spec_token_ids``: the last token and ``k`` proposals) counts as the engine runs it: a
+    ragged chunk of ``k + 1`` tokens over its cached context (``workbench.engine.runner``), with ``k`` more
+    logit rows (``spec_tokens``)."""
+    pt = ps = pp = pc = ds = dc = dm = st = 0
     for c in plan.chunks:
         n, p = c.num_new_tokens, c.start
-        if c.is_prefill:
+        if c.is_prefill or c.spec_token_ids:
             pt += n
             ps += 1
             pp += attended_pairs(n, p)
             pc += n + p
+            st += len(c.spec_token_ids)
         else:
             ds += n
             dc += p + n
             dm = max(dm, p + n)
-    return StepStats(pt, ps, pp, pc, ds, dc, dm)
+    return StepStats(pt, ps, pp, pc, ds, dc, dm, st)
 
 
 def decode_stats(num_seqs: int, context: int) -> StepStats:

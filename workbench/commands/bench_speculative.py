@@ -30,7 +30,8 @@ def add_speculative_bench_arguments(p: argparse.ArgumentParser) -> None:
     from workbench.commands.common import add_speculative_arguments
 
     g = p.add_argument_group("speculative decoding")
-    add_speculative_arguments(g)
+    if "--speculative-config" not in p._option_string_actions:  # bench's all-modes parser: soak declared it
+        add_speculative_arguments(g)
     g.add_argument("--max-tokens", type=int, default=64, help="tokens each request generates (EOS ignored)")
     g.add_argument("--cost-model", default="profiled", choices=("profiled", "op-profile"),
                    help="the simulator's cost model of this machine")  # fmt: skip

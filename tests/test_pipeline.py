@@ -273,7 +273,7 @@ def test_repository_spec_parses() -> None:
         plan = runner.plan_run(spec, profile=profile, probe=lambda r: None)
         assert [p.name for p in plan.experiments] == [
             "prefill_vs_decode", "kv_cache_variants", "batching", "chunked_prefill", "disaggregation",
-            "parallelism_and_capacity", "simulator_validation", "decode_levers",
+            "parallelism_and_capacity", "simulator_validation", "decode_levers", "speculative_decoding",
         ]  # fmt: skip
 
 

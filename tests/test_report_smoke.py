@@ -23,6 +23,7 @@ EXPERIMENTS = (
     "parallelism_and_capacity",
     "simulator_validation",
     "decode_levers",
+    "speculative_decoding",
 )
 ANALYTIC = ("parallelism_and_capacity",)  # measure nothing on this machine: no ceilings or reference steps to check
 
@@ -101,7 +102,7 @@ def test_recorded_ratios_follow_their_parts(smoke: dict) -> None:
     claim = next(x for x in c["claims"] if "TTFT" in x["claim"])
     assert claim["evidence"]["ratio"] == pytest.approx(c["paired_ratio_long_prompt_TTFT"])
     # every claim comparing the engine's timings is decided in paired rounds and says so with its numbers
-    for name in ("prefill_vs_decode", "batching", "chunked_prefill", "decode_levers"):
+    for name in ("prefill_vs_decode", "batching", "chunked_prefill", "decode_levers", "speculative_decoding"):
         paired = [x for x in smoke["metrics"][name]["claims"] if x["uses"] == ["paired"]]
         assert paired, name
         for x in paired:

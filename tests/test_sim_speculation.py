@@ -182,3 +182,15 @@ def test_bench_speculative_options() -> None:
         "profiled",
     )
     assert cli.build_parser("bench").parse_args(["bench", "decode"]).batch == [1, 8, 32]
+
+
+def test_text_prompts_repeat_a_passage_of_the_public_domain_text() -> None:
+    from workbench.experiments.speculative import text_prompts
+
+    prompts = text_prompts(ModelConfig.resolve("tiny-gqa"), 24, period=4)
+    rep, free = prompts["repetitive"], prompts["free"]
+    assert len(rep) == len(free) == 24
+    assert rep == free[:4] * 6  # the running text's first 4 tokens, six times
+    assert len(set(free)) > 4
+    with pytest.raises(ConfigError, match="prompt_len"):
+        text_prompts(ModelConfig.resolve("tiny-gqa"), 10**6)

@@ -261,7 +261,7 @@ def speculation_trial(
 def text_prompts(model: ModelConfig, prompt_len: int, period: int = 8) -> dict[str, list[int]]:
     """Two prompts of ``prompt_len`` tokens of the tokenizer's public-domain text (``workbench.model.tokenizer``,
     trained for ``model``'s vocabulary): ``repetitive``, its first ``period`` tokens over and over (what prompt
-    lookup can find), and ``free``, the running text (nothing repeats by construction)."""
+    lookup can find), and ``free``, the running text (it repeats only where the documents do)."""
     from workbench.model.tokenizer import TRAINING_TEXT, train_tokenizer
 
     ids = train_tokenizer(model).encode(TRAINING_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)

@@ -109,9 +109,13 @@ def test_kv_head_claims() -> None:
     assert C.fewer_kv_heads_fewer_bytes(good)["verdict"] == "confirmed"
     bad = {**good, "MQA": {"num_kv_heads": 1, "bytes_per_token": 512, "max_seqs": 5}}
     assert C.fewer_kv_heads_fewer_bytes(bad)["verdict"] == "not_confirmed"
-    t = {"MHA": {"num_kv_heads": 8, "time_s": 0.010, "time_min_s": 0.009, "time_max_s": 0.011},
-         "MQA": {"num_kv_heads": 1, "time_s": 0.020, "time_min_s": 0.019, "time_max_s": 0.021}}  # fmt: skip
-    assert C.fewer_kv_heads_faster_decode(t, 512)["verdict"] == "not_confirmed"
+    faster = C.fewer_kv_heads_faster_decode(_cmp(A6, B6, control=AA, names=("MHA", "MQA")), 512, 8)
+    assert faster["verdict"] == "confirmed" and faster["uses"] == ["paired"]
+    assert faster["evidence"]["context_len"] == 512 and faster["evidence"]["batch"] == 8
+    assert "8 sequences at context 512, MQA against MHA" in faster["detail"]
+    # MQA at half MHA's tokens/s in every round: slower, the other way
+    slower = C.fewer_kv_heads_faster_decode(_cmp(A6, [0.5] * 6, control=AA, names=("MHA", "MQA")), 512, 8)
+    assert slower["verdict"] == "not_confirmed" and "other way" in slower["detail"]
     assert C.paging_wastes_less(0.8, 0.02, 16)["verdict"] == "confirmed"
 
 

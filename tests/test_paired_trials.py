@@ -7,7 +7,7 @@ import pytest
 from workbench.engine.config import EngineConfig
 from workbench.errors import ConfigError
 from workbench.experiments import levers
-from workbench.experiments.phases import batching_trial, prefill_trial
+from workbench.experiments.phases import batching_trial, kv_heads_trial, prefill_trial
 from workbench.experiments.serving import long_prompt_trial, policy_trial, reseed_arrivals, round_medians
 from workbench.experiments.trials import DecisionRule, Rounds, run_rounds
 from workbench.workloads import Request
@@ -68,6 +68,12 @@ def test_long_prompt_trial_gives_stall_and_ttft_from_the_same_rounds(model):
 def test_phase_and_lever_trials_run_their_arms(model):
     b = batching_trial(model, 1, 4, 16, ROUNDS, steps=1)
     assert b.arms == ("batch 1", "batch 4") and all(len(v) == 6 and min(v) > 0 for v in b.values.values())
+    mha = type(model).from_config(model.config.with_overrides(num_kv_heads=model.config.num_heads), seed=0)
+    k = kv_heads_trial({"GQA": model, "MHA": mha}, 2, 16, ROUNDS, steps=1)  # A: the most KV heads, whatever the order
+    assert k.arms == ("MHA", "GQA") and k.rule == DecisionRule("higher", 0.05) and k.control is not None
+    assert all(len(v) == 6 and min(v) > 0 for v in k.values.values())
+    with pytest.raises(ConfigError, match="different numbers of KV heads"):
+        kv_heads_trial({"a": model, "b": model}, 2, 16, ROUNDS)
     p = prefill_trial(model, 4, 32, ROUNDS)
     assert p.arms == ("4 tokens", "32 tokens") and p.rule == DecisionRule("higher", 0.10)
     schemes = [levers.Scheme("fp32"), *levers.make_schemes(["int4", "int8"], [32])]

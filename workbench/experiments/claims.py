@@ -228,24 +228,14 @@ def fewer_kv_heads_fewer_bytes(variants: Mapping[str, Mapping[str, float]]) -> d
     )
 
 
-def fewer_kv_heads_faster_decode(times: Mapping[str, Mapping[str, float]], context_len: int) -> dict[str, Any]:
-    """Fewer KV heads make a decode step faster (measured): the fewest-heads variant against the most-heads one.
-
-    ``times`` maps a label to ``{"num_kv_heads", "time_s", "time_min_s", "time_max_s"}``.
-    """
-    rows = sorted(times.items(), key=lambda kv: -kv[1]["num_kv_heads"])
-    (most, m), (fewest, f) = rows[0], rows[-1]
-    tm, tf = _row_span(m), _row_span(f)
-    o = order(tm, tf)  # +1: the most-heads variant is slower beyond the spreads, as claimed
-    text = (
-        f"at context {context_len}, a decode step took {_fmt_span(tm, 1e3, '.2f')} ms with {most} and "
-        f"{_fmt_span(tf, 1e3, '.2f')} ms with {fewest}"
-    )
-    if o == 0:
-        text += "; the spreads overlap"
-    verdict = {1: CONFIRMED, -1: NOT_CONFIRMED, 0: INCONCLUSIVE}[o]
-    evidence = {k: {"time_ms": v["time_s"] * 1e3, "num_kv_heads": v["num_kv_heads"]} for k, v in rows}
-    return make_claim("Fewer KV heads make a decode step faster", verdict, evidence, text, ("timing",))
+def fewer_kv_heads_faster_decode(comparison: Any, context_len: int, batch: int) -> dict[str, Any]:
+    """Fewer KV heads make a decode step faster: decode tokens/s of the variant with the fewest KV heads against the
+    one with the most, ``batch`` sequences at ``context_len``, from paired rounds (``phases.kv_heads_trial``; B = the
+    fewest heads)."""
+    most, fewest = comparison.arms
+    what = f"decode tokens/s of {batch} sequences at context {context_len}, {fewest} against {most}"
+    return paired_claim("Fewer KV heads make a decode step faster", comparison, what, context_len=context_len,
+                        batch=batch)  # fmt: skip
 
 
 def paging_wastes_less(contiguous_waste: float, paged_waste: float, block_size: int) -> dict[str, Any]:

@@ -5,12 +5,13 @@ A decode step at KV length L is timed by setting each slot's cached length to L 
 work (weights read once, L keys and values read per sequence) does not depend on the cached values.
 
 ``decode_arm`` and ``prefill_arm`` are the same measurements as arms of paired rounds (``trials.run_rounds``);
-``batching_trial`` and ``prefill_trial`` run them against each other for notebooks 01 and 03's claims.
+``batching_trial``, ``prefill_trial`` and ``kv_heads_trial`` run them against each other for the claims of
+notebooks 01, 02 and 03.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -123,6 +124,21 @@ def prefill_trial(
     arms = {f"{short_len} tokens": prefill_arm(model, short_len, rounds.seed, steps),
             f"{long_len} tokens": prefill_arm(model, long_len, rounds.seed, steps)}  # fmt: skip
     return rounds.run(arms, DecisionRule("higher", margin))
+
+
+def kv_heads_trial(
+    models: Mapping[str, Transformer], batch: int, kv_len: int, rounds: Rounds, steps: int = 3
+) -> Comparison:
+    """Decode tokens/s of the variant with the fewest KV heads (B) against the one with the most (A), ``batch``
+    sequences at KV length ``kv_len``, paired rounds: the claim "fewer KV heads make a decode step faster" (B higher
+    by more than ``THROUGHPUT_MARGIN``). ``models`` maps a label (MHA, GQA, MQA) to a model of that variant."""
+    ordered = sorted(models.items(), key=lambda kv: -kv[1].config.num_kv_heads)
+    if len(ordered) < 2 or ordered[0][1].config.num_kv_heads == ordered[-1][1].config.num_kv_heads:
+        heads = {k: m.config.num_kv_heads for k, m in ordered}
+        raise ConfigError(f"kv_heads_trial needs models with different numbers of KV heads, got {heads}")
+    (most, a), (fewest, b) = ordered[0], ordered[-1]
+    arms = {most: decode_arm(a, batch, kv_len, steps), fewest: decode_arm(b, batch, kv_len, steps)}
+    return rounds.run(arms, DecisionRule("higher", THROUGHPUT_MARGIN))
 
 
 def add_roofline(rows: list[dict[str, Any]], model: Transformer, hw: HardwareSpec, dtype: str) -> list[dict[str, Any]]:

@@ -322,7 +322,7 @@ def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: i
     from workbench.cluster.disagg import DisaggCluster, DisaggConfig
     from workbench.engine.config import EngineConfig
     from workbench.engine.engine import Engine
-    from workbench.engine.tp_runner import start_workers
+    from workbench.engine.executor import start_workers
     from workbench.request import SamplingParams
     from workbench.timing import median
 

@@ -15,12 +15,13 @@ import signal
 import time
 
 import pytest
+import torch
 
 from tests.conftest import TINY_PRESETS, hf_greedy_tokens
 from workbench.dist.group import WorkerError
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
-from workbench.engine.tp_runner import start_workers
+from workbench.engine.executor import start_workers
 from workbench.errors import ConfigError
 from workbench.request import SamplingParams
 
@@ -82,20 +83,24 @@ def test_a_bad_liveness_bound_is_a_config_error(monkeypatch):
 def test_sizes_that_cannot_work_are_config_errors_before_any_process_starts(monkeypatch):
     with pytest.raises(ConfigError, match="num_heads"):
         Engine.from_model("tiny-gqa", EngineConfig(device="cpu", tensor_parallel_size=3))
+    with pytest.raises(ConfigError, match="int4 group size 32 does not divide"):  # a shard's down is 160 / 2 wide
+        Engine.from_model("tiny-gqa", EngineConfig(device="cpu", tensor_parallel_size=2, quantization="int4",
+                                                   group_size=32))  # fmt: skip
     monkeypatch.setattr(os, "cpu_count", lambda: 1)
     with pytest.raises(ConfigError, match="exceeds the 1 CPU cores"):
         Engine.from_model("tiny-gqa", EngineConfig(device="cpu", tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="compile_decode"):
-        EngineConfig(tensor_parallel_size=2, compile_decode=True)
 
 
 def test_bench_decode_reports_the_all_reduces_of_a_tp_step(capsys):
     from workbench.cli import main
 
     args = ["bench", "decode", "--model", "tiny-gqa", "--tensor-parallel-size", "2", "--threads", "1", "--device",
-            "cpu", "--batch", "1", "2", "--steps", "2", "--warmup", "1", "--cached-ceilings", "--json"]  # fmt: skip
+            "cpu", "--batch", "2", "--steps", "2", "--warmup", "1", "--cached-ceilings", "--json"]  # fmt: skip
     assert main(args) == 0
     rows = json.loads(capsys.readouterr().out)["results"]
+    # eager and compiled side by side (one batch size: each compiled one compiles a graph); the compiled graph calls
+    # the all-reduce at the same two places
+    assert [(r["batch"], r["compiled_decode"]) for r in rows] == [(2, False), (2, True)]
     for row in rows:
         assert row["tensor_parallel_size"] == 2
         assert row["all_reduces_per_step"] == 2 * 2  # after O and after down, in each of tiny-gqa's 2 layers
@@ -136,6 +141,41 @@ def test_tp2_engine_gives_transformers_greedy_tokens(preset, tiny_checkpoint, wo
     path = tiny_checkpoint(preset)
     res = tp_engine(workers, path, max_model_len=96).generate(PROMPTS, GREEDY)
     assert [r.tokens for r in res.requests] == hf_greedy(path, PROMPTS)
+
+
+QUANTIZED = {"quantization": "int8", "kv_cache_dtype": "int8", "max_num_seqs": 4}
+
+
+def one_device_and_tp2_tokens(path, workers, prompts, **settings):
+    """(tokens of one device, tokens of TP 2 on ``workers``, the TP engine), both engines with ``settings``."""
+    one = Engine.from_model(path, EngineConfig(device="cpu", max_model_len=96, **settings))
+    want = [r.tokens for r in one.generate(prompts, GREEDY).requests]
+    workers.call("load", path, "fp32", "cpu", 0, settings.get("quantization"))
+    config = EngineConfig(device="cpu", max_model_len=96, tensor_parallel_size=2, **settings)
+    engine = Engine(workers.worker.model, config, workers=workers)
+    return want, [r.tokens for r in engine.generate(prompts, GREEDY).requests], engine, one
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_tp2_int8_weights_and_int8_kv_give_the_one_device_tokens(preset, tiny_checkpoint, workers):
+    """Every rank quantizes its shard as one device would (a row-parallel layer with the whole row's int8 scale) and
+    keeps its KV heads in an int8 pool: the tokens of one device with the same settings."""
+    want, got, engine, one = one_device_and_tp2_tokens(str(tiny_checkpoint(preset)), workers, PROMPTS[:3], **QUANTIZED)
+    assert got == want
+    assert engine.cache.k.dtype == torch.int8 and engine.cache.k_scale is not None
+    # rank 0's O projection: the first columns of the one-device int8 weight, with the one-device scales
+    o_tp, o_one = engine.model.layers[0].self_attn.o_proj, one.model.layers[0].self_attn.o_proj
+    assert torch.equal(o_tp.scale, o_one.scale)
+    assert torch.equal(o_tp.qweight, o_one.qweight[:, : o_tp.in_features])
+
+
+def test_tp2_compiled_decode_gives_the_one_device_tokens(tiny_checkpoint, workers):
+    """The compiled decode on every rank (the all-reduce one operator in its graph), with int8 weights and KV: the
+    tokens of one device's compiled decode with the same settings. One preset: each compiles its graphs."""
+    path = str(tiny_checkpoint("tiny-qwen2"))  # biased QKV, tied head: the other presets' paths and one more
+    want, got, engine, _ = one_device_and_tp2_tokens(path, workers, PROMPTS[:3], compile_decode=True, **QUANTIZED)
+    assert got == want
+    assert engine.decode.mode == "compile" and engine.decode.compiled_sizes  # the driver's decodes were compiled
 
 
 @pytest.fixture(scope="module")

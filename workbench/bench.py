@@ -214,7 +214,7 @@ def bench_decode(
     A quantized ``model`` (``load_bench_model(..., quantization=...)``) and ``kv_cache_dtype`` count the bytes
     their formats move (``decode_step_bytes``); ``gemv_ratio`` stays against the unquantized linear sweep.
 
-    ``workers``: the ranks of a tensor-parallel model (``workbench.engine.tp_runner.start_workers``; ``model`` is
+    ``workers``: the ranks of a tensor-parallel model (``workbench.engine.executor.start_workers``; ``model`` is
     rank 0's shard): each row then adds the share of a step rank 0 spent in all-reduces and their bandwidth
     (bytes of the reduced tensors over the time spent in them, the slower rank's wait included). Bytes per step
     and MBU count the whole model, read by all ranks together out of one machine's memory.
@@ -479,7 +479,7 @@ def bench_offline(
     counts, t0 = cache_counts(), now()
     engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode,
                           compile_prefill=compile_prefill)  # fmt: skip
-    compile_s = engine.decode.warmup()
+    compile_s = engine.warmup_decode()
     prefill_compile_s = engine.prefill.warmup(engine.token_budget)
     run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up
     warmup_s = now() - t0
@@ -616,7 +616,7 @@ def compare_offline(
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
     device = model.device
     engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode)
-    compile_s = engine.decode.warmup()
+    compile_s = engine.warmup_decode()
     run_engine_offline(model, requests[:2], max_num_seqs, engine)  # warm-up
     hf_generate(hf_model, [requests[0][0]], 2)
 

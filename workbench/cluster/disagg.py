@@ -7,7 +7,7 @@
 in its own processes: ``EngineConfig.tensor_parallel_size`` ranks per engine (each pool its own: ``prefill_tp``,
 ``decode_tp``), all joined in one gloo (CPU) or NCCL (CUDA) world for the KV transfers
 (``workbench.dist.kv_connector``). An engine of TP > 1 is a subgroup of that world (``dist.new_group``) running
-the tensor-parallel machinery of ``workbench.engine.tp_runner``: its first rank drives (scheduler, sampler) and
+the engine's executor over its ranks (``workbench.engine.executor``): its first rank drives (scheduler, sampler) and
 every rank moves its own KV heads (``transfer_plan``: rank i to rank i with equal TP, heads re-sliced otherwise).
 Control messages travel on multiprocessing queues between the coordinator and each engine's first rank.
 Request ``i`` goes to prefill engine ``i mod P`` and decode engine ``i mod D``. The prefill engine serves it with
@@ -58,7 +58,7 @@ from workbench.dist.kv_connector import (
 )
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import RequestResult
-from workbench.engine.tp_runner import ShardWorker
+from workbench.engine.worker import Worker
 from workbench.errors import ConfigError
 from workbench.model.sharding import check_tensor_parallel_size
 from workbench.request import SamplingParams, fits_context
@@ -106,6 +106,14 @@ class DisaggConfig:
                 "speculative decoding is not supported with disaggregation (the decode engine would need the "
                 "proposer's state, a draft model's KV, handed off with the prompt's); drop --speculative-config "
                 "or --disaggregate"
+            )
+        if any(
+            e.tensor_parallel_size > 1 and (e.kv_cache_quantized or e.quantization) for e in (self.prefill, self.decode)
+        ):
+            raise ConfigError(
+                "quantized weights or a quantized KV cache are not supported with tensor_parallel_size > 1 in a "
+                "disaggregated run yet (moving a quantized pool's head slices between ranks is untested); use one "
+                "rank per engine or an unquantized pool"
             )
         if self.max_retries < 0 or not self.transfer_timeout_s > 0:
             raise ConfigError("max_retries must be >= 0 and transfer_timeout_s > 0")
@@ -262,14 +270,14 @@ class KVPeer:
         return len(self.sender.in_flight) if self.sender is not None else 0
 
 
-class DisaggShardWorker(ShardWorker):
-    """A rank of a tensor-parallel engine in a disaggregated world: a ``ShardWorker`` on its engine's subgroup that
+class DisaggShardWorker(Worker):
+    """A rank of a tensor-parallel engine in a disaggregated world: a ``Worker`` on its engine's subgroup that
     also moves its KV heads (``kv_*``, called on every rank by the engine's driver, each returning the list of every
     rank's result on the driver)."""
 
-    def setup_cache(self, *args: Any) -> None:
-        super().setup_cache(*args)
-        self.kv = KVPeer(self.cache, head_range(self.shard.cfg, self.rank, self.world_size)[0])
+    def init_cache(self, *args: Any) -> None:
+        super().init_cache(*args)
+        self.kv = KVPeer(self.runner.cache, head_range(self.model.tp_shard.cfg, self.rank, self.world_size)[0])
 
     def _gathered(self, value: Any) -> list[Any] | None:
         out = [None] * self.world_size if self.rank == 0 else None
@@ -304,7 +312,7 @@ class EngineKV:
 
 
 def _worker_args(source: str, config: EngineConfig, seed: int, threads: int, group: Any) -> tuple:
-    return (source, config.dtype, config.device, seed, threads, group)
+    return (source, config.dtype, config.device, seed, threads, group, config.quantization, config.group_size)
 
 
 def _load_engine(

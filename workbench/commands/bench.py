@@ -230,8 +230,12 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     emulated = warn_if_emulated(args.dtype, device)
     compile_decode = args.compile_decode
+    compilable = device.type == "cpu" and args.attention_backend != "triton"
     if compile_decode is None:  # CUDA replays CUDA graphs instead; the Triton backend is not compiled
-        compile_decode = device.type == "cpu" and args.attention_backend != "triton"
+        compile_decode = compilable
+    # the decode arms: under tensor parallelism, unless one was asked for, eager and compiled side by side
+    decode_arms = [False, True] if args.tensor_parallel_size > 1 and args.compile_decode is None and compilable else [
+        compile_decode]  # fmt: skip
     out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
     out["runtime"] = runtime_state()  # allocator and OpenMP library (WORKBENCH_PRELOAD, workbench.runtime)
     if emulated:
@@ -255,10 +259,12 @@ def run(args: argparse.Namespace) -> int:
                 from workbench.errors import ConfigError
 
                 raise ConfigError("--tensor-parallel-size applies to bench decode only")
-            from workbench.engine.tp_runner import start_workers
+            from workbench.engine.executor import start_workers
 
-            workers = start_workers(args.model, args.tensor_parallel_size, args.dtype, str(device), args.seed, threads)
-            model, compile_decode = workers.worker.model, False  # TP decode runs eagerly
+            q, g = (args.quantization or ["none"])[0], (args.group_size or [128])[0]
+            workers = start_workers(args.model, args.tensor_parallel_size, args.dtype, str(device), args.seed, threads,
+                                    None if q == "none" else q, g)  # fmt: skip
+            model = workers.worker.model
             out["tensor_parallel_size"] = args.tensor_parallel_size
         elif schemes is None:
             q, g = (args.quantization or ["none"])[0], (args.group_size or [128])[0]
@@ -267,24 +273,25 @@ def run(args: argparse.Namespace) -> int:
             out |= compare_schemes(args, schemes, hw, str(device), compile_decode)
         elif args.kind == "decode":
             # one batch size at a time, so that the progress bar moves (the first step of each compiles: ~30 s)
-            note = ", compiling its decode step" if compile_decode else ""
+            note = ", compiling its decode step" if any(decode_arms) else ""
             out["results"] = []
             sweep = bench.LinearSweep(model.config, model.dtype, model.device, seed=args.seed)  # built once
             for batch in _progress(args.batch, f"decode{note}", "batch"):
-                out["results"] += bench.bench_decode(
-                    model,
-                    [batch],
-                    (args.prompt_len or [128])[0],
-                    args.steps,
-                    args.warmup,
-                    hw,
-                    sweep=sweep,
-                    seed=args.seed,
-                    attention_backend=args.attention_backend,
-                    compile_decode=compile_decode,
-                    workers=workers,
-                    kv_cache_dtype=(args.kv_cache_dtype or ["auto"])[0],
-                )
+                for arm in decode_arms:  # one batch's arms one after the other: their ratio drifts least
+                    out["results"] += bench.bench_decode(
+                        model,
+                        [batch],
+                        (args.prompt_len or [128])[0],
+                        args.steps,
+                        args.warmup,
+                        hw,
+                        sweep=sweep,
+                        seed=args.seed,
+                        attention_backend=args.attention_backend,
+                        compile_decode=arm,
+                        workers=workers,
+                        kv_cache_dtype=(args.kv_cache_dtype or ["auto"])[0],
+                    )
             if workers is not None:
                 workers.shutdown()
         elif args.kind == "prefill":
@@ -339,8 +346,6 @@ def _check_schemes(args: argparse.Namespace, schemes: list | None) -> None:
                           "bench decode only; give one value each")  # fmt: skip
     if schemes is not None and args.tensor_parallel_size > 1:
         raise ConfigError("comparing quantization schemes runs on one process; drop --tensor-parallel-size")
-    if args.tensor_parallel_size > 1 and not plain:
-        raise ConfigError("quantized weights or KV cache are not supported with --tensor-parallel-size > 1")
 
 
 def compare_schemes(args: argparse.Namespace, schemes: list, hw: Any, device: str, compile_decode: bool) -> dict:
@@ -400,13 +405,14 @@ def format_table(out: dict[str, Any]) -> str:
                          f"sequences of {c['context_len']} tokens fit {c['budget_bytes'] / 2**30:.0f} GiB")  # fmt: skip
     elif out["bench"] == "decode":
         lines.append(
-            f"{'batch':>5} {'step ms':>9} {'out tok/s':>9} {'GB/s':>7} {'mbu':>6} {'gemv_ratio':>10} {'overhead':>8}"
+            f"{'batch':>5} {'decode':>8} {'step ms':>9} {'out tok/s':>9} {'GB/s':>7} {'mbu':>6} {'gemv_ratio':>10} "
+            f"{'overhead':>8}"
         )
         for r in out["results"]:
             lines.append(
-                f"{r['batch']:>5} {r['step_s'] * 1e3:>9.2f} {r['tokens_per_s']:>9.1f} "
-                f"{r['achieved_bytes_per_s'] / 1e9:>7.2f} {r['mbu']:>6.2f} {r['gemv_ratio']:>10.3f} "
-                f"{r['overhead_share']:>8.1%}"
+                f"{r['batch']:>5} {'compiled' if r['compiled_decode'] else 'eager':>8} {r['step_s'] * 1e3:>9.2f} "
+                f"{r['tokens_per_s']:>9.1f} {r['achieved_bytes_per_s'] / 1e9:>7.2f} {r['mbu']:>6.2f} "
+                f"{r['gemv_ratio']:>10.3f} {r['overhead_share']:>8.1%}"
             )
             if "all_reduce_share" in r:
                 bw = r["all_reduce_bytes_per_s"] or 0.0

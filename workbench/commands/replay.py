@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_disaggregated(args, config, requests, max_len)
     engine = Engine.from_model(args.model, config, seed=args.model_seed)
     try:
-        compile_s = engine.decode.warmup()  # --compile-decode: every batch bucket before the clock starts
+        compile_s = engine.warmup_decode()  # --compile-decode: every batch bucket before the clock starts
         if compile_s:
             print(f"workbench replay: decode compiled for batches {sorted(compile_s)} in "
                   f"{sum(compile_s.values()):.1f} s", file=sys.stderr)  # fmt: skip

@@ -162,7 +162,7 @@ class EngineConfig(ServingConfig):
 
     ``compile_decode`` (CPU): pure-decode steps run as ``torch.compile``d graphs, one per batch bucket, each batch
     padded to its bucket (``workbench.engine.decode_step``); a bucket compiles at its first decode step, or all of
-    them in ``Engine.decode.warmup()``. On CUDA, pure-decode steps replay CUDA graphs; otherwise they run eagerly
+    them in ``Engine.warmup_decode()``. On CUDA, pure-decode steps replay CUDA graphs; otherwise they run eagerly
     (``decode_mode``).
 
     ``compile_prefill`` (CPU, one process): ragged steps (prefill, chunks, prefill mixed with decodes) run each
@@ -174,7 +174,7 @@ class EngineConfig(ServingConfig):
     by ``Engine.from_model`` at load time; ``kv_cache_dtype``: what the KV pool stores (``workbench.kv.cache``), and
     so how many blocks a byte budget buys (``plan_num_blocks`` counts int8's scales).
 
-    ``packed_linears`` (CPU, fp32 or bf16, one process): the model's plain linear layers also hold oneDNN's packed
+    ``packed_linears`` (CPU, fp32 or bf16, every rank): the model's plain linear layers also hold oneDNN's packed
     layout of their weights, used for products of 4 to 256 rows (``workbench.model.packed``): a second copy of the
     weights in memory for faster decode batches and short chunks. The engine applies it to the model it is given.
 
@@ -207,16 +207,9 @@ class EngineConfig(ServingConfig):
         if self.quantization == "fp8":
             raise ConfigError("quantization 'fp8' (weights) is for the roofline and the simulator; the engine runs "
                               "int8 and int4 weights (and --kv-cache-dtype fp8 for the cache)")  # fmt: skip
-        if self.tensor_parallel_size > 1 and (self.quantization or self.kv_cache_quantized):
-            raise ConfigError("quantized weights or KV cache are not supported with tensor_parallel_size > 1")
-        if self.tensor_parallel_size > 1 and self.compile_decode:
-            raise ConfigError(
-                "compile_decode is not supported with tensor_parallel_size > 1 (decode runs eagerly there); "
-                "turn one of them off"
-            )
         if self.tensor_parallel_size > 1 and self.compile_prefill:
             raise ConfigError(
-                "compile_prefill is not supported with tensor_parallel_size > 1 (ragged steps run eagerly there); "
+                "compile_prefill is not supported with tensor_parallel_size > 1 yet (its warm-up runs on one rank); "
                 "turn one of them off"
             )
         if self.compile_prefill and self.device.startswith("cuda"):
@@ -229,8 +222,9 @@ class EngineConfig(ServingConfig):
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ConfigError(
-                "speculative decoding is not supported with tensor_parallel_size > 1 (the ranks' ragged step returns "
-                "logits of one token per sequence, verification needs k + 1); drop one of them"
+                "speculative decoding is not supported with tensor_parallel_size > 1: its proposers run on the driver "
+                "alone (the oracle runs the target model there, of which the driver holds one shard), and verification "
+                "under tensor parallelism is not tested yet; drop one of them"
             )
         if self.num_blocks is not None and self.kv_cache_bytes is not None:
             raise ConfigError("give num_blocks or kv_cache_bytes, not both")
@@ -240,10 +234,12 @@ class EngineConfig(ServingConfig):
             raise ConfigError("cache='contiguous' reserves max_num_seqs x max_model_len; num_blocks does not apply")
 
     def decode_mode(self, device_type: str) -> str:
-        """The ``DecodeStep`` mode of this engine on a device of this type: compile, graph (CUDA) or eager."""
+        """The ``DecodeStep`` mode of this engine on a device of this type: compile, graph (CUDA) or eager. Under
+        tensor parallelism on CUDA decode runs eagerly: recording NCCL all-reduces into CUDA graphs is not
+        verified yet."""
         if self.compile_decode:
             return "compile"
-        return "graph" if device_type == "cuda" else "eager"
+        return "graph" if device_type == "cuda" and self.tensor_parallel_size == 1 else "eager"
 
     def cache_shape(self, model: ModelConfig) -> tuple[int, int]:
         """(num_blocks, block_size) of the pool for this model."""

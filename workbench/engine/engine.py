@@ -1,6 +1,9 @@
 """The serving engine: requests in, a scheduler step, the model runner, tokens out; timed on the wall clock.
 
-    Request -> Scheduler.schedule() -> StepPlan -> ModelRunner.execute() -> Scheduler.update() -> metrics
+    Request -> Scheduler.schedule() -> StepPlan -> Executor.execute() -> Scheduler.update() -> metrics
+
+The executor runs each plan on the engine's workers (``workbench.engine.executor``): one ``ModelRunner`` in this
+process, or one per rank of a tensor-parallel engine, all running the same code on their shards.
 
 The engine's API, the only way in for the server, the benchmarks, disaggregation and the simulator's measurements:
 ``add_request`` queues a request (an invalid one is rejected with its reason, the others keep running), ``abort``
@@ -32,18 +35,15 @@ from workbench.config import ModelConfig
 from workbench.device import dtype_name, resolve_device, synchronize, torch_dtype
 from workbench.dist.group import WorkerGroup, launched_by_torchrun
 from workbench.engine.config import EngineConfig
-from workbench.engine.decode_step import DecodeStep
+from workbench.engine.executor import Executor, start_workers
 from workbench.engine.metrics import StepLog, StepRecord, summarize
-from workbench.engine.prefill_step import PrefillStep
-from workbench.engine.runner import ModelRunner, check_triton_backend, make_backend
+from workbench.engine.runner import ModelRunner, check_triton_backend
 from workbench.engine.scheduler import Scheduler, StepPlan
-from workbench.engine.tp_runner import TensorParallelRunner, start_workers
+from workbench.engine.worker import Worker
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
-from workbench.kv.cache import KVCache
 from workbench.kv.ledger import MemoryLedger
-from workbench.model.packed import pack_linears, unpack_linears
-from workbench.model.sharding import check_tensor_parallel_size
+from workbench.model.sharding import TensorParallelShard, check_tensor_parallel_size
 from workbench.model.transformer import Transformer
 from workbench.request import RequestRecord, SamplingParams, Sequence, SequenceStatus, validate_request
 from workbench.workloads import prompt_token_ids
@@ -137,8 +137,9 @@ class Engine:
     def __init__(
         self, model: Transformer, config: EngineConfig | None = None, workers: WorkerGroup | None = None
     ) -> None:
-        """``workers``: the ranks of a tensor-parallel engine (``Engine.from_model`` starts them); ``model`` is
-        then rank 0's shard, whose config sizes each rank's shard of the KV pool."""
+        """``workers``: the ranks of a tensor-parallel engine (``Engine.from_model`` starts them; each rank a
+        ``workbench.engine.worker.Worker``); ``model`` is then rank 0's shard, whose config sizes each rank's shard
+        of the KV pool. Every rank builds its runner with this config (``Executor.init_cache``)."""
         self.config = config or EngineConfig()
         self.model = model
         self.workers = workers
@@ -164,28 +165,18 @@ class Engine:
         max_len = self.scheduler.config.max_model_len
         if self.config.attention_backend == "triton":
             check_triton_backend(model.device)
-        if workers is not None:  # every rank holds its shard of the pool and its own backend and decode step
-            self.runner: ModelRunner = TensorParallelRunner(workers, num_blocks, block_size, self.config, max_len)
-            self.cache, self.backend, self.decode = self.runner.cache, self.runner.backend, self.runner.decode
-            self.prefill = self.runner.prefill
-        else:
-            (pack_linears if self.config.packed_linears else unpack_linears)(model)
-            self.cache = KVCache(mcfg, num_blocks, block_size, dtype=model.dtype, device=model.device,
-                                 kv_cache_dtype=kv_dtype)  # fmt: skip
-            self.backend = make_backend(self.config.attention_backend, model.device.type)  # never set on the model
-            self.decode = DecodeStep(
-                model, self.cache, self.backend, self.config.decode_mode(model.device.type), self.config.max_num_seqs,
-                max_len,
-            )  # fmt: skip
-            self.prefill = PrefillStep(model, self.cache, self.backend, self.config.compile_prefill)
-            self.runner = ModelRunner(model, self.cache, self.backend, self.decode, self.prefill)
+        # every rank holds its shard of the pool, its own backend, decode step and ragged step
+        self.executor = Executor(Worker.for_model(model) if workers is None else workers.worker, workers)
+        self.runner: ModelRunner = self.executor.init_cache(self.config, num_blocks, block_size, max_len)
+        self.cache, self.backend, self.decode = self.runner.cache, self.runner.backend, self.runner.decode
+        self.prefill = self.runner.prefill
         self.speculator = None  # speculative decoding: proposals through the scheduler's hook (engine.spec_decode)
         if self.config.speculative_config is not None:
             from workbench.engine.spec_decode import make_speculator
 
             self.speculator = make_speculator(self.config.speculative_config, model, self.config.max_num_seqs,
                                               max_len, block_size)  # fmt: skip
-            self.runner.speculator = self.speculator
+            self.executor.speculator = self.speculator
             self.scheduler.proposer = self.speculator.propose
         self.step_log = StepLog()  # every step of a run; a server bounds it (``new_step_log(max_steps)``)
         # called after every executed step with its plan and log record (``workbench.sim.measure`` pairs them)
@@ -212,22 +203,32 @@ class Engine:
             if tp > available and not launched_by_torchrun():  # under torchrun the ranks may span nodes
                 kind = "CUDA devices" if device.type == "cuda" else "CPU cores"
                 raise ConfigError(f"tensor_parallel_size {tp} exceeds the {available} {kind} of this machine")
-            workers = start_workers(str(name_or_path), tp, config.dtype, config.device, seed, torch.get_num_threads())
-            return cls(workers.worker.model, config, workers=workers)
-        if config.quantization is not None:  # every check before a weight is read
-            from workbench.model.quant import check_engine_quantization, quantize_model
+        if config.quantization is not None:  # every check before a weight is read (of every rank's shard)
+            from workbench.model.quant import check_engine_quantization
 
-            ModelConfig.resolve(name_or_path).check_quantization(config.quantization, config.group_size)
+            full = ModelConfig.resolve(name_or_path)
+            for cfg in (full, TensorParallelShard(full, 0, tp).local_config()):
+                cfg.check_quantization(config.quantization, config.group_size)
             check_engine_quantization(config.quantization, config.group_size, torch_dtype(config.dtype), device)
+        if tp > 1:
+            workers = start_workers(str(name_or_path), tp, config.dtype, config.device, seed, torch.get_num_threads(),
+                                    config.quantization, config.group_size)  # fmt: skip
+            return cls(workers.worker.model, config, workers=workers)
         model = load_model(name_or_path, dtype=torch_dtype(config.dtype), device=device, seed=seed)
         if config.quantization is not None:
+            from workbench.model.quant import quantize_model
+
             quantize_model(model, config.quantization, config.group_size)
         return cls(model, config)
 
     def shutdown(self) -> None:
         """Stop the worker ranks of a tensor-parallel engine (nothing to do for one process). Safe to repeat."""
-        if self.workers is not None:
-            self.workers.shutdown()
+        self.executor.shutdown()
+
+    def warmup_decode(self) -> dict[int, float]:
+        """Compile every decode batch bucket before anything is timed (``EngineConfig.compile_decode``; nothing to do
+        otherwise), on every rank of a tensor-parallel engine. Returns the seconds each bucket took to compile."""
+        return self.executor.call("warmup_decode")
 
     def __enter__(self) -> Engine:
         return self
@@ -308,7 +309,7 @@ class Engine:
         if seq is None:
             return None
         seq.finish_time = self.now()
-        self.runner.release(request_id)
+        self.executor.release(request_id)
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
@@ -325,7 +326,7 @@ class Engine:
         finished, self._early_finished = self._early_finished, []
         start = self.now() if start is None else start
         plan = self.scheduler.schedule(now=start)
-        sampled = self.runner.execute(plan)
+        sampled = self.executor.execute(plan)
         synchronize(self.model.device)
         end = self.now()
         finished += self.scheduler.update(plan, sampled, end)
@@ -335,10 +336,10 @@ class Engine:
                 self.on_step(plan, record)
         for seq in finished:
             if seq.seq_id in self.scheduler.held:  # a finished prefill to hand off: its sampling continues there
-                state = self.runner.sampler.generator_state(seq.seq_id)
+                state = self.executor.sampler.generator_state(seq.seq_id)
                 if state is not None:
                     self._handoff_states[seq.seq_id] = state
-            self.runner.release(seq.seq_id)
+            self.executor.release(seq.seq_id)
         return self._outputs(plan, finished)
 
     def _outputs(self, plan: StepPlan, finished: list[Sequence]) -> list[RequestOutput]:
@@ -496,7 +497,7 @@ class Engine:
         """Continue request ``seq_id``'s sampling from ``state`` (another engine's ``handoff_state``): a seeded
         request then draws the same tokens as on one engine, instead of reseeding and repeating its first draw."""
         if state is not None:
-            self.runner.sampler.resume(seq_id, state, self.model.device)
+            self.executor.sampler.resume(seq_id, state, self.model.device)
 
     # ---- serving a batch or a workload ---------------------------------------------------------------------
     def generate(

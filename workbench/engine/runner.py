@@ -1,4 +1,7 @@
-"""ModelRunner: the only place that turns a ``StepPlan`` into tensors, runs the model and samples.
+"""ModelRunner: one rank's model, KV pool and step executors; the only place that turns a step into tensors.
+
+    Executor.execute(plan): prepare_step(plan) -> StepInput (plain lists, built once on the driver, broadcast to
+    every rank under tensor parallelism) -> ModelRunner.run(step) on each rank -> logits on the driver -> sampler
 
 Two named paths, as in the seed's pseudocode:
 
@@ -6,15 +9,18 @@ Two named paths, as in the seed's pseudocode:
   refuses) lays every chunk's tokens into one flat ragged batch, with positions and cache slots from each
   sequence's block table, and runs ``Transformer.forward`` once for the whole mixed step, through the one
   ragged-step executor ``workbench.engine.prefill_step.PrefillStep`` (eager, or each layer's work around its
-  attention compiled: ``EngineConfig.compile_prefill``);
+  attention compiled: ``EngineConfig.compile_prefill``), then the LM head on the rows that need logits;
 - ``prepare_decode`` / ``run_decode``: a pure decode (``StepPlan.is_pure_decode``) goes to the one decode executor,
   ``workbench.engine.decode_step.DecodeStep`` (eager, compiled or CUDA graphs).
 
-Either way a token is sampled for every chunk that ends at its sequence's last token.
+A tensor-parallel rank runs the same code on its shard (its heads, its slice of the MLP and of the vocabulary, its
+KV heads of the pool); its row-parallel layers all-reduce and ``run`` gathers the vocabulary slices of the logits
+on the driver (``workbench.model.sharding``). The driver samples (``workbench.engine.executor``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,11 +29,10 @@ from workbench.device import synchronize
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.scheduler import StepPlan
-from workbench.engine.spec_decode import logit_rows, verify
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
-from workbench.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, build_metadata
-from workbench.model.sampler import Sampler
+from workbench.model.attention import AttentionBackend, TorchAttentionBackend, build_metadata
+from workbench.model.sharding import gather_logits
 from workbench.model.transformer import Transformer
 from workbench.timing import now
 
@@ -76,7 +81,65 @@ def check_triton_backend(device: Any) -> None:
         )
 
 
+@dataclass
+class StepInput:
+    """One step as plain lists: what every rank executes (one broadcast under tensor parallelism).
+
+    ``tokens``: the flat new token ids of every sequence in order; per sequence its ``query_lens`` (new tokens),
+    ``seq_lens`` (length after the step) and block table (``tables``); ``rows``: the flat token indices whose logits
+    are wanted (the last token of each chunk that samples; all k + 1 positions of a speculating chunk); ``decode``:
+    a pure decode (one token each, every one sampling), which the decode executor may take."""
+
+    tokens: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    rows: list[int]
+    decode: bool
+
+
+def prepare_decode(plan: StepPlan) -> StepInput:
+    """A pure decode: per sequence its new token, length after the step and block table."""
+    tokens, seq_lens, tables = [], [], []
+    for chunk in plan.chunks:
+        tokens.append(chunk.seq.token_at(chunk.start))
+        seq_lens.append(chunk.start + 1)
+        tables.append(chunk.seq.block_table)
+    n = len(tokens)
+    return StepInput(tokens, [1] * n, seq_lens, tables, list(range(n)), decode=True)
+
+
+def prepare_prefill(plan: StepPlan) -> StepInput:
+    """A ragged step: every chunk's tokens (a speculating chunk's proposals after its last token), its new tokens,
+    length after the step and block table, and the rows that need logits."""
+    ids: list[int] = []
+    query_lens, seq_lens, tables, rows = [], [], [], []
+    for chunk in plan.chunks:
+        seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
+        ids.extend(seq.token_slice(start, start + n - len(chunk.spec_token_ids)))
+        ids.extend(chunk.spec_token_ids)  # speculative decoding: the proposed tokens after the last one
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        tables.append(seq.block_table)
+        if chunk.samples:  # the last token, and before it every proposal's position (verification)
+            rows.extend(range(len(ids) - 1 - len(chunk.spec_token_ids), len(ids)))
+    return StepInput(ids, query_lens, seq_lens, tables, rows, decode=False)
+
+
+def prepare_step(plan: StepPlan) -> StepInput:
+    """The ``StepInput`` of a non-empty plan: ``prepare_decode`` for a pure decode without proposals, else
+    ``prepare_prefill``."""
+    if plan.is_pure_decode and not plan.num_spec_tokens:
+        return prepare_decode(plan)
+    return prepare_prefill(plan)
+
+
 class ModelRunner:
+    """One rank's model over its KV pool: ``run`` executes a ``StepInput`` through the decode or the ragged step.
+
+    ``shard`` / ``group``: a tensor-parallel rank's place (``model.tp_shard``) and its process group (None: the
+    world); the logits of its vocabulary slice are then gathered on the group's first rank."""
+
     def __init__(
         self,
         model: Transformer,
@@ -84,74 +147,46 @@ class ModelRunner:
         backend: AttentionBackend,
         decode: DecodeStep,
         prefill: PrefillStep | None = None,
+        group: Any = None,
     ) -> None:
         self.model, self.cache, self.backend, self.decode = model, cache, backend, decode
         self.prefill = PrefillStep(model, cache, backend, compile=False) if prefill is None else prefill
-        self.sampler = Sampler()
-        self.speculator: Any = None  # speculative decoding's proposer state, released with each request
-        # when set, each execute() records the model's share of it (forward + LM head, synchronised) in
-        # last_model_s: what is left of a step's time is engine overhead (scheduling, tensors, sampling)
+        self.shard, self.group = getattr(model, "tp_shard", None), group
+        # when set, each run() records the model's share of the step (forward + LM head + the logits' gather,
+        # synchronised) in last_model_s: what is left of a step's time is engine overhead (scheduling, tensors,
+        # sampling)
         self.time_model = False
         self.last_model_s = 0.0
 
-    def prefill_inputs(self, plan: StepPlan) -> tuple[list[int], list[int], list[int], list[list[int]]]:
-        """A ragged step as lists: flat token ids, and per chunk its new tokens, length after the step and
-        block table."""
-        ids: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
-        for chunk in plan.chunks:
-            seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
-            ids.extend(seq.token_slice(start, start + n - len(chunk.spec_token_ids)))
-            ids.extend(chunk.spec_token_ids)  # speculative decoding: the proposed tokens after the last one
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(seq.block_table)
-        return ids, query_lens, seq_lens, tables
+    def run(self, step: StepInput) -> torch.Tensor | None:
+        """One step on this rank: writes its K/V into the cache; returns the (len(rows), vocab) fp32 logits of
+        ``step.rows`` on the driver (None on the other ranks, and when no row needs logits). Every rank takes the
+        same path: the decode executor's choice depends only on the step's lengths and limits."""
+        if step.decode and self.decode.supports(step.seq_lens):
+            return self._timed(self.run_decode, step)
+        return self.run_prefill(step)
 
-    def prepare_prefill(self, plan: StepPlan) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Flat input ids (num_tokens,) of every chunk and the ragged step's attention metadata."""
-        ids, query_lens, seq_lens, tables = self.prefill_inputs(plan)
-        meta = build_metadata(query_lens, seq_lens, tables, self.cache.block_size, self.model.device)
-        return torch.tensor(ids, dtype=torch.long, device=self.model.device), meta
+    def run_decode(self, step: StepInput) -> torch.Tensor | None:
+        """A pure decode through ``DecodeStep.run``: the logits of every sequence."""
+        return self._gather(self.decode.run(step.tokens, step.seq_lens, step.tables))
 
-    def prepare_decode(self, plan: StepPlan) -> tuple[list[int], list[int], list[list[int]]]:
-        """A pure decode's new token, length after the step and block table, per sequence."""
-        tokens, seq_lens, tables = [], [], []
-        for chunk in plan.chunks:
-            tokens.append(chunk.seq.token_at(chunk.start))
-            seq_lens.append(chunk.start + 1)
-            tables.append(chunk.seq.block_table)
-        return tokens, seq_lens, tables
-
-    def execute(self, plan: StepPlan) -> dict[int, int]:
-        """Run one step; returns the sampled token of every chunk that samples, by sequence id."""
-        if plan.is_empty:
-            return {}
-        if plan.is_pure_decode and not plan.num_spec_tokens:
-            tokens, seq_lens, tables = self.prepare_decode(plan)
-            if self.decode.supports(seq_lens):
-                return self._sample(plan, self._timed(self.decode.run, tokens, seq_lens, tables), range(len(tokens)))
-        return self.run_prefill(plan)
-
-    def run_prefill(self, plan: StepPlan) -> dict[int, int]:
-        """The ragged step through ``PrefillStep.run`` (``Transformer.forward``), then the LM head on the chunks
-        that sample."""
-        input_ids, meta = self.prepare_prefill(plan)
-        if plan.num_spec_tokens:  # speculative decoding: logits of all k + 1 positions, verified
-            spec_rows = logit_rows(plan, meta)
-            logits = self._timed(lambda: self.model.compute_logits(self.prefill.run(input_ids, meta)[spec_rows]))
-            return verify(plan, logits, self.sampler)
-        rows = [i for i, c in enumerate(plan.chunks) if c.samples]
+    def run_prefill(self, step: StepInput) -> torch.Tensor | None:
+        """The ragged step through ``PrefillStep.run`` (``Transformer.forward``), then the LM head on ``rows``."""
+        dev = self.model.device
+        meta = build_metadata(step.query_lens, step.seq_lens, step.tables, self.cache.block_size, dev)
+        input_ids = torch.tensor(step.tokens, dtype=torch.long, device=dev)
+        rows = torch.tensor(step.rows, dtype=torch.long, device=dev)
 
         def model() -> torch.Tensor | None:
             hidden = self.prefill.run(input_ids, meta)  # (num_tokens, hidden)
-            if not rows:
+            if not step.rows:
                 return None
-            last = meta.last_token_indices[rows] if len(rows) < len(plan.chunks) else meta.last_token_indices
-            return self.model.compute_logits(hidden[last])  # (num_sampling, vocab), fp32
+            return self._gather(self.model.compute_logits(hidden[rows]))  # (num_rows, vocab), fp32
 
-        logits = self._timed(model)
-        return {} if logits is None else self._sample(plan, logits, rows)
+        return self._timed(model)
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor | None:
+        return local if self.shard is None else gather_logits(local, self.shard, self.group)
 
     def _timed(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
         if not self.time_model:
@@ -162,13 +197,3 @@ class ModelRunner:
         synchronize(self.model.device)
         self.last_model_s = now() - t0
         return out
-
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, rows: range | list[int]) -> dict[int, int]:
-        seqs = [plan.chunks[i].seq for i in rows]
-        tokens = self.sampler(logits, [s.sampling for s in seqs], [s.seq_id for s in seqs])
-        return {s.seq_id: t for s, t in zip(seqs, tokens)}
-
-    def release(self, seq_id: int) -> None:
-        self.sampler.release(seq_id)
-        if self.speculator is not None:
-            self.speculator.release(seq_id)

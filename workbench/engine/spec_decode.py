@@ -44,25 +44,13 @@ from workbench.engine.speculative import NgramProposer, SpeculativeConfig
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.cache import KVCache
-from workbench.model.attention import AttentionMetadata, build_metadata
+from workbench.model.attention import build_metadata
 from workbench.model.sampler import Sampler, filter_logits
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams, Sequence
 
 
 # ---- verification ------------------------------------------------------------------------------------------------
-def logit_rows(plan: StepPlan, meta: AttentionMetadata) -> list[int]:
-    """Rows of the step's hidden states that need logits: every position of a speculating chunk (k + 1), the last
-    token of any other chunk that samples."""
-    rows: list[int] = []
-    end = 0
-    for chunk, q_len in zip(plan.chunks, meta.query_lens):
-        end += q_len
-        if chunk.samples:
-            rows.extend(range(end - 1 - len(chunk.spec_token_ids), end))
-    return rows
-
-
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(n, vocab) fp32 logits -> the (n, vocab) distributions the sampler draws from (temperature, top-k, top-p)."""
     return torch.stack([torch.softmax(filter_logits(row, params.temperature, params.top_k, params.top_p), -1)
@@ -107,7 +95,7 @@ def rejection_sample(
 
 
 def verify(plan: StepPlan, logits: torch.Tensor, sampler: Sampler) -> dict[int, int | list[int]]:
-    """Tokens of a step with proposals (``logits``: the rows of ``logit_rows``): for a speculating chunk the list of
+    """Tokens of a step with proposals (``logits``: the rows of ``StepInput.rows``): for a speculating chunk the list of
     accepted proposals plus the target's token, for any other sampling chunk its one token (``sampler``'s draw).
     A sampling request's generator gives k + 1 uniforms per verification, whatever it is batched with."""
     argmax = torch.argmax(logits, dim=-1).tolist()

@@ -35,6 +35,7 @@ here is a hand-written kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ from torch import nn
 
 from workbench.config import DEFAULT_GROUP_SIZE, canonical_quantization
 from workbench.errors import ConfigError
+
+AmaxReduce = Callable[[torch.Tensor], torch.Tensor]  # a row-parallel shard's per-row maximum -> the whole row's
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 operators accept
 # Up to this many rows a CPU product is the fused dequantize-reduce loop (``int8_rows``, ``int4_rows``): it reads each
@@ -67,10 +70,15 @@ CUDA_INT4_INNER_K_TILES = 8
 
 
 # ---- quantize / dequantize (the references the packed operators are checked against) --------------------------
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, in) float weight -> (q int8 (out, in), scale fp32 (out,)), symmetric per output channel."""
+def quantize_int8(w: torch.Tensor, amax_reduce: AmaxReduce | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (q int8 (out, in), scale fp32 (out,)), symmetric per output channel.
+    ``amax_reduce``: a row-parallel shard's columns are part of each row; it maps the shard's per-row maximum to the
+    whole row's (the maximum over the ranks), so every rank quantizes with the unsharded model's scales."""
     w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # an all-zero row gets a tiny scale and q = 0
+    amax = w.abs().amax(dim=1)
+    if amax_reduce is not None:
+        amax = amax_reduce(amax)
+    scale = amax.clamp(min=1e-12) / 127.0  # an all-zero row gets a tiny scale and q = 0
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
@@ -175,9 +183,9 @@ class Int8Linear(nn.Module):
     GEMM on ``q`` and scale the result.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, amax_reduce: AmaxReduce | None = None) -> None:
         super().__init__()
-        q, scale = quantize_int8(linear.weight.detach())
+        q, scale = quantize_int8(linear.weight.detach(), amax_reduce)
         dev, dtype = linear.weight.device, linear.weight.dtype
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("qweight", q.to(dev))  # (out, in) int8
@@ -317,19 +325,26 @@ def check_engine_quantization(
     return q
 
 
-def quantize_linear(linear: nn.Linear, quantization: str, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
-    """The quantized replacement of one ``nn.Linear``."""
+def quantize_linear(
+    linear: nn.Linear, quantization: str, group_size: int = DEFAULT_GROUP_SIZE, amax_reduce: AmaxReduce | None = None
+) -> nn.Module:
+    """The quantized replacement of one ``nn.Linear`` (``amax_reduce``: a row-parallel shard's, see
+    ``quantize_int8``; int4's groups lie within a shard's columns when the group size divides them)."""
     if quantization == "int8":
-        return Int8Linear(linear)
+        return Int8Linear(linear, amax_reduce)
     return Int4Linear(linear, group_size)
 
 
 @torch.no_grad()
-def quantize_model(model: Any, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> Any:
+def quantize_model(
+    model: Any, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE, amax_reduce: AmaxReduce | None = None
+) -> Any:
     """Replace ``model``'s linear layers and its LM head by quantized ones, in place; returns the model. A tied head
     becomes a quantized copy of the embedding table, which stays as it is for the lookup.
 
-    ``model`` is a ``workbench.model.transformer.Transformer`` already on its device and dtype.
+    ``model`` is a ``workbench.model.transformer.Transformer`` already on its device and dtype. A tensor-parallel
+    shard passes ``amax_reduce`` (the maximum over its ranks) for its row-parallel layers (O, down), so that its
+    weights are the slices of the unsharded model's quantized weights.
     """
     q = check_engine_quantization(quantization, group_size, model.dtype, model.device)
     if q is None:
@@ -338,9 +353,9 @@ def quantize_model(model: Any, quantization: str | None, group_size: int = DEFAU
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = quantize_linear(attn.qkv_proj, q, group_size)
-        attn.o_proj = quantize_linear(attn.o_proj, q, group_size)
+        attn.o_proj = quantize_linear(attn.o_proj, q, group_size, amax_reduce)
         mlp.gate_up_proj = quantize_linear(mlp.gate_up_proj, q, group_size)
-        mlp.down_proj = quantize_linear(mlp.down_proj, q, group_size)
+        mlp.down_proj = quantize_linear(mlp.down_proj, q, group_size, amax_reduce)
     model.lm_head = quantize_linear(model.lm_head, q, group_size)  # tied: a copy, the table keeps its dtype
     model.quantization, model.group_size = q, group_size
     return model

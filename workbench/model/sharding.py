@@ -216,6 +216,41 @@ def shard_from_full(full: Transformer, shard: TensorParallelShard) -> Transforme
     return model
 
 
+# the reduce functions of this process's ranks (one per ``Worker``), addressed by index from ``traced_reduce``'s op
+_REDUCERS: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+
+@torch.library.custom_op("workbench::tp_all_reduce", mutates_args=())
+def _tp_all_reduce(tensor: torch.Tensor, reducer: int) -> torch.Tensor:
+    """A copy of ``tensor`` summed over the ranks by the registered reduce function ``reducer``."""
+    return _REDUCERS[reducer](tensor.clone())
+
+
+@_tp_all_reduce.register_fake
+def _tp_all_reduce_fake(tensor: torch.Tensor, reducer: int) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def traced_reduce(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reduce`` (an in-place all-reduce) as one opaque operator (``workbench::tp_all_reduce``), for the row-parallel
+    layers' ``reduce``: eagerly it is a call, and ``torch.compile`` (the compiled decode and prefill steps) keeps it
+    as one call in the graph instead of tracing into torch.distributed (a CUDA graph records the collective)."""
+    _REDUCERS.append(reduce)
+    index = len(_REDUCERS) - 1
+
+    def reduce_op(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.ops.workbench.tp_all_reduce(tensor, index)
+
+    return reduce_op
+
+
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The element-wise maximum of ``tensor`` over the ranks, in place (a no-op without a group or with one rank)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks of the running torch.distributed group (or of ``group``, a subgroup), in place
     (the row-parallel layers' one collective; a no-op without a group or with one rank)."""

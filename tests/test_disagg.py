@@ -181,3 +181,19 @@ def test_seeded_sampling_gives_the_same_tokens_colocated_under_tp_and_disaggrega
     assert main(greedy) == 0
     assert [r["tokens"] for r in json.loads(capsys.readouterr().out)["requests"]] != colocated_tokens
     assert runs == {layout: colocated_tokens for layout in runs}
+
+
+def test_interference_trial_pairs_colocated_and_disaggregated_rounds(checkpoint, cluster):
+    from workbench.experiments.disaggregation import interference_trial
+    from workbench.experiments.trials import Rounds
+    from workbench.model import load_model
+    from workbench.workloads import Request
+
+    model = load_model(checkpoint)
+    reqs = [Request(i, 0.003 * i, n, 4) for i, n in enumerate((5, 20, 9))]
+    cmp = interference_trial(checkpoint, model, reqs, PREFILL, Rounds(6, 6, warmup=0), threads=1, cluster=cluster)
+    assert cmp.arms == ("colocated continuous", "disaggregated 1:1") and cmp.rounds == 6
+    assert set(cmp.records) == {"colocated continuous", "disaggregated 1:1", "colocated continuous (A/A)"}
+    for recs in cmp.records.values():
+        assert len(recs) == 6 and all(r["num_finished"] == 3 for r in recs)
+    assert cmp.values["disaggregated 1:1"] == [r["itl_p99_ms"] for r in cmp.records["disaggregated 1:1"]]

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from workbench.experiments import disaggregation as dx
+from workbench.experiments.trials import DecisionRule, run_rounds
 
 
 def test_node_layouts_are_colocation_and_every_split():
@@ -13,15 +14,19 @@ def test_node_layouts_are_colocation_and_every_split():
 
 
 @pytest.mark.parametrize(
-    "colocated, disaggregated, verdict",
-    [(120.0, 6.0, "confirmed"), (6.0, 120.0, "not_confirmed"), (100.0, 95.0, "inconclusive")],
+    "scale, verdict, words",
+    [(0.05, "confirmed", "A/A"), (20.0, "not_confirmed", "other way"), (0.98, "not_confirmed", "inside the margin")],
 )
-def test_interference_claim_follows_the_itl_tails(colocated, disaggregated, verdict):
-    claim = dx.removes_interference(colocated, disaggregated)
-    assert claim["verdict"] == verdict
-    assert claim["evidence"] == {"itl_p99_ms_colocated": colocated, "itl_p99_ms_disaggregated": disaggregated}
-    if verdict == "not_confirmed":
-        assert "colocated tail is lower" in claim["detail"]
+def test_interference_claim_follows_the_paired_itl_tails(scale, verdict, words):
+    colocated = [120.0, 118.0, 125.0, 121.0, 119.0, 122.0]
+    wobble = [1.0, 1.01, 0.99, 1.0, 1.005, 0.995]
+    arms = {"colocated continuous": lambda i: colocated[i], "disaggregated 1:1": lambda i: colocated[i] * scale *
+            wobble[i]}  # fmt: skip
+    cmp = run_rounds(arms, DecisionRule("lower", 0.10), min_rounds=6, max_rounds=6, warmup=0,
+                     control=lambda i: colocated[i] * wobble[5 - i])  # fmt: skip
+    claim = dx.removes_interference(cmp)
+    assert claim["verdict"] == verdict and words in claim["detail"] and claim["uses"] == ["paired"]
+    assert claim["evidence"]["ratio"] == pytest.approx(scale, rel=0.01) and claim["evidence"]["rounds"] == 6
 
 
 def _best(split: float, colocated: float) -> pd.DataFrame:

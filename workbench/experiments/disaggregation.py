@@ -12,7 +12,9 @@ Two halves, as the notebook has them:
   roofline of each role's tensor-parallel size): SLO attainment and goodput per GPU against the request rate
   (DistServe's figure), against the KV link's bandwidth for one split, and with a different TP per phase.
 
-The claims are tested on these numbers: disaggregation removes prefill-decode interference from ITL; it pays
+The claims are tested on these numbers: disaggregation removes prefill-decode interference from ITL (decided in
+paired rounds, ``interference_trial``: each round the same slice of a workload with fresh arrivals through the
+colocated prefill-first engine, the disaggregated pair and the colocated engine again, the A/A control); it pays
 only under tight TTFT and TPOT SLOs; a slow link erases it; prefill and decode want different TP sizes.
 """
 
@@ -26,8 +28,16 @@ import pandas as pd
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.engine.metrics import summarize
-from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED, make_claim, order_single
-from workbench.experiments.serving import metrics_row, summary_row
+from workbench.experiments.claims import (
+    CONFIRMED,
+    INCONCLUSIVE,
+    NOT_CONFIRMED,
+    make_claim,
+    order_single,
+    paired_claim,
+)
+from workbench.experiments.serving import metrics_row, reseed_arrivals, summary_row
+from workbench.experiments.trials import LATENCY_MARGIN, Comparison, DecisionRule, Rounds
 from workbench.request import SamplingParams
 from workbench.timing import using_threads
 from workbench.workloads import Request, prompt_token_ids
@@ -96,6 +106,60 @@ def real_comparison(
                 }
             )
     return pd.DataFrame(rows)
+
+
+def _numbers(row: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and v is not None}
+
+
+def interference_trial(
+    source: str,
+    model: Any,
+    requests: Sequence[Request],
+    engine_config: EngineConfig,
+    rounds: Rounds,
+    threads: int = 2,
+    seed: int = 0,
+    slos: Mapping[str, float | None] | None = None,
+    margin: float = LATENCY_MARGIN,
+    cluster: Any = None,
+) -> Comparison:
+    """The colocated prefill-first engine (A: one process, ``threads`` threads) against the disaggregated 1:1 pair
+    (B: two processes of ``threads // 2``, started once for all rounds, or ``cluster`` when given, left open) on
+    the same slice of ``requests``, each round with arrivals drawn afresh (``reseed_arrivals``, ``seed`` + round),
+    in paired rounds decided on the p99 ITL (B lower by more than ``margin``); the A/A control is the colocated
+    engine again. Every figure of ``metrics_row`` is in the rounds' records (``Comparison.on``)."""
+    import contextlib
+    import dataclasses
+
+    from workbench.cluster.disagg import DisaggCluster, DisaggConfig
+
+    slos = dict(slos or {})
+    colocated = dataclasses.replace(engine_config, policy="continuous")
+    vocab = model.config.vocab_size
+
+    def colocated_arm(index: int) -> dict[str, float]:
+        with using_threads(threads):
+            result = Engine(model, colocated).replay(reseed_arrivals(requests, seed + index), seed=seed)
+        return _numbers(summary_row("", result, **slos))
+
+    cfg = DisaggConfig(prefill=engine_config, decode=engine_config, threads_per_engine=max(1, threads // 2))
+    opened = contextlib.nullcontext(cluster) if cluster is not None else DisaggCluster(source, cfg, seed)
+    with opened as cluster:
+
+        def disaggregated_arm(index: int) -> dict[str, float]:
+            work = [
+                (list(r.prompt_token_ids or prompt_token_ids(r, vocab, seed)),
+                 SamplingParams(max_tokens=r.output_len, ignore_eos=True), r.arrival_time_s)
+                for r in reseed_arrivals(requests, seed + index)
+            ]  # fmt: skip
+            result = cluster.run(work, online=True)
+            summary = summarize(result.requests, duration_s=result.duration_s, **slos)
+            steps = sum(p["num_steps"] for p in result.pools.values())
+            return _numbers(metrics_row("", summary, steps))
+
+        arms = {"colocated continuous": colocated_arm, "disaggregated 1:1": disaggregated_arm}
+        return rounds.run(arms, DecisionRule("lower", margin), metric="itl_p99_ms")
 
 
 # ---- simulated: a node of accelerators -------------------------------------------------------------------------
@@ -274,17 +338,11 @@ def best_by_tp(sweep: pd.DataFrame) -> pd.DataFrame:
 
 
 # ---- claims ------------------------------------------------------------------------------------------------------
-def removes_interference(itl_p99_colocated_ms: float, itl_p99_disaggregated_ms: float) -> dict[str, Any]:
+def removes_interference(comparison: Comparison) -> dict[str, Any]:
     """Disaggregation removes prefill-decode interference from ITL: its p99 ITL is below the colocated
-    (prefill-first) engine's, beyond the single-run tolerance."""
-    o = order_single(itl_p99_colocated_ms, itl_p99_disaggregated_ms)
-    verdict = {1: CONFIRMED, -1: NOT_CONFIRMED, 0: INCONCLUSIVE}[o]
-    detail = (
-        f"p99 ITL {itl_p99_disaggregated_ms:.1f} ms disaggregated against {itl_p99_colocated_ms:.1f} ms on the "
-        "colocated prefill-first engine" + {1: "", -1: ": the colocated tail is lower", 0: " (within 10%: noise)"}[o]
-    )
-    evidence = {"itl_p99_ms_colocated": itl_p99_colocated_ms, "itl_p99_ms_disaggregated": itl_p99_disaggregated_ms}
-    return make_claim("Disaggregation removes prefill-decode interference from ITL", verdict, evidence, detail)
+    (prefill-first) engine's by more than the rule's margin, in paired rounds (``interference_trial``)."""
+    what = "p99 ITL, the disaggregated 1:1 pair against the colocated prefill-first engine (the same compute)"
+    return paired_claim("Disaggregation removes prefill-decode interference from ITL", comparison, what)
 
 
 def pays_under_tight_slos(tight: pd.DataFrame, loose: pd.DataFrame) -> dict[str, Any]:

@@ -102,6 +102,18 @@ def test_measured_cpu_spec_is_sane_with_a_tiny_measurement() -> None:
     assert spec.details["repeatability"] == max(spread.values())
 
 
+def test_an_emulated_dtype_is_probed_at_the_small_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 on an ISA without bf16 matrix kernels runs ~100x below fp32: probed at matmul_n it took ~20 s a notebook
+    monkeypatch.setattr(hardware, "isa_emulated_dtype_note", lambda dtype: "emulated" if dtype == "bf16" else None)
+    spec = measure_cpu(**{**TINY, "matmul_n": hardware.EMULATED_MATMUL_N + 44})
+    assert spec.details["matmul_n_by_dtype"] == {
+        "fp32": hardware.EMULATED_MATMUL_N + 44,
+        "bf16": hardware.EMULATED_MATMUL_N,
+    }
+    n = hardware.EMULATED_MATMUL_N
+    assert spec.peak_flops["bf16"] == pytest.approx(2.0 * n**3 / spec.details["matmul_median_s"]["bf16"])
+
+
 def test_measured_spec_caches_in_memory_and_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hardware, "_MEASURED", {})
     calls = []

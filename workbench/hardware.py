@@ -550,6 +550,7 @@ def warn_if_emulated(dtype: str, device: Any) -> str | None:
 # older caches are stale
 PROBE_VERSION = 3
 WARMUP_S = 0.2  # seconds each CPU probe runs before it is timed
+EMULATED_MATMUL_N = 256  # the CPU matmul probe's size for a dtype this ISA emulates (isa_emulated_dtype_note)
 GEMV_PROBE_COLS = 4096  # row length of the matrix-vector read probe (16 KiB rows in fp32)
 
 
@@ -563,7 +564,8 @@ def measure_cpu(
 ) -> HardwareSpec:
     """Measure this CPU's matmul peak per dtype and its memory read and copy bandwidth with torch.
 
-    Matmul: (n, n) @ (n, n), 2 n^3 FLOPs. Read bandwidth: the faster of two single reads of an fp32 tensor of
+    Matmul: (n, n) @ (n, n), 2 n^3 FLOPs; ``n`` is ``matmul_n``, or at most ``EMULATED_MATMUL_N`` for a dtype the
+    ISA emulates (``isa_emulated_dtype_note``; ``details["matmul_n_by_dtype"]``). Read bandwidth: the faster of two single reads of an fp32 tensor of
     ``bandwidth_bytes`` bytes, ``x.sum()`` and a matrix-vector product over it viewed as rows of
     ``GEMV_PROBE_COLS`` (a decode step's own access pattern; on a 2-core Xeon VM it reads ~30 GB/s where the sum
     reads ~23, and a ceiling below what decode reaches would give an MBU above 1). Copy bandwidth:
@@ -588,17 +590,22 @@ def measure_cpu(
 
     peak: dict[str, float] = {}
     matmul_detail: dict[str, float] = {}
+    sizes: dict[str, int] = {}
     for dtype in dtypes:
         tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[canonical_dtype(dtype)]
+        # an emulated dtype (no matrix kernels for this ISA) runs ~100x below fp32: at matmul_n one call takes
+        # seconds and the probe tens of them, for a figure that only says "emulated"
+        n = min(matmul_n, EMULATED_MATMUL_N) if isa_emulated_dtype_note(dtype) else matmul_n
         try:
             gen = torch.Generator().manual_seed(0)
-            a = torch.randn(matmul_n, matmul_n, generator=gen).to(tdtype)  # (n, n)
-            b = torch.randn(matmul_n, matmul_n, generator=gen).to(tdtype)  # (n, n)
+            a = torch.randn(n, n, generator=gen).to(tdtype)  # (n, n)
+            b = torch.randn(n, n, generator=gen).to(tdtype)  # (n, n)
             t = probe(f"matmul_{canonical_dtype(dtype)}", lambda a=a, b=b: torch.mm(a, b))
         except RuntimeError:
             continue
-        peak[canonical_dtype(dtype)] = 2.0 * matmul_n**3 / t
+        peak[canonical_dtype(dtype)] = 2.0 * n**3 / t
         matmul_detail[canonical_dtype(dtype)] = t
+        sizes[canonical_dtype(dtype)] = n
     if "fp32" not in peak:
         raise ConfigError("could not measure an fp32 matmul on this CPU")
     numel = max(1, bandwidth_bytes // 4)
@@ -629,6 +636,7 @@ def measure_cpu(
             "torch_version": torch.__version__,
             "num_threads": torch.get_num_threads(),
             "matmul_n": matmul_n,
+            "matmul_n_by_dtype": sizes,
             "matmul_median_s": matmul_detail,
             "bandwidth_bytes": nbytes,
             "read_bandwidth": read_bw,

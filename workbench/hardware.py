@@ -565,7 +565,8 @@ def measure_cpu(
     """Measure this CPU's matmul peak per dtype and its memory read and copy bandwidth with torch.
 
     Matmul: (n, n) @ (n, n), 2 n^3 FLOPs; ``n`` is ``matmul_n``, or at most ``EMULATED_MATMUL_N`` for a dtype the
-    ISA emulates (``isa_emulated_dtype_note``; ``details["matmul_n_by_dtype"]``). Read bandwidth: the faster of two single reads of an fp32 tensor of
+    ISA emulates (``isa_emulated_dtype_note``; ``details["matmul_n_by_dtype"]``).
+    Read bandwidth: the faster of two single reads of an fp32 tensor of
     ``bandwidth_bytes`` bytes, ``x.sum()`` and a matrix-vector product over it viewed as rows of
     ``GEMV_PROBE_COLS`` (a decode step's own access pattern; on a 2-core Xeon VM it reads ~30 GB/s where the sum
     reads ~23, and a ceiling below what decode reaches would give an MBU above 1). Copy bandwidth:

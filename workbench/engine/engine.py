@@ -398,7 +398,7 @@ class Engine:
             "sequences": len(self.sequences),
             "scheduler": sched.num_requests,
             "reported": len(self._num_reported),
-            "generators": self.runner.sampler.num_generators,
+            "generators": self.executor.sampler.num_generators,
             "handoff": len(self._handoff_states),
             "speculator": 0 if self.speculator is None else self.speculator.num_requests,
         }

@@ -111,8 +111,11 @@ def test_recorded_ratios_follow_their_parts(smoke: dict) -> None:
             assert ev["margin"] in (0.05, 0.10) and ev["confidence"] == 0.95
             assert x["verdict"] != "confirmed" or not ev["control"]["failed"]
     v = smoke["metrics"]["simulator_validation"]  # smoke: two policies, no disaggregated pair
-    fidelity = [x for x in v["claims"] if "reproduces" in x["claim"]]
+    fidelity = [x for x in v["claims"] if x["claim"].startswith("The simulator (")]
     assert len(fidelity) == 3 and all(x["evidence"]["num_statistics"] == 2 * 4 for x in fidelity)
+    best = next(x["evidence"] for x in v["claims"] if x["claim"].startswith("The best cost model"))
+    counts = {k: e["num_within"] for k, e in best.items() if isinstance(e, dict)}
+    assert len(counts) == 4 and counts[best["best"]] == max(counts.values())  # op-profile, profiled, their noise
     worst = fidelity[0]["evidence"]["worst"]["rel_error"]
     assert abs(worst) == pytest.approx(v["max_abs_rel_error_op_profile"])
     assert v["disaggregated_max_abs_rel_error"] is None

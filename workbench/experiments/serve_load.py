@@ -18,13 +18,13 @@ Bounded: a fixed request count, every wait with a timeout, the server always sto
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import tempfile
 import time
 from typing import Any
 
 from workbench.experiments.hygiene import load_average
+from workbench.serve.benchmark import sse_chunks
 from workbench.serve.prom import (
     LATENCY_HISTOGRAMS,
     bucket_delta,
@@ -48,11 +48,10 @@ async def stream_one(session: Any, url: str, prompt: list[int], max_tokens: int,
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             return {"error": f"HTTP {resp.status}: {await resp.text()}"}
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[5:])["choices"][0]
+        async for chunk in sse_chunks(resp):
+            if chunk is None:
+                break
+            choice = chunk["choices"][0]
             tokens += choice.get("token_ids") or []
             chunks += 1
             if disconnect_after is not None and chunks >= disconnect_after:

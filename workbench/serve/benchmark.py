@@ -22,6 +22,7 @@ import asyncio
 import json
 import math
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -154,14 +155,9 @@ async def send_request(session: Any, url: str, model: str, req: BenchRequest, ch
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 return out
-            async for raw in resp.content:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for chunk in sse_chunks(resp):
+                if chunk is None:
                     break
-                chunk = json.loads(data)
                 if "error" in chunk:
                     out.error = str(chunk["error"])
                     return out
@@ -186,6 +182,20 @@ async def send_request(session: Any, url: str, model: str, req: BenchRequest, ch
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     return out
+
+
+async def sse_chunks(resp: Any) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON chunks of an OpenAI-style server-sent event stream (``aiohttp`` response), in order; ``None`` for
+    ``data: [DONE]``, after which the stream ends. Lines that are not ``data:`` lines are skipped."""
+    async for raw in resp.content:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            yield None
+            return
+        yield json.loads(data)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------

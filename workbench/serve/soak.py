@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workbench.errors import ConfigError
+from workbench.serve.benchmark import sse_chunks
 from workbench.timing import now
 
 STEP_LOG_STEPS = 1024  # the soak bounds the engine's step log as a server does (async_engine.STEP_LOG_STEPS)
@@ -307,15 +308,11 @@ async def _stream_one(session: Any, url: str, model: str, prompt: list[int], max
         async with session.post(url, json=payload) as resp:
             if resp.status != 200:
                 return f"HTTP {resp.status}: {(await resp.text())[:200]}"
-            async for raw in resp.content:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for chunk in sse_chunks(resp):
+                if chunk is None:
                     return "ok"
-                if "error" in json.loads(data):
-                    return f"error: {data[:200]}"
+                if "error" in chunk:
+                    return f"error: {json.dumps(chunk)[:200]}"
                 if drop:
                     resp.close()  # the connection goes: the server aborts the request
                     return "dropped"

@@ -1,6 +1,7 @@
 """One vocabulary for the user (issue 34): every command's options of the shared serving fields come from the one
 ``ServingConfig`` (vLLM's names, one default per config), old spellings warn, defaults show in every --help, the
-README's commands parse with today's names, and the usual mistakes get a one-line error naming the fix.
+README's commands (and those of reports/PERFORMANCE.md) parse with today's names, and the usual mistakes get a
+one-line error naming the fix.
 
 Parse-only where possible: nothing here loads a model."""
 
@@ -22,7 +23,9 @@ from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig, ServingConfig
 from workbench.sim.cluster import SimConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PERFORMANCE = ROOT / "reports" / "PERFORMANCE.md"  # the measured figures, each with the command that measured it
 ENGINE_COMMANDS = ("generate", "serve", "replay", "bench", "checkpoint", "fit-profile", "profile-ops", "fidelity")
 SIM_COMMANDS = ("simulate", "roofline", "plan")  # the simulator's (a GPU server's) defaults
 # the profiles' commands measure (and fidelity compares) the engine at the settings of the committed profiles
@@ -243,9 +246,10 @@ def test_version(capsys) -> None:
     assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"workbench {__version__}"
 
 
-def readme_commands() -> list[list[str]]:
-    """The argv of every ``.venv/bin/workbench`` command in the README's fenced blocks (continuations joined)."""
-    text = README.read_text()
+def readme_commands(path: Path = README) -> list[list[str]]:
+    """The argv of every ``.venv/bin/workbench`` command in the fenced blocks of ``path`` (the README by default;
+    continuations joined)."""
+    text = path.read_text()
     out = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
@@ -264,9 +268,12 @@ def readme_commands() -> list[list[str]]:
 
 
 README_COMMANDS = readme_commands()
+PERFORMANCE_COMMANDS = readme_commands(PERFORMANCE)
+# the README's and the performance page's commands, each once (a command both show is run once)
+DOC_COMMANDS = [list(a) for a in dict.fromkeys(tuple(a) for a in README_COMMANDS + PERFORMANCE_COMMANDS)]
 
 
-@pytest.mark.parametrize("argv", README_COMMANDS, ids=[" ".join(a[:2]) for a in README_COMMANDS])
+@pytest.mark.parametrize("argv", DOC_COMMANDS, ids=[" ".join(a[:2]) for a in DOC_COMMANDS])
 def test_readme_commands_parse_with_todays_names(argv: list[str], capsys) -> None:
     # parsed as written (tests/test_readme_commands.py runs them, some on smaller models and sizes)
     command = argv[0]
@@ -278,4 +285,7 @@ def test_readme_commands_parse_with_todays_names(argv: list[str], capsys) -> Non
 
 
 def test_readme_has_workbench_commands() -> None:
-    assert len(README_COMMANDS) >= 35 and any(a[:2] == ["bench", "hf"] for a in README_COMMANDS)
+    # the README shows the commands of every part of the design; the performance page, the benchmarks behind its figures
+    assert len(README_COMMANDS) >= 30 and any(a[0] == "simulate" for a in README_COMMANDS)
+    assert len(PERFORMANCE_COMMANDS) >= 10 and any(a[:2] == ["bench", "hf"] for a in PERFORMANCE_COMMANDS)
+    assert len(DOC_COMMANDS) >= 45

@@ -30,8 +30,8 @@ def compiled(tiny_checkpoint):
     """One engine with compiled ragged steps (tiny-gqa, packed linears on), warmed up: (engine, graphs the warm-up
     compiled)."""
     # dynamo keeps compiled graphs on the compiled function's code, across engines: an earlier test in this process
-    # that compiled the same layer parts (the README's `bench compiled` in tests/test_readme_commands.py) would leave
-    # this warm-up nothing to compile
+    # that compiled the same layer parts (reports/PERFORMANCE.md's `bench compiled`, run by
+    # tests/test_readme_commands.py) would leave this warm-up nothing to compile
     torch._dynamo.reset()
     engine = Engine(load_checkpoint(tiny_checkpoint("tiny-gqa")), EngineConfig(**CONFIG, compile_prefill=True))
     before = num_compiled_graphs()

@@ -1,10 +1,11 @@
-"""Every README command runs as written (issue 34): each fenced ``.venv/bin/workbench ...`` command of the README
-(``tests.test_cli_vocabulary.readme_commands``) is run in this process, on tiny models where the README's would take
-minutes, and must exit 0 with its JSON (``--json``, ``checkpoint``) parsing.
+"""Every README command runs as written (issue 34): each fenced ``.venv/bin/workbench ...`` command of the README and
+of the performance page, reports/PERFORMANCE.md (``tests.test_cli_vocabulary.DOC_COMMANDS``: the commands behind its
+figures), is run in this process, on tiny models where the documents' would take minutes, and must exit 0 with its
+JSON (``--json``, ``checkpoint``) parsing.
 
-What is changed, and why, is the table below and nothing else: a new README command runs with these substitutions
-without any edit here. What is not run is ``SKIPS``, each with its reason (pytest -rs shows them). Each command runs
-under a time limit (``LIMIT_S``): a command that hangs fails, it does not stall CI."""
+What is changed, and why, is the table below and nothing else: a new command in either document runs with these
+substitutions without any edit here. What is not run is ``SKIPS``, each with its reason (pytest -rs shows them).
+Each command runs under a time limit (``LIMIT_S``): a command that hangs fails, it does not stall CI."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli_vocabulary import README_COMMANDS
+from tests.test_cli_vocabulary import DOC_COMMANDS
 from workbench import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ LIMIT_S = 120  # per command, a bound for a loaded machine (each takes seconds a
 ENGINE_COMMANDS = {"generate", "replay", "bench", "serve", "profile-ops", "fit-profile", "fidelity"}
 SIM_COMMANDS = {"simulate", "plan"}
 
-# ---- substitutions (the README's sizes would take minutes; CI gives each worker one core) ------------------------
+# ---- substitutions (the documents' sizes would take minutes; CI gives each worker one core) ------------------------
 # engine commands: real-size presets -> tiny ones (random weights either way); SmolLM2-135M -> tiny-gqa's config with
 # 2048 positions (LONG_TINY, a config.json the module writes), so that the Azure rows the README replays fit
 LONG_TINY = "tiny-gqa-2048"
@@ -223,7 +224,7 @@ def test_substitutions_are_what_the_table_says(tmp_path) -> None:
     assert skip_reason(["serve", "--model", "x"]) and not skip_reason(["simulate", "--disaggregate", "1:1"])
 
 
-@pytest.mark.parametrize("argv", README_COMMANDS, ids=[f"{i}-{' '.join(a[:2])}" for i, a in enumerate(README_COMMANDS)])
+@pytest.mark.parametrize("argv", DOC_COMMANDS, ids=[f"{i}-{' '.join(a[:2])}" for i, a in enumerate(DOC_COMMANDS)])
 def test_readme_command_runs(argv: list[str], checkpoint: str, long_tiny: str, tmp_path: Path, capsys) -> None:
     reason = skip_reason(argv)
     if reason:
@@ -240,6 +241,6 @@ def test_readme_command_runs(argv: list[str], checkpoint: str, long_tiny: str, t
 
 
 def test_most_readme_commands_run() -> None:
-    # the skips stay the exceptions: a skip rule that grew to swallow the README would fail here
-    skipped = [a for a in README_COMMANDS if skip_reason(a)]
-    assert len(skipped) <= len(README_COMMANDS) // 4, skipped
+    # the skips stay the exceptions: a skip rule that grew to swallow the README or PERFORMANCE.md would fail here
+    skipped = [a for a in DOC_COMMANDS if skip_reason(a)]
+    assert len(skipped) <= len(DOC_COMMANDS) // 4, skipped

@@ -159,6 +159,15 @@ def test_profiled_model_prices_a_verify_as_a_decode_of_its_rows() -> None:
     cost = ProfiledCostModel(coef)
     assert cost.step_time(stats) == pytest.approx(0.5 + 0.25 * 9 + 0.01 * (pairs + 31), rel=1e-12)
     assert cost.step_time(stats) == pytest.approx(cost.step_time(decode_stats(9, pairs + 31)), rel=1e-12)
+    # the op profile too: its decode-attention and LM-head operations at 9 rows, not a 5- and a 3-token prefill
+    from pathlib import Path
+
+    from workbench.sim.op_profile import OpProfileCostModel
+
+    path = next((Path(__file__).parents[1] / "data" / "profiles").glob("op-tiny-gqa-*.json"))
+    ops = OpProfileCostModel.from_dict(json.loads(path.read_text()))
+    assert ops.step_time(stats) == pytest.approx(ops.step_time(rows), rel=1e-12)
+    assert ops.op_times(rows)["lm_head"] == ops.ops["lm_head"].at(9)
 
 
 def test_predicted_speedup_by_hand() -> None:

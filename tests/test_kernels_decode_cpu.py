@@ -22,7 +22,7 @@ from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.kv.cache import KVCache, quantize_kv_fp8, quantize_kv_int8
-from workbench.model.attention import TorchAttentionBackend, build_decode_metadata
+from workbench.model.attention import TorchAttentionBackend, build_decode_metadata, build_metadata
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
 
@@ -225,6 +225,27 @@ def test_backend_decode_matches_torch_backend(preset, kv_dtype, compiled):
     fn = torch.compile(cpu.decode, fullgraph=True) if compiled else cpu.decode
     out = fn(1, q, k, v, cache, meta, 0.2)
     ref = TorchAttentionBackend().decode(1, q, k, v, cache, meta, 0.2)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa", "tiny-mqa"])
+def test_short_chunk_forward_matches_torch_backend(preset):
+    # a ragged step of short chunks (speculative verifies of k + 1 = 5 tokens, a decode, a 3-token first chunk):
+    # the cpu backend attends one decode-op row per token over the written pool; the torch backend's SDPA is the peer
+    from workbench.model.cpu_backend import PAGED_MAX_QUERY_LEN, CpuAttentionBackend
+
+    cfg = ModelConfig.from_name(preset)
+    query_lens, seq_lens, bs = [5, 1, 3, 5], [21, 9, 3, 40], 16
+    assert max(query_lens) <= PAGED_MAX_QUERY_LEN
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 2
+    tables = random_block_tables(seq_lens, bs, num_blocks, gen)
+    meta = build_metadata(query_lens, seq_lens, tables, bs)
+    shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    q = torch.randn(sum(query_lens), cfg.num_heads, cfg.head_dim, generator=gen)
+    out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
+    ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
     torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
 
 

@@ -141,6 +141,35 @@ def test_decode_stats_unchanged_without_speculation() -> None:
     assert stats[:7] == decode_stats(1, 10)[:6] + (10,) and stats.spec_tokens == 0
 
 
+def test_profiled_model_prices_a_verify_as_a_decode_of_its_rows() -> None:
+    # two verifies (k = 4 at 20 cached tokens, k = 2 at 7) beside a plain decode at context 31: the fitted models
+    # see 5 + 3 + 1 = 9 decode rows; a verify's row j at p cached tokens reads p + j + 1 keys
+    seqs = [Sequence(i, list(range(n))) for i, n in enumerate((21, 8, 31))]
+    chunks = [ScheduledChunk(seqs[0], 5, 20, False, True, [1, 2, 3, 4]),
+              ScheduledChunk(seqs[1], 3, 7, False, True, [1, 2]),
+              ScheduledChunk(seqs[2], 1, 30, False, True)]  # fmt: skip
+    stats = plan_stats(StepPlan(chunks))
+    pairs = (21 + 22 + 23 + 24 + 25) + (8 + 9 + 10)
+    assert (stats.prefill_tokens, stats.prefill_seqs, stats.prefill_pairs) == (8, 2, pairs)  # the roofline's view
+    assert (stats.verify_seqs, stats.verify_pairs, stats.spec_tokens) == (2, pairs, 6)
+    rows = stats.verifies_as_decodes()
+    assert (rows.prefill_tokens, rows.prefill_seqs, rows.prefill_pairs, rows.prefill_context) == (0, 0, 0, 0)
+    assert (rows.decode_seqs, rows.decode_context, rows.decode_max_context) == (9, pairs + 31, 31)
+    coef = {"const": 0.5, "prefill_seqs": 100.0, "prefill_pairs": 100.0, "decode_seqs": 0.25, "decode_context": 0.01}
+    cost = ProfiledCostModel(coef)
+    assert cost.step_time(stats) == pytest.approx(0.5 + 0.25 * 9 + 0.01 * (pairs + 31), rel=1e-12)
+    assert cost.step_time(stats) == pytest.approx(cost.step_time(decode_stats(9, pairs + 31)), rel=1e-12)
+    # the op profile too: its decode-attention and LM-head operations at 9 rows, not a 5- and a 3-token prefill
+    from pathlib import Path
+
+    from workbench.sim.op_profile import OpProfileCostModel
+
+    path = next((Path(__file__).parents[1] / "data" / "profiles").glob("op-tiny-gqa-*.json"))
+    ops = OpProfileCostModel.from_dict(json.loads(path.read_text()))
+    assert ops.step_time(stats) == pytest.approx(ops.step_time(rows), rel=1e-12)
+    assert ops.op_times(rows)["lm_head"] == ops.ops["lm_head"].at(9)
+
+
 def test_predicted_speedup_by_hand() -> None:
     from workbench.experiments.speculative import predict_speedup
 

@@ -52,6 +52,7 @@ class AttentionMetadata:
     # per-sequence helpers for the torch backend, computed once per step rather than once per layer
     seq_block_ids: list[torch.Tensor] = field(default_factory=list)
     seq_masks: list[torch.Tensor | None] = field(default_factory=list)
+    _token_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -64,6 +65,15 @@ class AttentionMetadata:
     @property
     def max_query_len(self) -> int:
         return max(self.query_lens)
+
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step as one decode row per new token, once its K/V are in the pool: (block tables (num_tokens,
+        max_blocks) int32, each token's sequence's row; key counts (num_tokens,) int64, its position + 1, the keys
+        it attends causally). Computed on first use and kept (every layer of the step asks)."""
+        if self._token_rows is None:
+            lens = torch.tensor(self.query_lens, device=self.block_tables.device)
+            self._token_rows = (self.block_tables.repeat_interleave(lens, dim=0), self.positions + 1)
+        return self._token_rows
 
     @property
     def last_token_indices(self) -> torch.Tensor:

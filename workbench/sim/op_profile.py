@@ -241,6 +241,8 @@ class OpProfileCostModel(ProfiledCostModel):
         return sum(c * f for c, f in zip(self._over, self.overhead_features(stats, ops_s)))
 
     def step_time(self, stats: StepStats) -> float:
+        if stats.verify_seqs:
+            stats = stats.verifies_as_decodes()  # a verify costs what a decode of its k + 1 rows costs
         ops_s = sum(self.op_times(stats).values())
         if ops_s <= 0.0:
             return 0.0

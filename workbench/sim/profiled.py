@@ -153,6 +153,8 @@ class ProfiledCostModel(CostModel):
         return _draw(self.residual_quantiles_s, u)
 
     def step_time(self, stats: StepStats) -> float:
+        if stats.verify_seqs:
+            stats = stats.verifies_as_decodes()  # a verify costs what a decode of its k + 1 rows costs
         c = self._coef
         t = c[0] + c[1] * stats[0] + c[2] * stats[1] + c[3] * stats[2] + c[4] * stats[4] + c[5] * stats[5]
         if c[6]:

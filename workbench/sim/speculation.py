@@ -5,7 +5,9 @@ A replica with speculation on gives its ``Scheduler`` the ``proposer`` hook the 
 ``k`` proposed tokens (``SpeculativeConfig.num_speculative_tokens``; the scheduler cuts them to the token budget, to
 ``max_tokens`` and the context, and to the free blocks, as in the engine). The step is then priced as the engine runs
 it: a verify is a ragged chunk of ``k + 1`` query tokens over the sequence's cached context, through the same
-weights, with ``k + 1`` logit rows (``workbench.sim.stats.plan_stats``). Proposing is free for ``ngram`` and
+weights, with ``k + 1`` logit rows (``workbench.sim.stats.plan_stats``); the roofline prices that chunk (the KV read
+once for its queries), the models fitted on this machine price it as the CPU engine runs it, a decode of ``k + 1``
+rows (``StepStats.verifies_as_decodes``). Proposing is free for ``ngram`` and
 ``oracle``; a ``draft`` model's proposals cost what its engine spends, ``k`` forwards of one token for each
 speculating sequence in turn (``DraftModelProposer``), priced by the draft's own cost model (``draft_time``).
 

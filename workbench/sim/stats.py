@@ -42,14 +42,39 @@ class StepStats(NamedTuple):
     decode_seqs: int = 0
     decode_context: int = 0  # sum of the decodes' context lengths (keys read, the new one included)
     decode_max_context: int = 0  # the longest decode context (0: unknown)
-    # speculative decoding: proposed tokens the step verifies. A verify (a decode with k proposals) runs as the
-    # engine runs it, a ragged chunk of k + 1 tokens over the cached context (counted in the prefill_* sums), with
+    # speculative decoding: proposed tokens the step verifies. A verify (a decode with k proposals) is a ragged
+    # chunk of k + 1 tokens over the cached context (counted in the prefill_* sums, as the roofline prices it), with
     # logits at all k + 1 positions: these k extra logit rows
     spec_tokens: int = 0
+    verify_seqs: int = 0  # verify chunks (each also counted in prefill_seqs)
+    verify_pairs: int = 0  # their causal (query, key) pairs (in prefill_pairs): row j at position p + j reads p + j + 1
+    verify_context: int = 0  # their cached + new tokens (in prefill_context)
 
     @property
     def num_tokens(self) -> int:
         return self.prefill_tokens + self.decode_seqs
+
+    def verifies_as_decodes(self) -> StepStats:
+        """This step with every verify's ``k + 1`` query rows counted as decodes (row ``j`` of a verify at ``p``
+        cached tokens reads ``p + j + 1`` keys; every row has logits), the rest unchanged: a verify's cost on the
+        CPU engine, which runs it as ``k + 1`` more rows through the dense layers and the LM head, attended row by
+        row through the paged decode op (``workbench.model.cpu_backend``), i.e. as a decode batch of ``k + 1``
+        rows, not as a prefill chunk (whose fitted per-chunk cost is the ragged SDPA path's). The models fitted on
+        this machine's steps (profiled, op profile) price a step in this view; the roofline keeps the chunk view
+        (the KV read once for the ``k + 1`` queries, as a GPU kernel reads it)."""
+        vs = self.verify_seqs
+        if not vs:
+            return self
+        rows = vs + self.spec_tokens
+        return self._replace(
+            prefill_tokens=self.prefill_tokens - rows,
+            prefill_seqs=self.prefill_seqs - vs,
+            prefill_pairs=self.prefill_pairs - self.verify_pairs,
+            prefill_context=self.prefill_context - self.verify_context,
+            decode_seqs=self.decode_seqs + rows,
+            decode_context=self.decode_context + self.verify_pairs,
+            spec_tokens=0, verify_seqs=0, verify_pairs=0, verify_context=0,
+        )  # fmt: skip
 
     def looped_decodes(self, batched_decode: tuple[int, int] | None) -> int:
         """Decode sequences that attend one at a time: all of them unless the step is decode-only with at least
@@ -72,21 +97,28 @@ def plan_stats(plan: StepPlan) -> StepStats:
     """``StepStats`` of a scheduler ``StepPlan`` (chunk ``n`` new tokens after ``start`` computed ones). A
     speculative decode (``spec_token_ids``: the last token and ``k`` proposals) counts as the engine runs it: a
     ragged chunk of ``k + 1`` tokens over its cached context (``workbench.engine.runner``), with ``k`` more
-    logit rows (``spec_tokens``)."""
-    pt = ps = pp = pc = ds = dc = dm = st = 0
+    logit rows (``spec_tokens``), and its share of those sums in the ``verify_*`` fields (``verifies_as_decodes``);
+    its longest context counts in ``decode_max_context``, which the decode view reads."""
+    pt = ps = pp = pc = ds = dc = dm = st = vs = vp = vc = 0
     for c in plan.chunks:
         n, p = c.num_new_tokens, c.start
         if c.is_prefill or c.spec_token_ids:
+            pairs = attended_pairs(n, p)
             pt += n
             ps += 1
-            pp += attended_pairs(n, p)
+            pp += pairs
             pc += n + p
-            st += len(c.spec_token_ids)
+            if c.spec_token_ids:
+                st += len(c.spec_token_ids)
+                vs += 1
+                vp += pairs
+                vc += n + p
+                dm = max(dm, p + n)
         else:
             ds += n
             dc += p + n
             dm = max(dm, p + n)
-    return StepStats(pt, ps, pp, pc, ds, dc, dm, st)
+    return StepStats(pt, ps, pp, pc, ds, dc, dm, st, vs, vp, vc)
 
 
 def decode_stats(num_seqs: int, context: int) -> StepStats:

@@ -332,14 +332,15 @@ def test_a_weight_only_product_ramps_over_one_tensor_core_tile_by_hand() -> None
 
     cal = Calibration(linear_max=0.5, linear_half_tokens=64)
     fast_memory = replace(TOY_HW, mem_bandwidth=1e30)
+    llama = ModelConfig.resolve("Llama-2-7B")
     flops = 32 * 2 * 4096 * 4096  # one decode token through 32 layers' q_proj
     for quant, half in ((None, 64), ("int8", 16), ("int4", 16)):
-        m = RooflineModel(ModelConfig.resolve("Llama-2-7B"), fast_memory, quantization=quant, group_size=128, calibration=cal)
+        m = RooflineModel(llama, fast_memory, quantization=quant, group_size=128, calibration=cal)
         q_proj = next(op for op in m.decode([10]).ops if op.name == "q_proj")
         assert q_proj.flops == flops and q_proj.bound == "compute"
         assert q_proj.time_s == pytest.approx(flops / (1e12 * 0.5 / (1 + half)), rel=1e-9), quant
     # a ramp already shorter than the tile is kept (the ideal roofline has none)
     short = Calibration(linear_max=0.5, linear_half_tokens=4)
-    m = RooflineModel(ModelConfig.resolve("Llama-2-7B"), fast_memory, quantization="int4", group_size=128, calibration=short)
+    m = RooflineModel(llama, fast_memory, quantization="int4", group_size=128, calibration=short)
     q_proj = next(op for op in m.decode([10]).ops if op.name == "q_proj")
     assert q_proj.time_s == pytest.approx(flops / (1e12 * 0.5 / 5), rel=1e-9)

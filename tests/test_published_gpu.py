@@ -100,8 +100,9 @@ def test_accelerators_yaml_holds_what_the_fit_chooses() -> None:
             assert getattr(table.calibration, key) == pytest.approx(getattr(spec.calibration, key)), (hw, key)
         if hw == "h100-sxm":
             assert table.calibration.fp8_max == pytest.approx(spec.calibration.fp8_max)
-    # one kernel latency for every accelerator
+    # one kernel latency and one GEMM efficiency for every accelerator
     assert len({spec.calibration.kernel_latency_s for spec in specs.values()}) == 1
+    assert len({spec.calibration.linear_max for spec in specs.values()}) == 1
     table_stacks = load_stack_overheads()
     for source, stack in stacks.items():
         for key in ("per_kernel_s", "per_request_s", "per_collective_s", "cuda_graphs"):

@@ -320,3 +320,27 @@ def test_speculative_verify_step_by_hand() -> None:
     assert expected_tokens_per_step(0.8, 4) == pytest.approx(3.3616)
     assert expected_speedup(0.8, 4, decode_s=1.0, verify_s=1.0) == pytest.approx(3.3616)
     assert expected_speedup(0.8, 4, decode_s=1.0, verify_s=1.2, draft_step_s=0.1) == pytest.approx(3.3616 / 1.6)
+
+
+def test_a_weight_only_product_ramps_over_one_tensor_core_tile_by_hand() -> None:
+    """int8/int4 weight-only products (tinygemm, Marlin) reach ``max * M / (M + min(half, 16))`` of the peak: at batch
+    1 a Llama-2-7B q_proj is priced as 17 rows' work, not the 65 of a bf16 GEMM on a 64-row ramp (on a machine whose
+    memory is free, so the compute time is the op's time)."""
+    from dataclasses import replace
+
+    from workbench.hardware import Calibration
+
+    cal = Calibration(linear_max=0.5, linear_half_tokens=64)
+    fast_memory = replace(TOY_HW, mem_bandwidth=1e30)
+    llama = ModelConfig.resolve("Llama-2-7B")
+    flops = 32 * 2 * 4096 * 4096  # one decode token through 32 layers' q_proj
+    for quant, half in ((None, 64), ("int8", 16), ("int4", 16)):
+        m = RooflineModel(llama, fast_memory, quantization=quant, group_size=128, calibration=cal)
+        q_proj = next(op for op in m.decode([10]).ops if op.name == "q_proj")
+        assert q_proj.flops == flops and q_proj.bound == "compute"
+        assert q_proj.time_s == pytest.approx(flops / (1e12 * 0.5 / (1 + half)), rel=1e-9), quant
+    # a ramp already shorter than the tile is kept (the ideal roofline has none)
+    short = Calibration(linear_max=0.5, linear_half_tokens=4)
+    m = RooflineModel(llama, fast_memory, quantization="int4", group_size=128, calibration=short)
+    q_proj = next(op for op in m.decode([10]).ops if op.name == "q_proj")
+    assert q_proj.time_s == pytest.approx(flops / (1e12 * 0.5 / 5), rel=1e-9)

@@ -58,7 +58,8 @@ Parallelism, calibration and formats
   and ``E / ep`` experts per layer and reading ``1 / ep`` of the distinct ones; ``moe_all_to_all`` is the dispatch and
   the combine of each MoE layer (``Interconnect.all_to_all_s`` of ``tokens / ep x k x hidden`` values per GPU).
 - ``calibration`` (``workbench.hardware.Calibration``; None = the ideal roofline above): a matrix product over
-  ``M`` rows reaches ``max * M / (M + half)`` of the peak, memory streams at ``memory_efficiency``, no kernel is
+  ``M`` rows reaches ``max * M / (M + half)`` of the peak (a weight-only int8/int4 product with ``half`` at most
+  ``WEIGHT_ONLY_TILE_ROWS``), memory streams at ``memory_efficiency``, no kernel is
   shorter than ``kernel_floor_s`` (its ``bound`` then reads ``floor``), every kernel adds ``kernel_latency_s`` (its
   fixed cost: launch, first-wave ramp-up, tail) to that, and ``step_overhead`` adds the host's time.
 - ``dtype`` is the activations'; ``quantization`` the linear weights' (bytes by ``quantized_matrix_bytes``, scales
@@ -702,13 +703,25 @@ def step_work(
 
 
 # rows of a matrix product, for its efficiency: 0 none (vector ops, communication), 1 tokens (linear), 2 sequences
-# (LM head), 3 tokens (attention)
+# (LM head), 3 tokens (attention), 4 rows per expert; 5 and 6 the products of 1 and 2 over weight-only quantized
+# (int8, int4) weights (``WEIGHT_ONLY_TILE_ROWS``)
 _ROWS = {name: 1 for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
 _ROWS.update({name: 1 for name in ("q_a_proj", "q_b_proj", "kv_a_proj", "q_absorb", "v_absorb", "router",
                                     "shared_gate_proj", "shared_up_proj", "shared_down_proj")})  # fmt: skip
 _ROWS.update({"lm_head": 2, "attn_scores": 3, "attn_value": 3})
 _ROWS.update({name: 4 for name in ("expert_gate_proj", "expert_up_proj", "expert_down_proj")})  # rows per expert
 COMM_OPS = ("tp_all_reduce", "lm_head_gather", "pp_send", "moe_all_to_all")
+# A weight-only quantized product (int8/int4 weights, bf16/fp16 activations: gpt-fast's tinygemm, Marlin, AWQ,
+# exllama) is one kernel class whatever the rows: it streams each weight once, dequantises it in registers and feeds
+# the tensor cores with the rows present in tiles of 16 (mma m16n8k16), so its compute ramps over one such tile, not
+# over the tiles the GEMM library picks for a bf16 product (``linear_half_tokens``, fitted on prefills up to 64).
+# Published: on an A10 (125 TFLOP/s FP16, 600 GB/s; FLOP/byte ~200) existing int4 kernels reach "relatively close to
+# the optimal 3.87x" speedup over FP16 at batch size 1, and Marlin stays at it "up to batchsizes around 16-32"
+# (IST-DASLab/marlin README, Benchmarks; Frantar et al. 2024, arXiv:2408.11743): memory-bound to ~16 rows, which a
+# ramp of 64 rows (compute priced as 65 rows' at batch 1) contradicts. Its half-efficiency point is therefore at most
+# this many rows.
+WEIGHT_ONLY_TILE_ROWS = 16.0
+WEIGHT_ONLY_QUANTIZATIONS = ("int8", "int4")
 
 
 class RooflineModel:
@@ -806,7 +819,10 @@ class RooflineModel:
             time_coef = tuple(x / bw for x in bytes_coef)
             if name in quantized_ops and weight_eff != 1.0:  # quantized weights stream slower
                 time_coef = tuple((w / weight_eff + k + c) / bw for w, k, c in zip(wc, kc, ac))
-            self._terms.append((name, mult, _ROWS.get(name, 0), tuple(x / peak for x in fc), time_coef,
+            rows_kind = _ROWS.get(name, 0)
+            if name in quantized_ops and self.quantization in WEIGHT_ONLY_QUANTIZATIONS and rows_kind in (1, 2):
+                rows_kind += 4  # a weight-only kernel's tile (WEIGHT_ONLY_TILE_ROWS)
+            self._terms.append((name, mult, rows_kind, tuple(x / peak for x in fc), time_coef,
                                 count * cal.kernel_floor_s, ew / bw, count * cal.kernel_latency_s))  # fmt: skip
         # communication: times affine in the step's statistics (seconds on (1, tokens, seqs, pairs, context))
         self._comm: dict[str, tuple[int, float, tuple[float, ...], tuple[float, ...]]] = {}
@@ -866,15 +882,18 @@ class RooflineModel:
         whole group: ``distinct_experts_per_gpu``)."""
         return distinct_experts_per_gpu(self.cfg, tokens, self.expert_parallel_size)
 
-    def _factors(self, tokens: float, seqs: float, distinct: float = 0.0) -> tuple[float, float, float, float, float]:
+    def _factors(self, tokens: float, seqs: float, distinct: float = 0.0) -> tuple[float, ...]:
         """1 / efficiency of the products of a step, by rows kind (see ``_ROWS``): one GPU runs ``1 / ep`` of the
-        tokens and sequences; a routed expert ``tokens * k / distinct experts`` rows (``distinct``: this GPU's)."""
+        tokens and sequences; a routed expert ``tokens * k / distinct experts`` rows (``distinct``: this GPU's); a
+        weight-only quantized product ramps over at most ``WEIGHT_ONLY_TILE_ROWS``."""
         (lm, lh), (am, ah) = self._curves
         eff = Calibration.efficiency
         ep = self.expert_parallel_size
         t, s = tokens / ep, seqs / ep
         expert_rows = tokens * self._moe_k / (distinct * ep) if distinct > 0 else 1.0
-        return (1.0, 1.0 / eff(t, lm, lh), 1.0 / eff(s, lm, lh), 1.0 / eff(t, am, ah), 1.0 / eff(expert_rows, lm, lh))
+        qh = min(lh, WEIGHT_ONLY_TILE_ROWS)
+        return (1.0, 1.0 / eff(t, lm, lh), 1.0 / eff(s, lm, lh), 1.0 / eff(t, am, ah), 1.0 / eff(expert_rows, lm, lh),
+                1.0 / eff(t, lm, qh), 1.0 / eff(s, lm, qh))  # fmt: skip
 
     @staticmethod
     def batch_stats(

@@ -12,10 +12,12 @@ from workbench.errors import ConfigError
 from workbench.model import quant
 from workbench.model.checkpoint import load_model
 from workbench.model.packed import (
+    PACKED_EXACT_ROWS,
     PACKED_MAX_ROWS,
     PACKED_MIN_ROWS,
     PackedLinear,
     pack_linears,
+    packed_rows,
     packing_available,
     plain_linears,
     unpack_linears,
@@ -100,6 +102,15 @@ def test_engine_tokens_with_and_without_packed_linears():
     assert tokens[True] == tokens[False]
 
 
+def test_packed_rows_are_few_and_pad_at_most_an_eighth():
+    # by hand: exact up to 16, then multiples of 2 to 32, of 4 to 64, of 8 to 128, of 16 to 256
+    assert [packed_rows(r) for r in (4, 15, 16, 17, 18, 31, 33, 37, 64, 65, 129, 241, 256)] == [
+        4, 15, 16, 18, 18, 32, 36, 40, 64, 72, 144, 256, 256]  # fmt: skip
+    buckets = {packed_rows(r) for r in range(PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)}
+    assert len(buckets) == (PACKED_EXACT_ROWS - PACKED_MIN_ROWS + 1) + 4 * 8 and max(buckets) == PACKED_MAX_ROWS
+    assert all(r <= packed_rows(r) <= r * 9 / 8 for r in range(1, PACKED_MAX_ROWS + 1))
+
+
 def test_packed_linears_flag_is_a_bool():
     with pytest.raises(ConfigError, match="packed_linears must be true or false"):
         EngineConfig(packed_linears="yes")
@@ -115,7 +126,7 @@ def test_packed_linear_under_compile_is_the_custom_op_and_matches_float64_produc
         lin.weight.normal_(0.0, 0.05, generator=gen)
         lin.bias.normal_(0.0, 0.05, generator=gen)
     packed = PackedLinear.wrap(lin)
-    x = torch.randn(8, 96, generator=gen)
+    x = torch.randn(37, 96, generator=gen)  # run at 40 rows (packed_rows): the padding is inside the operator
     graphs = []
 
     def backend(gm, example_inputs):  # noqa: ANN001, ANN202

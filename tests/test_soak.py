@@ -63,6 +63,14 @@ def test_engine_soak_with_speculation_and_aborts_leaks_nothing(model, spec):
     assert out["speculative"]["num_drafts"] > 0 and out["step_log_entries"] <= 2 * soak.STEP_LOG_STEPS
 
 
+def test_growth_per_1000_is_the_least_squares_slope():
+    line = [{"requests": r, "rss_mib": 500 + 0.02 * r} for r in (1000, 2000, 4000)]  # 20 MiB per 1,000 requests
+    assert soak.growth_per_1000(line) == 20.0
+    # a step that levelled off: readings 500, 510, 510 at 0, 1,000, 2,000 -> slope 5 (by hand: sxy 10,000 / sxx 2e6)
+    assert soak.growth_per_1000([{"requests": 1000 * i, "rss_mib": y} for i, y in enumerate((500, 510, 510))]) == 5.0
+    assert soak.growth_per_1000(line[:1]) is None
+
+
 def test_bench_soak_command_in_process_and_a_bad_flag(capsys):
     from workbench.cli import main
 
@@ -100,8 +108,10 @@ def test_server_soak_answers_every_request_and_holds_nothing_after(server):
     assert out["completed"] + out["dropped_by_client"] == 120 and out["dropped_by_client"] > 0
     assert out["at_end"] == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_blocks_used": 0,
                              "engine_request_entries": 0}  # fmt: skip
-    assert [s["requests"] for s in out["samples"]] == [30, 60, 90, 120]
-    assert out["rss_mib"]["warm_up"] > 0 and out["rss_flat"] == (out["rss_growth_after_warm_up"] <= 0.10)
+    # the warm-up is the first 10% (12 requests), then 4 equal rounds of the other 108; RSS read after each
+    assert [s["requests"] for s in out["samples"]] == [12, 39, 66, 93, 120] and out["warm_up_requests"] == 12
+    assert out["rss_mib"]["warm_up"] == out["samples"][0]["rss_mib"] > 0
+    assert out["rss_flat"] == (out["rss_growth_after_warm_up"] <= 0.10)
     # the speculative counters over HTTP: accepted tokens are the per-position counts summed (a proposal accepted
     # through position i counts once at each of 0 .. i), within the tokens proposed
     import urllib.request

@@ -57,10 +57,11 @@ def add_soak_arguments(p: argparse.ArgumentParser) -> None:
         "--rss-samples",
         type=int,
         default=10,
-        help="--server: rounds of requests, the server's RSS read after each; the first is the warm-up (default 10)",
+        help="--server: rounds of requests after the warm-up (the first 10%% of the requests), the server's RSS read "
+        "after each (default 10)",
     )
     add("--rss-tolerance", type=float, default=0.10,
-        help="--server: RSS is flat when no round after the warm-up reads more than 1 + this x the warm-up's "
+        help="--server: RSS is flat when no reading after the warm-up is more than 1 + this x the one at its end "
         "(default 0.10)")  # fmt: skip
 
 

@@ -14,6 +14,16 @@ at 8 rows, 1.26x at 32, 1.13x at 128, even at 256 and more, slower at 1 and 2 ro
 quantization code are unchanged) and adds the packed copy, used for ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``
 rows. The price is a second copy of every packed weight in memory; the bytes a product reads are one copy's.
 
+oneDNN builds a primitive for every (matrix, rows) shape it is given and keeps it twice over: in its own primitive
+cache and in ideep's (1,024 entries each, by default), about 0.6 MiB a shape on torch 2.13 whatever the matrix
+(measured: 253 row counts of one 64 x 320 matrix, +154 MiB RSS; both caches at 0 or 1 entries, +2.5 MiB). An
+engine's token counts vary from step to step, so at every row count from 4 to 256 a model's handful of matrices
+would end up holding ~0.6 MiB x 253 x (distinct matrices): a server's RSS rose for as long as new counts came
+(``workbench bench soak --server``: +20% over 10,000 requests on tiny-gqa) and, past 1,024 shapes, evicted
+primitives were rebuilt (~0.5-3 ms each). So a product runs at ``packed_rows(rows)`` rows, the input padded with
+zero rows: its own count up to ``PACKED_EXACT_ROWS``, above that the next multiple of an eighth of its power-of-two
+octave (at most 1/8 more rows computed), 45 row counts from 4 to 256 in all, made once each.
+
 Under ``torch.compile`` (the engine's compiled decode step) the packed product is the custom operator
 ``workbench::packed_linear``, which inductor calls as an opaque kernel: inductor's own lowering of
 ``mkldnn._linear_pointwise`` takes only weights frozen into the graph as constants (``freezing``), which would put
@@ -36,6 +46,28 @@ from torch import nn
 PACKED_MIN_ROWS = 4
 PACKED_MAX_ROWS = 256
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+PACKED_EXACT_ROWS = 16  # up to this many rows a product runs at its own row count; above it, at a padded one
+
+
+def packed_rows(rows: int) -> int:
+    """The row count a packed product of ``rows`` rows runs at (the module docstring): ``rows`` up to
+    ``PACKED_EXACT_ROWS``, above it ``rows`` rounded up to a multiple of 1/8 of the power of two at or above it
+    (18, 20, ..., 32, then 36, 40, ..., 64, then 72, ...), so that few distinct shapes reach oneDNN."""
+    if rows <= PACKED_EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 4)
+    return -(-rows // step) * step
+
+
+def _packed_product(x2: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x2`` (rows, in) times the packed weight (+ bias), run at ``packed_rows(rows)`` rows (zero rows added, their
+    results dropped)."""
+    rows = x2.shape[0]
+    pad = packed_rows(rows) - rows
+    if pad:
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
+    y = torch.ops.mkldnn._linear_pointwise(x2, packed_weight, bias, "none", [], "")
+    return y[:rows] if pad else y
 
 
 @torch.library.custom_op("workbench::packed_linear", mutates_args=())
@@ -43,7 +75,7 @@ def packed_linear(
     x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
     """``x`` (rows, in) times a weight packed by ``_reorder_linear_weight`` (+ bias): (rows, ``out_features``)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return _packed_product(x, packed_weight, bias)
 
 
 @packed_linear.register_fake
@@ -92,7 +124,7 @@ class PackedLinear(nn.Linear):
         if torch.compiler.is_compiling():  # an opaque call in the graph (see the module's docstring)
             y = packed_linear(x2, self.packed_weight, self.bias, self.out_features)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")
+            y = _packed_product(x2, self.packed_weight, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -23,10 +23,19 @@ bounded as a server's is. The resident set size (VmRSS) is read after the first 
 **Through the server** (``soak_server``). ``workbench serve`` in a child process on 127.0.0.1
 (``workbench.serve.launch.ServerProcess``); the requests go in ``num_samples`` rounds of streaming completions
 (token-id prompts, greedy, EOS ignored, at most ``max_concurrency`` in flight), a marked fraction of them dropped by
-their client after the first token (the server aborts them). After each round the server process's RSS is read from
-``/proc/PID/status`` and ``/metrics`` scraped. The first round is the warm-up: RSS is flat when no later round reads
-more than ``1 + rss_tolerance`` x the warm-up's. At the end the server must report no request running or waiting, no
-KV block in use and no per-request entry in its engine (``workbench:engine_request_entries``).
+their client after the first token (the server aborts them). The first round is the warm-up, the first
+``warm_up_fraction`` (10%) of the requests; the rest go in ``num_samples`` equal rounds. After each round the server
+process's RSS is read from ``/proc/PID/status`` (the report's ``samples``: the RSS series against the requests
+sent). RSS is flat when no reading after the warm-up is more than ``1 + rss_tolerance`` x the one at its end; the
+report also fits the growth per 1,000 requests over the second half of the readings, which tells a leak (a line
+that keeps rising) from caches filling (steps that level off). At the end the server must report no request running
+or waiting, no KV block in use and no per-request entry in its engine (``workbench:engine_request_entries``).
+
+What held memory before (issue 29; tiny-gqa, 10,000 requests: 685 -> 823 MiB, +20%): oneDNN's primitives, one per
+(matrix, token count) shape of the packed linears, ~0.6 MiB each, kept in two 1,024-entry caches; the products now
+run at 45 padded row counts (``workbench.model.packed.packed_rows``). Not the allocator: jemalloc grew as glibc did
+and glibc's free-but-held bytes stayed at 1-2 MiB (``mallinfo2``), and the engine with unpacked linears read the
+same RSS from the 400th request to the 2,000th.
 """
 
 from __future__ import annotations
@@ -279,6 +288,18 @@ def soak_engine(
 
 
 # ---- through the server ----------------------------------------------------------------------------------------
+def growth_per_1000(samples: list[dict[str, Any]]) -> float | None:
+    """The least-squares slope of ``rss_mib`` against ``requests`` over ``samples``, in MiB per 1,000 requests (None
+    for fewer than two readings)."""
+    if len(samples) < 2:
+        return None
+    xs = [s["requests"] for s in samples]
+    ys = [s["rss_mib"] for s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return round(1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx, 2) if sxx else None
+
+
 def metric_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
     """The value of each sample ``name`` in Prometheus text, summed over its labels (0 when absent)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -354,20 +375,26 @@ def soak_server(
     rss_tolerance: float = 0.10,
     round_timeout_s: float = 3600.0,
     settle_s: float = 10.0,
+    warm_up_fraction: float = 0.10,
 ) -> dict[str, Any]:
     """The server soak of the module docstring against a running ``workbench serve`` at ``base_url`` (process
     ``pid``); ``workload``'s abort marks are the requests whose client goes away after the first token."""
-    if num_samples < 2:
-        raise ConfigError(f"soak: --rss-samples must be >= 2 (a warm-up round and one after it), got {num_samples}")
+    if num_samples < 1:
+        raise ConfigError(f"soak: --rss-samples must be >= 1 (readings after the warm-up), got {num_samples}")
     if max_concurrency < 1:
         raise ConfigError(f"soak: --max-concurrency must be >= 1, got {max_concurrency}")
+    if not 0.0 < warm_up_fraction < 1.0:
+        raise ConfigError(f"soak: the warm-up fraction must be in (0, 1), got {warm_up_fraction}")
     reqs = [(p, n, i in workload.aborts) for i, (p, n) in enumerate(workload.requests)]
-    bounds = [round(len(reqs) * r / num_samples) for r in range(num_samples + 1)]
+    warm_n = min(max(1, round(warm_up_fraction * len(reqs))), len(reqs) - num_samples)
+    if warm_n < 1:
+        raise ConfigError(f"soak: {len(reqs)} requests cannot make a warm-up round and {num_samples} after it")
+    bounds = [0] + [warm_n + round((len(reqs) - warm_n) * r / num_samples) for r in range(num_samples + 1)]
     rss_start = rss_kib(pid)
     samples: list[dict[str, Any]] = []
     outcomes: dict[str, int] = {}
     t0 = now()
-    for r in range(num_samples):
+    for r in range(num_samples + 1):
         chunk = reqs[bounds[r] : bounds[r + 1]]
         for result in asyncio.run(_round(base_url, model, chunk, max_concurrency, round_timeout_s)):
             key = result if result in ("ok", "dropped") else "failed"
@@ -402,9 +429,11 @@ def soak_server(
             "max_after_warm_up": max(later),
             "peak": _mib(rss_kib(pid, "VmHWM")),
         },  # fmt: skip
+        "warm_up_requests": warm_n,
         "rss_growth_after_warm_up": None if growth is None else round(growth, 4),
         "rss_tolerance": rss_tolerance,
         "rss_flat": growth is not None and growth <= rss_tolerance,
+        "rss_mib_per_1000_requests_late": growth_per_1000(samples[len(samples) // 2 :]),
         "samples": samples,
         "at_end": {name.split(":", 1)[1]: value for name, value in gauges.items()},
         "loadavg": _loadavg(),

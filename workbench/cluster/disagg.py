@@ -44,7 +44,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workbench.config import ModelConfig, parse_disaggregate
+from workbench.config import ModelConfig, check_positive_ints, parse_disaggregate
 from workbench.dist.group import DistConfig, ProcessSet, WorkerError, WorkerGroup, free_port, serve_subgroup
 from workbench.dist.kv_connector import (
     KVReceiver,
@@ -91,10 +91,7 @@ class DisaggConfig:
     backend: str = "auto"  # of the KV transfers: NCCL with CUDA, gloo otherwise (a CUDA pool staged through the host)
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode", "threads_per_engine"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("num_prefill", "num_decode", "threads_per_engine"))
         if self.prefill.block_size != self.decode.block_size or self.prefill.dtype != self.decode.dtype:
             raise ConfigError("the prefill and decode pools need the same block_size and dtype")
         kv = [e.kv_cache_dtype for e in (self.prefill, self.decode)]  # resolved by ServingConfig
@@ -267,35 +264,20 @@ class KVPeer:
     def receive(self, meta: KVTransfer, table: list[int]) -> tuple[bool, str]:
         return self.receiver.receive(meta, table)
 
-    def in_flight(self) -> int:
-        return len(self.sender.in_flight) if self.sender is not None else 0
-
 
 class DisaggShardWorker(Worker):
     """A rank of a tensor-parallel engine in a disaggregated world: a ``Worker`` on its engine's subgroup that
-    also moves its KV heads (``kv_*``, called on every rank by the engine's driver, each returning the list of every
-    rank's result on the driver)."""
+    also moves its KV heads (``kv_call``, called on every rank by the engine's driver)."""
 
     def init_cache(self, *args: Any) -> None:
         super().init_cache(*args)
         self.kv = KVPeer(self.runner.cache, head_range(self.model.tp_shard.cfg, self.rank, self.world_size)[0])
 
-    def _gathered(self, value: Any) -> list[Any] | None:
+    def kv_call(self, name: str, *args: Any) -> list[Any] | None:
+        """``KVPeer.name(*args)`` on this rank; every rank's result on the driver."""
         out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(value, out, group=self.group, group_dst=0)
+        dist.gather_object(getattr(self.kv, name)(*args), out, group=self.group, group_dst=0)
         return out
-
-    def kv_begin(self, *args: Any) -> list[Any] | None:
-        return self._gathered(self.kv.begin(*args))
-
-    def kv_send(self, *args: Any) -> list[Any] | None:
-        return self._gathered(self.kv.send(*args))
-
-    def kv_finish(self, *args: Any) -> list[Any] | None:
-        return self._gathered(self.kv.finish(*args))
-
-    def kv_receive(self, *args: Any) -> list[Any] | None:
-        return self._gathered(self.kv.receive(*args))
 
 
 class EngineKV:
@@ -309,7 +291,7 @@ class EngineKV:
     def call(self, name: str, *args: Any) -> list[Any]:
         if self.workers is None:
             return [getattr(self.peer, name)(*args)]
-        return self.workers.call(f"kv_{name}", *args)
+        return self.workers.call("kv_call", name, *args)
 
 
 def _worker_args(source: str, config: EngineConfig, seed: int, threads: int, group: Any) -> tuple:

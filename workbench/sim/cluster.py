@@ -84,8 +84,9 @@ class SimConfig(ServingConfig):
     (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given. A
     derived pool larger than the batch could ever fill (``max_num_seqs`` sequences of ``max_model_len``) is tracked
     at the size it could fill, without prefix caching (the same schedule, with bookkeeping bounded by the batch, not
-    by the memory or the trace); with prefix caching, or ``num_blocks`` given, the pool is tracked as is, its blocks
-    made as they are first taken (``BlockManager``).
+    by the memory or the trace); with prefix caching, ``num_blocks`` given, or on a disaggregated prefill replica
+    (whose held prefills take blocks beyond the batch's), the pool is tracked as is, its blocks made as they are first
+    taken (``BlockManager``).
     It models a GPU server, so two defaults differ from the CPU engine's (and are written here only): 256
     sequences (vLLM's ``max_num_seqs``) and bf16. The shared fields (``ServingConfig``: policy, block size, token
     budget, max_num_seqs, max_model_len, dtype, quantization, group size, KV dtype, tensor-parallel size) are the

@@ -49,11 +49,7 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from workbench.config import (
-    ModelConfig,
-    canonical_dtype,
-    ceil_div,
-)
+from workbench.config import ModelConfig, canonical_dtype, ceil_div, check_positive_ints
 from workbench.engine.config import ServingConfig
 from workbench.engine.handoff import Handoff, prefilled_sequence
 from workbench.engine.metrics import ServingStats, StepLog
@@ -125,12 +121,8 @@ class SimConfig(ServingConfig):
                               "weights are quantization='fp8'/'int8' (--quantization), an FP8 or int8 KV cache "
                               "kv_cache_dtype (--kv-cache-dtype)")  # fmt: skip
         super().__post_init__()  # the shared fields, the KV dtype resolved ('auto' -> dtype)
-        for name in ("pipeline_parallel_size", "prefill_tp", "decode_tp", "expert_parallel_size"):
-            value = getattr(self, name)
-            if value is None and name in ("prefill_tp", "decode_tp"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("pipeline_parallel_size", "expert_parallel_size", "num_replicas"))
+        check_positive_ints(self, ("prefill_tp", "decode_tp"), optional=True)
         if (self.prefill_tp is not None or self.decode_tp is not None) and self.disaggregate is None:
             raise ConfigError("prefill_tp and decode_tp (--prefill-tp, --decode-tp) apply to disaggregated pools "
                               "only; without --disaggregate use --tensor-parallel-size")  # fmt: skip
@@ -141,8 +133,6 @@ class SimConfig(ServingConfig):
                               f"1), got {max(tps)}")  # fmt: skip
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
-        if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
-            raise ConfigError(f"num_replicas must be a positive integer, got {self.num_replicas!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.disaggregate is not None:

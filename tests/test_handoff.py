@@ -70,3 +70,15 @@ def test_a_simulated_pair_holds_prefills_until_the_decode_side_takes_them() -> N
     assert r2.finish_time == pytest.approx(0.105)
     prefill, decode = res.replicas
     assert prefill["role"] == "prefill" and decode["num_backpressure"] == 2
+
+
+def test_a_prefill_pool_tracked_below_its_size_grows_by_what_held_prefills_take() -> None:
+    # an accelerator's pool for tiny-gqa: millions of blocks, tracked at what one sequence of 128 tokens can fill
+    # (9 blocks over the watermark: 11); the decode side takes one request at a time and holds it for 40 steps, so
+    # the prefill side holds up to 19 prefills: its pool grows for them instead of stopping its admissions
+    cost = ProfiledCostModel({"const": 0.01})
+    cfg = SimConfig(max_num_seqs=1, max_model_len=128, disaggregate=(1, 1), link_gbps=1e9)
+    res = simulate([Request(i, 0.0, 16, 41) for i in range(20)], "tiny-gqa", cost, cfg, hardware="h100-sxm")
+    assert [r.first_scheduled_time for r in res.records] == pytest.approx([0.01 * i for i in range(20)])
+    prefill = res.replicas[0]
+    assert prefill["num_blocks_capacity"] > 10**6 and 11 < prefill["num_blocks"] <= 11 + 20

@@ -80,9 +80,9 @@ class SimConfig(ServingConfig):
     (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given. A
     derived pool larger than the batch could ever fill (``max_num_seqs`` sequences of ``max_model_len``) is tracked
     at the size it could fill, without prefix caching (the same schedule, with bookkeeping bounded by the batch, not
-    by the memory or the trace); with prefix caching, ``num_blocks`` given, or on a disaggregated prefill replica
-    (whose held prefills take blocks beyond the batch's), the pool is tracked as is, its blocks made as they are first
-    taken (``BlockManager``).
+    by the memory or the trace; a disaggregated prefill replica's grows by the blocks its held prefills take, up to the
+    pool's size); with prefix caching, or ``num_blocks`` given, the pool is tracked as is, its blocks made as they are
+    first taken (``BlockManager``).
     It models a GPU server, so two defaults differ from the CPU engine's (and are written here only): 256
     sequences (vLLM's ``max_num_seqs``) and bf16. The shared fields (``ServingConfig``: policy, block size, token
     budget, max_num_seqs, max_model_len, dtype, quantization, group size, KV dtype, tensor-parallel size) are the
@@ -261,6 +261,8 @@ class Replica:
         # disaggregated decode: prefills whose KV arrived, not yet admitted (each with the prefill replica holding it)
         self.handoff: Handoff[tuple[Sequence, Replica | None]] = Handoff()
         self.blocked = False  # a prefill replica whose pool is full of held prefills: it waits for a release
+        # a pool tracked below its capacity (see SimConfig) grows by what held prefills take, up to the capacity
+        self.capacity, self.base_blocks, self.held_blocks = num_blocks, num_blocks, 0
         if role == "prefill":
             Handoff.hold(self.scheduler)  # its finished prefills keep their blocks until the decode side takes them
         self.receive_s: dict[int, float] = {}  # kv_receive 'between-steps': each ready request's wire time here
@@ -302,6 +304,9 @@ class Replica:
     def release(self, seq_id: int, now: float) -> bool:
         """The decode side took held prefill ``seq_id`` at ``now``: its blocks go back to this replica's pool.
         True when that unblocks the replica (it then goes on from ``now``)."""
+        held = self.scheduler.held.get(seq_id)
+        if held is not None:
+            self.held_blocks -= len(held.block_table)
         if not (Handoff.release(self.scheduler, seq_id) and self.blocked):
             return False
         self.blocked = False
@@ -397,6 +402,11 @@ class Replica:
                 self.step_log.record(plan, s, e, used)
 
     def _finish(self, finished: list[Sequence], now: float) -> None:
+        bm, held = self.block_manager, self.scheduler.held
+        for seq in finished:
+            if seq.seq_id in held:
+                self.held_blocks += len(seq.block_table)
+                bm.num_blocks = max(bm.num_blocks, min(self.capacity, self.base_blocks + self.held_blocks))
         for seq in finished:
             self.outstanding -= 1
             if self.on_finish is not None:
@@ -510,8 +520,7 @@ def simulate(
     tracked = dict(capacity)
     if config.num_blocks is None and not config.enable_prefix_caching:
         never_short = _blocks_never_short(sched_cfg, config.block_size)
-        # held prefills (disaggregation) take blocks beyond the batch's: a prefill pool is tracked as is
-        tracked = {role: c if role == "prefill" else min(c, never_short) for role, c in capacity.items()}
+        tracked = {role: min(c, never_short) for role, c in capacity.items()}
     total = config.total_replicas
     costs = [cost_model] * total if isinstance(cost_model, CostModel) else list(cost_model)
     if len(costs) != total:
@@ -578,6 +587,8 @@ def simulate(
     if config.disaggregate:
         p, d = config.disaggregate
         front = [replica(i, prefilled, "prefill") for i in range(p)]
+        for rep in front:
+            rep.capacity = capacity["prefill"]
         back = [replica(p + i, done, "decode") for i in range(d)]
     else:
         front = [replica(i, done, "mixed") for i in range(total)]

@@ -58,6 +58,19 @@ DTYPE_ALIASES = {
 }
 
 
+def check_positive_ints(obj: object, names: tuple[str, ...], optional: bool = False, where: str = "",
+                        what: str = "") -> None:  # fmt: skip
+    """ConfigError naming the first field of ``obj`` among ``names`` that is not a positive integer (None passes
+    when ``optional``); ``where`` prefixes the message, ``what`` follows "positive integer"."""
+    for name in names:
+        value = getattr(obj, name)
+        if optional and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            unset = " or unset" if optional else ""
+            raise ConfigError(f"{where}{name} must be a positive integer{unset}{what}, got {value!r}")
+
+
 def canonical_dtype(name: str) -> str:
     """Map 'float16', 'half', 'torch.float16', ... to the workbench's short names ('fp16', ...)."""
     key = str(name).lower().removeprefix("torch.")
@@ -206,9 +219,7 @@ class ModelConfig:
             "head_dim",
             "max_position_embeddings",
         ):
-            value = getattr(self, fname)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{self.name}: {fname} must be a positive integer, got {value!r}")
+            check_positive_ints(self, (fname,), where=f"{self.name}: ")
         if self.num_heads % self.num_kv_heads != 0:
             raise ConfigError(
                 f"{self.name}: num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
@@ -272,10 +283,8 @@ class ModelConfig:
     def _check_mla(self) -> None:
         if self.kv_lora_rank == 0:
             return
-        for fname in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
-            value = getattr(self, fname)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{self.name}: {fname} must be a positive integer for MLA, got {value!r}")
+        names = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        check_positive_ints(self, names, where=f"{self.name}: ", what=" for MLA")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"{self.name}: qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:

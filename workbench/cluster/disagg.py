@@ -10,7 +10,8 @@ in its own processes: ``EngineConfig.tensor_parallel_size`` ranks per engine (ea
 the engine's executor over its ranks (``workbench.engine.executor``): its first rank drives (scheduler, sampler) and
 every rank moves its own KV heads (``transfer_plan``: rank i to rank i with equal TP, heads re-sliced otherwise).
 Control messages travel on multiprocessing queues between the coordinator and each engine's first rank.
-Request ``i`` goes to prefill engine ``i mod P`` and decode engine ``i mod D``. The prefill engine serves it with
+Request ``i`` goes to prefill engine ``i mod P`` and decode engine ``i mod D`` (``workbench.engine.handoff.Handoff``,
+the simulator's handoff too). The prefill engine serves it with
 ``max_tokens=1``: its first token ends it there, its blocks are held (``Engine.hold``, ``Engine.release``) and its
 prompt's KV is sent; the decode engine admits it with that KV (``Engine.add_prefilled``) and decodes the rest, its
 sampling generator continued from the prefill's (``Engine.handoff_state``): seeded sampling gives
@@ -37,14 +38,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import queue
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from workbench.config import ModelConfig, parse_disaggregate
+from workbench.config import ModelConfig, check_positive_ints, parse_disaggregate
 from workbench.dist.group import DistConfig, ProcessSet, WorkerError, WorkerGroup, free_port, serve_subgroup
 from workbench.dist.kv_connector import (
     KVReceiver,
@@ -58,6 +58,7 @@ from workbench.dist.kv_connector import (
 )
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import RequestResult
+from workbench.engine.handoff import Handoff
 from workbench.engine.worker import Worker
 from workbench.errors import ConfigError
 from workbench.model.sharding import check_tensor_parallel_size
@@ -90,10 +91,7 @@ class DisaggConfig:
     backend: str = "auto"  # of the KV transfers: NCCL with CUDA, gloo otherwise (a CUDA pool staged through the host)
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode", "threads_per_engine"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("num_prefill", "num_decode", "threads_per_engine"))
         if self.prefill.block_size != self.decode.block_size or self.prefill.dtype != self.decode.dtype:
             raise ConfigError("the prefill and decode pools need the same block_size and dtype")
         kv = [e.kv_cache_dtype for e in (self.prefill, self.decode)]  # resolved by ServingConfig
@@ -266,35 +264,20 @@ class KVPeer:
     def receive(self, meta: KVTransfer, table: list[int]) -> tuple[bool, str]:
         return self.receiver.receive(meta, table)
 
-    def in_flight(self) -> int:
-        return len(self.sender.in_flight) if self.sender is not None else 0
-
 
 class DisaggShardWorker(Worker):
     """A rank of a tensor-parallel engine in a disaggregated world: a ``Worker`` on its engine's subgroup that
-    also moves its KV heads (``kv_*``, called on every rank by the engine's driver, each returning the list of every
-    rank's result on the driver)."""
+    also moves its KV heads (``kv_call``, called on every rank by the engine's driver)."""
 
     def init_cache(self, *args: Any) -> None:
         super().init_cache(*args)
         self.kv = KVPeer(self.runner.cache, head_range(self.model.tp_shard.cfg, self.rank, self.world_size)[0])
 
-    def _gathered(self, value: Any) -> list[Any] | None:
+    def kv_call(self, name: str, *args: Any) -> list[Any] | None:
+        """``KVPeer.name(*args)`` on this rank; every rank's result on the driver."""
         out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(value, out, group=self.group, group_dst=0)
+        dist.gather_object(getattr(self.kv, name)(*args), out, group=self.group, group_dst=0)
         return out
-
-    def kv_begin(self, *args: Any) -> list[Any] | None:
-        return self._gathered(self.kv.begin(*args))
-
-    def kv_send(self, *args: Any) -> list[Any] | None:
-        return self._gathered(self.kv.send(*args))
-
-    def kv_finish(self, *args: Any) -> list[Any] | None:
-        return self._gathered(self.kv.finish(*args))
-
-    def kv_receive(self, *args: Any) -> list[Any] | None:
-        return self._gathered(self.kv.receive(*args))
 
 
 class EngineKV:
@@ -308,7 +291,7 @@ class EngineKV:
     def call(self, name: str, *args: Any) -> list[Any]:
         if self.workers is None:
             return [getattr(self.peer, name)(*args)]
-        return self.workers.call(f"kv_{name}", *args)
+        return self.workers.call("kv_call", name, *args)
 
 
 def _worker_args(source: str, config: EngineConfig, seed: int, threads: int, group: Any) -> tuple:
@@ -449,68 +432,65 @@ class EngineLoop:
 
     def decode_run(self, t0: float, early: list[tuple]) -> dict[str, Any]:
         engine, kv, cfg, clock = self.engine, self.kv, self.cfg, wall_clock(t0)
-        arrived: deque[tuple[RequestSpec, KVTransfer, int, float, Any, float]] = deque()
+        handoff: Handoff[tuple[RequestSpec, KVTransfer, int, float, Any, float]] = Handoff()
         transfers: dict[int, dict[str, Any]] = {}
-        waited: set[int] = set()
         stopping = False
-        while True:
-            idle = not engine.has_unfinished() and not arrived
-            messages, early = early + _drain(self.inbox, 0.0 if early or not idle else POLL_S), []
-            for message in messages:
-                if message[0] == "kv":
-                    arrived.append((*message[1:], clock()))
-                elif message[0] == "stop":
-                    stopping = True
-            while arrived:
-                spec, meta, first, first_at, state, announced = arrived[0]  # state: the prefill's generator
-                rid = spec.request_id
-                outcome: dict[str, Any] = {}
 
-                def receive(
-                    table: list[int], meta: KVTransfer = meta, outcome: dict[str, Any] = outcome
-                ) -> float | None:
-                    outcome["posted"] = clock()
-                    outcomes = kv.call("receive", meta, table)  # every rank's (ok, why)
-                    outcome["ok"], outcome["why"] = next(((o, w) for o, w in outcomes if not o), (True, ""))
-                    outcome["landed"] = clock()
-                    return outcome["landed"] if outcome["ok"] else None
+        def take(item: tuple[RequestSpec, KVTransfer, int, float, Any, float]) -> bool:
+            spec, meta, first, first_at, state, announced = item  # state: the prefill's generator
+            rid = spec.request_id
+            outcome: dict[str, Any] = {}
 
-                admitted = engine.add_prefilled(
-                    rid, spec.prompt_ids, spec.sampling, spec.arrival_time, first, first_at, state, receive
-                )
-                if admitted == "full":
-                    waited.add(rid)
-                    break  # backpressure: the KV stays on the prefill side until blocks free up here
-                arrived.popleft()
-                info = transfers.setdefault(
-                    rid, {"kv_transfer_bytes": 0, "kv_transfer_s": 0.0, "num_transfers": 0, "num_retries": 0,
-                          "num_recomputed": 0},
-                )  # fmt: skip
-                info["num_transfers"] += 1
-                # the last attempt's timeline on the run clock: the prefill side's first token, the send posted, the
-                # announcement's arrival here, the receive posted (after this engine's step in flight), the KV landed
-                landed = outcome["landed"]
-                info["timeline"] = {"prefill_token_s": first_at, "sent_s": meta.sent_at, "announced_s": announced,
-                                    "receive_posted_s": outcome["posted"], "landed_s": landed}  # fmt: skip
-                if admitted == "admitted":
-                    info["kv_transfer_bytes"] += meta.num_bytes
-                    info["kv_transfer_s"] += landed - max(meta.sent_at, outcome["posted"])
-                    self.inboxes[meta.src_rank].put(("ack", rid))
-                    continue
-                if outcome["why"] == "checksum mismatch" and meta.attempt < cfg.max_retries:
-                    info["num_retries"] += 1
-                    self.inboxes[meta.src_rank].put(("nack", rid))
-                    continue
-                # give up on the transfer: the decode engine computes the prompt's KV itself, the first token kept
+            def receive(table: list[int]) -> float | None:
+                outcome["posted"] = clock()
+                outcomes = kv.call("receive", meta, table)  # every rank's (ok, why)
+                outcome["ok"], outcome["why"] = next(((o, w) for o, w in outcomes if not o), (True, ""))
+                outcome["landed"] = clock()
+                return outcome["landed"] if outcome["ok"] else None
+
+            admitted = engine.add_prefilled(
+                rid, spec.prompt_ids, spec.sampling, spec.arrival_time, first, first_at, state, receive
+            )
+            if admitted == "full":
+                return False  # backpressure: the KV stays on the prefill side until blocks free up here
+            info = transfers.setdefault(
+                rid, {"kv_transfer_bytes": 0, "kv_transfer_s": 0.0, "num_transfers": 0, "num_retries": 0,
+                      "num_recomputed": 0},
+            )  # fmt: skip
+            info["num_transfers"] += 1
+            # the last attempt's timeline on the run clock: the prefill side's first token, the send posted, the
+            # announcement's arrival here, the receive posted (after this engine's step in flight), the KV landed
+            landed = outcome["landed"]
+            info["timeline"] = {"prefill_token_s": first_at, "sent_s": meta.sent_at, "announced_s": announced,
+                                "receive_posted_s": outcome["posted"], "landed_s": landed}  # fmt: skip
+            if admitted == "admitted":
+                info["kv_transfer_bytes"] += meta.num_bytes
+                info["kv_transfer_s"] += landed - max(meta.sent_at, outcome["posted"])
+                self.inboxes[meta.src_rank].put(("ack", rid))
+            elif outcome["why"] == "checksum mismatch" and meta.attempt < cfg.max_retries:
+                info["num_retries"] += 1
+                self.inboxes[meta.src_rank].put(("nack", rid))
+            else:  # give up on the transfer: the decode engine computes the prompt's KV itself, the first token kept
                 info["num_recomputed"] += 1
                 self.inboxes[meta.src_rank].put(("ack", rid))
                 engine.add_prefilled(rid, spec.prompt_ids, spec.sampling, spec.arrival_time, first, landed, state)
+            return True
+
+        while True:
+            idle = not engine.has_unfinished() and not handoff
+            messages, early = early + _drain(self.inbox, 0.0 if early or not idle else POLL_S), []
+            for message in messages:
+                if message[0] == "kv":
+                    handoff.arrive(message[1].request_id, (*message[1:], clock()))
+                elif message[0] == "stop":
+                    stopping = True
+            handoff.admit(take)
             if engine.has_unfinished():
                 for out in engine.step():
                     if out.finished:
                         self.report(out.result, transfers.get(out.request_id, {}))
-            if stopping and not arrived and not engine.has_unfinished():
-                return {"num_backpressure": len(waited)}
+            if stopping and not handoff and not engine.has_unfinished():
+                return {"num_backpressure": handoff.num_backpressure}
 
 
 # ---- the coordinator ------------------------------------------------------------------------------------------
@@ -529,7 +509,7 @@ class DisaggCluster:
         check_model_source(source)  # a bad checkpoint is one line here, not a traceback from every rank
         cfg.check_model(ModelConfig.resolve(source))
         self.cfg = cfg
-        self.num_p, self.num_d = cfg.num_prefill, cfg.num_decode
+        self.handoff: Handoff[Any] = Handoff(cfg.num_prefill, cfg.num_decode)  # its routing
         layout = self.layout = cfg.layout
         world = self.world = layout.world
         context = mp.get_context("spawn")
@@ -606,9 +586,11 @@ class DisaggCluster:
                 prompt, sampling, arrival = requests[i]
                 if online:  # wait for the arrival time, collecting results meanwhile
                     self._wait(on_result, lambda: False, results, arrival - (now() - t0), True)
-                decode = self.layout.driver("decode", n % self.num_d)
-                spec = RequestSpec(i, list(prompt), sampling, arrival if online else 0.0, decode)
-                self.inboxes[self.layout.driver("prefill", n % self.num_p)].put(("request", spec))
+                p, d = self.handoff.route(n)
+                spec = RequestSpec(
+                    i, list(prompt), sampling, arrival if online else 0.0, self.layout.driver("decode", d)
+                )
+                self.inboxes[self.layout.driver("prefill", p)].put(("request", spec))
             self._wait(on_result, lambda: len(results) == len(ids), results)
             duration = now() - t0
             for inbox in self.inboxes.values():
@@ -625,7 +607,7 @@ class DisaggCluster:
                 exc.partial = [results[i] for i in sorted(results)]  # type: ignore[attr-defined]
             raise
         backpressure = sum(p.get("num_backpressure", 0) for p in pools.values())
-        engines = {i: (n % self.num_p, n % self.num_d) for n, i in enumerate(order)}
+        engines = {i: self.handoff.route(n) for n, i in enumerate(order)}
         return DisaggResult([results[i] for i in ids], transfers, pools, duration, backpressure, engines)
 
     def _start_message(self, t0: float) -> tuple:

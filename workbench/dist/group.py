@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from workbench.config import check_positive_ints
 from workbench.errors import ConfigError, WorkbenchError
 from workbench.timing import now
 
@@ -92,8 +93,7 @@ class DistConfig:
     init_method: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
-            raise ConfigError(f"world_size must be a positive integer, got {self.world_size!r}")
+        check_positive_ints(self, ("world_size",))
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if not self.timeout_s > 0:
@@ -409,12 +409,7 @@ class WorkerGroup:
     @classmethod
     def from_env(cls, factory: Callable[..., Any], factory_args: tuple[Any, ...] = (), timeout_s: float = 60.0):
         """The driver's side under torchrun: this process is rank 0, the other ranks run ``run_worker``."""
-        group = cls.__new__(cls)
-        group.config = DistConfig(int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s)
-        group.backend = group.config.resolved_backend()
-        group.world_size = group.config.world_size
-        group._workers, group._closed = ProcessSet.none(), False
-        group._processes, group.group, group._owns_world = [], None, True
+        group = cls._joined(DistConfig(int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s), None)
         _init(group.backend, "env://", 0, group.world_size, timeout_s)
         group.worker = factory(0, group.world_size, *factory_args)
         return group
@@ -427,12 +422,18 @@ class WorkerGroup:
         ranks of one engine among the engines of a disaggregated run): this process is the subgroup's rank 0, the
         other ranks run ``serve_subgroup``. Nothing is spawned; ``shutdown`` ends the subgroup's workers' loops
         and leaves the world to its owner."""
-        out = cls.__new__(cls)
-        out.config = DistConfig(dist.get_world_size(group), backend=dist.get_backend(group), timeout_s=timeout_s)
-        out.backend, out.world_size = out.config.backend, out.config.world_size
-        out._workers, out._closed, out._processes = ProcessSet.none(), False, []
-        out.group, out._owns_world = group, False
+        config = DistConfig(dist.get_world_size(group), backend=dist.get_backend(group), timeout_s=timeout_s)
+        out = cls._joined(config, group)
         out.worker = factory(0, out.world_size, *factory_args)
+        return out
+
+    @classmethod
+    def _joined(cls, config: DistConfig, group: Any) -> WorkerGroup:
+        """A group whose other ranks were started elsewhere (nothing spawned here); ``group`` None: the world."""
+        out = cls.__new__(cls)
+        out.config, out.backend, out.world_size = config, config.resolved_backend(), config.world_size
+        out._workers, out._closed, out._processes = ProcessSet.none(), False, []
+        out.group, out._owns_world = group, group is None
         return out
 
     def __enter__(self) -> WorkerGroup:
@@ -452,7 +453,7 @@ class WorkerGroup:
         except KeyboardInterrupt:
             # Ctrl-C mid-call: the other ranks may be inside a collective rank 0 will never join, so a polite shutdown
             # (one more broadcast) could wait for the collective timeout; they hold nothing to save: stop them now
-            self._abandon()
+            self._kill_all()
             raise
         except Exception as exc:
             # the ranks may now disagree on where they are in the sequence of collectives: the group is unusable
@@ -465,7 +466,7 @@ class WorkerGroup:
             return
         self._closed = True
         if dist.is_initialized():
-            if self._worker_problem() is None:
+            if self._workers.problem() is None:
                 try:
                     _broadcast([(_SHUTDOWN, (), {})], self.group)
                 except Exception:  # a worker went away meanwhile: it is reaped below
@@ -474,21 +475,9 @@ class WorkerGroup:
                 dist.destroy_process_group()
         self._workers.stop(grace_s)
 
-    def _abandon(self) -> None:
-        """Kill the spawned ranks and leave the group without a last collective (the ranks are out of step)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._workers.kill()
-        if self._owns_world and dist.is_initialized():
-            dist.destroy_process_group()
-
     def _check_alive(self) -> None:
-        if self._worker_problem() is not None:
+        if self._workers.problem() is not None:
             self._fail(None, "the previous call")
-
-    def _worker_problem(self) -> tuple[str, str] | None:
-        return self._workers.problem()
 
     def _fail(self, exc: BaseException | None, during: str) -> None:
         # give a dying worker a moment to report why, so the message says the cause and not just the symptom
@@ -505,6 +494,7 @@ class WorkerGroup:
         raise error from exc
 
     def _kill_all(self) -> None:
+        """Kill the spawned ranks and leave the group without a last collective (the ranks are out of step)."""
         self._closed = True
         self._workers.kill()
         if dist.is_initialized() and self._owns_world:

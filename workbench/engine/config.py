@@ -24,6 +24,7 @@ from workbench.config import (
     ModelConfig,
     canonical_dtype,
     canonical_quantization,
+    check_positive_ints,
     resolve_kv_cache_dtype,
 )
 from workbench.engine.scheduler import (
@@ -41,16 +42,6 @@ CACHE_LAYOUTS = ("paged", "contiguous")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")  # auto: cpu on the CPU where it builds, else torch
 ENGINE_DTYPES = ("fp32", "fp16", "bf16")  # int8/fp8 are roofline and simulator dtypes, not engine ones
 DEFAULT_KV_BUDGET_BYTES = 2 * 1024**3
-
-
-def _check_positive_int(config: object, names: tuple[str, ...], optional: bool = False) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if optional and value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            unset = " or unset" if optional else ""
-            raise ConfigError(f"{name} must be a positive integer{unset}, got {value!r}")
 
 
 def option(flag: str, help: str, aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> dict[str, Any]:
@@ -111,8 +102,8 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
-        _check_positive_int(self, ("block_size", "max_num_seqs", "tensor_parallel_size", "group_size"))
-        _check_positive_int(self, ("num_blocks", "kv_cache_bytes", "max_model_len", "token_budget", "chunk_size"),
+        check_positive_ints(self, ("block_size", "max_num_seqs", "tensor_parallel_size", "group_size"))
+        check_positive_ints(self, ("num_blocks", "kv_cache_bytes", "max_model_len", "token_budget", "chunk_size"),
                             optional=True)  # fmt: skip
         self.dtype = canonical_dtype(self.dtype)
         self.quantization = canonical_quantization(self.quantization)

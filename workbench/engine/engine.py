@@ -36,6 +36,7 @@ from workbench.device import dtype_name, resolve_device, synchronize, torch_dtyp
 from workbench.dist.group import WorkerGroup, launched_by_torchrun
 from workbench.engine.config import EngineConfig
 from workbench.engine.executor import Executor, start_workers
+from workbench.engine.handoff import Handoff, prefilled_sequence
 from workbench.engine.metrics import StepLog, StepRecord, summarize
 from workbench.engine.runner import ModelRunner, check_triton_backend
 from workbench.engine.scheduler import Scheduler, StepPlan
@@ -428,7 +429,7 @@ class Engine:
     def hold(self, enabled: bool = True) -> None:
         """The prefill side of disaggregation: from now on a finished request keeps its KV blocks (their KV is
         still to be sent) until ``release``; the pool then fills and admissions stop by themselves (backpressure)."""
-        self.scheduler.hold_finished = enabled
+        Handoff.hold(self.scheduler, enabled)
 
     def held_blocks(self, request_id: int) -> list[int]:
         """The KV block table of held request ``request_id`` (to send its KV again after a damaged transfer)."""
@@ -440,11 +441,8 @@ class Engine:
     def release(self, request_id: int) -> bool:
         """Free the KV blocks of a held finished request (its KV reached the decode side, or is no longer
         wanted); False when it is not held."""
-        if request_id not in self.scheduler.held:
-            return False
-        self.scheduler.release_held(request_id)
         self._handoff_states.pop(request_id, None)
-        return True
+        return Handoff.release(self.scheduler, request_id)
 
     def add_prefilled(
         self,
@@ -469,9 +467,8 @@ class Engine:
         """
         if request_id in self.sequences:
             raise RequestError(f"request_id {request_id} is already in use by this engine; give a new id")
-        seq = Sequence(request_id, prompt_ids, sampling, arrival_time, eos_token_ids=self.model.config.eos_token_ids)
-        seq.output_token_ids = [first_token]
-        seq.first_token_time, seq.token_times = first_token_time, [first_token_time]
+        eos = self.model.config.eos_token_ids
+        seq = prefilled_sequence(request_id, prompt_ids, sampling, arrival_time, first_token, first_token_time, eos)
         if receive is None:
             if not self.scheduler.add(seq):
                 raise RequestError(f"request {request_id} cannot be served here: {seq.reject_reason}")

@@ -118,20 +118,6 @@ def request_latencies(rec: RequestRecord) -> dict[str, Any]:
     return {"ttft_s": ttft, "tpot_s": tpot, "e2el_s": e2el, "itl_s": itl}
 
 
-def meets_slos(
-    lat: dict[str, Any],
-    slo_ttft_s: float | None = None,
-    slo_tpot_s: float | None = None,
-    slo_e2el_s: float | None = None,
-) -> bool:
-    """Whether one request's latencies meet every SLO given (None = no SLO on that metric)."""
-    if slo_ttft_s is not None and lat["ttft_s"] > slo_ttft_s:
-        return False
-    if slo_tpot_s is not None and lat["tpot_s"] is not None and lat["tpot_s"] > slo_tpot_s:
-        return False
-    return not (slo_e2el_s is not None and lat["e2el_s"] > slo_e2el_s)
-
-
 class ServingStats:
     """The streaming form of ``summarize`` (and how it computes): finished requests are added one at a time, in any
     order, each with its position in the workload, and only what the summary needs is kept: TTFT, TPOT and E2EL of

@@ -60,6 +60,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from workbench.config import check_positive_ints
 from workbench.engine.speculative import SpecStats
 from workbench.errors import ConfigError, RequestError
 from workbench.kv.block_manager import BlockManager
@@ -104,14 +105,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
-        for name in ("max_num_seqs", "max_model_len"):
-            _check_positive_int(name, getattr(self, name))
+        check_positive_ints(self, ("max_num_seqs", "max_model_len"))
         if self.token_budget is None:
             self.token_budget = default_token_budget(self.policy, self.max_model_len)
-        _check_positive_int("token_budget", self.token_budget)
+        check_positive_ints(self, ("token_budget",))
         if self.chunk_size is None:
             self.chunk_size = self.token_budget
-        _check_positive_int("chunk_size", self.chunk_size)
+        check_positive_ints(self, ("chunk_size",))
         if self.policy != "chunked" and self.token_budget < self.max_model_len:
             raise ConfigError(
                 f"token_budget ({self.token_budget}) must be >= max_model_len ({self.max_model_len}) "
@@ -121,11 +121,6 @@ class SchedulerConfig:
         if not isinstance(self.watermark, (int, float)) or not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
         self.enable_prefix_caching = bool(self.enable_prefix_caching)
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass

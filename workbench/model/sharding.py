@@ -131,13 +131,6 @@ class TensorParallelShard:
             return slice(self.rank * i, (self.rank + 1) * i)
         return None
 
-    def local_shape(self, hf_name: str, full_shape: tuple[int, ...]) -> tuple[int, ...]:
-        shape = list(full_shape)
-        for dim, sl in ((0, self.rows(hf_name)), (1, self.cols(hf_name))):
-            if sl is not None:
-                shape[dim] = sl.stop - sl.start
-        return tuple(shape)
-
     def take(self, tensor_slice: object, hf_name: str) -> torch.Tensor:
         """This rank's slice of a tensor: ``tensor_slice`` is a safetensors slice (``get_slice``) or a tensor;
         indexing a safetensors slice reads only the selected bytes from the file."""

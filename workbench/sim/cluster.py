@@ -21,7 +21,11 @@ DistServe's model of a dedicated high-bandwidth link: Zhong et al., OSDI'24), an
 decode replica chosen by the router when the transfer completes; that replica admits it (blocks for its
 tokens, FCFS, keeping the watermark) at the top of its next step, and its next token is a decode. TTFT ends at
 that admission: the first token reaches the client from the decode side (DistServe's definition, and the real
-disaggregated engine's), so it counts the prefill, the transfer and any wait for room.
+disaggregated engine's), so it counts the prefill, the transfer and any wait for room. The handoff is the real
+pair's (``workbench.engine.handoff.Handoff``): a prefill replica holds a finished prefill's blocks until a decode
+replica admits it (a full decode pool fills the prefill pool, which then stops admitting: backpressure, counted per
+replica in ``num_backpressure``), and with ``round-robin`` the ``n``-th arrival decodes on replica ``n mod D``. A
+release reaches a prefill replica that waits for it at once; one that still runs sees it at its next step.
 Two settings describe a real engine's handoff rather than a dedicated link (``workbench.cluster.disagg`` on gloo, and
 ``workbench fidelity --disaggregate``, which measures both): ``kv_handoff_s``, host time from the prefill
 step's end to the transfer's start (the sender's gather and the control message; or drawn, seeded, from measured
@@ -40,18 +44,14 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import deque
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from workbench.config import (
-    ModelConfig,
-    canonical_dtype,
-    ceil_div,
-)
+from workbench.config import ModelConfig, canonical_dtype, ceil_div, check_positive_ints
 from workbench.engine.config import ServingConfig
+from workbench.engine.handoff import Handoff, prefilled_sequence
 from workbench.engine.metrics import ServingStats, StepLog
 from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from workbench.engine.speculative import SpeculativeConfig, merged_spec_stats
@@ -80,8 +80,9 @@ class SimConfig(ServingConfig):
     (vLLM's ``gpu_memory_utilization``; activations are not reserved), or from ``kv_cache_bytes`` when given. A
     derived pool larger than the batch could ever fill (``max_num_seqs`` sequences of ``max_model_len``) is tracked
     at the size it could fill, without prefix caching (the same schedule, with bookkeeping bounded by the batch, not
-    by the memory or the trace); with prefix caching, or ``num_blocks`` given, the pool is tracked as is, its blocks
-    made as they are first taken (``BlockManager``).
+    by the memory or the trace; a disaggregated prefill replica's grows by the blocks its held prefills take, up to the
+    pool's size); with prefix caching, or ``num_blocks`` given, the pool is tracked as is, its blocks made as they are
+    first taken (``BlockManager``).
     It models a GPU server, so two defaults differ from the CPU engine's (and are written here only): 256
     sequences (vLLM's ``max_num_seqs``) and bf16. The shared fields (``ServingConfig``: policy, block size, token
     budget, max_num_seqs, max_model_len, dtype, quantization, group size, KV dtype, tensor-parallel size) are the
@@ -120,12 +121,8 @@ class SimConfig(ServingConfig):
                               "weights are quantization='fp8'/'int8' (--quantization), an FP8 or int8 KV cache "
                               "kv_cache_dtype (--kv-cache-dtype)")  # fmt: skip
         super().__post_init__()  # the shared fields, the KV dtype resolved ('auto' -> dtype)
-        for name in ("pipeline_parallel_size", "prefill_tp", "decode_tp", "expert_parallel_size"):
-            value = getattr(self, name)
-            if value is None and name in ("prefill_tp", "decode_tp"):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        check_positive_ints(self, ("pipeline_parallel_size", "expert_parallel_size", "num_replicas"))
+        check_positive_ints(self, ("prefill_tp", "decode_tp"), optional=True)
         if (self.prefill_tp is not None or self.decode_tp is not None) and self.disaggregate is None:
             raise ConfigError("prefill_tp and decode_tp (--prefill-tp, --decode-tp) apply to disaggregated pools "
                               "only; without --disaggregate use --tensor-parallel-size")  # fmt: skip
@@ -136,8 +133,6 @@ class SimConfig(ServingConfig):
                               f"1), got {max(tps)}")  # fmt: skip
         if self.router not in ROUTERS:
             raise ConfigError(f"router must be one of {', '.join(ROUTERS)}; got {self.router!r}")
-        if not isinstance(self.num_replicas, int) or isinstance(self.num_replicas, bool) or self.num_replicas < 1:
-            raise ConfigError(f"num_replicas must be a positive integer, got {self.num_replicas!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.disaggregate is not None:
@@ -263,7 +258,13 @@ class Replica:
         self.clock = 0.0  # when the replica became free (end of its last step, or an arrival while idle)
         self.inflight: tuple[StepPlan, float, float, float | None] | None = None  # (plan, start, end, noise u)
         self.step_noise_u: float | None = None  # the last completed step's noise uniform (CostModel.last_noise_u)
-        self.ready: deque[Sequence] = deque()  # disaggregated decode: KV arrived, not yet admitted
+        # disaggregated decode: prefills whose KV arrived, not yet admitted (each with the prefill replica holding it)
+        self.handoff: Handoff[tuple[Sequence, Replica | None]] = Handoff()
+        self.blocked = False  # a prefill replica whose pool is full of held prefills: it waits for a release
+        # a pool tracked below its capacity (see SimConfig) grows by what held prefills take, up to the capacity
+        self.capacity, self.base_blocks, self.held_blocks = num_blocks, num_blocks, 0
+        if role == "prefill":
+            Handoff.hold(self.scheduler)  # its finished prefills keep their blocks until the decode side takes them
         self.receive_s: dict[int, float] = {}  # kv_receive 'between-steps': each ready request's wire time here
         self.on_finish = on_finish
         self.step_log: StepLog | None = StepLog() if record_steps else None
@@ -275,28 +276,42 @@ class Replica:
     # ---- state the router reads ------------------------------------------------------------------------
     @property
     def queue_length(self) -> int:
-        return len(self.scheduler.waiting) + len(self.ready)
+        return len(self.scheduler.waiting) + len(self.handoff)
 
-    def _idle(self) -> bool:
-        return self.inflight is None and not self.ready and not self.scheduler.has_unfinished()
+    @property
+    def idle(self) -> bool:
+        return self.inflight is None and not self.handoff and not self.scheduler.has_unfinished()
 
     # ---- requests in ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence, now: float) -> None:
         """A new request at ``now`` (queued for admission by the scheduler)."""
-        if self._idle():
+        if self.idle:
             self.clock = max(self.clock, now)
         self.outstanding += 1
         self.scheduler.add(seq)
 
-    def add_prefilled(self, seq: Sequence, now: float, receive_s: float = 0.0) -> None:
+    def add_prefilled(self, seq: Sequence, now: float, receive_s: float = 0.0, source: Replica | None = None) -> None:
         """A request whose prompt KV arrived at ``now`` (disaggregated decode): admitted at the next step, which
-        ``receive_s`` (the wire time, when this replica receives between its steps) then delays."""
-        if self._idle():
+        ``receive_s`` (the wire time, when this replica receives between its steps) then delays; the prefill
+        replica ``source`` holds its blocks until then."""
+        if self.idle:
             self.clock = max(self.clock, now)
         self.outstanding += 1
-        self.ready.append(seq)
+        self.handoff.arrive(seq.seq_id, (seq, source))
         if receive_s:
             self.receive_s[seq.seq_id] = receive_s
+
+    def release(self, seq_id: int, now: float) -> bool:
+        """The decode side took held prefill ``seq_id`` at ``now``: its blocks go back to this replica's pool.
+        True when that unblocks the replica (it then goes on from ``now``)."""
+        held = self.scheduler.held.get(seq_id)
+        if held is not None:
+            self.held_blocks -= len(held.block_table)
+        if not (Handoff.release(self.scheduler, seq_id) and self.blocked):
+            return False
+        self.blocked = False
+        self.clock = max(self.clock, now)
+        return True
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def advance(self, until: float) -> None:
@@ -311,21 +326,29 @@ class Replica:
                 self.inflight = None
                 self._complete(plan, start, end)
                 continue
-            if not (self.ready or sched.has_unfinished()):
+            if self.blocked or not (self.handoff or sched.has_unfinished()):
                 return
             start = cost.start_time(self.clock)
             if start >= until:
                 return
-            ready = self.ready
-            received = 0.0
-            while ready and sched.admit_prefilled(ready[0]):
+            received, woke = 0.0, False
+
+            def take(item: tuple[Sequence, Replica | None], start: float = start) -> bool:
+                nonlocal received, woke
+                seq, source = item
+                if not sched.admit_prefilled(seq):
+                    return False
                 # its first token reaches the client from here, now that this replica holds its KV (DistServe's
                 # TTFT, as the real disaggregated engine measures it: workbench.cluster.disagg)
-                seq = ready.popleft()
                 received += self.receive_s.pop(seq.seq_id, 0.0)
                 seq.first_token_time = seq.token_times[0] = max(start + received, seq.token_times[0])
+                if source is not None:
+                    woke = source.release(seq.seq_id, start) or woke
+                return True
+
+            self.handoff.admit(take)
             start += received  # kv_receive 'between-steps': the step waits for the KV it admitted
-            if not ready and not received and self.fast and self.speculator is None:
+            if not (self.handoff or received or woke) and self.fast and self.speculator is None:
                 window = sched.decode_steps_until_change()
                 if window > 1:
                     running = list(sched.running)  # the run may finish some: log what it decoded
@@ -341,6 +364,9 @@ class Replica:
             if plan.is_empty:
                 finished = sched.update(plan, {}, start)
                 if not finished and not sched.running:
+                    if sched.held:  # its pool is full of prefills the decode side has not taken yet
+                        self.blocked = True
+                        continue
                     raise RuntimeError(f"replica {self.index}: nothing can be scheduled and nothing runs")
                 self.clock = start
                 self._finish(finished, start)
@@ -348,6 +374,8 @@ class Replica:
             draft_s = 0.0 if self.speculator is None else self.speculator.draft_time(plan)  # before the verify
             end = cost.end_time(start + draft_s, plan_stats(plan))
             self.inflight = (plan, start, end, cost.last_noise_u)  # kept with its step: a model may be shared
+            if woke:  # a prefill replica waited for the blocks it released: it catches up to here first
+                return
 
     def _complete(self, plan: StepPlan, start: float, end: float) -> None:
         if self.speculator is not None:
@@ -374,6 +402,11 @@ class Replica:
                 self.step_log.record(plan, s, e, used)
 
     def _finish(self, finished: list[Sequence], now: float) -> None:
+        bm, held = self.block_manager, self.scheduler.held
+        for seq in finished:
+            if seq.seq_id in held:
+                self.held_blocks += len(seq.block_table)
+                bm.num_blocks = max(bm.num_blocks, min(self.capacity, self.base_blocks + self.held_blocks))
         for seq in finished:
             self.outstanding -= 1
             if self.on_finish is not None:
@@ -503,6 +536,7 @@ def simulate(
     link_bytes_per_s = config.link_gbps * 1e9 / 8
     between_steps = config.kv_receive == "between-steps"
     handoffs = config.kv_handoff_quantiles_s
+    pair = Handoff(*config.disaggregate) if config.disaggregate else Handoff()  # the real pair's routing
     handoff_rng = random.Random(config.kv_handoff_seed)
     output_len: dict[int, int] = {}
 
@@ -521,14 +555,13 @@ def simulate(
     def prefilled(replica: Replica, seq: Sequence, now: float) -> None:
         want = output_len[seq.seq_id]
         if seq.finish_reason != "length" or want <= 1 or seq.num_output_tokens != 1:
+            replica.release(seq.seq_id, now)  # nothing for a decode replica to do
             done(replica, seq, now)
             return
-        nxt = Sequence(seq.seq_id, seq.prompt_token_ids, _sampling(sampling, want), seq.arrival_time)
-        nxt.output_token_ids = list(seq.output_token_ids)
-        nxt.token_times = list(seq.token_times)
-        nxt.first_token_time = seq.first_token_time
-        nxt.first_scheduled_time = seq.first_scheduled_time
-        nxt.num_preemptions = seq.num_preemptions
+        nxt = prefilled_sequence(seq.seq_id, seq.prompt_token_ids, _sampling(sampling, want), seq.arrival_time,
+                                 seq.output_token_ids[0], seq.first_token_time)  # fmt: skip
+        # the request's record keeps its prefill side's queueing and preemptions
+        nxt.first_scheduled_time, nxt.num_preemptions = seq.first_scheduled_time, seq.num_preemptions
         wire = seq.num_prompt_tokens * kv_bytes_per_token / link_bytes_per_s + config.link_latency_s
         if not handoffs:
             handoff = config.kv_handoff_s
@@ -538,7 +571,9 @@ def simulate(
             u = correlated_uniform(replica.step_noise_u, config.kv_handoff_rank_correlation, handoff_rng)
             handoff = handoffs[min(int(u * len(handoffs)), len(handoffs) - 1)]
         arrive = now + handoff + (0.0 if between_steps else wire)
-        heapq.heappush(transfers, (arrive, seq.seq_id, nxt, wire if between_steps else 0.0))
+        # round-robin: decode replica n mod D of the n-th arrival (the real pair's routing); else the router's pick
+        decode = back[pair.route(position[seq.seq_id])[1]] if config.router == "round-robin" else None
+        heapq.heappush(transfers, (arrive, seq.seq_id, nxt, wire if between_steps else 0.0, replica, decode))
 
     spec = config.speculative_config
 
@@ -552,6 +587,8 @@ def simulate(
     if config.disaggregate:
         p, d = config.disaggregate
         front = [replica(i, prefilled, "prefill") for i in range(p)]
+        for rep in front:
+            rep.capacity = capacity["prefill"]
         back = [replica(p + i, done, "decode") for i in range(d)]
     else:
         front = [replica(i, done, "mixed") for i in range(total)]
@@ -580,10 +617,12 @@ def simulate(
         for rep in back:
             rep.advance(t)
         if t == inf:
+            if any(not (rep.blocked or rep.idle) for rep in front + back):
+                continue  # a decode replica took held prefills: their prefill replica goes on, then the decode one
             break
         if t_xfer <= t_arr:
-            _, _, seq, receive_s = heapq.heappop(transfers)
-            back_router.pick().add_prefilled(seq, t_xfer, receive_s)  # type: ignore[union-attr]
+            _, _, seq, receive_s, source, decode = heapq.heappop(transfers)
+            (decode or back_router.pick()).add_prefilled(seq, t_xfer, receive_s, source)  # type: ignore[union-attr]
             continue
         r = nxt
         _check_arrival(r, last_arrival if seen else None)
@@ -618,6 +657,7 @@ def simulate(
             "busy_s": rep.busy_s,
             "utilization": rep.busy_s / duration if duration > 0 else 0.0,
             "num_preemptions": rep.scheduler.num_preemptions,
+            "num_backpressure": rep.handoff.num_backpressure,
             "num_blocks": rep.block_manager.num_blocks,
             "num_blocks_capacity": capacity[rep.role if rep.role in capacity else "mixed"],
             "tensor_parallel_size": config.role_tp(rep.role),

@@ -59,6 +59,7 @@ def test_claims_and_anomalies_contract(smoke: dict, name: str) -> None:
     assert h["num_threads"] == 1  # workbench report --threads defaults to 1 and the kernels got it
     for key in ("ceilings_start", "ceilings_end"):
         assert h[key]["peak_flops_dtype"] > 0 and h[key]["mem_bandwidth"] > 0
+        assert len(h[key]["settle"]["readings"]) >= 2  # probed until two readings agree (hygiene.settled_ceilings)
     assert len(h["load_average_start"]) == 3 and len(h["load_average_end"]) == 3
     for phase in ("prefill", "decode"):
         start, end = h["reference_start"][phase], h["reference_end"][phase]

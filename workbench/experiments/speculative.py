@@ -17,10 +17,11 @@ averaged over ``num_seeds`` seeded runs). ``speedup_against_batch`` measures and
 size: the simulator's error is a number.
 
 Notebook 09's claims, each decided in paired rounds (``workbench.experiments.trials``): ``speculation_trial`` (an
-engine without speculation against one with it, tokens/s, an A/A control), ``ngram_text_trial`` (the n-gram speed-up
-on repetitive against free text, ``text_prompts`` from the tokenizer's public-domain text), ``roofline_speedups``
-(the expected speed-up per batch on the roofline and the predicted crossover batch) and the claim functions
-``speculation_raises_throughput``, ``speculation_gain_falls``, ``ngram_pays_on_repetitive_text``.
+engine without speculation against one with it, tokens/s, an A/A control), ``ngram_output_trial`` (the n-gram
+speed-up when the output repeats itself, greedy, against when it does not, sampled; the prompt from
+``text_prompts``, the tokenizer's public-domain text), ``roofline_speedups`` (the expected speed-up per batch on the
+roofline and the predicted crossover batch) and the claim functions ``speculation_raises_throughput``,
+``speculation_gain_falls``, ``ngram_pays_on_repeating_output``.
 """
 
 from __future__ import annotations
@@ -200,14 +201,15 @@ def speedup_against_batch(
 
 # ---- paired rounds and claims (notebook 09) ------------------------------------------------------------------------
 def _generation_arm(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams, reference: list[list[int]]
+    engine: Engine, prompts: list[list[int]], params: SamplingParams, reference: list[list[int]] | None
 ) -> Any:
-    """A trial of ``engine``: generate ``prompts`` greedily; returns output tokens/s (checked against
-    ``reference``, the run without speculation: speculation must not change a greedy token)."""
+    """A trial of ``engine``: generate ``prompts`` with ``params``; returns output tokens/s. A greedy run is checked
+    against ``reference``, the run without speculation (speculation must not change a greedy token); a sampled run
+    (``reference`` None) is not: rejection sampling keeps each token's distribution, not the random stream."""
 
     def arm(_round: int) -> float:
         seconds, result = timed(lambda: engine.generate(prompts, params), engine.model.device)
-        if [q.tokens for q in result.requests] != reference:
+        if reference is not None and [q.tokens for q in result.requests] != reference:
             raise RuntimeError("a speculative arm's greedy tokens differ from the run without speculation")
         return sum(len(q.tokens) for q in result.requests) / seconds
 
@@ -270,32 +272,65 @@ def text_prompts(model: ModelConfig, prompt_len: int, period: int = 8) -> dict[s
     return {"repetitive": (ids[:period] * (prompt_len // period + 1))[:prompt_len], "free": ids[:prompt_len]}
 
 
-def ngram_text_trial(
+def repeated_ngram_share(prompt: list[int], tokens: list[int], n: int = 2) -> float:
+    """The share of ``tokens`` (an output after ``prompt``) that complete an ``n``-gram already seen earlier in the
+    prompt and output: what prompt lookup can find. 0.0 for an output shorter than ``n``."""
+    if n < 1:
+        raise ConfigError(f"repeated_ngram_share: n must be >= 1, got {n}")
+    seq = list(prompt) + list(tokens)
+    seen = {tuple(seq[i : i + n]) for i in range(len(prompt) - n + 1)}
+    hits = 0
+    for i in range(len(prompt), len(seq)):
+        if i - n + 1 < 0:
+            continue
+        gram = tuple(seq[i - n + 1 : i + 1])
+        hits += gram in seen
+        seen.add(gram)
+    return hits / len(tokens) if tokens else 0.0
+
+
+def ngram_output_trial(
     model: Transformer,
     spec: SpeculativeConfig | dict[str, Any] | str,
-    prompts: dict[str, list[int]],
+    prompt: list[int],
     rounds: Rounds,
     max_tokens: int = 32,
+    temperature: float = 1.0,
+    seed: int = 0,
 ) -> tuple[Comparison, dict[str, dict[str, Any]]]:
-    """The speed-up of ``spec`` (n-gram) over no speculation on ``prompts['free']`` (A) against on
-    ``prompts['repetitive']`` (B), in paired rounds: each trial generates its prompt without and with speculation
-    and returns the ratio of the two tokens/s; B claimed higher by more than ``THROUGHPUT_MARGIN``; the A/A control
-    repeats A on engines of its own. Returns the comparison and each text's acceptance counters."""
-    spec = SpeculativeConfig.parse(spec)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    stats: dict[str, SpecStats] = {}
+    """The speed-up of ``spec`` (n-gram) over no speculation when the output does not repeat itself (A: sampled at
+    ``temperature``, each request seeded with ``seed``) against when it does (B: greedy), on the same ``prompt``,
+    in paired rounds: each trial generates without and with speculation and returns the ratio of the two tokens/s;
+    B claimed higher by more than ``THROUGHPUT_MARGIN``; the A/A control repeats A on engines of its own.
 
-    def arm(name: str, key: str) -> Any:
-        prompt = [prompts[key]]
-        base, _, speculating, reference = _arm_engines(model, spec, prompt, params, len(prompt[0]) + max_tokens + 1)
+    Why these arms: prompt lookup proposes the tokens that followed an earlier occurrence of the last n tokens, so
+    it pays exactly when the output repeats what came before. With random weights the greedy output falls into a
+    loop within a few tokens on any prompt (a repetitive and a free prompt both gave acceptance 1.00), while a
+    sample at temperature 1 from the same model rarely repeats a bigram; each arm's ``repeated_bigram_share`` (of
+    its reference output, ``repeated_ngram_share``) says how repetitive its output was. Returns the comparison and
+    each arm's acceptance counters with that share."""
+    spec = SpeculativeConfig.parse(spec)
+    greedy = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=seed)
+    stats: dict[str, SpecStats] = {}
+    shares: dict[str, float] = {}
+
+    def arm(name: str, params: SamplingParams) -> Any:
+        prompts = [prompt]
+        base, _, speculating, reference = _arm_engines(model, spec, prompts, params, len(prompt) + max_tokens + 1)
         speculating.scheduler.spec_stats = stats[name] = SpecStats()
-        plain = _generation_arm(base, prompt, params, reference)
-        fast = _generation_arm(speculating, prompt, params, reference)
+        shares[name] = repeated_ngram_share(prompt, reference[0])
+        check = reference if params.temperature == 0 else None
+        plain = _generation_arm(base, prompts, params, check)
+        fast = _generation_arm(speculating, prompts, params, check)
         return lambda r: fast(r) / plain(r)
 
-    arms = {"free text": arm("free text", "free"), "repetitive text": arm("repetitive text", "repetitive")}
-    comparison = rounds.run(arms, DecisionRule("higher", THROUGHPUT_MARGIN), control_arm=arm("control", "free"))
-    return comparison, {name: s.to_dict() for name, s in stats.items() if name != "control"}
+    free, repeating = f"sampled (T={temperature:g})", "greedy (loops)"
+    arms = {free: arm(free, sampled), repeating: arm(repeating, greedy)}
+    comparison = rounds.run(arms, DecisionRule("higher", THROUGHPUT_MARGIN), control_arm=arm("control", sampled))
+    return comparison, {
+        name: {**s.to_dict(), "repeated_bigram_share": shares[name]} for name, s in stats.items() if name != "control"
+    }
 
 
 def roofline_speedups(
@@ -359,10 +394,17 @@ def speculation_gain_falls(
     return make_claim("Speculation's gain falls as the batch grows", verdict, evidence, detail, (PAIRED,))
 
 
-def ngram_pays_on_repetitive_text(comparison: Comparison, acceptance: Mapping[str, Mapping[str, Any]]) -> dict:
-    """Claim: n-gram speculation gains more on repetitive text than on free text (paired rounds of the two
-    speed-ups), with each text's acceptance in the evidence."""
+def ngram_pays_on_repeating_output(comparison: Comparison, acceptance: Mapping[str, Mapping[str, Any]]) -> dict:
+    """Claim: n-gram speculation gains more when the output repeats itself than when it does not (paired rounds of
+    the two speed-ups, ``ngram_output_trial``), with each arm's acceptance and repeated-bigram share in the
+    evidence."""
     rates = {k: v.get("acceptance_rate") for k, v in acceptance.items()}
-    text = ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} none proposed" for k, v in rates.items())
-    return paired_claim("n-gram speculation gains more on repetitive text than on free text", comparison,
-                        f"speed-up of n-gram speculation (acceptance: {text})", acceptance=rates)  # fmt: skip
+    shares = {k: v.get("repeated_bigram_share") for k, v in acceptance.items()}
+    text = ", ".join(
+        (f"{k}: acceptance {rates[k]:.2f}" if rates[k] is not None else f"{k}: none proposed")
+        + f", {shares[k]:.0%} of its tokens repeat a bigram"
+        for k in acceptance
+    )
+    return paired_claim("n-gram speculation gains more when the output repeats itself than when it does not",
+                        comparison, f"speed-up of n-gram speculation ({text})", acceptance=rates,
+                        repeated_bigram_share=shares)  # fmt: skip

@@ -65,6 +65,9 @@ INT8_BF16_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX")
 # Its packed layout depends on the ISA torch dispatches to (32 output rows interleaved per block on AVX2, 64 on
 # AVX-512), so a layer packs its codes at load time on the CPU that runs it. It takes row counts that divide by 16.
 INT4_PACKED_ROWS_MULTIPLE = 16
+# Up to this many rows (decode batches) the CPU product is the C++ op of ``kernels.quant_linear_cpu``; more rows take
+# the GEMM paths below
+KERNEL_MAX_ROWS = 32
 ENGINE_QUANTIZATIONS = ("int8", "int4")  # fp8 weights: roofline and simulator only (no CPU fp8 matmul here)
 CUDA_INT4_INNER_K_TILES = 8
 
@@ -156,6 +159,26 @@ def cpu_packed_bf16() -> bool:
     return torch.backends.cpu.get_cpu_capability() in INT8_BF16_CAPABILITIES
 
 
+def cpu_kernel_isa() -> str | None:
+    """The code path of the CPU quantized linear op (``kernels.quant_linear_cpu``) a layer built now runs, or None
+    when the op did not build here (no compiler) or ``WORKBENCH_QUANT_KERNEL=0`` turns it off: the layer then keeps
+    torch's packed operators (bf16 activations) or the compiled loops."""
+    import os
+
+    if os.environ.get("WORKBENCH_QUANT_KERNEL", "1") == "0":
+        return None
+    from kernels import quant_linear_cpu
+
+    return quant_linear_cpu.default_isa() if quant_linear_cpu.available() else None
+
+
+def _isa_code(isa: str | None) -> int:
+    """The op's integer for a code path name (what a compiled graph passes as a constant)."""
+    from kernels.paged_decode_cpu import ISAS
+
+    return ISAS[isa] if isa is not None else -1
+
+
 def _compiled(fn: Any) -> Any:
     """``fn`` compiled by inductor for eager callers, once per process; inside a compiled graph (the engine's
     compiled decode step) ``fn`` itself, which inductor fuses into the step. One compilation per shape
@@ -177,10 +200,13 @@ def _compiled(fn: Any) -> Any:
 class Int8Linear(nn.Module):
     """y = x @ (q * scale)^T (+ bias): 1 byte per weight read.
 
-    On CUDA ``aten._weight_int8pack_mm``. On the CPU, products of at most ``INT8_PACKED_MAX_ROWS`` rows (decode)
-    run the same operator on bf16 activations where torch vectorizes it (AVX2 and up: ``bf16_rows``; fed fp32 it
-    took 5x the fp32 GEMV's time), else ``int8_rows`` compiled by inductor; more rows run the activation dtype's
-    GEMM on ``q`` and scale the result.
+    On CUDA ``aten._weight_int8pack_mm``. On the CPU, products of at most ``KERNEL_MAX_ROWS`` rows (decode) run the
+    C++ op of ``kernels.quant_linear_cpu`` on fp32 activations over a copy of the codes interleaved 8 rows a tile
+    (``kernel_isa``: its code path; ``qweight_tiles``, ``scale_tiles``: attributes, not buffers, the counted format
+    is ``qweight``; the copy doubles the codes in memory but not in a decode's reads). Where the op did not build,
+    products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's ``_weight_int8pack_mm`` on bf16 activations
+    where torch vectorizes it (AVX2 and up: ``bf16_rows``; fed fp32 it took 5x the fp32 GEMV's time), else
+    ``int8_rows`` compiled by inductor. More rows run the activation dtype's GEMM on ``q`` and scale the result.
     """
 
     def __init__(self, linear: nn.Linear, amax_reduce: AmaxReduce | None = None) -> None:
@@ -190,9 +216,17 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("qweight", q.to(dev))  # (out, in) int8
         self.register_buffer("scale", scale.to(device=dev, dtype=dtype))  # (out,) activation dtype
-        # the CPU decode product feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the
-        # scale (2 bytes an output row, not a buffer: not part of the format's counted bytes, never moved off the CPU)
-        self.bf16_rows = dev.type == "cpu" and cpu_packed_bf16()
+        # the CPU decode product: our op over the interleaved copy, where it built and the input size divides by 8
+        self.kernel_isa = cpu_kernel_isa() if dev.type == "cpu" and self.in_features % 8 == 0 else None
+        self.qweight_tiles = self.scale_tiles = None
+        self.kernel_isa_code = _isa_code(self.kernel_isa)
+        if self.kernel_isa is not None:
+            from kernels.quant_linear_cpu import pack_int8
+
+            self.qweight_tiles, self.scale_tiles = pack_int8(q, scale)
+        # else it feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the scale (2
+        # bytes an output row, not a buffer: not part of the format's counted bytes, never moved off the CPU)
+        self.bf16_rows = dev.type == "cpu" and self.kernel_isa is None and cpu_packed_bf16()
         self.scale_bf16 = scale.to(torch.bfloat16) if self.bf16_rows else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
@@ -204,6 +238,9 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if x.device.type != "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+        elif x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel_isa is not None:
+            y = torch.ops.workbench_quant.int8_linear(x2.float(), self.qweight_tiles, self.scale_tiles,
+                                                      self.out_features, self.kernel_isa_code).to(x.dtype)  # fmt: skip
         elif x2.shape[0] <= INT8_PACKED_MAX_ROWS and self.bf16_rows:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scale_bf16).to(x.dtype)
         elif x2.shape[0] <= INT8_PACKED_MAX_ROWS:
@@ -219,7 +256,10 @@ class Int4Linear(nn.Module):
 
     On CUDA the tinygemm operator ``aten._weight_int4pack_mm`` over its packed layout (``qweight``) and
     ``scales_and_zeros``. On the CPU ``qweight`` is the group-halves layout of ``int4_rows`` (out, groups, g/2)
-    with ``scale`` and ``offset`` (out, groups, 1). Products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's
+    with ``scale`` and ``offset`` (out, groups, 1). Products of at most ``KERNEL_MAX_ROWS`` rows run the C++ op of
+    ``kernels.quant_linear_cpu`` on fp32 activations over a copy of the codes interleaved 8 rows a tile
+    (``kernel_isa``; ``qweight_tiles``, ``scale_tiles``, ``offset_tiles``: attributes, as the copy below). Where
+    the op did not build, products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's
     packed CPU operator ``_weight_int4pack_mm_for_cpu`` on bf16 activations where torch vectorizes it (AVX2 and up,
     ``packed_rows``: a copy of the codes in its ISA-dependent layout, ``qweight_packed``, with bf16 scales and zeros,
     attributes and not buffers: the counted format is the group-halves layout, which the copy doubles in memory
@@ -248,9 +288,20 @@ class Int4Linear(nn.Module):
             self.register_buffer("qweight", (g[..., :half] | g[..., half:] << 4).contiguous().to(dev))
             self.register_buffer("scale", scale[..., None].to(device=dev, dtype=dtype))  # (out, groups, 1)
             self.register_buffer("offset", (zero - 8.0 * scale)[..., None].to(device=dev, dtype=dtype))
-        # the CPU decode product: torch's packed operator over its own layout of the same codes, bf16 activations
+        # the CPU decode product: our op over the interleaved copy (group sizes divide by 16, as the op needs) ...
+        self.kernel_isa = cpu_kernel_isa() if dev.type == "cpu" else None
+        self.qweight_tiles = self.scale_tiles = self.offset_tiles = None
+        self.kernel_isa_code = _isa_code(self.kernel_isa)
+        if self.kernel_isa is not None:
+            from kernels.quant_linear_cpu import pack_int4
+
+            self.qweight_tiles, self.scale_tiles, self.offset_tiles = pack_int4(q, scale, zero - 8.0 * scale)
+        # ... else torch's packed operator over its own layout of the same codes, bf16 activations
         self.packed_rows = (
-            dev.type == "cpu" and cpu_packed_bf16() and self.out_features % INT4_PACKED_ROWS_MULTIPLE == 0
+            dev.type == "cpu"
+            and self.kernel_isa is None
+            and cpu_packed_bf16()
+            and self.out_features % INT4_PACKED_ROWS_MULTIPLE == 0
         )
         self.qweight_packed = self.scales_and_zeros_bf16 = None
         if self.packed_rows:
@@ -277,6 +328,11 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        elif x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel_isa is not None:
+            y = torch.ops.workbench_quant.int4_linear(
+                x2.float(), self.qweight_tiles, self.scale_tiles, self.offset_tiles, self.out_features,
+                self.group_size, self.kernel_isa_code,
+            ).to(x.dtype)  # fmt: skip
         elif x2.shape[0] > INT8_PACKED_MAX_ROWS:
             y = torch.nn.functional.linear(x2, self.dequantized_weight(x.dtype))
         elif self.packed_rows:

@@ -10,11 +10,16 @@ session per matrix. The fix is the one llama.cpp's R4/R8 layouts made: rows inte
 feeds several accumulators.
 
 The op (``kernels/csrc/quant_linear_cpu.cpp``) reads weights packed 8 output rows interleaved (``pack_int8``,
-``pack_int4``: one 64-byte line holds 8 inputs of 8 rows in int8, 16 inputs in int4), fp32 activations, fp32
-accumulation: at one row of x each activation vector load feeds 8 rows' FMAs in 8 accumulators and the codes are
-widened in registers; at more rows a block of 256 inputs is dequantized once into an L1 buffer and every row of x is
-multiplied against it. int8 has a scale per output row (applied once at the end); int4 a scale and an offset per
-group of inputs and row (``w = code * scale + offset``), folded in as ``scale * sum(code * x) + offset * sum(x)``.
+``pack_int4``: 64 bytes hold 8 inputs of 8 rows in int8, 128 bytes 32 inputs of 8 rows in int4). int8: fp32
+activations, fp32 accumulation; at one row of x each activation vector load feeds 8 rows' FMAs in 8 accumulators,
+the codes widened and converted in registers. int4 has a scale and an offset per group of inputs and row
+(``w = code * scale + offset``), folded in as ``scale * sum(code * x) + offset * sum(x)``; at one row of x the
+activations are quantized to int8 per group (as llama.cpp's Q8 activations) and ``sum(code * xq)`` runs in int32
+(``vpmaddubsw`` + ``vpmaddwd``, 32 codes per instruction pair), because with fp32 activations the int4 loop is
+bound by its per-weight converts, not by memory (measured: 7.5 GB/s of int4 against int8's 20 GB/s per thread,
+int4 slower than int8). At more rows a block of 256 inputs is dequantized once into an L1 buffer (fp32) and every
+row of x is multiplied against it. int8 applies its per-row scale once at the end. ``int4_reference`` is the
+plain-PyTorch statement of the int4 op.
 
 Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under
 ``TORCH_EXTENSIONS_DIR``), registered as ``torch.ops.workbench_quant.int8_linear`` / ``int4_linear`` with fake
@@ -114,20 +119,40 @@ def pack_int4(
     codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, in) codes in [0, 15] and (out, groups) scales and offsets (``w = code * scale + offset``) -> the op's
-    layout: (tiles, in * 4) uint8, tile t's chunk c holding inputs 16c .. 16c + 15 of rows 8t .. 8t + 7, 8 bytes a
-    row, byte j = input 16c + j (low nibble) | input 16c + 8 + j (high nibble); scales and offsets fp32
+    layout: (tiles, in * 4) uint8, tile t's chunk c holding inputs 32c .. 32c + 31 of rows 8t .. 8t + 7, 16 bytes
+    a row, byte j = input 32c + j (low nibble) | input 32c + 16 + j (high nibble); scales and offsets fp32
     (tiles, groups, 8)."""
     n, k = codes.shape
     groups = scale.shape[1]
-    if k % 16 or k % groups or (k // groups) % 16:
-        raise CpuKernelError(f"the int4 op needs groups of a multiple of 16 inputs, got {groups} groups of {k}")
-    c = _pad_rows(codes.to(torch.uint8)).view(-1, ROWS, k // 16, 2, 8)
+    if k % groups or (k // groups) % 32:
+        raise CpuKernelError(f"the int4 op needs groups of a multiple of 32 inputs, got {groups} groups of {k}")
+    c = _pad_rows(codes.to(torch.uint8)).view(-1, ROWS, k // 32, 2, 16)
     packed = (c[:, :, :, 0] | c[:, :, :, 1] << 4).permute(0, 2, 1, 3).reshape(-1, k * ROWS // 2).contiguous()
 
     def per_tile(t: torch.Tensor) -> torch.Tensor:
         return _pad_rows(t.float()).view(-1, ROWS, groups).transpose(1, 2).contiguous()
 
     return packed, per_tile(scale), per_tile(offset)
+
+
+def int4_reference(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """What ``int4_linear`` computes, in plain PyTorch (fp32): for one row of x, x quantized to int8 per group
+    (``workbench.model.quant.quantize_int8`` of ``x.view(groups, group_size)``), each group's ``sum(code * xq)``
+    (exact in int32), then ``scale * xscale * sum(code * xq) + offset * sum(x)`` summed over the groups; for more
+    rows the product of the dequantized weight ``code * scale + offset``."""
+    from workbench.model.quant import quantize_int8
+
+    n, k = codes.shape
+    groups = k // group_size
+    if x.shape[0] > 1:
+        w = (codes.float().view(n, groups, group_size) * scale[..., None] + offset[..., None]).view(n, k)
+        return x @ w.T
+    xq, xscale = quantize_int8(x.view(groups, group_size))
+    dots = torch.einsum("gk,ngk->ng", xq.double(), codes.view(n, groups, group_size).double()).float()
+    xsum = x.view(groups, group_size).sum(-1)
+    return ((scale * xscale * dots) + offset * xsum).sum(-1)[None]
 
 
 # ---- the products ----------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -63,7 +64,9 @@ struct Args {
   const uint8_t* w;      // packed tiles
   const float* scale;    // int8: (N,); int4: (N / 8, groups, 8)
   const float* offset;   // int4: (N / 8, groups, 8)
-  const float* xsum;     // int4: (M, groups) sums of x per group
+  const float* xsum;     // int4, M = 1: (groups,) sums of x per group
+  const int8_t* xq;      // int4, M = 1: x quantized to int8 per group (K,)
+  const float* xscale;   // int4, M = 1: (groups,) its scales
   float* y;              // (M, N) fp32
   int64_t M, N, K, group;
   bool int4;
@@ -111,11 +114,11 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   const bool int4 = offset != nullptr;
   TORCH_CHECK(packed.is_contiguous() && packed.size(0) == tiles, "quant_linear: packed weight of ", tiles, " tiles");
   TORCH_CHECK(packed.size(1) == (int4 ? K * ROWS / 2 : K * ROWS), "quant_linear: packed width does not match K ", K);
-  TORCH_CHECK(K % (int4 ? 16 : 8) == 0 && (!int4 || (group % 16 == 0 && K % group == 0)), "quant_linear: K, group");
+  TORCH_CHECK(K % (int4 ? 32 : 8) == 0 && (!int4 || (group % 32 == 0 && K % group == 0)), "quant_linear: K, group");
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat, "quant_linear: scale fp32 contiguous");
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, n_out}, x.options());
-  at::Tensor xsum;
+  at::Tensor xsum, xq;
   Args a{};
   a.x = xc.data_ptr<float>();
   a.w = static_cast<const uint8_t*>(packed.data_ptr());
@@ -131,8 +134,32 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     TORCH_CHECK(scale.numel() == tiles * (K / group) * ROWS && offset->numel() == scale.numel(),
                 "quant_linear: scale/offset (tiles, groups, 8)");
     a.offset = offset->data_ptr<float>();
-    xsum = xc.view({M, K / group, group}).sum(-1).contiguous();
-    a.xsum = xsum.data_ptr<float>();
+    if (M == 1) {
+      // x per group: its sum, and int8 codes with scale max|x| / 127 (round half to even), the formula of
+      // workbench.model.quant.quantize_int8 applied to x.view(groups, group)
+      const int64_t groups = K / group;
+      xq = at::empty({K}, x.options().dtype(at::kChar));
+      xsum = at::empty({2 * groups}, x.options());
+      int8_t* q = xq.data_ptr<int8_t>();
+      float* sums = xsum.data_ptr<float>();
+      const float* xp = a.x;
+      for (int64_t g = 0; g < groups; ++g) {
+        float amax = 0.0f, sum = 0.0f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+          amax = std::max(amax, std::fabs(xp[k]));
+          sum += xp[k];
+        }
+        const float s = std::max(amax, 1e-12f) / 127.0f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+          q[k] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(xp[k] / s))));
+        }
+        sums[g] = sum;
+        sums[groups + g] = s;
+      }
+      a.xq = q;
+      a.xsum = sums;
+      a.xscale = sums + groups;
+    }
   } else {
     TORCH_CHECK(scale.numel() >= tiles * ROWS, "quant_linear: scale of ", tiles * ROWS, " rows (padded)");
   }
@@ -216,25 +243,43 @@ static AI void tile_int8_m1(const Args& a, int64_t t) {
   for (int64_t r = 0; r < ROWS && t * ROWS + r < a.N; ++r) a.y[t * ROWS + r] = out[r];
 }
 
-// y[m, tile rows] for one tile at M = 1, int4
+// 32 int4 codes of one row (16 bytes: byte j = code j low, code 16 + j high) times 32 int8 inputs, added to 8 int32
+// lanes: maddubs (u8 x s8 -> pairs summed in s16, at most 2 * 15 * 127: no saturation), madd with ones -> s32
+static AI v8i dot32(const uint8_t* p, const int8_t* xq, v8i acc) {
+#if QL_ISA >= 1
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i pairs = _mm256_maddubs_epi16(codes, x);
+  return acc + (v8i)_mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#else
+  for (int j = 0; j < 16; ++j) {
+    acc[j % 8] += int32_t(p[j] & 15) * xq[j] + int32_t(p[j] >> 4) * xq[16 + j];
+  }
+  return acc;
+#endif
+}
+
+// y[m, tile rows] for one tile at M = 1, int4: x quantized to int8 per group (xq, xscale), each group's products
+// summed exactly in int32, then scale * xscale * sum(code * xq) + offset * sum(x) per row and group
 static AI void tile_int4_m1(const Args& a, int64_t t) {
   const uint8_t* w = a.w + t * ROWS * a.K / 2;
-  const int64_t groups = a.K / a.group, per_group = a.group / 16;
+  const int64_t groups = a.K / a.group, per_group = a.group / 32;
   const float* sc = a.scale + t * groups * ROWS;
   const float* of = a.offset + t * groups * ROWS;
   v8f tot = {};
   for (int64_t g = 0; g < groups; ++g) {
-    v8f acc[ROWS] = {};
+    v8i acc[ROWS] = {};
     for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
-      const v8f xlo = CV8(a.x + 16 * c), xhi = CV8(a.x + 16 * c + 8);
-      const uint8_t* p = w + 64 * c;
+      const int8_t* xq = a.xq + 32 * c;
+      const uint8_t* p = w + 128 * c;
 #pragma GCC unroll 8
-      for (int r = 0; r < ROWS; ++r) {
-        const v8i b = widen_u8(p + 8 * r);
-        acc[r] += xlo * __builtin_convertvector(b & 15, v8f) + xhi * __builtin_convertvector(b >> 4, v8f);
-      }
+      for (int r = 0; r < ROWS; ++r) acc[r] = dot32(p + 16 * r, xq, acc[r]);
     }
-    tot += hsum8(acc) * CV8(sc + g * ROWS) + CV8(of + g * ROWS) * a.xsum[g];
+    v8f f[ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) f[r] = __builtin_convertvector(acc[r], v8f);
+    tot += hsum8(f) * (CV8(sc + g * ROWS) * a.xscale[g]) + CV8(of + g * ROWS) * a.xsum[g];
   }
   float out[ROWS];
   V8(out) = tot;
@@ -251,18 +296,20 @@ static AI void dequant_block(const Args& a, int64_t t, int64_t k0, int64_t n, fl
   }
   const uint8_t* w = a.w + t * ROWS * a.K / 2 + k0 * ROWS / 2;
   const int64_t groups = a.K / a.group;
-  for (int64_t c = 0; c < n / 16; ++c) {
-    const int64_t g = (k0 + 16 * c) / a.group;
+  for (int64_t c = 0; c < n / 32; ++c) {
+    const int64_t g = (k0 + 32 * c) / a.group;
     const float* sc = a.scale + (t * groups + g) * ROWS;
     const float* of = a.offset + (t * groups + g) * ROWS;
-    // the 16-input chunk becomes two 8-input chunks of the fp32 layout (low nibbles, then high)
-    float* lo = buf + 128 * c;
-    float* hi = lo + 64;
+    // the 32-input chunk becomes four 8-input chunks of the fp32 layout: low nibbles of bytes 0-7, 8-15, then high
+    float* dst = buf + 256 * c;
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
-      const v8i b = widen_u8(w + 64 * c + 8 * r);
-      V8(lo + 8 * r) = __builtin_convertvector(b & 15, v8f) * sc[r] + of[r];
-      V8(hi + 8 * r) = __builtin_convertvector(b >> 4, v8f) * sc[r] + of[r];
+      const uint8_t* p = w + 128 * c + 16 * r;
+      const v8i b0 = widen_u8(p), b1 = widen_u8(p + 8);
+      V8(dst + 8 * r) = __builtin_convertvector(b0 & 15, v8f) * sc[r] + of[r];
+      V8(dst + 64 + 8 * r) = __builtin_convertvector(b1 & 15, v8f) * sc[r] + of[r];
+      V8(dst + 128 + 8 * r) = __builtin_convertvector(b0 >> 4, v8f) * sc[r] + of[r];
+      V8(dst + 192 + 8 * r) = __builtin_convertvector(b1 >> 4, v8f) * sc[r] + of[r];
     }
   }
 }

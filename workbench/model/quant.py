@@ -4,14 +4,16 @@ Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 
 - **int8**, symmetric per output channel: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)`` in
   [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)`` on CUDA;
-  on the CPU the same operator fed bf16 activations (decode, AVX2 and up), else ``int8_rows``, or the GEMM of ``q``
-  cast to the activation dtype (many rows).
+  on the CPU (decode, up to ``KERNEL_MAX_ROWS`` rows) the C++ op of ``kernels.quant_linear_cpu`` on fp32
+  activations, or where it does not build torch's operator fed bf16 activations (AVX2 and up), else ``int8_rows``;
+  the GEMM of ``q`` cast to the activation dtype for many rows.
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
   ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
-  on CUDA over its packed layout; on the CPU (decode) torch's packed CPU operator ``_weight_int4pack_mm_for_cpu``
-  fed bf16 activations (AVX2 and up), else ``int4_rows`` over the group-halves layout; the GEMM of the dequantized
-  weight for many rows.
+  on CUDA over its packed layout; on the CPU (decode) the C++ op of ``kernels.quant_linear_cpu`` (one row of x: x
+  quantized to int8 per group, the group's products in int32; more rows: fp32), or where it does not build torch's
+  packed CPU operator ``_weight_int4pack_mm_for_cpu`` fed bf16 activations (AVX2 and up), else ``int4_rows`` over
+  the group-halves layout; the GEMM of the dequantized weight for many rows.
 
 What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and the LM head.
 A tied LM head shares the embedding table, which stays in the activation dtype (it is a lookup table read one row
@@ -21,16 +23,17 @@ both: 33 MB more for ``bench-300m`` under int8) and a decode reads the copy inst
 ``lm_head_bytes``; ``bench-300m``'s int8 step reads 305 instead of 403 MB). Norms and biases stay in the activation
 dtype (``ModelConfig.weight_bytes`` counts the same split).
 
-Why these paths and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its weight-only
-int8/int4 paths on the CPU end in the same ``aten`` packed operators, which are decode kernels only when fed bf16
-activations (fed fp32, ``_weight_int8pack_mm`` took 5x the fp32 GEMV's time on a 1 x 1024 by 5632 x 1024 product;
-``INT8_BF16_CAPABILITIES``), and inductor's C++ GEMM template for them needs max-autotune with frozen weights. So
-the CPU decode products call those operators directly on bf16 activations where torch vectorizes them, and
-elsewhere (no AVX2; an int4 matrix whose output rows do not divide by 16) run plain tensor expressions
-(``int8_rows``, ``int4_rows``) that inductor compiles into one vectorized dequantize-multiply-reduce loop per
-matrix (inside the engine's compiled decode step they fuse into its graph, eagerly each compiles once per shape at
-its first call). ``int8_rows`` and ``int4_rows`` are also the references the operators are tested against. Nothing
-here is a hand-written kernel.
+Why our own op on the CPU and not a library (measured on this project's 2-core AMD EPYC, AVX2, torch 2.13,
+bench-300m's matrices, one thread, CPU time, load 8-10): torch's packed operators (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``) are vectorized for bf16 activations only (fed fp32, ``_weight_int8pack_mm`` took
+5x the fp32 GEMV's time), and fed bf16 they read int8 at 1.62x of fp32 over a whole decode step (target 2.4x) and
+int4 at 1.13x of int8 (target 1.3x); on the 32000 x 1024 head, one row: fp32 ``F.linear`` 8.3 ms, bf16-fed int8
+5.1 ms, bf16-fed int4 5.5 ms, the op's int8 1.6 ms (20 GB/s) and int4 1.1 ms. torchao 0.18 ends in the same aten
+operators on the CPU (and inductor's C++ GEMM template for them needs max-autotune with frozen weights); inductor's
+own loops (``int8_rows``, ``int4_rows``) keep one accumulator per output row. ONNX Runtime's ``MatMulNBits`` is not
+installed here. The op interleaves 8 output rows so that one activation load feeds 8 accumulators (the layout fix of
+llama.cpp's R4/R8 repacking). ``int8_rows`` and ``int4_rows`` stay as the no-compiler fallback and the references
+the torch operators are tested against; ``kernels.quant_linear_cpu.int4_reference`` states the op's int4 product.
 """
 
 from __future__ import annotations

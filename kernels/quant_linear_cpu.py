@@ -18,16 +18,16 @@ activations are quantized to int8 per group (as llama.cpp's Q8 activations) and 
 (``vpmaddubsw`` + ``vpmaddwd``, 32 codes per instruction pair), because with fp32 activations the int4 loop is
 bound by its per-weight converts, not by memory (measured: 7.5 GB/s of int4 against int8's 20 GB/s per thread,
 int4 slower than int8). At more rows a block of 256 inputs is dequantized once into an L1 buffer (fp32) and every
-row of x is multiplied against it. int8 applies its per-row scale once at the end. ``int4_reference`` is the
-plain-PyTorch statement of the int4 op.
+row of x is multiplied against it. int8 applies its per-row scale once at the end.
+``workbench.model.quant.int4_op_reference`` states the int4 op in plain PyTorch.
 
 Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under
 ``TORCH_EXTENSIONS_DIR``), registered as ``torch.ops.workbench_quant.int8_linear`` / ``int4_linear`` with fake
 kernels so ``torch.compile`` keeps each as one opaque call. Like ``kernels.paged_decode_cpu`` the body is compiled
 for AVX-512, AVX2+FMA and the baseline x86-64 and ``isa`` picks one per call (``isa_paths``, ``WORKBENCH_CPU_ISA``).
 ``available()`` is False when no compiler is present; ``workbench.model.quant`` then keeps torch's operators. The
-plain-PyTorch references are ``workbench.model.quant``'s (``dequantize_int8``, ``dequantize_int4``, ``int8_rows``,
-``int4_rows``), which the tests compare with on every code path.
+plain-PyTorch references are ``workbench.model.quant``'s (``dequantize_int8``, ``dequantize_int4``,
+``int4_op_reference``), which the tests compare with on every code path.
 """
 
 from __future__ import annotations
@@ -133,26 +133,6 @@ def pack_int4(
         return _pad_rows(t.float()).view(-1, ROWS, groups).transpose(1, 2).contiguous()
 
     return packed, per_tile(scale), per_tile(offset)
-
-
-def int4_reference(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """What ``int4_linear`` computes, in plain PyTorch (fp32): for one row of x, x quantized to int8 per group
-    (``workbench.model.quant.quantize_int8`` of ``x.view(groups, group_size)``), each group's ``sum(code * xq)``
-    (exact in int32), then ``scale * xscale * sum(code * xq) + offset * sum(x)`` summed over the groups; for more
-    rows the product of the dequantized weight ``code * scale + offset``."""
-    from workbench.model.quant import quantize_int8
-
-    n, k = codes.shape
-    groups = k // group_size
-    if x.shape[0] > 1:
-        w = (codes.float().view(n, groups, group_size) * scale[..., None] + offset[..., None]).view(n, k)
-        return x @ w.T
-    xq, xscale = quantize_int8(x.view(groups, group_size))
-    dots = torch.einsum("gk,ngk->ng", xq.double(), codes.view(n, groups, group_size).double()).float()
-    xsum = x.view(groups, group_size).sum(-1)
-    return ((scale * xscale * dots) + offset * xsum).sum(-1)[None]
 
 
 # ---- the products ----------------------------------------------------------------------------------------------------

@@ -65,8 +65,8 @@ def test_int8_matches_the_dequantized_product(isa, shape):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("group_size,shape", [(32, (44, 288)), (128, (24, 384)), (64, (8, 64))])
 def test_int4_matches_the_reference(isa, group_size, shape):
-    """Against ``int4_reference`` (int8 activations at one row) at fp32's tolerance, and against the product of the
-    dequantized weight within the bound of the activations' int8 step: each group's x is off by at most half its
+    """Against ``quant.int4_op_reference`` (int8 activations at one row) at fp32's tolerance, and against the product
+    of the dequantized weight within the bound of the activations' int8 step: each group's x is off by at most half its
     scale per input, so ``|y - x . w| <= sum_g xscale_g / 2 * sum_k |w_k|``."""
     need_isa(isa)
     w = _weight(*shape, seed=2)
@@ -78,7 +78,7 @@ def test_int4_matches_the_reference(isa, group_size, shape):
     for rows in ROWS:
         x = torch.randn(rows, shape[1], generator=gen)
         out = qk.int4_linear(x, packed, scale_t, offset_t, shape[0], group_size, isa)
-        ref = qk.int4_reference(x, codes, scale, offset, group_size)
+        ref = quant.int4_op_reference(x, codes, scale, offset, group_size)
         torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
         exact = x @ ref_w.T
         if rows == 1:

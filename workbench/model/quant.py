@@ -33,7 +33,7 @@ operators on the CPU (and inductor's C++ GEMM template for them needs max-autotu
 own loops (``int8_rows``, ``int4_rows``) keep one accumulator per output row. ONNX Runtime's ``MatMulNBits`` is not
 installed here. The op interleaves 8 output rows so that one activation load feeds 8 accumulators (the layout fix of
 llama.cpp's R4/R8 repacking). ``int8_rows`` and ``int4_rows`` stay as the no-compiler fallback and the references
-the torch operators are tested against; ``kernels.quant_linear_cpu.int4_reference`` states the op's int4 product.
+the torch operators are tested against; ``int4_op_reference`` states the op's int4 product.
 """
 
 from __future__ import annotations
@@ -151,6 +151,25 @@ def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset:
     for i in range(1, pair):
         acc = acc + xg[:, :, :, i, 0] * lo[:, :, i] + xg[:, :, :, i, 1] * hi[:, :, i]
     return acc.sum((-2, -1))
+
+
+def int4_op_reference(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """What the int4 op of ``kernels.quant_linear_cpu`` computes, in plain PyTorch (fp32), over (out, in) codes and
+    (out, groups) scales and offsets: for one row of x, x quantized to int8 per group (``quantize_int8`` of
+    ``x.view(groups, group_size)``), each group's ``sum(code * xq)`` (exact in int32), then
+    ``scale * xscale * sum(code * xq) + offset * sum(x)`` summed over the groups; for more rows the product
+    of the dequantized weight ``code * scale + offset``."""
+    n, k = codes.shape
+    groups = k // group_size
+    if x.shape[0] > 1:
+        w = (codes.float().view(n, groups, group_size) * scale[..., None] + offset[..., None]).view(n, k)
+        return x @ w.T
+    xq, xscale = quantize_int8(x.view(groups, group_size))
+    dots = torch.einsum("gk,ngk->ng", xq.double(), codes.view(n, groups, group_size).double()).float()
+    xsum = x.view(groups, group_size).sum(-1)
+    return ((scale * xscale * dots) + offset * xsum).sum(-1)[None]
 
 
 _COMPILED: dict[str, Any] = {}

@@ -23,17 +23,18 @@ both: 33 MB more for ``bench-300m`` under int8) and a decode reads the copy inst
 ``lm_head_bytes``; ``bench-300m``'s int8 step reads 305 instead of 403 MB). Norms and biases stay in the activation
 dtype (``ModelConfig.weight_bytes`` counts the same split).
 
-Why our own op on the CPU and not a library (measured on this project's 2-core AMD EPYC, AVX2, torch 2.13,
-bench-300m's matrices, one thread, CPU time, load 8-10): torch's packed operators (``_weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``) are vectorized for bf16 activations only (fed fp32, ``_weight_int8pack_mm`` took
-5x the fp32 GEMV's time), and fed bf16 they read int8 at 1.62x of fp32 over a whole decode step (target 2.4x) and
-int4 at 1.13x of int8 (target 1.3x); on the 32000 x 1024 head, one row: fp32 ``F.linear`` 8.3 ms, bf16-fed int8
-5.1 ms, bf16-fed int4 5.5 ms, the op's int8 1.6 ms (20 GB/s) and int4 1.1 ms. torchao 0.18 ends in the same aten
-operators on the CPU (and inductor's C++ GEMM template for them needs max-autotune with frozen weights); inductor's
-own loops (``int8_rows``, ``int4_rows``) keep one accumulator per output row. ONNX Runtime's ``MatMulNBits`` is not
-installed here. The op interleaves 8 output rows so that one activation load feeds 8 accumulators (the layout fix of
-llama.cpp's R4/R8 repacking). ``int8_rows`` and ``int4_rows`` stay as the no-compiler fallback and the references
-the torch operators are tested against; ``int4_op_reference`` states the op's int4 product.
+Why our own op on the CPU and not a library (measured on this project's 2-core AMD EPYC, AVX2, torch 2.13, bench-300m's
+matrices, one thread, CPU time, load 8-10): torch's packed operators (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``) are vectorized for bf16 activations only (fed fp32, ``_weight_int8pack_mm`` took 5x the
+fp32 GEMV's time), and fed bf16 they read int8 at 1.62x of fp32 over a whole decode step (target 2.4x) and int4 at 1.13x
+of int8 (target 1.3x); on the 32000 x 1024 head, one row: fp32 ``F.linear`` 8.3 ms, bf16-fed int8 5.1 ms, bf16-fed int4
+5.5 ms, the op's int8 1.6 ms (20 GB/s) and int4 1.1 ms. torchao 0.18 ends in the same aten operators on the CPU (and
+inductor's C++ GEMM template for them needs max-autotune with frozen weights); inductor's own loops (``int8_rows``,
+``int4_rows``) keep one accumulator per output row. ONNX Runtime's ``MatMulNBits`` is not installed here. The op
+interleaves 8 output rows so that one activation load feeds 8 accumulators (the layout fix of llama.cpp's R4/R8
+repacking): ``bench decode`` of bench-300m at batch 1 (compiled, 2 threads, load about 1) ran int8 at 4.00x fp32 and
+int4 at 1.23x int8 (82.8, 20.7, 16.8 ms a step). ``int8_rows`` and ``int4_rows`` stay as the no-compiler fallback and
+the references the torch operators are tested against; ``int4_op_reference`` states the op's int4 product.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -87,29 +88,39 @@ def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-def supported_isas() -> list[str]:
-    """The code paths this CPU can run, best last: always 'default', then 'avx2', 'avx512' where the CPU has them
-    and torch's own dispatch would use them too."""
-    if not available():
-        return []
+def isa_paths(cpu_supports: Callable[[int], bool]) -> list[str]:
+    """The code paths of a C++ op compiled per ISA (this one, ``kernels.quant_linear_cpu``) that this CPU can run,
+    best last: always 'default', then 'avx2', 'avx512' where the CPU has them (``cpu_supports``, the op's own probe)
+    and torch's own dispatch would use them too (``torch.backends.cpu.get_cpu_capability()``)."""
     cap = torch.backends.cpu.get_cpu_capability()  # 'DEFAULT', 'AVX2', 'AVX512', ...
     out = ["default"]
-    if cap in ("AVX2", "AVX512") and torch.ops.workbench_cpu.cpu_supports(ISAS["avx2"]):
+    if cap in ("AVX2", "AVX512") and cpu_supports(ISAS["avx2"]):
         out.append("avx2")
-    if cap == "AVX512" and torch.ops.workbench_cpu.cpu_supports(ISAS["avx512"]):
+    if cap == "AVX512" and cpu_supports(ISAS["avx512"]):
         out.append("avx512")
     return out
 
 
-def default_isa() -> str:
-    """The best code path here (``WORKBENCH_CPU_ISA`` forces one of ``supported_isas()``)."""
-    isas = supported_isas()
+def pick_isa(isas: list[str]) -> str:
+    """The best of ``isas`` (``isa_paths``), or the one ``WORKBENCH_CPU_ISA`` forces."""
     forced = os.environ.get("WORKBENCH_CPU_ISA")
     if forced:
         if forced not in isas:
             raise CpuKernelError(f"WORKBENCH_CPU_ISA={forced!r} is not supported on this CPU; use one of {isas}")
         return forced
     return isas[-1]
+
+
+def supported_isas() -> list[str]:
+    """The code paths this CPU can run, best last (``isa_paths``); none when the op did not build."""
+    if not available():
+        return []
+    return isa_paths(torch.ops.workbench_cpu.cpu_supports)
+
+
+def default_isa() -> str:
+    """The best code path here (``WORKBENCH_CPU_ISA`` forces one of ``supported_isas()``)."""
+    return pick_isa(supported_isas())
 
 
 def paged_decode_attention_cpu(

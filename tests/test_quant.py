@@ -69,7 +69,8 @@ def test_int8_linear_matches_dequantized_matmul(dtype, rows):
     torch.testing.assert_close(layer(x).float(), ref, **TOLERANCES[torch.bfloat16 if bf16 else dtype])
 
 
-def test_int8_bf16_rows_follow_the_cpu():
+def test_int8_bf16_rows_follow_the_cpu(monkeypatch):
+    monkeypatch.setenv("WORKBENCH_QUANT_KERNEL", "0")  # torch's operators, as where the C++ op does not build
     lin = nn.Linear(64, 8, bias=False)
     layer = quant.Int8Linear(lin)
     assert layer.bf16_rows == (torch.backends.cpu.get_cpu_capability() in quant.INT8_BF16_CAPABILITIES)
@@ -87,10 +88,13 @@ def test_int4_linear_matches_dequantized_matmul(group_size, dtype):
     q, scale, zero = quant.quantize_int4(lin.weight, group_size)
     w = quant.dequantize_int4(q, scale, zero)  # from the hand-checked reference functions, not the layer's layout
     torch.testing.assert_close(layer.dequantized_weight(), w, **TOLERANCES[dtype])
-    for rows in (1, 3, 9):  # the packed operator (or fused loop) of few rows, and the dequantize-then-GEMM of many
+    for rows in (1, 3, 9):  # the C++ op or packed operator (or fused loop) of few rows, the dequantized GEMM of many
         x = torch.randn(rows, 256, generator=gen).to(dtype)
         bf16 = rows <= quant.INT8_PACKED_MAX_ROWS and layer.packed_rows  # bf16 activations: bf16's tolerance
-        torch.testing.assert_close(layer(x).float(), x.float() @ w.T, **TOLERANCES[torch.bfloat16 if bf16 else dtype])
+        ref = x.float() @ w.T
+        if rows == 1 and layer.kernel_isa is not None:  # the C++ op quantizes one row of x to int8 per group
+            ref = quant.int4_op_reference(x.float(), q, scale, zero - 8.0 * scale, group_size)
+        torch.testing.assert_close(layer(x).float(), ref, **TOLERANCES[torch.bfloat16 if bf16 else dtype])
     # the error of the format itself: at most half a step of the group's scale per weight
     err = (w - lin.weight.float()).abs()
     assert bool((err <= scale.repeat_interleave(group_size, dim=1) / 2 + 1e-7).all())
@@ -104,11 +108,26 @@ def _int4_layer(out_f: int, in_f: int, group_size: int, seed: int) -> tuple[nn.L
     return lin, quant.Int4Linear(lin, group_size)
 
 
+def test_cpu_decode_products_take_the_kernel_where_it_builds():
+    """Where the C++ op builds, the CPU layers carry its interleaved copies and not torch's packed ones."""
+    from kernels import quant_linear_cpu
+
+    if not quant_linear_cpu.available():
+        pytest.skip(f"the C++ op did not build: {quant_linear_cpu.build_error()}")
+    lin = nn.Linear(64, 24, bias=False)
+    int8, int4 = quant.Int8Linear(lin), quant.Int4Linear(lin, 32)
+    assert int8.kernel_isa == int4.kernel_isa == quant_linear_cpu.default_isa()
+    assert not int8.bf16_rows and not int4.packed_rows and int4.qweight_packed is None
+    assert int8.qweight_tiles.shape == (3, 64 * 8) and int4.qweight_tiles.shape == (3, 64 * 4)
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_int4_packed_rows_match_the_group_halves_loop(group_size):
+def test_int4_packed_rows_match_the_group_halves_loop(group_size, monkeypatch):
     """The CPU decode product through torch's packed int4 operator (bf16 activations) against ``int4_rows`` over the
     group-halves layout, run eagerly (the reference it replaced), at 1 to 4 rows, and against the product of the
-    weight the hand-checked reference functions dequantize; bf16's tolerance (x, the scales and y are bf16)."""
+    weight the hand-checked reference functions dequantize; bf16's tolerance (x, the scales and y are bf16). The
+    fallback where the C++ op of ``kernels.quant_linear_cpu`` does not build."""
+    monkeypatch.setenv("WORKBENCH_QUANT_KERNEL", "0")
     lin, layer = _int4_layer(48, 256, group_size, seed=3)
     assert layer.packed_rows == quant.cpu_packed_bf16()  # 48 output rows: a multiple of 16
     if not layer.packed_rows:
@@ -123,7 +142,8 @@ def test_int4_packed_rows_match_the_group_halves_loop(group_size):
         torch.testing.assert_close(layer(x), loop, **TOLERANCES[torch.bfloat16])
 
 
-def test_int4_packed_rows_need_output_rows_in_sixteens():
+def test_int4_packed_rows_need_output_rows_in_sixteens(monkeypatch):
+    monkeypatch.setenv("WORKBENCH_QUANT_KERNEL", "0")
     _, layer = _int4_layer(40, 64, 32, seed=5)  # 40 rows: the packed operator takes multiples of 16
     assert not layer.packed_rows and layer.qweight_packed is None  # decode runs int4_rows (checked above)
 
@@ -156,12 +176,13 @@ print("ok")
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="this CPU runs the AVX2 path itself")
 def test_packed_rows_on_the_avx2_path_of_an_avx512_cpu():
     """torch's packed layouts and kernels differ by ISA (32 output rows interleaved on AVX2, 64 on AVX-512): an
-    AVX-512 machine forces the AVX2 path in a fresh process (``ATEN_CPU_CAPABILITY`` is read at torch's import)."""
+    AVX-512 machine forces the AVX2 path in a fresh process (``ATEN_CPU_CAPABILITY`` is read at torch's import).
+    The fallback where the C++ op does not build (its own AVX2 path: tests/test_kernels_quant_cpu.py)."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "WORKBENCH_QUANT_KERNEL": "0"}
     done = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
@@ -226,7 +247,7 @@ def test_quantized_engine_tokens_equal_transformers_on_dequantized_weights(tiny_
                        compile_decode=compiled)  # fmt: skip
     engine = Engine.from_model(str(path), cfg)
     got = [r.tokens for r in engine.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True)).requests]
-    if got != expected:  # the CPU decode products run on bf16 activations: a near-tie may go the other way
+    if got != expected:  # CPU decode products: bf16 or (int4 op) int8 activations; a near-tie may go the other way
         _assert_near_argmax_of_the_peer(hf, PROMPTS, got, TOLERANCES[torch.bfloat16])
     if compiled:
         assert engine.decode.compiled_sizes  # pure decodes went through the compiled step

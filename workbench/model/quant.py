@@ -4,14 +4,16 @@ Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 
 - **int8**, symmetric per output channel: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)`` in
   [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)`` on CUDA;
-  on the CPU the same operator fed bf16 activations (decode, AVX2 and up), else ``int8_rows``, or the GEMM of ``q``
-  cast to the activation dtype (many rows).
+  on the CPU (decode, up to ``KERNEL_MAX_ROWS`` rows) the C++ op of ``kernels.quant_linear_cpu`` on fp32
+  activations, or where it does not build torch's operator fed bf16 activations (AVX2 and up), else ``int8_rows``;
+  the GEMM of ``q`` cast to the activation dtype for many rows.
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
   ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
-  on CUDA over its packed layout; on the CPU (decode) torch's packed CPU operator ``_weight_int4pack_mm_for_cpu``
-  fed bf16 activations (AVX2 and up), else ``int4_rows`` over the group-halves layout; the GEMM of the dequantized
-  weight for many rows.
+  on CUDA over its packed layout; on the CPU (decode) the C++ op of ``kernels.quant_linear_cpu`` (one row of x: x
+  quantized to int8 per group, the group's products in int32; more rows: fp32), or where it does not build torch's
+  packed CPU operator ``_weight_int4pack_mm_for_cpu`` fed bf16 activations (AVX2 and up), else ``int4_rows`` over
+  the group-halves layout; the GEMM of the dequantized weight for many rows.
 
 What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and the LM head.
 A tied LM head shares the embedding table, which stays in the activation dtype (it is a lookup table read one row
@@ -21,16 +23,18 @@ both: 33 MB more for ``bench-300m`` under int8) and a decode reads the copy inst
 ``lm_head_bytes``; ``bench-300m``'s int8 step reads 305 instead of 403 MB). Norms and biases stay in the activation
 dtype (``ModelConfig.weight_bytes`` counts the same split).
 
-Why these paths and not torchao: torchao 0.18 installs beside torch 2.13 without moving it, but its weight-only
-int8/int4 paths on the CPU end in the same ``aten`` packed operators, which are decode kernels only when fed bf16
-activations (fed fp32, ``_weight_int8pack_mm`` took 5x the fp32 GEMV's time on a 1 x 1024 by 5632 x 1024 product;
-``INT8_BF16_CAPABILITIES``), and inductor's C++ GEMM template for them needs max-autotune with frozen weights. So
-the CPU decode products call those operators directly on bf16 activations where torch vectorizes them, and
-elsewhere (no AVX2; an int4 matrix whose output rows do not divide by 16) run plain tensor expressions
-(``int8_rows``, ``int4_rows``) that inductor compiles into one vectorized dequantize-multiply-reduce loop per
-matrix (inside the engine's compiled decode step they fuse into its graph, eagerly each compiles once per shape at
-its first call). ``int8_rows`` and ``int4_rows`` are also the references the operators are tested against. Nothing
-here is a hand-written kernel.
+Why our own op on the CPU and not a library (measured on this project's 2-core AMD EPYC, AVX2, torch 2.13, bench-300m's
+matrices, one thread, CPU time, load 8-10): torch's packed operators (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``) are vectorized for bf16 activations only (fed fp32, ``_weight_int8pack_mm`` took 5x the
+fp32 GEMV's time), and fed bf16 they read int8 at 1.62x of fp32 over a whole decode step (target 2.4x) and int4 at 1.13x
+of int8 (target 1.3x); on the 32000 x 1024 head, one row: fp32 ``F.linear`` 8.3 ms, bf16-fed int8 5.1 ms, bf16-fed int4
+5.5 ms, the op's int8 1.6 ms (20 GB/s) and int4 1.1 ms. torchao 0.18 ends in the same aten operators on the CPU (and
+inductor's C++ GEMM template for them needs max-autotune with frozen weights); inductor's own loops (``int8_rows``,
+``int4_rows``) keep one accumulator per output row. ONNX Runtime's ``MatMulNBits`` is not installed here. The op
+interleaves 8 output rows so that one activation load feeds 8 accumulators (the layout fix of llama.cpp's R4/R8
+repacking): ``bench decode`` of bench-300m at batch 1 (compiled, 2 threads, load about 1) ran int8 at 4.00x fp32 and
+int4 at 1.23x int8 (82.8, 20.7, 16.8 ms a step). ``int8_rows`` and ``int4_rows`` stay as the no-compiler fallback and
+the references the torch operators are tested against; ``int4_op_reference`` states the op's int4 product.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ INT8_BF16_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX")
 # Its packed layout depends on the ISA torch dispatches to (32 output rows interleaved per block on AVX2, 64 on
 # AVX-512), so a layer packs its codes at load time on the CPU that runs it. It takes row counts that divide by 16.
 INT4_PACKED_ROWS_MULTIPLE = 16
+# Up to this many rows (decode batches) the CPU product is the C++ op of ``kernels.quant_linear_cpu``; more rows take
+# the GEMM paths below
+KERNEL_MAX_ROWS = 32
 ENGINE_QUANTIZATIONS = ("int8", "int4")  # fp8 weights: roofline and simulator only (no CPU fp8 matmul here)
 CUDA_INT4_INNER_K_TILES = 8
 
@@ -147,6 +154,25 @@ def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset:
     return acc.sum((-2, -1))
 
 
+def int4_op_reference(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """What the int4 op of ``kernels.quant_linear_cpu`` computes, in plain PyTorch (fp32), over (out, in) codes and
+    (out, groups) scales and offsets: for one row of x, x quantized to int8 per group (``quantize_int8`` of
+    ``x.view(groups, group_size)``), each group's ``sum(code * xq)`` (exact in int32), then
+    ``scale * xscale * sum(code * xq) + offset * sum(x)`` summed over the groups; for more rows the product
+    of the dequantized weight ``code * scale + offset``."""
+    n, k = codes.shape
+    groups = k // group_size
+    if x.shape[0] > 1:
+        w = (codes.float().view(n, groups, group_size) * scale[..., None] + offset[..., None]).view(n, k)
+        return x @ w.T
+    xq, xscale = quantize_int8(x.view(groups, group_size))
+    dots = torch.einsum("gk,ngk->ng", xq.double(), codes.view(n, groups, group_size).double()).float()
+    xsum = x.view(groups, group_size).sum(-1)
+    return ((scale * xscale * dots) + offset * xsum).sum(-1)[None]
+
+
 _COMPILED: dict[str, Any] = {}
 
 
@@ -154,6 +180,26 @@ def cpu_packed_bf16() -> bool:
     """Whether torch's packed int8/int4 CPU operators have a vectorized kernel for bf16 activations on this CPU (the
     ISA torch dispatches to, ``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` can lower)."""
     return torch.backends.cpu.get_cpu_capability() in INT8_BF16_CAPABILITIES
+
+
+def cpu_kernel_isa() -> str | None:
+    """The code path of the CPU quantized linear op (``kernels.quant_linear_cpu``) a layer built now runs, or None
+    when the op did not build here (no compiler) or ``WORKBENCH_QUANT_KERNEL=0`` turns it off: the layer then keeps
+    torch's packed operators (bf16 activations) or the compiled loops."""
+    import os
+
+    if os.environ.get("WORKBENCH_QUANT_KERNEL", "1") == "0":
+        return None
+    from kernels import quant_linear_cpu
+
+    return quant_linear_cpu.default_isa() if quant_linear_cpu.available() else None
+
+
+def _isa_code(isa: str | None) -> int:
+    """The op's integer for a code path name (what a compiled graph passes as a constant)."""
+    from kernels.paged_decode_cpu import ISAS
+
+    return ISAS[isa] if isa is not None else -1
 
 
 def _compiled(fn: Any) -> Any:
@@ -177,10 +223,13 @@ def _compiled(fn: Any) -> Any:
 class Int8Linear(nn.Module):
     """y = x @ (q * scale)^T (+ bias): 1 byte per weight read.
 
-    On CUDA ``aten._weight_int8pack_mm``. On the CPU, products of at most ``INT8_PACKED_MAX_ROWS`` rows (decode)
-    run the same operator on bf16 activations where torch vectorizes it (AVX2 and up: ``bf16_rows``; fed fp32 it
-    took 5x the fp32 GEMV's time), else ``int8_rows`` compiled by inductor; more rows run the activation dtype's
-    GEMM on ``q`` and scale the result.
+    On CUDA ``aten._weight_int8pack_mm``. On the CPU, products of at most ``KERNEL_MAX_ROWS`` rows (decode) run the
+    C++ op of ``kernels.quant_linear_cpu`` on fp32 activations over a copy of the codes interleaved 8 rows a tile
+    (``kernel_isa``: its code path; ``qweight_tiles``, ``scale_tiles``: attributes, not buffers, the counted format
+    is ``qweight``; the copy doubles the codes in memory but not in a decode's reads). Where the op did not build,
+    products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's ``_weight_int8pack_mm`` on bf16 activations
+    where torch vectorizes it (AVX2 and up: ``bf16_rows``; fed fp32 it took 5x the fp32 GEMV's time), else
+    ``int8_rows`` compiled by inductor. More rows run the activation dtype's GEMM on ``q`` and scale the result.
     """
 
     def __init__(self, linear: nn.Linear, amax_reduce: AmaxReduce | None = None) -> None:
@@ -190,9 +239,17 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("qweight", q.to(dev))  # (out, in) int8
         self.register_buffer("scale", scale.to(device=dev, dtype=dtype))  # (out,) activation dtype
-        # the CPU decode product feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the
-        # scale (2 bytes an output row, not a buffer: not part of the format's counted bytes, never moved off the CPU)
-        self.bf16_rows = dev.type == "cpu" and cpu_packed_bf16()
+        # the CPU decode product: our op over the interleaved copy, where it built and the input size divides by 8
+        self.kernel_isa = cpu_kernel_isa() if dev.type == "cpu" and self.in_features % 8 == 0 else None
+        self.qweight_tiles = self.scale_tiles = None
+        self.kernel_isa_code = _isa_code(self.kernel_isa)
+        if self.kernel_isa is not None:
+            from kernels.quant_linear_cpu import pack_int8
+
+            self.qweight_tiles, self.scale_tiles = pack_int8(q, scale)
+        # else it feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the scale (2
+        # bytes an output row, not a buffer: not part of the format's counted bytes, never moved off the CPU)
+        self.bf16_rows = dev.type == "cpu" and self.kernel_isa is None and cpu_packed_bf16()
         self.scale_bf16 = scale.to(torch.bfloat16) if self.bf16_rows else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
@@ -204,6 +261,9 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if x.device.type != "cpu":
             y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)
+        elif x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel_isa is not None:
+            y = torch.ops.workbench_quant.int8_linear(x2.float(), self.qweight_tiles, self.scale_tiles,
+                                                      self.out_features, self.kernel_isa_code).to(x.dtype)  # fmt: skip
         elif x2.shape[0] <= INT8_PACKED_MAX_ROWS and self.bf16_rows:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.qweight, self.scale_bf16).to(x.dtype)
         elif x2.shape[0] <= INT8_PACKED_MAX_ROWS:
@@ -219,7 +279,10 @@ class Int4Linear(nn.Module):
 
     On CUDA the tinygemm operator ``aten._weight_int4pack_mm`` over its packed layout (``qweight``) and
     ``scales_and_zeros``. On the CPU ``qweight`` is the group-halves layout of ``int4_rows`` (out, groups, g/2)
-    with ``scale`` and ``offset`` (out, groups, 1). Products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's
+    with ``scale`` and ``offset`` (out, groups, 1). Products of at most ``KERNEL_MAX_ROWS`` rows run the C++ op of
+    ``kernels.quant_linear_cpu`` on fp32 activations over a copy of the codes interleaved 8 rows a tile
+    (``kernel_isa``; ``qweight_tiles``, ``scale_tiles``, ``offset_tiles``: attributes, as the copy below). Where
+    the op did not build, products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's
     packed CPU operator ``_weight_int4pack_mm_for_cpu`` on bf16 activations where torch vectorizes it (AVX2 and up,
     ``packed_rows``: a copy of the codes in its ISA-dependent layout, ``qweight_packed``, with bf16 scales and zeros,
     attributes and not buffers: the counted format is the group-halves layout, which the copy doubles in memory
@@ -248,9 +311,20 @@ class Int4Linear(nn.Module):
             self.register_buffer("qweight", (g[..., :half] | g[..., half:] << 4).contiguous().to(dev))
             self.register_buffer("scale", scale[..., None].to(device=dev, dtype=dtype))  # (out, groups, 1)
             self.register_buffer("offset", (zero - 8.0 * scale)[..., None].to(device=dev, dtype=dtype))
-        # the CPU decode product: torch's packed operator over its own layout of the same codes, bf16 activations
+        # the CPU decode product: our op over the interleaved copy (group sizes divide by 16, as the op needs) ...
+        self.kernel_isa = cpu_kernel_isa() if dev.type == "cpu" else None
+        self.qweight_tiles = self.scale_tiles = self.offset_tiles = None
+        self.kernel_isa_code = _isa_code(self.kernel_isa)
+        if self.kernel_isa is not None:
+            from kernels.quant_linear_cpu import pack_int4
+
+            self.qweight_tiles, self.scale_tiles, self.offset_tiles = pack_int4(q, scale, zero - 8.0 * scale)
+        # ... else torch's packed operator over its own layout of the same codes, bf16 activations
         self.packed_rows = (
-            dev.type == "cpu" and cpu_packed_bf16() and self.out_features % INT4_PACKED_ROWS_MULTIPLE == 0
+            dev.type == "cpu"
+            and self.kernel_isa is None
+            and cpu_packed_bf16()
+            and self.out_features % INT4_PACKED_ROWS_MULTIPLE == 0
         )
         self.qweight_packed = self.scales_and_zeros_bf16 = None
         if self.packed_rows:
@@ -277,6 +351,11 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        elif x2.shape[0] <= KERNEL_MAX_ROWS and self.kernel_isa is not None:
+            y = torch.ops.workbench_quant.int4_linear(
+                x2.float(), self.qweight_tiles, self.scale_tiles, self.offset_tiles, self.out_features,
+                self.group_size, self.kernel_isa_code,
+            ).to(x.dtype)  # fmt: skip
         elif x2.shape[0] > INT8_PACKED_MAX_ROWS:
             y = torch.nn.functional.linear(x2, self.dequantized_weight(x.dtype))
         elif self.packed_rows:

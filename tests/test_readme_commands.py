@@ -64,6 +64,9 @@ EXTRA = {  # command -> flags added when absent (and the command or bench mode h
         "int8",
         "--tokens",
         "16",
+        # soak --server: a warm-up round and two RSS readings after it (the default ten need more than the 4 requests)
+        "--rss-samples",
+        "2",
     ],
     "hardware": ["--cached"],  # measured once per machine (~/.cache/llm-workbench), as tests/test_hardware.py does
     "plan": ["--serial"],  # one process, not a local Ray cluster (~10 s to start)

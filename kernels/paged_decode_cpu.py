@@ -40,52 +40,70 @@ import torch
 ISAS = {"default": 0, "avx2": 1, "avx512": 2}
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.cpp"
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
 class CpuKernelError(ValueError):
     """Inputs the CPU decode op cannot take, or an ISA this CPU lacks (the message says which and what fits)."""
 
 
-def _build() -> None:
-    """Compile and load the op once per process (the build itself is cached on disk across processes)."""
-    with _lock:
-        if "ok" in _state:
-            return
-        try:
-            from torch.utils.cpp_extension import load
+class CppOp:
+    """A C++ op (``torch.utils.cpp_extension``) compiled on first use, its build cached on disk across processes, and
+    loaded once per process; ``register_fakes`` then registers its fake kernels (for ``torch.compile``). A failed
+    build (no compiler, no headers) is remembered with its reason, and the caller falls back to plain PyTorch."""
 
-            load(
-                name="workbench_paged_decode_cpu",
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-fopenmp-simd", "-fno-math-errno"],
-                is_python_module=False,
-                verbose=os.environ.get("WORKBENCH_VERBOSE_BUILD") == "1",
-            )
+    def __init__(self, name: str, source: Path, cflags: list[str], register_fakes: Callable[[], None]) -> None:
+        self.name, self.source, self.cflags, self.register_fakes = name, source, cflags, register_fakes
+        self._lock = threading.Lock()
+        self._error: str | None = None
+        self._built = False
 
-            @torch.library.register_fake("workbench_cpu::paged_decode")
-            def _fake(q, k_cache, v_cache, block_tables, cached_lens, k_scale, v_scale, k_new, v_new, scale, kind, isa):
-                return torch.empty_like(q)
+    def _build(self) -> None:
+        with self._lock:
+            if self._built:
+                return
+            try:
+                from torch.utils.cpp_extension import load
 
-            _state["ok"] = True
-        except Exception as exc:  # no compiler, no headers: the caller falls back to plain PyTorch
-            _state["ok"] = False
-            _state["error"] = f"{type(exc).__name__}: {exc}"
+                load(
+                    name=self.name,
+                    sources=[str(self.source)],
+                    extra_cflags=self.cflags,
+                    is_python_module=False,
+                    verbose=os.environ.get("WORKBENCH_VERBOSE_BUILD") == "1",
+                )
+                self.register_fakes()
+            except Exception as exc:  # no compiler, no headers: the caller falls back
+                self._error = f"{type(exc).__name__}: {exc}"
+            self._built = True
+
+    def available(self) -> bool:
+        """Whether the op could be built and loaded here (the first call builds it)."""
+        self._build()
+        return self._error is None
+
+    def build_error(self) -> str | None:
+        """Why the op is not available (None when it is)."""
+        self._build()
+        return self._error
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("workbench_cpu::paged_decode")
+    def _fake(q, k_cache, v_cache, block_tables, cached_lens, k_scale, v_scale, k_new, v_new, scale, kind, isa):
+        return torch.empty_like(q)
+
+
+_OP = CppOp("workbench_paged_decode_cpu", _SOURCE, ["-O3", "-fopenmp-simd", "-fno-math-errno"], _register_fakes)
 
 
 def available() -> bool:
     """Whether the op could be built and loaded here (first call builds it)."""
-    if torch.device("cpu").type != "cpu":  # pragma: no cover
-        return False
-    _build()
-    return bool(_state["ok"])
+    return _OP.available()
 
 
 def build_error() -> str | None:
     """Why the op is not available (None when it is)."""
-    _build()
-    return _state.get("error")  # type: ignore[return-value]
+    return _OP.build_error()
 
 
 def isa_paths(cpu_supports: Callable[[int], bool]) -> list[str]:

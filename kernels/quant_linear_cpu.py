@@ -32,60 +32,37 @@ plain-PyTorch references are ``workbench.model.quant``'s (``dequantize_int8``, `
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 
 import torch
 
-from kernels.paged_decode_cpu import ISAS, CpuKernelError, isa_paths, pick_isa
+from kernels.paged_decode_cpu import ISAS, CppOp, CpuKernelError, isa_paths, pick_isa
 
 ROWS = 8  # output rows interleaved per tile
 _SOURCE = Path(__file__).with_name("csrc") / "quant_linear_cpu.cpp"
-_lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
-def _build() -> None:
-    """Compile and load the op once per process (the build itself is cached on disk across processes)."""
-    with _lock:
-        if "ok" in _state:
-            return
-        try:
-            from torch.utils.cpp_extension import load
+def _register_fakes() -> None:
+    @torch.library.register_fake("workbench_quant::int8_linear")
+    def _fake8(x, packed, scale, n_out, isa):
+        return x.new_empty(x.shape[0], n_out)
 
-            load(
-                name="workbench_quant_linear_cpu",
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-fno-math-errno"],
-                is_python_module=False,
-                verbose=os.environ.get("WORKBENCH_VERBOSE_BUILD") == "1",
-            )
+    @torch.library.register_fake("workbench_quant::int4_linear")
+    def _fake4(x, packed, scale, offset, n_out, group, isa):
+        return x.new_empty(x.shape[0], n_out)
 
-            @torch.library.register_fake("workbench_quant::int8_linear")
-            def _fake8(x, packed, scale, n_out, isa):
-                return x.new_empty(x.shape[0], n_out)
 
-            @torch.library.register_fake("workbench_quant::int4_linear")
-            def _fake4(x, packed, scale, offset, n_out, group, isa):
-                return x.new_empty(x.shape[0], n_out)
-
-            _state["ok"] = True
-        except Exception as exc:  # no compiler, no headers: the caller keeps torch's operators
-            _state["ok"] = False
-            _state["error"] = f"{type(exc).__name__}: {exc}"
+_OP = CppOp("workbench_quant_linear_cpu", _SOURCE, ["-O3", "-fno-math-errno"], _register_fakes)
 
 
 def available() -> bool:
     """Whether the op could be built and loaded here (the first call builds it)."""
-    _build()
-    return bool(_state["ok"])
+    return _OP.available()
 
 
 def build_error() -> str | None:
     """Why the op is not available (None when it is)."""
-    _build()
-    return _state.get("error")  # type: ignore[return-value]
+    return _OP.build_error()
 
 
 def supported_isas() -> list[str]:

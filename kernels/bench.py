@@ -1,6 +1,6 @@
 """Benchmark of the paged attention kernels on a CUDA GPU: achieved bandwidth for decode, TFLOP/s for prefill.
 
-    python -m kernels.bench [--out FILE] [--quick] [--dtype bf16|fp16] [--block-size 16]
+    python -m workbench.kernels.bench [--out FILE] [--quick] [--dtype bf16|fp16] [--block-size 16]
 
 Decode is memory-bound: its figure of merit is the K/V bytes it reads per second, set against the device's
 copy bandwidth measured in the same run (``dst.copy_(src)`` on a large buffer: read + write bytes / time) and
@@ -156,7 +156,7 @@ def bench_decode_row(
     head_dim: int = HEAD_DIM,
 ) -> dict[str, Any]:
     """One decode row: every sequence ``kv_len`` tokens long; Triton vs the torch backend and dense SDPA."""
-    from kernels.paged_decode import default_num_splits, paged_decode_attention
+    from workbench.kernels.paged_decode import default_num_splits, paged_decode_attention
 
     device = torch.device(device)
     n_q, n_kv = heads
@@ -225,7 +225,7 @@ def bench_prefill_row(
     heads: tuple[int, int] = PREFILL_HEADS,
 ) -> dict[str, Any]:
     """One prefill row: ``num_seqs`` chunks of ``query_len`` after ``ctx_len`` cached tokens; vs SDPA flash."""
-    from kernels.paged_prefill import paged_prefill_attention
+    from workbench.kernels.paged_prefill import paged_prefill_attention
 
     device = torch.device(device)
     n_q, n_kv = heads
@@ -278,8 +278,7 @@ def bench_prefill_row(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import triton
-
-    from kernels._common import AUTOTUNE
+    from workbench.kernels._common import AUTOTUNE
 
     dtype = DTYPES[args.dtype]
     device = torch.device("cuda")
@@ -367,7 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = make_parser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = make_parser(prog="python -m workbench.kernels.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results as JSON to this file")
     parser.add_argument("--quick", action="store_true", help="a few rows only (plus the target rows)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -378,13 +377,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from kernels._common import INTERPRET
+    from workbench.kernels._common import INTERPRET
 
     if INTERPRET:
-        print("kernels.bench times compiled kernels: unset TRITON_INTERPRET (or set it to 0)", file=sys.stderr)
+        print("kernels/bench.py times compiled kernels: unset TRITON_INTERPRET (or set it to 0)", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU (timing the Triton interpreter measures nothing)", file=sys.stderr)
+        print("kernels/bench.py needs a CUDA GPU (timing the Triton interpreter measures nothing)", file=sys.stderr)
         return 2
     result = run(args)
     if args.out:

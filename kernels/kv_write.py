@@ -3,7 +3,7 @@
 Token ``t`` goes to slot ``s = slot_mapping[t]``, i.e. block ``s // block_size``, row ``s % block_size`` of every
 layer's ``(num_blocks, block_size, num_kv_heads, head_dim)`` pool; ``s < 0`` marks a padding token (skipped).
 One program per token copies all its KV heads at once. Offsets into the pool are int64 (pools past 2**31
-elements). The PyTorch twin is ``kernels.reference.kv_write_reference``.
+elements). The PyTorch twin is ``workbench.kernels.reference.kv_write_reference``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels._common import (
+from workbench.kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     KernelInputError,

@@ -28,8 +28,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels._common import (
+from workbench.kernels._common import (
     INDEX_DTYPES,
     INTERPRET,
     KernelInputError,

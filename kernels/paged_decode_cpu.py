@@ -24,7 +24,7 @@ Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, c
 x86-64, GCC target attributes); ``isa`` picks one per call, by default the best that both the CPU and torch's
 dispatch (``torch.backends.cpu.get_cpu_capability()``) support, so an AVX-512 path is never chosen on an AVX2
 machine. ``available()`` is False when no compiler is present (or the build fails); callers then use the
-plain-PyTorch path (the torch backend; ``kernels.reference`` is the fp32 reference the tests compare with).
+plain-PyTorch path (the torch backend; ``workbench.kernels.reference`` is the fp32 reference the tests compare with).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def build_error() -> str | None:
 
 
 def isa_paths(cpu_supports: Callable[[int], bool]) -> list[str]:
-    """The code paths of a C++ op compiled per ISA (this one, ``kernels.quant_linear_cpu``) that this CPU can run,
+    """The code paths of a C++ op compiled per ISA (this one, ``kernels/quant_linear_cpu.py``) that this CPU can run,
     best last: always 'default', then 'avx2', 'avx512' where the CPU has them (``cpu_supports``, the op's own probe)
     and torch's own dispatch would use them too (``torch.backends.cpu.get_cpu_capability()``)."""
     cap = torch.backends.cpu.get_cpu_capability()  # 'DEFAULT', 'AVX2', 'AVX512', ...
@@ -156,7 +156,7 @@ def paged_decode_attention_cpu(
 ) -> torch.Tensor:  # (num_seqs, num_heads, head_dim), q's dtype
     """One query per sequence over its paged context (plus ``k_new``/``v_new`` when given), read in place.
 
-    Same op as ``kernels.reference.paged_decode_attention_reference`` (and, with scales, the quantized reference);
+    Same op as ``reference.paged_decode_attention_reference`` (and, with scales, the quantized reference);
     ``isa`` one of ``supported_isas()`` (default ``default_isa()``)."""
     if not available():
         raise CpuKernelError(f"the CPU decode op could not be built ({build_error()}); use the torch backend")

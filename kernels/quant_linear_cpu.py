@@ -23,7 +23,7 @@ row of x is multiplied against it. int8 applies its per-row scale once at the en
 
 Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under
 ``TORCH_EXTENSIONS_DIR``), registered as ``torch.ops.workbench_quant.int8_linear`` / ``int4_linear`` with fake
-kernels so ``torch.compile`` keeps each as one opaque call. Like ``kernels.paged_decode_cpu`` the body is compiled
+kernels so ``torch.compile`` keeps each as one opaque call. Like ``kernels/paged_decode_cpu.py`` the body is compiled
 for AVX-512, AVX2+FMA and the baseline x86-64 and ``isa`` picks one per call (``isa_paths``, ``WORKBENCH_CPU_ISA``).
 ``available()`` is False when no compiler is present; ``workbench.model.quant`` then keeps torch's operators. The
 plain-PyTorch references are ``workbench.model.quant``'s (``dequantize_int8``, ``dequantize_int4``,
@@ -35,8 +35,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
-from kernels.paged_decode_cpu import ISAS, CppOp, CpuKernelError, isa_paths, pick_isa
+from workbench.kernels.paged_decode_cpu import ISAS, CppOp, CpuKernelError, isa_paths, pick_isa
 
 ROWS = 8  # output rows interleaved per tile
 _SOURCE = Path(__file__).with_name("csrc") / "quant_linear_cpu.cpp"
@@ -66,7 +65,7 @@ def build_error() -> str | None:
 
 
 def supported_isas() -> list[str]:
-    """The code paths this CPU can run, best last (``kernels.paged_decode_cpu.isa_paths``); none without the op."""
+    """The code paths this CPU can run, best last (``paged_decode_cpu.isa_paths``); none without the op."""
     return isa_paths(torch.ops.workbench_quant.cpu_supports) if available() else []
 
 

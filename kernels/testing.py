@@ -1,6 +1,6 @@
 """Inputs for checking and timing the kernels: random ragged batches over a randomly paged KV pool.
 
-Shared by the tests (``tests/test_kernels_*.py``), the benchmark (``kernels.bench``) and the GPU check
+Shared by the tests (``tests/test_kernels_*.py``), the benchmark (``workbench.kernels.bench``) and the GPU check
 (``scripts/gpu_check.py``), so all three exercise the same layouts: each sequence owns distinct blocks drawn at
 random from a pool with spare blocks, so a kernel that reads the wrong block, row or head reads random data.
 """

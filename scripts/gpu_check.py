@@ -4,8 +4,8 @@
    same static step run eagerly, the eager decode mode, and transformers' greedy tokens, for both attention
    backends (``decode_check.json``);
 2. the kernel tests on CUDA (bf16 and the >2**31-element pool included): pytest when importable, else the
-   built-in checks below (the same comparisons against ``kernels.reference`` on a smaller grid);
-3. ``python -m kernels.bench`` (``--quick`` unless enough time is left);
+   built-in checks below (the same comparisons against ``workbench.kernels.reference`` on a smaller grid);
+3. ``python -m workbench.kernels.bench`` (``--quick`` unless enough time is left);
 4. the engine benchmarks on TinyLlama-1.1B-shaped random bf16 weights: ``workbench bench decode`` (torch and
    Triton backends, CUDA graphs), ``bench prefill`` and ``bench hf`` (against transformers), each with its own
    time limit; ``summary.txt`` states the targets (MBU >= 0.7 at batch 1, >= 2x transformers' decode tokens/s);
@@ -124,16 +124,15 @@ def builtin_checks(
     os.environ["KERNELS_AUTOTUNE"] = "0"
     sys.path.insert(0, str(REPO))
     import torch
-
-    from kernels.kv_write import kv_write
-    from kernels.paged_decode import paged_decode_attention
-    from kernels.paged_prefill import paged_prefill_attention
-    from kernels.reference import (
+    from workbench.kernels.kv_write import kv_write
+    from workbench.kernels.paged_decode import paged_decode_attention
+    from workbench.kernels.paged_prefill import paged_prefill_attention
+    from workbench.kernels.reference import (
         kv_write_reference,
         paged_decode_attention_reference,
         paged_prefill_attention_reference,
     )
-    from kernels.testing import TOLERANCES, pad_tables, random_paged_batch, repage
+    from workbench.kernels.testing import TOLERANCES, pad_tables, random_paged_batch, repage
 
     dev = device
     cases: list[dict[str, Any]] = []
@@ -247,8 +246,8 @@ def decode_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", new_to
     import tempfile
 
     import torch
+    from workbench.kernels.testing import TOLERANCES
 
-    from kernels.testing import TOLERANCES
     from workbench import bench
     from workbench.engine.config import EngineConfig
     from workbench.engine.decode_step import DecodeStep
@@ -547,7 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=285.0, help="the whole check's time budget")
     parser.add_argument("--decode-budget-s", type=float, default=60.0, help="at most this much for step 1")
     parser.add_argument("--tests-budget-s", type=float, default=45.0, help="at most this much for the kernel tests")
-    parser.add_argument("--kernel-bench-budget-s", type=float, default=25.0, help="at most this for kernels.bench")
+    parser.add_argument(
+        "--kernel-bench-budget-s", type=float, default=25.0, help="at most this for workbench.kernels.bench"
+    )
     parser.add_argument("--dist-budget-s", type=float, default=40.0, help="at most this for step 5")
     parser.add_argument("--spec-budget-s", type=float, default=30.0, help="at most this for step 6")
     parser.add_argument("--dry-run", action="store_true", help="CPU: the decode check on a tiny model; list the rest")
@@ -612,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     left = args.budget_s - (time.monotonic() - start)
-    bench_cmd = [sys.executable, "-m", "kernels.bench", "--out", str(outdir / "bench.json")]
+    bench_cmd = [sys.executable, "-m", "workbench.kernels.bench", "--out", str(outdir / "bench.json")]
     if min(left, args.kernel_bench_budget_s) < FULL_BENCH_MIN_S:
         bench_cmd.append("--quick")
     rc, secs = run_logged(bench_cmd, outdir / "bench.log", max(min(left - 5, args.kernel_bench_budget_s), 10),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check (scripts/gpu_check.py): the decode executor's CUDA-graph decode in bf16 against the eager step and
-# transformers, the kernel tests on CUDA (bf16 and a >2**31-element block pool included), `python -m kernels.bench`,
+# transformers, the kernel tests on CUDA (bf16 and a >2**31-element block pool included), `python -m workbench.kernels.bench`,
 # the engine benchmarks (decode with both backends, prefill, against transformers), and beyond one device (TP over
 # NCCL at size 1 against the plain engine; a disaggregated pair sharing the GPU), speculative decoding's verify
 # step (oracle proposer, k 4, bf16: tokens with and without, the speed-up), in under 5 minutes, with

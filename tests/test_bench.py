@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
+from workbench.kernels.testing import TOLERANCES
 
-from kernels.testing import TOLERANCES
 from workbench import bench
 from workbench.cli import main
 from workbench.config import ModelConfig

@@ -4,9 +4,9 @@ the cache writer against the reference loop, and every executor mode's greedy to
 
 import pytest
 import torch
+from workbench.kernels.reference import kv_write_reference, paged_decode_attention_reference
+from workbench.kernels.testing import TOLERANCES
 
-from kernels.reference import kv_write_reference, paged_decode_attention_reference
-from kernels.testing import TOLERANCES
 from workbench import bench
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig

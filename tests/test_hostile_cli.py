@@ -89,9 +89,9 @@ def test_fit_profile_out_into_a_missing_folder(tmp_path, capsys):
 
 
 def test_generate_triton_backend_without_cuda_or_interpreter(monkeypatch, capsys):
-    import kernels._common
+    import workbench.kernels._common
 
-    monkeypatch.setattr(kernels._common, "INTERPRET", False)
+    monkeypatch.setattr(workbench.kernels._common, "INTERPRET", False)
     rc = main(["generate", "--model", "tiny-gqa", "--prompt-ids", "1,2", "--attention-backend", "triton"])
     one_line_error(capsys, rc, "TRITON_INTERPRET=1", "attention_backend 'torch'")
 

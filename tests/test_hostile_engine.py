@@ -121,9 +121,9 @@ def test_ledger_reports_the_bytes_the_pool_allocated(model):
 
 
 def test_triton_backend_without_cuda_or_interpreter_is_a_config_error(model, monkeypatch):
-    import kernels._common
+    import workbench.kernels._common
 
-    monkeypatch.setattr(kernels._common, "INTERPRET", False)
+    monkeypatch.setattr(workbench.kernels._common, "INTERPRET", False)
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
         Engine(model, EngineConfig(max_model_len=64, attention_backend="triton"))
     assert not hasattr(model, "attn_backend")  # the engine never set one on the model

@@ -8,7 +8,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# bottom to top; a module may import from its own layer or below ("kernels" is the top-level kernels/ package)
+# bottom to top; a module may import from its own layer or below ("kernels" is workbench.kernels, whose files are the
+# top-level kernels/ directory)
 LAYERS = (
     ("config", "errors", "device", "request", "timing", "atomic", "parsing", "runtime"),
     ("hardware", "roofline"),
@@ -24,10 +25,13 @@ LAYER_OF = {name: layer for layer, names in enumerate(LAYERS) for name in names}
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of workbench/ and kernels/, by dotted name (a package by its own name)."""
+    """Every module of workbench/ and kernels/, by dotted name (a package by its own name; kernels/x.py is
+    ``workbench.kernels.x``)."""
     found = {}
     for path in sorted([*(ROOT / "workbench").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[0] == "kernels":
+            parts.insert(0, "workbench")
         if parts[-1] == "__init__":
             parts = parts[:-1]
         found[".".join(parts)] = path
@@ -38,10 +42,8 @@ MODULES = _modules()
 
 
 def _unit(module: str) -> str | None:
-    """The layered unit of ``module``: ``kernels``, or ``workbench``'s top-level module or package."""
+    """The layered unit of ``module``: ``workbench``'s top-level module or package (``kernels`` among them)."""
     parts = module.split(".")
-    if parts[0] == "kernels":
-        return "kernels"
     if parts[0] != "workbench" or len(parts) < 2:
         return None
     return parts[1]

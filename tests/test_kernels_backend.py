@@ -8,10 +8,10 @@ token for token.
 
 import pytest
 import torch
+from workbench.kernels._common import INTERPRET
+from workbench.kernels.reference import kv_write_reference
+from workbench.kernels.testing import TOLERANCES, random_block_tables
 
-from kernels._common import INTERPRET
-from kernels.reference import kv_write_reference
-from kernels.testing import TOLERANCES, random_block_tables
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from workbench.kernels._common import INTERPRET
+from workbench.kernels.bench import decode_bytes, main, prefill_flops, sdpa_dense_decode, torch_paged_decode
+from workbench.kernels.reference import paged_decode_attention_reference
+from workbench.kernels.testing import random_paged_batch
 
-from kernels import bench
-from kernels._common import INTERPRET
-from kernels.bench import decode_bytes, main, prefill_flops, sdpa_dense_decode, torch_paged_decode
-from kernels.reference import paged_decode_attention_reference
-from kernels.testing import random_paged_batch
+from workbench.kernels import bench
 from workbench.roofline import attended_pairs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,7 +59,11 @@ def test_rows_run_end_to_end_on_cpu(monkeypatch):
 
 def test_help_runs_without_a_gpu():
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.bench", "--help"], cwd=REPO, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "workbench.kernels.bench", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "--out" in proc.stdout
 

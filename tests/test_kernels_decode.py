@@ -6,11 +6,10 @@ bf16 cases run only on CUDA.
 
 import pytest
 import torch
-
-from kernels._common import INTERPRET, KernelInputError
-from kernels.paged_decode import default_num_splits, paged_decode_attention
-from kernels.reference import paged_decode_attention_reference
-from kernels.testing import TOLERANCES, random_paged_batch, repage
+from workbench.kernels._common import INTERPRET, KernelInputError
+from workbench.kernels.paged_decode import default_num_splits, paged_decode_attention
+from workbench.kernels.reference import paged_decode_attention_reference
+from workbench.kernels.testing import TOLERANCES, random_paged_batch, repage
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 ON_CUDA = DEVICE == "cuda"

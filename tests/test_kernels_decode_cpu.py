@@ -1,4 +1,4 @@
-"""The CPU paged decode op (``kernels.paged_decode_cpu``) against the fp32 references, on a vLLM-style grid, on every
+"""The CPU paged decode op (``kernels/paged_decode_cpu.py``) against the fp32 references, on a vLLM-style grid, on every
 code path this CPU can run (the baseline, AVX2 and, on an AVX-512 machine, AVX-512); the backend built on it against
 the torch backend, eagerly and compiled; and the engine's greedy tokens with it against the torch backend's."""
 
@@ -8,16 +8,16 @@ import subprocess
 
 import pytest
 import torch
-
-from kernels.paged_decode_cpu import (
+from workbench.kernels.paged_decode_cpu import (
     CpuKernelError,
     available,
     default_isa,
     paged_decode_attention_cpu,
     supported_isas,
 )
-from kernels.reference import paged_decode_attention_quantized_reference, paged_decode_attention_reference
-from kernels.testing import TOLERANCES, random_block_tables, random_paged_batch, repage
+from workbench.kernels.reference import paged_decode_attention_quantized_reference, paged_decode_attention_reference
+from workbench.kernels.testing import TOLERANCES, random_block_tables, random_paged_batch, repage
+
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine

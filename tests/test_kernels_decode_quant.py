@@ -4,11 +4,11 @@ CUDA."""
 
 import pytest
 import torch
+from workbench.kernels._common import INTERPRET, KernelInputError
+from workbench.kernels.paged_decode import paged_decode_attention
+from workbench.kernels.reference import paged_decode_attention_quantized_reference
+from workbench.kernels.testing import TOLERANCES, random_paged_batch
 
-from kernels._common import INTERPRET, KernelInputError
-from kernels.paged_decode import paged_decode_attention
-from kernels.reference import paged_decode_attention_quantized_reference
-from kernels.testing import TOLERANCES, random_paged_batch
 from workbench.kv.cache import quantize_kv_fp8, quantize_kv_int8
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-
-from kernels._common import INTERPRET, KernelInputError
-from kernels.kv_write import kv_write
-from kernels.reference import kv_write_reference
+from workbench.kernels._common import INTERPRET, KernelInputError
+from workbench.kernels.kv_write import kv_write
+from workbench.kernels.reference import kv_write_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 

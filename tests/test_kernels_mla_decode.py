@@ -1,15 +1,14 @@
-"""MLA paged decode (``kernels.paged_decode.paged_mla_decode_attention``) against the fp32 reference, and against
+"""MLA paged decode (``paged_decode.paged_mla_decode_attention``) against the fp32 reference, and against
 MLA's naive form (per-head K and V decompressed) through the model's absorbed queries.
 
 On CPU the kernel runs in the Triton interpreter, fp32 only (bf16 is wrong there; half precision runs on CUDA)."""
 
 import pytest
 import torch
-
-from kernels._common import INTERPRET, KernelInputError
-from kernels.paged_decode import paged_mla_decode_attention
-from kernels.reference import paged_mla_decode_attention_reference
-from kernels.testing import TOLERANCES, random_paged_batch
+from workbench.kernels._common import INTERPRET, KernelInputError
+from workbench.kernels.paged_decode import paged_mla_decode_attention
+from workbench.kernels.reference import paged_mla_decode_attention_reference
+from workbench.kernels.testing import TOLERANCES, random_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 NUM_HEADS = [1, 4, 16]

@@ -6,12 +6,11 @@ decodes (one query), with lengths that end mid-block. On CPU through the Triton 
 
 import pytest
 import torch
-
-from kernels._common import INTERPRET, KernelInputError
-from kernels.kv_write import kv_write
-from kernels.paged_prefill import paged_prefill_attention
-from kernels.reference import paged_prefill_attention_reference
-from kernels.testing import TOLERANCES, pad_tables, random_block_tables, random_paged_batch, repage
+from workbench.kernels._common import INTERPRET, KernelInputError
+from workbench.kernels.kv_write import kv_write
+from workbench.kernels.paged_prefill import paged_prefill_attention
+from workbench.kernels.reference import paged_prefill_attention_reference
+from workbench.kernels.testing import TOLERANCES, pad_tables, random_block_tables, random_paged_batch, repage
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 ON_CUDA = DEVICE == "cuda"

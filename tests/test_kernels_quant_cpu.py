@@ -1,13 +1,13 @@
-"""The CPU weight-only int8/int4 op (``kernels.quant_linear_cpu``): its packed layouts by hand, and its products
+"""The CPU weight-only int8/int4 op (``kernels/quant_linear_cpu.py``): its packed layouts by hand, and its products
 against the plain product of the weights the reference functions of ``workbench.model.quant`` dequantize, on every
 code path this CPU can run (the baseline, AVX2 and, on an AVX-512 machine, AVX-512), at 1 to 32 rows."""
 
 import pytest
 import torch
+from workbench.kernels.paged_decode_cpu import CpuKernelError
+from workbench.kernels.testing import TOLERANCES
 
-from kernels import quant_linear_cpu as qk
-from kernels.paged_decode_cpu import CpuKernelError
-from kernels.testing import TOLERANCES
+from workbench.kernels import quant_linear_cpu as qk
 from workbench.model import quant
 
 pytestmark = pytest.mark.skipif(not qk.available(), reason="the CPU quantized linear op needs a C++ compiler")

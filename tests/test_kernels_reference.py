@@ -3,9 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
-from kernels.testing import pad_tables, random_block_tables
+from workbench.kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
+from workbench.kernels.testing import pad_tables, random_block_tables
 
 NUM_HEADS = [(4, 4), (8, 2), (8, 1)]
 HEAD_SIZES = [24, 64]

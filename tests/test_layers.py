@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from workbench.kernels.reference import kv_write_reference, paged_prefill_attention_reference
 
-from kernels.reference import kv_write_reference, paged_prefill_attention_reference
 from workbench.config import ModelConfig
 from workbench.model.attention import TorchAttentionBackend, build_metadata
 from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary, rope_inv_freq
@@ -92,7 +92,7 @@ def test_swiglu_against_explicit_formula():
 
 
 def _reference(q, k_cache, v_cache, meta, scale):
-    """The kernels' fp32 reference (``kernels.reference``) on the engine's metadata."""
+    """The kernels' fp32 reference (``workbench.kernels.reference``) on the engine's metadata."""
     return paged_prefill_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t,
                                              meta.cu_seqlens_q, meta.max_query_len, scale)  # fmt: skip
 

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 import transformers
+from workbench.kernels.testing import TOLERANCES
 
-from kernels.testing import TOLERANCES
 from tests.conftest import hf_greedy_tokens
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig

@@ -4,8 +4,8 @@ same weights (tied ones stay tied), only plain linears packed, and the engine's 
 import pytest
 import torch
 from torch import nn
+from workbench.kernels.testing import TOLERANCES
 
-from kernels.testing import TOLERANCES
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.errors import ConfigError

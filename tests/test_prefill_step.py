@@ -5,8 +5,8 @@ per token count), and its configuration errors."""
 
 import pytest
 import torch
+from workbench.kernels.testing import TOLERANCES
 
-from kernels.testing import TOLERANCES
 from workbench import bench
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig

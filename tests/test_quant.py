@@ -8,8 +8,8 @@ weights; the quantized KV pool's two read paths against attention over K/V quant
 import pytest
 import torch
 from torch import nn
+from workbench.kernels.testing import TOLERANCES
 
-from kernels.testing import TOLERANCES
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
@@ -110,7 +110,7 @@ def _int4_layer(out_f: int, in_f: int, group_size: int, seed: int) -> tuple[nn.L
 
 def test_cpu_decode_products_take_the_kernel_where_it_builds():
     """Where the C++ op builds, the CPU layers carry its interleaved copies and not torch's packed ones."""
-    from kernels import quant_linear_cpu
+    from workbench.kernels import quant_linear_cpu
 
     if not quant_linear_cpu.available():
         pytest.skip(f"the C++ op did not build: {quant_linear_cpu.build_error()}")
@@ -126,7 +126,7 @@ def test_int4_packed_rows_match_the_group_halves_loop(group_size, monkeypatch):
     """The CPU decode product through torch's packed int4 operator (bf16 activations) against ``int4_rows`` over the
     group-halves layout, run eagerly (the reference it replaced), at 1 to 4 rows, and against the product of the
     weight the hand-checked reference functions dequantize; bf16's tolerance (x, the scales and y are bf16). The
-    fallback where the C++ op of ``kernels.quant_linear_cpu`` does not build."""
+    fallback where the C++ op of ``workbench.kernels.quant_linear_cpu`` does not build."""
     monkeypatch.setenv("WORKBENCH_QUANT_KERNEL", "0")
     lin, layer = _int4_layer(48, 256, group_size, seed=3)
     assert layer.packed_rows == quant.cpu_packed_bf16()  # 48 output rows: a multiple of 16
@@ -151,7 +151,7 @@ def test_int4_packed_rows_need_output_rows_in_sixteens(monkeypatch):
 AVX2_CHECK = """
 import torch
 from torch import nn
-from kernels.testing import TOLERANCES
+from workbench.kernels.testing import TOLERANCES
 from workbench.model import quant
 assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
 gen = torch.Generator().manual_seed(7)

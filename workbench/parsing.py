@@ -1,4 +1,4 @@
-"""The one way every workbench parser is built (the ``workbench`` command, ``python -m kernels.bench``, the
+"""The one way every workbench parser is built (the ``workbench`` command, ``python -m workbench.kernels.bench``, the
 scripts): no abbreviations, and every option's default in its ``--help``. Plain argparse, at the bottom layer so
 that any module with a command line can use it."""
 

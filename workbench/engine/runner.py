@@ -38,7 +38,7 @@ from workbench.timing import now
 
 
 def resolve_attention_backend(name: str, device_type: str | None = None) -> str:
-    """``name`` with 'auto' decided: 'cpu' (the paged C++ decode, ``kernels.paged_decode_cpu``) on a CPU where it
+    """``name`` with 'auto' decided: 'cpu' (the paged C++ decode, ``kernels/paged_decode_cpu.py``) on a CPU where it
     builds, 'torch' otherwise (CUDA, or no compiler). ``device_type`` None: CUDA if present, else the CPU."""
     if name != "auto":
         return name
@@ -70,7 +70,7 @@ def check_triton_backend(device: Any) -> None:
     """ConfigError unless the Triton kernels can run on ``device``: CUDA, or the interpreter (``TRITON_INTERPRET=1``
     in the environment before start)."""
     try:
-        from kernels._common import INTERPRET
+        from workbench.kernels._common import INTERPRET
     except ImportError as exc:
         raise ConfigError(f"attention_backend 'triton' needs the triton package ({exc}); use attention_backend "
                           "'torch'") from None  # fmt: skip

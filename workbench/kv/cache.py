@@ -129,7 +129,7 @@ class KVCache:
 
         With ``layer``, ``k`` and ``v`` are that layer's ``(T, kv_heads, head_dim)``; without, every layer's
         ``(layers, T, kv_heads, head_dim)`` at once (what the compiled decode step returns). Used by the prefill
-        path, both attention backends and every decode mode; ``kernels.kv_write`` is the same op as a kernel.
+        path, both attention backends and every decode mode; ``workbench.kernels.kv_write`` is the same op as a kernel.
         A quantized pool quantizes here: int8 with a scale per token and head (written beside the values), fp8
         with the layer's scale.
         """

@@ -1,4 +1,4 @@
-"""The CPU paged attention backend: decode reads K/V where the pool holds them (``kernels.paged_decode_cpu``).
+"""The CPU paged attention backend: decode reads K/V where the pool holds them (``workbench.kernels.paged_decode_cpu``).
 
 Same protocol as ``TorchAttentionBackend`` (``workbench.model.attention``). A pure decode calls the C++ op over
 the block tables, with the step's new K/V (as the pool will hold them, ``KVCache.round_trip``) as each row's last
@@ -30,14 +30,14 @@ PAGED_MAX_QUERY_LEN = 16
 
 
 class CpuAttentionBackend:
-    """Paged decode with the C++ op of ``kernels.paged_decode_cpu`` (``isa``: its code path, default the best)."""
+    """Paged decode with the C++ op of ``kernels/paged_decode_cpu.py`` (``isa``: its code path, default the best)."""
 
     name = "cpu"
     gathers = False
     decode_writes_cache = False
 
     def __init__(self, isa: str | None = None) -> None:
-        from kernels.paged_decode_cpu import available, build_error, default_isa, paged_decode_cpu_op
+        from workbench.kernels.paged_decode_cpu import available, build_error, default_isa, paged_decode_cpu_op
 
         if not available():
             raise ConfigError(f"attention_backend 'cpu' needs the C++ decode op, which did not build here "
@@ -100,7 +100,7 @@ def default_backend(device_type: str) -> AttentionBackend:
     if device_type != "cpu":
         return TORCH_BACKEND
     if "cpu" not in _DEFAULT:
-        from kernels.paged_decode_cpu import available
+        from workbench.kernels.paged_decode_cpu import available
 
         _DEFAULT["cpu"] = CpuAttentionBackend() if available() else TORCH_BACKEND
     return _DEFAULT["cpu"]  # type: ignore[return-value]

@@ -4,13 +4,13 @@ Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 
 - **int8**, symmetric per output channel: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)`` in
   [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)`` on CUDA;
-  on the CPU (decode, up to ``KERNEL_MAX_ROWS`` rows) the C++ op of ``kernels.quant_linear_cpu`` on fp32
+  on the CPU (decode, up to ``KERNEL_MAX_ROWS`` rows) the C++ op of ``workbench.kernels.quant_linear_cpu`` on fp32
   activations, or where it does not build torch's operator fed bf16 activations (AVX2 and up), else ``int8_rows``;
   the GEMM of ``q`` cast to the activation dtype for many rows.
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
   ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
-  on CUDA over its packed layout; on the CPU (decode) the C++ op of ``kernels.quant_linear_cpu`` (one row of x: x
+  on CUDA over its packed layout; on the CPU (decode) the C++ op of ``kernels/quant_linear_cpu.py`` (one row of x: x
   quantized to int8 per group, the group's products in int32; more rows: fp32), or where it does not build torch's
   packed CPU operator ``_weight_int4pack_mm_for_cpu`` fed bf16 activations (AVX2 and up), else ``int4_rows`` over
   the group-halves layout; the GEMM of the dequantized weight for many rows.
@@ -69,7 +69,7 @@ INT8_BF16_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX")
 # Its packed layout depends on the ISA torch dispatches to (32 output rows interleaved per block on AVX2, 64 on
 # AVX-512), so a layer packs its codes at load time on the CPU that runs it. It takes row counts that divide by 16.
 INT4_PACKED_ROWS_MULTIPLE = 16
-# Up to this many rows (decode batches) the CPU product is the C++ op of ``kernels.quant_linear_cpu``; more rows take
+# Up to this many rows (decode batches) the CPU product is the C++ op of ``kernels/quant_linear_cpu.py``; more rows take
 # the GEMM paths below
 KERNEL_MAX_ROWS = 32
 ENGINE_QUANTIZATIONS = ("int8", "int4")  # fp8 weights: roofline and simulator only (no CPU fp8 matmul here)
@@ -157,7 +157,7 @@ def int4_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset:
 def int4_op_reference(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """What the int4 op of ``kernels.quant_linear_cpu`` computes, in plain PyTorch (fp32), over (out, in) codes and
+    """What the int4 op of ``kernels/quant_linear_cpu.py`` computes, in plain PyTorch (fp32), over (out, in) codes and
     (out, groups) scales and offsets: for one row of x, x quantized to int8 per group (``quantize_int8`` of
     ``x.view(groups, group_size)``), each group's ``sum(code * xq)`` (exact in int32), then
     ``scale * xscale * sum(code * xq) + offset * sum(x)`` summed over the groups; for more rows the product
@@ -183,21 +183,21 @@ def cpu_packed_bf16() -> bool:
 
 
 def cpu_kernel_isa() -> str | None:
-    """The code path of the CPU quantized linear op (``kernels.quant_linear_cpu``) a layer built now runs, or None
+    """The code path of the CPU quantized linear op (``kernels/quant_linear_cpu.py``) a layer built now runs, or None
     when the op did not build here (no compiler) or ``WORKBENCH_QUANT_KERNEL=0`` turns it off: the layer then keeps
     torch's packed operators (bf16 activations) or the compiled loops."""
     import os
 
     if os.environ.get("WORKBENCH_QUANT_KERNEL", "1") == "0":
         return None
-    from kernels import quant_linear_cpu
+    from workbench.kernels import quant_linear_cpu
 
     return quant_linear_cpu.default_isa() if quant_linear_cpu.available() else None
 
 
 def _isa_code(isa: str | None) -> int:
     """The op's integer for a code path name (what a compiled graph passes as a constant)."""
-    from kernels.paged_decode_cpu import ISAS
+    from workbench.kernels.paged_decode_cpu import ISAS
 
     return ISAS[isa] if isa is not None else -1
 
@@ -224,7 +224,7 @@ class Int8Linear(nn.Module):
     """y = x @ (q * scale)^T (+ bias): 1 byte per weight read.
 
     On CUDA ``aten._weight_int8pack_mm``. On the CPU, products of at most ``KERNEL_MAX_ROWS`` rows (decode) run the
-    C++ op of ``kernels.quant_linear_cpu`` on fp32 activations over a copy of the codes interleaved 8 rows a tile
+    C++ op of ``kernels/quant_linear_cpu.py`` on fp32 activations over a copy of the codes interleaved 8 rows a tile
     (``kernel_isa``: its code path; ``qweight_tiles``, ``scale_tiles``: attributes, not buffers, the counted format
     is ``qweight``; the copy doubles the codes in memory but not in a decode's reads). Where the op did not build,
     products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's ``_weight_int8pack_mm`` on bf16 activations
@@ -244,7 +244,7 @@ class Int8Linear(nn.Module):
         self.qweight_tiles = self.scale_tiles = None
         self.kernel_isa_code = _isa_code(self.kernel_isa)
         if self.kernel_isa is not None:
-            from kernels.quant_linear_cpu import pack_int8
+            from workbench.kernels.quant_linear_cpu import pack_int8
 
             self.qweight_tiles, self.scale_tiles = pack_int8(q, scale)
         # else it feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the scale (2
@@ -280,7 +280,7 @@ class Int4Linear(nn.Module):
     On CUDA the tinygemm operator ``aten._weight_int4pack_mm`` over its packed layout (``qweight``) and
     ``scales_and_zeros``. On the CPU ``qweight`` is the group-halves layout of ``int4_rows`` (out, groups, g/2)
     with ``scale`` and ``offset`` (out, groups, 1). Products of at most ``KERNEL_MAX_ROWS`` rows run the C++ op of
-    ``kernels.quant_linear_cpu`` on fp32 activations over a copy of the codes interleaved 8 rows a tile
+    ``workbench.kernels.quant_linear_cpu`` on fp32 activations over a copy of the codes interleaved 8 rows a tile
     (``kernel_isa``; ``qweight_tiles``, ``scale_tiles``, ``offset_tiles``: attributes, as the copy below). Where
     the op did not build, products of at most ``INT8_PACKED_MAX_ROWS`` rows run torch's
     packed CPU operator ``_weight_int4pack_mm_for_cpu`` on bf16 activations where torch vectorizes it (AVX2 and up,
@@ -316,7 +316,7 @@ class Int4Linear(nn.Module):
         self.qweight_tiles = self.scale_tiles = self.offset_tiles = None
         self.kernel_isa_code = _isa_code(self.kernel_isa)
         if self.kernel_isa is not None:
-            from kernels.quant_linear_cpu import pack_int4
+            from workbench.kernels.quant_linear_cpu import pack_int4
 
             self.qweight_tiles, self.scale_tiles, self.offset_tiles = pack_int4(q, scale, zero - 8.0 * scale)
         # ... else torch's packed operator over its own layout of the same codes, bf16 activations

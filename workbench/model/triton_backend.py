@@ -31,8 +31,8 @@ class TritonAttentionBackend:
 
     def __init__(self, num_splits: int | None = None) -> None:
         # imported here so that the workbench does not pay for (or require) triton until this backend is used
-        from kernels.paged_decode import paged_decode_attention, paged_mla_decode_attention
-        from kernels.paged_prefill import paged_prefill_attention
+        from workbench.kernels.paged_decode import paged_decode_attention, paged_mla_decode_attention
+        from workbench.kernels.paged_prefill import paged_prefill_attention
 
         self._decode = paged_decode_attention
         self._decode_mla = paged_mla_decode_attention

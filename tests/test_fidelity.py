@@ -297,3 +297,28 @@ def test_workbench_fidelity_refuses_an_unknown_cost_model(capsys) -> None:
 
     assert main(["fidelity", "--cost-model", "roofline"]) == 2
     assert "op-profile, profiled" in capsys.readouterr().err
+
+
+def test_the_fitted_profile_measures_its_workloads_between_the_runs() -> None:
+    """``--measure-profiles``: the profile's training workloads run between the measured runs (a shared CPU's speed
+    drifts between minutes), two after each of 2 runs for 4 workloads, and the profile is fitted to their steps."""
+    from workbench.experiments.fidelity import measure_policies
+    from workbench.model.checkpoint import load_model
+    from workbench.sim.measure import InterleavedTraining, training_configs
+    from workbench.workloads import synthetic_workload
+
+    net = load_model("tiny-gqa", seed=0)
+    configs = training_configs(("continuous",), max_num_seqs=4, max_model_len=32)
+    training = InterleavedTraining(net, configs, num_requests=2, model="tiny-gqa")
+    calls = []
+
+    def between(fraction: float) -> None:
+        calls.append((fraction, training.run_due(fraction), training.done))
+
+    held_out = synthetic_workload(3, rate=50.0, prompt_lens="uniform:4:12", output_lens="uniform:2:4", seed=1)
+    measure_policies(net, held_out, ["continuous", "static"], 1, 4, 32, between=between)
+    # 2 runs and 4 workloads: floor(4 j / 2 + 1/2) = 2 j due after run j, so two workloads after each run
+    assert calls == [(0.5, 2, 2), (1.0, 2, 4)]
+    profile = training.fit()
+    assert profile.meta["workloads_measured"] == "4 of 4" and profile.meta["model"] == "tiny-gqa"
+    assert profile.meta["fit"]["num_steps"] == len(training.samples.stats) > 0

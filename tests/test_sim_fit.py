@@ -99,3 +99,14 @@ def test_bootstrap_intervals_cover_a_noisy_generator() -> None:
     model = fit_profile(stats, times, knots=[8, 16, 32, 64, 96], bootstrap=40, seed=1)
     for (lo, _, hi), k in zip(model.meta["fit"]["token_curve_ci"], (8, 16, 32, 64, 96)):
         assert lo < hi and lo <= truth[k] + 1e-7 * k * (k + 1) / 2 * 1.5
+
+
+def test_due_items_spread_a_profiles_workloads_over_the_measured_runs() -> None:
+    from workbench.errors import ConfigError
+    from workbench.sim.measure import due_items
+
+    # 8 workloads over 15 runs: floor(8 j / 15 + 1/2) after run j, by hand: a new one after runs 1, 3, ..., 15
+    assert [due_items(8, j / 15) for j in range(16)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8]
+    assert due_items(3, 1.0) == 3 and due_items(3, 0.0) == 0
+    with pytest.raises(ConfigError, match="fraction"):
+        due_items(3, 1.5)

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="measured runs per policy (interleaved)")
     p.add_argument("--disaggregate", default=None, metavar="P:D", help="the real disaggregated engines instead")
     p.add_argument("--measure-profiles", action="store_true",
-                   help="measure both profiles now, here, before the runs (not the committed ones)")  # fmt: skip
+                   help="measure both profiles now, here (not the committed ones): the op profile before the runs, "
+                        "the fitted profile's workloads between them")  # fmt: skip
     p.add_argument("--measure-max-tokens", type=int, default=1024,
                    help="largest size the op profile measures when measured now (default 1024)")  # fmt: skip
     p.add_argument("--out", default=None, help="write the JSON here instead of printing it")

@@ -84,11 +84,15 @@ def measure_policies(
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     progress: bool = False,
+    *,
+    between: Any = None,
 ) -> dict[str, Any]:
     """The real engine on ``requests`` under each policy, ``repeats`` times, interleaved: ``runs`` (per policy the
     metrics of each repeat), ``loads`` (per run: policy, repeat, load average before and after), ``pool`` (per
     policy: num_blocks, block_size). One warm-up replay first, not measured, then every packed matrix at every row
-    count (``warm_packed_linears``): the measured runs are the engine's steady state, as the profiles'."""
+    count (``warm_packed_linears``): the measured runs are the engine's steady state, as the profiles'.
+    ``between``: called after each run with the fraction of the runs done (the fidelity check measures a profile's
+    training workloads there, ``workbench.sim.measure.InterleavedTraining.run_due``)."""
     from workbench.engine.engine import Engine
     from workbench.sim.measure import warm_packed_linears
 
@@ -113,6 +117,8 @@ def measure_policies(
             loads.append({"policy": policy, "repeat": rep, "load_before": before, "load_after": load_average()})
             st = engine.stats()
             pool[policy] = {"num_blocks": st["num_blocks"], "block_size": st["block_size"]}
+            if between is not None:
+                between((rep * len(policies) + policies.index(policy) + 1) / (repeats * len(policies)))
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -836,11 +842,13 @@ def fidelity_report(
 ) -> dict[str, Any]:
     """The fidelity check of ``workbench fidelity``: each cost model of ``kinds`` (``op-profile``, ``profiled``) from
     ``paths[kind]``, else this machine's committed profile, else measured now (``profile_for_this_machine``; always
-    with ``measure_profiles``); the real engine on the held-out workload under every policy, ``repeats`` times
-    interleaved (or the real disaggregated pair ``disaggregate`` "P:D", ``disaggregated_fidelity``); the simulator
-    on the same, deterministic and with seeded noise; the table (``compare``), the claims, the load averages, the
-    machine (``machine_identity``: the CPU model, its CPUs, the instruction set torch dispatches to) and wall
-    times. ``log``: a callable given one line per profile read or measured (None: quiet)."""
+    with ``measure_profiles``, where the ``profiled`` fit's training workloads run between the measured runs,
+    ``workbench.sim.measure.InterleavedTraining``, so that its steps see the machine of those minutes); the real
+    engine on the held-out workload under every policy, ``repeats`` times interleaved (or the real disaggregated
+    pair ``disaggregate`` "P:D", ``disaggregated_fidelity``); the simulator on the same, deterministic and with
+    seeded noise; the table (``compare``), the claims, the load averages, the machine (``machine_identity``: the
+    CPU model, its CPUs, the instruction set torch dispatches to) and wall times. ``log``: a callable given one
+    line per profile read or measured (None: quiet)."""
     import os
 
     from workbench.config import ModelConfig, parse_disaggregate
@@ -864,24 +872,30 @@ def fidelity_report(
     load_start = load_average()
     t_start = now()
     costs, sources = {}, {}
-    for kind in kinds:
-        costs[kind], sources[kind] = profile_for_this_machine(
-            kind, model, (paths or {}).get(kind), max_num_seqs, max_model_len, measure_max_tokens,
-            measure=measure_profiles,
-        )  # fmt: skip
+
+    def told(kind: str) -> None:
         prov = profile_provenance(kind, costs[kind])
         if log is not None:
             quality = (getattr(costs[kind], "meta", None) or {}).get("fit", {}).get("warnings") or []
             log(f"{kind}: {sources[kind]}; machine {prov['machine']}; load average while measured "
                 f"{prov['load_average_1min']}{'  LOADED: its times hold other processes' if prov['loaded'] else ''}"
                 + "".join(f"\n  FIT WARNING: {w}" for w in quality))  # fmt: skip
+
+    # a profile fitted now measures its training workloads between the measured runs (InterleavedTraining)
+    interleave = (measure_profiles and "profiled" in kinds and not disaggregate
+                  and (paths or {}).get("profiled") is None)  # fmt: skip
+    for kind in kinds:
+        if kind == "profiled" and interleave:
+            continue
+        costs[kind], sources[kind] = profile_for_this_machine(
+            kind, model, (paths or {}).get(kind), max_num_seqs, max_model_len, measure_max_tokens,
+            measure=measure_profiles,
+        )  # fmt: skip
+        told(kind)
     profile_s = now() - t_start
     held_out = held_out_workload(num_requests, rate, seed)
-    models = {k: {"source": sources[k], **c.describe(), "provenance": profile_provenance(k, c)}
-              for k, c in costs.items()}  # fmt: skip
-    out: dict[str, Any] = {"model": model, "machine": machine_identity(), "cost_models": models,
-                           "num_requests": num_requests, "rate": rate, "repeats": repeats, "threads": threads,
-                           "load_average_start": load_start}  # fmt: skip
+    out: dict[str, Any] = {"model": model, "machine": machine_identity(), "num_requests": num_requests, "rate": rate,
+                           "repeats": repeats, "threads": threads, "load_average_start": load_start}  # fmt: skip
     labels = [name for kind in kinds for name in (kind, f"{kind} noise")]
     rows: list[dict] = []
     if disaggregate:
@@ -894,13 +908,29 @@ def fidelity_report(
                    idle_step_s=res["idle_step_s"], loads=res["loads"], ttft_parts=res["ttft_parts"])  # fmt: skip
     else:
         net = load_model(model, seed=0)
-        measured = measure_policies(net, held_out, policies, repeats, max_num_seqs, max_model_len, progress)
+        training = None
+        if interleave:
+            from workbench.sim.measure import InterleavedTraining, training_configs
+
+            training = InterleavedTraining(net, training_configs(max_num_seqs=max_num_seqs,
+                                                                 max_model_len=max_model_len), model=model)  # fmt: skip
+        measured = measure_policies(net, held_out, policies, repeats, max_num_seqs, max_model_len, progress,
+                                    between=None if training is None else training.run_due)  # fmt: skip
+        if training is not None:
+            training.run_due(1.0)
+            costs["profiled"] = training.fit()
+            sources["profiled"] = "fitted now (fit-profile), its workloads measured between the runs"
+            profile_s += training.seconds
+            told("profiled")
+            costs = {k: costs[k] for k in kinds}  # the table's order
         cfg = ModelConfig.resolve(model)
         for kind, cost in costs.items():
             for name, noise_seed in ((kind, None), (f"{kind} noise", seed)):
                 sim = simulate_policies(held_out, cfg, cost, measured, max_num_seqs, max_model_len, noise_seed)
                 rows += compare(measured["runs"], sim, name)
         out["loads"] = measured["loads"]
+    out["cost_models"] = {k: {"source": sources[k], **c.describe(), "provenance": profile_provenance(k, c)}
+                          for k, c in costs.items()}  # fmt: skip
     out["rows"] = rows
     out["claims"] = [fidelity_claim(rows, name) for name in labels] + [best_cost_model(rows)]
     out["max_abs_rel_error"] = {name: max(abs(r["rel_error"]) for r in rows if r["model"] == name)

@@ -9,6 +9,7 @@ each step that was followed at once by another (not by an idle wait for an arriv
 from __future__ import annotations
 
 import bisect
+import math
 import platform
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -123,13 +124,11 @@ def warm_packed_linears(model: Any, max_rows: int, max_sampled: int) -> int:
 def measure_training_policy(net: Any, cfg: Any, num_requests: int, seed: int, progress: Any = None) -> StepSamples:
     """The training workloads' steps (``training_workloads``) on engines of ``cfg`` over ``net``, in steady state:
     one unmeasured replay of part of the first workload, then every packed shape built (``warm_packed_linears``),
-    then the measured replays (``measure_engine_steps``). Both profiles' fits measure their engine this way."""
-    from workbench.engine.engine import Engine
-
-    workloads = training_workloads(cfg.max_model_len, num_requests, seed)
-    Engine(net, cfg).replay(workloads[0][: max(2, num_requests // 4)], seed=seed)  # warm-up, not measured
-    warm_packed_linears(net, cfg.max_model_len, cfg.max_num_seqs)  # every step then finds its shapes built
-    return measure_engine_steps(lambda: Engine(net, cfg), workloads, seed, progress)
+    then the measured replays (``measure_engine_steps``); ``InterleavedTraining`` all at once. Both profiles' fits
+    measure their engine this way."""
+    training = InterleavedTraining(net, [cfg], num_requests, seed, progress=progress)
+    training.run_due(1.0)
+    return training.samples
 
 
 def training_workloads(max_model_len: int, num_requests: int = 24, seed: int = 1000) -> list[list[Request]]:
@@ -222,47 +221,138 @@ def fit_engine_profile(
     is measured after one warm-up replay of the first workload and ``warm_packed_linears``. ``progress``: a
     tqdm-like object updated once per measured workload (``len(policies) * len(training_workloads(...))`` in all).
     """
-    import torch
-
     from workbench.device import resolve_device, torch_dtype
-    from workbench.engine.config import EngineConfig
-    from workbench.hardware import cpu_model_name
     from workbench.model.checkpoint import load_model
 
-    for name, value in (("num_requests", num_requests), ("threads", threads)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ConfigError(
-                f"{name} must be a positive integer (--{name.replace('_', '-')} N, N >= 1), got {value!r}"
-            )
+    _check_counts(num_requests=num_requests, threads=threads)
     if threads is not None:
         set_threads(threads)
     dev = resolve_device(device)
     net = load_model(model, dtype=torch_dtype(dtype), device=dev, seed=0)
-    load_start = _load_1min()
-    samples = StepSamples()
-    configs = []
-    for policy in policies:
-        budget = token_budget or (max_model_len // 2 if policy == "chunked" else None)
-        cfg = EngineConfig(policy=policy, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
-                           device=device, token_budget=budget)  # fmt: skip
-        configs.append(asdict(cfg))
-        samples.extend(measure_training_policy(net, cfg, num_requests, seed, progress))
-    meta = {
-        "model": model,
-        "machine": cpu_model_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "outlier_ratio": 2.0,
-        "engine_configs": configs,
-        "num_gaps": len(samples.gaps_s),
-        **{k: v for k, v in machine_identity().items() if k != "cpu"},
-        "load_average_1min": [load_start, _load_1min()],
-    }
-    knots = token_knots([s.prefill_tokens + s.decode_seqs for s in samples.stats])
-    return fit_profile(samples.stats, samples.durations_s, samples.gaps_s, meta, knots=knots,
-                       batched_decode=engine_batched_decode(dev), after_idle=samples.after_idle,
-                       wakes_s=samples.wakes_s, kernel_breaks=engine_kernel_breaks(dev, dtype))  # fmt: skip
+    configs = training_configs(policies, max_num_seqs, max_model_len, token_budget, dtype, device)
+    training = InterleavedTraining(net, configs, num_requests, seed, model, progress)
+    training.run_due(1.0)
+    return training.fit()
+
+
+def training_configs(
+    policies: tuple[str, ...] = ("continuous", "chunked"),
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    token_budget: int | None = None,
+    dtype: str = "fp32",
+    device: str = "cpu",
+) -> list[Any]:
+    """The engines a profile is fitted on: one ``EngineConfig`` per policy (chunked: a token budget of half the
+    context unless ``token_budget``)."""
+    from workbench.engine.config import EngineConfig
+
+    return [EngineConfig(policy=p, max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
+                         device=device, token_budget=token_budget or (max_model_len // 2 if p == "chunked" else None))
+            for p in policies]  # fmt: skip
+
+
+def _check_counts(**values: Any) -> None:
+    for name, value in values.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(
+                f"{name} must be a positive integer (--{name.replace('_', '-')} N, N >= 1), got {value!r}"
+            )
+
+
+def due_items(num_items: int, fraction: float) -> int:
+    """How many of ``num_items`` evenly spread items are due once ``fraction`` (0 to 1) of a period has passed:
+    ``floor(num_items * fraction + 1/2)``, so 8 items over 15 runs fall after runs 1, 3, 5, 7, 9, 11, 13 and 15."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"fraction must lie in [0, 1], got {fraction!r}")
+    return min(num_items, math.floor(num_items * fraction + 0.5))
+
+
+class InterleavedTraining:
+    """The training workloads of ``fit_engine_profile`` (``training_workloads`` on engines of each of ``configs``,
+    ``training_configs``, over ``net``), measured one workload at a time whenever ``run_due`` is called, then
+    fitted (``fit``). ``fit_engine_profile`` runs them all at once; the fidelity check (``workbench fidelity
+    --measure-profiles``) calls ``run_due`` between its measured runs, so that the profile's steps sample the
+    machine over the same minutes as the runs it is compared with. A shared CPU's speed drifts by more than the
+    check's 10% tolerance from one minute to the next even at a load average of 1 (noisy neighbours the guest
+    cannot see): on the 2-core AMD EPYC the repeats of one policy spread by up to 22%, and a profile measured in
+    the 2 minutes before the runs priced their steps ~20% high, which at 2 requests/s (a replica busy most of
+    the time) moved the simulated ITL median by +17..+57% and left 2 of 20 statistics within tolerance; the same
+    profile scaled by 0.8 held 19 of 20. Each policy's first workload is preceded by one unmeasured warm-up replay
+    of part of it and ``warm_packed_linears`` (as ``measure_training_policy``)."""
+
+    def __init__(
+        self,
+        net: Any,
+        configs: list[Any],
+        num_requests: int = 24,
+        seed: int = 1000,
+        model: str | None = None,
+        progress: Any = None,
+    ) -> None:
+        _check_counts(num_requests=num_requests)
+        if not configs:
+            raise ConfigError("InterleavedTraining needs at least one engine config")
+        self.net, self.configs, self.model, self.seed, self.progress = net, list(configs), model, seed, progress
+        self.items = [(cfg, w) for cfg in self.configs
+                      for w in training_workloads(cfg.max_model_len, num_requests, seed)]  # fmt: skip
+        self.samples = StepSamples()
+        self.done = 0
+        self.seconds = 0.0
+        self._warm: set[int] = set()
+        self._loads = [_load_1min()]
+
+    def run_due(self, fraction: float) -> int:
+        """Measure the items due once ``fraction`` of the period has passed (``due_items``); returns how many ran."""
+        from workbench.engine.engine import Engine
+        from workbench.timing import now
+
+        ran = 0
+        while self.done < due_items(len(self.items), fraction):
+            t0 = now()
+            cfg, requests = self.items[self.done]
+            if id(cfg) not in self._warm:
+                self._warm.add(id(cfg))
+                Engine(self.net, cfg).replay(requests[: max(2, len(requests) // 4)], seed=self.seed)  # not measured
+                warm_packed_linears(self.net, cfg.max_model_len, cfg.max_num_seqs)
+            self.samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(self.net, cfg), [requests], self.seed,
+                                                     self.progress))  # fmt: skip
+            self.done += 1
+            ran += 1
+            self.seconds += now() - t0
+        self._loads.append(_load_1min())
+        return ran
+
+    def fit(self) -> ProfiledCostModel:
+        """The profile fitted to the steps measured so far (ConfigError before any)."""
+        import torch
+
+        from workbench.device import resolve_device
+        from workbench.hardware import cpu_model_name
+
+        if not self.samples.stats:
+            raise ConfigError("no training steps measured yet (call run_due first)")
+        dev = resolve_device(self.configs[0].device)
+        dtype = self.configs[0].dtype
+        loads = [x for x in self._loads if x is not None]
+        meta = {
+            "model": self.model,
+            "machine": cpu_model_name() if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "outlier_ratio": 2.0,
+            "engine_configs": [asdict(c) for c in self.configs],
+            "num_gaps": len(self.samples.gaps_s),
+            **{k: v for k, v in machine_identity().items() if k != "cpu"},
+            "load_average_1min": [loads[0], loads[-1]] if loads else [None, None],
+            "workloads_measured": f"{self.done} of {len(self.items)}",
+        }
+        s = self.samples
+        knots = token_knots([x.prefill_tokens + x.decode_seqs for x in s.stats])
+        return fit_profile(s.stats, s.durations_s, s.gaps_s, meta, knots=knots,
+                           batched_decode=engine_batched_decode(dev), after_idle=s.after_idle,
+                           wakes_s=s.wakes_s, kernel_breaks=engine_kernel_breaks(dev, dtype))  # fmt: skip
 
 
 def engine_kernel_breaks(device: Any, dtype: str = "fp32") -> tuple[int, ...]:

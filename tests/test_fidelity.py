@@ -288,8 +288,11 @@ def test_workbench_fidelity_runs_on_a_tiny_model_and_names_the_machine(tmp_path,
     assert len(data["rows"]) == 16 and {r["model"] for r in data["rows"]} == {"profiled", "profiled noise"}
     assert len(data["loads"]) == 6 and data["cost_models"]["profiled"]["source"] == str(profile)
     assert all(isinstance(r["bimodal"], bool) for r in data["rows"])
+    # the hand-written profile's error on the runs' own steps: each priced 10 ms
+    assert data["step_errors"]["profiled"]["num_steps"] > 0
     err = capsys.readouterr().err
     assert "torch dispatches to" in err and "statistics within" in err
+    assert "profiled on the measured runs' own" in err
 
 
 def test_workbench_fidelity_refuses_an_unknown_cost_model(capsys) -> None:
@@ -322,3 +325,20 @@ def test_the_fitted_profile_measures_its_workloads_between_the_runs() -> None:
     profile = training.fit()
     assert profile.meta["workloads_measured"] == "4 of 4" and profile.meta["model"] == "tiny-gqa"
     assert profile.meta["fit"]["num_steps"] == len(training.samples.stats) > 0
+
+
+def test_step_errors_price_the_measured_runs_own_steps_by_hand() -> None:
+    from workbench.sim.costmodel import ProfiledCostModel
+    from workbench.sim.measure import StepSamples, step_errors
+    from workbench.sim.stats import StepStats
+
+    cost = ProfiledCostModel({"const": 0.010, "decode_seqs": 0.001})  # 10 ms + 1 ms a decode
+    steps = [StepStats(decode_seqs=2), StepStats(decode_seqs=2), StepStats(decode_seqs=8), StepStats(decode_seqs=1)]
+    # predicted 12, 12, 18, 11 ms; the last step follows an idle wait and is left out
+    samples = StepSamples(steps, [0.012, 0.024, 0.009, 0.5], after_idle=[False, False, False, True])
+    e = step_errors(cost, samples)
+    # errors 0, -0.5, +1.0: median 0, |errors| 0, 0.5, 1.0 (median 0.5, p90 the largest), 42 ms over 45 ms
+    assert e["num_steps"] == 3
+    assert e["median"] == pytest.approx(0.0) and e["median_abs"] == pytest.approx(0.5)
+    assert e["p90_abs"] == pytest.approx(1.0) and e["total_ratio"] == pytest.approx(0.042 / 0.045)
+    assert step_errors(cost, StepSamples())["median"] is None

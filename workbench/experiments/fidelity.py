@@ -90,11 +90,12 @@ def measure_policies(
     """The real engine on ``requests`` under each policy, ``repeats`` times, interleaved: ``runs`` (per policy the
     metrics of each repeat), ``loads`` (per run: policy, repeat, load average before and after), ``pool`` (per
     policy: num_blocks, block_size). One warm-up replay first, not measured, then every packed matrix at every row
-    count (``warm_packed_linears``): the measured runs are the engine's steady state, as the profiles'.
-    ``between``: called after each run with the fraction of the runs done (the fidelity check measures a profile's
-    training workloads there, ``workbench.sim.measure.InterleavedTraining.run_due``)."""
+    count (``warm_packed_linears``): the measured runs are the engine's steady state, as the profiles'. ``steps``:
+    every run's steps (``workbench.sim.measure.StepSamples``), for the cost models' per-step error. ``between``:
+    called after each run with the fraction of the runs done (the fidelity check measures a profile's training
+    workloads there, ``workbench.sim.measure.InterleavedTraining.run_due``)."""
     from workbench.engine.engine import Engine
-    from workbench.sim.measure import warm_packed_linears
+    from workbench.sim.measure import StepSamples, engine_samples, observe_steps, warm_packed_linears
 
     if repeats < 1:
         from workbench.errors import ConfigError
@@ -103,7 +104,7 @@ def measure_policies(
     Engine(net, engine_config(policies[0], max_num_seqs, max_model_len)).replay(list(requests[:4]))
     warm_packed_linears(net, max_model_len, max_num_seqs)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
-    loads, pool = [], {}
+    loads, pool, steps = [], {}, StepSamples()
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -113,7 +114,9 @@ def measure_policies(
         for policy in policies:
             before = load_average()
             engine = Engine(net, engine_config(policy, max_num_seqs, max_model_len))
+            plans = observe_steps(engine)
             runs[policy].append(engine.replay(list(requests)).summary()["metrics"])
+            steps.extend(engine_samples(engine, list(requests), plans))
             loads.append({"policy": policy, "repeat": rep, "load_before": before, "load_after": load_average()})
             st = engine.stats()
             pool[policy] = {"num_blocks": st["num_blocks"], "block_size": st["block_size"]}
@@ -123,7 +126,7 @@ def measure_policies(
                 bar.update(1)
     if bar is not None:
         bar.close()
-    return {"runs": runs, "loads": loads, "pool": pool, "repeats": repeats}
+    return {"runs": runs, "loads": loads, "pool": pool, "repeats": repeats, "steps": steps}
 
 
 def simulate_policies(
@@ -855,7 +858,7 @@ def fidelity_report(
     from workbench.engine.scheduler import POLICIES
     from workbench.errors import ConfigError
     from workbench.model.checkpoint import load_model
-    from workbench.sim.measure import machine_identity
+    from workbench.sim.measure import machine_identity, step_errors
 
     kinds = list(kinds)
     bad = [k for k in kinds if k not in ("op-profile", "profiled")]
@@ -924,6 +927,8 @@ def fidelity_report(
             told("profiled")
             costs = {k: costs[k] for k in kinds}  # the table's order
         cfg = ModelConfig.resolve(model)
+        out["step_errors"] = {kind: step_errors(cost.with_noise(None), measured["steps"])
+                              for kind, cost in costs.items()}  # fmt: skip
         for kind, cost in costs.items():
             for name, noise_seed in ((kind, None), (f"{kind} noise", seed)):
                 sim = simulate_policies(held_out, cfg, cost, measured, max_num_seqs, max_model_len, noise_seed)
@@ -979,6 +984,11 @@ def print_report(out: Mapping[str, Any], file: Any = None) -> None:
             f"load average (1 min) over the measured runs: {min(x[0] for x in loads):.2f}.."
             f"{max(x[0] for x in loads):.2f} on {os.cpu_count()} CPUs{warn if out['measured_runs_loaded'] else ''}"
         )
+    for kind, e in (out.get("step_errors") or {}).items():
+        if e["num_steps"]:
+            say(f"{kind} on the measured runs' own {e['num_steps']} steps (not after an idle wait): median error "
+                f"{100 * e['median']:+.1f}%, median |error| {100 * e['median_abs']:.1f}%, p90 |error| "
+                f"{100 * e['p90_abs']:.1f}%, predicted/measured time {e['total_ratio']:.3f}")  # fmt: skip
     m = out.get("machine") or {}
     say(f"machine: {m.get('cpu')}, {m.get('cpu_count')} CPUs, torch dispatches to {m.get('cpu_capability')}")
     for claim in out["claims"]:

@@ -47,33 +47,67 @@ def measure_engine_steps(
     samples = StepSamples()
     for requests in workloads:
         engine = engine_factory()
-        stats: list[StepStats] = []
-        busy_after: list[bool] = []  # per step: whether work remained right after it (the next step follows at once)
-
-        def observe(plan: StepPlan, _record: Any, engine: Any = engine, stats=stats, busy_after=busy_after) -> None:  # noqa: ANN001
-            stats.append(plan_stats(plan))
-            busy_after.append(engine.has_unfinished())
-
-        engine.on_step = observe
+        plans = observe_steps(engine)
         engine.replay(requests, seed=seed)
-        steps = engine.step_log.steps
-        if len(steps) != len(stats):
-            raise RuntimeError(f"measured {len(steps)} logged steps but captured {len(stats)} plans")
         if progress is not None:
             progress.update(1)
-        samples.stats += stats
-        samples.durations_s += [s.end_s - s.start_s for s in steps]
-        samples.gaps_s += [b.start_s - a.end_s for a, b, busy in zip(steps, steps[1:], busy_after) if busy]
-        # a step follows an idle wait when no work was left after the previous one and the engine slept until an
-        # arrival (one that came during the previous step is admitted at once, as in the simulator)
-        arrivals = sorted(r.arrival_time_s for r in requests)
-        for i, step in enumerate(steps):
-            j = bisect.bisect_right(arrivals, step.start_s)
-            idle = j > 0 and (i == 0 or (not busy_after[i - 1] and arrivals[j - 1] > steps[i - 1].end_s))
-            samples.after_idle.append(idle)
-            if idle:
-                samples.wakes_s.append(max(0.0, step.start_s - arrivals[j - 1]))
+        samples.extend(engine_samples(engine, requests, plans))
     return samples
+
+
+def observe_steps(engine: Any) -> tuple[list[StepStats], list[bool]]:
+    """Hook ``engine.on_step``: the two lists it returns fill, per step the engine runs, with the ``StepStats`` of
+    its plan and whether work remained right after it (the next step follows at once); ``engine_samples`` pairs
+    them with the step log."""
+    stats: list[StepStats] = []
+    busy_after: list[bool] = []
+
+    def observe(plan: StepPlan, _record: Any) -> None:
+        stats.append(plan_stats(plan))
+        busy_after.append(engine.has_unfinished())
+
+    engine.on_step = observe
+    return stats, busy_after
+
+
+def engine_samples(engine: Any, requests: list[Request], plans: tuple[list[StepStats], list[bool]]) -> StepSamples:
+    """The steps of ``engine``'s replay of ``requests`` (observed by ``observe_steps``, which gave ``plans``): each
+    step's stats and duration, the busy host gaps, which steps followed an idle wait and the wake-up delays."""
+    stats, busy_after = plans
+    steps = engine.step_log.steps
+    if len(steps) != len(stats):
+        raise RuntimeError(f"measured {len(steps)} logged steps but captured {len(stats)} plans")
+    samples = StepSamples(list(stats), [s.end_s - s.start_s for s in steps])
+    samples.gaps_s += [b.start_s - a.end_s for a, b, busy in zip(steps, steps[1:], busy_after) if busy]
+    # a step follows an idle wait when no work was left after the previous one and the engine slept until an
+    # arrival (one that came during the previous step is admitted at once, as in the simulator)
+    arrivals = sorted(r.arrival_time_s for r in requests)
+    for i, step in enumerate(steps):
+        j = bisect.bisect_right(arrivals, step.start_s)
+        idle = j > 0 and (i == 0 or (not busy_after[i - 1] and arrivals[j - 1] > steps[i - 1].end_s))
+        samples.after_idle.append(idle)
+        if idle:
+            samples.wakes_s.append(max(0.0, step.start_s - arrivals[j - 1]))
+    return samples
+
+
+def step_errors(cost: Any, samples: StepSamples) -> dict[str, Any]:
+    """A cost model's error on measured steps, those not after an idle wait (whose extra time the models price
+    apart): per step ``(predicted - measured) / measured`` of ``cost.step_time``; ``num_steps``, the median signed
+    and absolute error, the 90th percentile of the absolute error and ``total_ratio``, the predicted time of all
+    these steps over the measured. On the fidelity check's own runs it tells a cost model that prices the steps off
+    from a simulation that queues them otherwise (None values without such steps)."""
+    import statistics
+
+    pairs = [(cost.step_time(s), t) for s, t, idle in zip(samples.stats, samples.durations_s, samples.after_idle)
+             if not idle and t > 0]  # fmt: skip
+    if not pairs:
+        return {"num_steps": 0, "median": None, "median_abs": None, "p90_abs": None, "total_ratio": None}
+    rel = [(p - t) / t for p, t in pairs]
+    absolute = sorted(abs(r) for r in rel)
+    return {"num_steps": len(rel), "median": statistics.median(rel), "median_abs": statistics.median(absolute),
+            "p90_abs": absolute[min(len(absolute) - 1, math.ceil(0.9 * len(absolute)) - 1)],
+            "total_ratio": sum(p for p, _ in pairs) / sum(t for _, t in pairs)}  # fmt: skip
 
 
 ONEDNN_CACHE_CAPACITY = 4096  # oneDNN primitives kept per process (its default, 1024, holds about 500 of our shapes)

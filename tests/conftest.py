@@ -10,6 +10,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # one worker per core (make test: -n auto): torch's intra-op threads would oversubscribe the cores and spin in
     # OpenMP's barriers, so each worker (and what it starts) computes on one thread unless a test sets otherwise
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # ... and where one does (notebook 05's colocated engine: 2 threads), a thread waiting at a barrier sleeps
+    # instead of spinning (libgomp reads this when torch loads it, so it applies to the processes the worker
+    # starts: nbval's kernels, the pipeline's, engine ranks): with the other worker busy on the second core, a
+    # spinning thread burns the time slice its teammate needs; notebook 05's replays took 4x the CPU and 4-6x the
+    # wall time of one thread under load
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 

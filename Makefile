@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed
 PROFILE ?=
 PYTEST_ARGS ?=
 # the test files spread over one pytest worker per core (pytest-xdist), each file on one worker so that its
-# module fixtures (a server, a process group) start once; PYTEST_WORKERS=0 runs them in this process
+# module fixtures (a server, a process group) start once, in the order tests/conftest.py gives (the files of minutes
+# first: LONG_FIRST); PYTEST_WORKERS=0 runs them in this process
 PYTEST_WORKERS ?= auto
 
 .PHONY: help venv report test lint format lab clean-venv
@@ -45,7 +46,7 @@ format: $(STAMP)
 # NBVAL_CHECK_OUTPUT are compared); tests/test_notebooks_nbval.py fails a notebook saved without outputs.
 test: lint
 	MPLBACKEND=agg $(PY) -m pytest --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
-		$(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile) $(PYTEST_ARGS) tests notebooks
+		$(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS) tests notebooks
 
 # JupyterLab refuses to start as root without --allow-root (containers often run as root)
 lab: $(STAMP)

@@ -10,10 +10,40 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # one worker per core (make test: -n auto): torch's intra-op threads would oversubscribe the cores and spin in
     # OpenMP's barriers, so each worker (and what it starts) computes on one thread unless a test sets otherwise
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # ... and where one does (notebook 05's colocated engine: 2 threads), a thread waiting at a barrier sleeps
+    # instead of spinning (libgomp reads this when torch loads it, so it applies to the processes the worker
+    # starts: nbval's kernels, the pipeline's, engine ranks): with the other worker busy on the second core, a
+    # spinning thread burns the time slice its teammate needs; notebook 05's replays took 4x the CPU and 4-6x the
+    # wall time of one thread under load
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
 TINY_PRESETS = ("tiny-mha", "tiny-gqa", "tiny-mqa", "tiny-qwen2")
+
+# The files that take minutes under `make test` (its --durations: each notebook's nbval run, the pipeline's smoke
+# run, every README command), longest first. make test hands whole files to its workers (--dist loadfile) in
+# collection order (--no-loadscope-reorder), so these start first and the ~90 files of seconds fill in around them:
+# a long file started last would leave the other worker idle for its length at the end.
+LONG_FIRST = (
+    "notebooks/05_disaggregation.ipynb",
+    "notebooks/04_chunked_prefill.ipynb",
+    "tests/test_report_smoke.py",
+    "notebooks/03_batching.ipynb",
+    "notebooks/09_speculative_decoding.ipynb",
+    "notebooks/07_simulator_validation.ipynb",
+    "tests/test_readme_commands.py",
+    "notebooks/",  # the other notebooks
+)
+
+
+def _long_first_rank(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(LONG_FIRST) if nodeid.startswith(prefix)), len(LONG_FIRST))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of ``LONG_FIRST`` first, in its order; each file's own items keep their order."""
+    items.sort(key=lambda item: _long_first_rank(item.nodeid))  # a stable sort
 
 
 @pytest.fixture(scope="session")

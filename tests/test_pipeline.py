@@ -486,6 +486,19 @@ def test_capture_environment_records_seeds_and_parameters() -> None:
     json.dumps(env, allow_nan=False)  # all of it is JSON
 
 
+def test_capture_environment_records_the_openmp_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the thread count and whether OpenMP's waiting threads spin both change the timings a report holds
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    env = capture_environment(profile="cpu", parameters={}, kernel="k", run_id="r", measure=False)
+    assert env["env"]["OMP_NUM_THREADS"] == "3" and env["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "CUDA_VISIBLE_DEVICES" not in env["env"]
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert "OMP_WAIT_POLICY" not in capture_environment(profile="cpu", parameters={}, kernel="k", run_id="r",
+                                                        measure=False)["env"]  # fmt: skip
+
+
 @pytest.fixture
 def clean_record(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(record.OUTPUT_DIR_ENV, raising=False)

@@ -48,6 +48,8 @@ ENGINE_SIZES = {
     "--new-tokens": ["4"],
     "--accuracy-prompts": ["1"],
     "--group-size": ["32"],  # int4 groups that divide tiny-gqa's 64-wide rows (bench-300m's default is 128)
+    "--profile-max-tokens": ["64"],  # bench op-steps: the op profile it measures first, up to 64 tokens, not 1024
+    "--overhead-requests": ["6"],  # ... and the two workloads it then replays, 6 requests each, not 24
 }
 SIM_SIZES = {"--limit": ["20"], "--num-requests": ["20"]}  # a simulated trace: 20 rows, not 19,366
 EXTRA = {  # command -> flags added when absent (and the command or bench mode has them)

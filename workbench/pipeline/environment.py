@@ -230,7 +230,9 @@ def capture_environment(
         "parameters": {k: dict(v) for k, v in parameters.items()},
         "seeds": seeds_of(parameters),
         "env": {
-            k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", "OMP_NUM_THREADS") if k in os.environ
+            k: os.environ[k]
+            for k in ("CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+            if k in os.environ
         },
     }
     return to_json_value(environment, "environment")  # plain JSON: NaN and infinities become null

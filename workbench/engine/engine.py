@@ -5,17 +5,9 @@
 The executor runs each plan on the engine's workers (``workbench.engine.executor``): one ``ModelRunner`` in this
 process, or one per rank of a tensor-parallel engine, all running the same code on their shards.
 
-The engine's API, the only way in for the server, the benchmarks, disaggregation and the simulator's measurements:
-``add_request`` queues a request (an invalid one is rejected with its reason, the others keep running), ``abort``
-drops one between steps (the server does when a client goes away); ``step`` runs one scheduler step and returns a
-``RequestOutput`` (the new tokens; once finished, the whole result) for each request it touched, after which a
-finished request is forgotten; ``hold``/``held_blocks``/``release`` and ``add_prefilled`` hand a request from a
-prefill engine to a decode engine; ``stats`` gives the queue and pool gauges, ``speculative_stats`` speculative
-decoding's acceptance counters, ``request_state`` the per-request entries it holds (none of a finished request) and
-``check_invariants`` checks the block manager against the live requests' block tables. ``generate`` serves a list of
-prompts offline (all arrive at once); ``replay`` serves a workload online, admitting each request when its arrival
-time comes on the wall clock. Every timestamp is seconds
-since the engine's clock was started (``reset_clock``), and each step's measured duration is what advances it.
+The engine's public methods are the only way in for the server, the benchmarks, disaggregation and the simulator's
+measurements; a finished request is forgotten once ``step`` (or ``abort``) has returned its output. Every timestamp
+is seconds since the engine's clock was started (``reset_clock``), and each step's measured duration advances it.
 """
 
 from __future__ import annotations
@@ -341,10 +333,7 @@ class Engine:
                 if state is not None:
                     self._handoff_states[seq.seq_id] = state
             self.executor.release(seq.seq_id)
-        return self._outputs(plan, finished)
-
-    def _outputs(self, plan: StepPlan, finished: list[Sequence]) -> list[RequestOutput]:
-        """The step's deltas: every unfinished sequence of the plan that sampled, then every finished one."""
+        # the step's deltas: every unfinished sequence of the plan that sampled, then every finished one
         out = [self._output(c.seq) for c in plan.chunks if c.samples and not c.seq.is_finished]
         return out + [self._output(seq) for seq in finished]
 
@@ -482,19 +471,14 @@ class Engine:
             seq.first_token_time, seq.token_times = landed, [landed]
         self.sequences[request_id] = seq
         self._num_reported[request_id] = 1  # the first token was reported by the prefill side
-        self.resume_sampling(request_id, sampler_state)
+        if sampler_state is not None:  # a seeded request draws on as on one engine, not from its seed again
+            self.executor.sampler.resume(request_id, sampler_state, self.model.device)
         return "admitted"
 
     def handoff_state(self, seq_id: int) -> torch.Tensor | None:
         """The sampling generator's state of held request ``seq_id`` as it finished here (taken: asked once), for
-        ``resume_sampling`` on the engine that continues the request; None when it sampled greedily."""
+        ``add_prefilled`` on the engine that continues the request; None when it sampled greedily."""
         return self._handoff_states.pop(seq_id, None)
-
-    def resume_sampling(self, seq_id: int, state: torch.Tensor | None) -> None:
-        """Continue request ``seq_id``'s sampling from ``state`` (another engine's ``handoff_state``): a seeded
-        request then draws the same tokens as on one engine, instead of reseeding and repeating its first draw."""
-        if state is not None:
-            self.executor.sampler.resume(seq_id, state, self.model.device)
 
     # ---- serving a batch or a workload ---------------------------------------------------------------------
     def generate(

@@ -169,46 +169,6 @@ def shard_model(model: Transformer, shard: TensorParallelShard, reduce: Callable
         model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.data[start:end], requires_grad=False)
 
 
-def shard_from_full(full: Transformer, shard: TensorParallelShard) -> Transformer:
-    """This rank's shard cut from a whole model in memory (for presets with random weights)."""
-    cfg = shard.cfg
-    model = empty_shard_model(shard)
-    q, kv = cfg.q_size, cfg.kv_size
-    full_state = full.state_dict()
-    state: dict[str, torch.Tensor] = {"embed_tokens.weight": full_state["embed_tokens.weight"]}
-    state["norm.weight"] = full_state["norm.weight"]
-    if not cfg.tie_word_embeddings:
-        state["lm_head.weight"] = shard.take(full_state["lm_head.weight"], "lm_head.weight")
-    for layer in range(cfg.num_layers):
-        o, hf = f"layers.{layer}.", f"model.layers.{layer}."
-        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            state[o + norm] = full_state[o + norm]
-        for kind in ("weight", "bias"):
-            fused = full_state.get(o + f"self_attn.qkv_proj.{kind}")
-            if fused is None:
-                continue
-            parts = fused.split([q, kv, kv])
-            state[o + f"self_attn.qkv_proj.{kind}"] = torch.cat(
-                [shard.take(p, hf + f"self_attn.{x}_proj.{kind}") for p, x in zip(parts, "qkv")]
-            )
-        state[o + "self_attn.o_proj.weight"] = shard.take(
-            full_state[o + "self_attn.o_proj.weight"], hf + "self_attn.o_proj.weight"
-        )
-        gate, up = full_state[o + "mlp.gate_up_proj.weight"].split(cfg.intermediate_size)
-        state[o + "mlp.gate_up_proj.weight"] = torch.cat(
-            [shard.take(gate, hf + "mlp.gate_proj.weight"), shard.take(up, hf + "mlp.up_proj.weight")]
-        )
-        state[o + "mlp.down_proj.weight"] = shard.take(
-            full_state[o + "mlp.down_proj.weight"], hf + "mlp.down_proj.weight"
-        )
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, value in state.items():
-            params[name].copy_(value)
-    shard_model(model, shard, all_reduce)
-    return model
-
-
 # the reduce functions of this process's ranks (one per ``Worker``), addressed by index from ``traced_reduce``'s op
 _REDUCERS: list[Callable[[torch.Tensor], torch.Tensor]] = []
 

@@ -228,11 +228,6 @@ class Scheduler:
         """True while a request waits or runs, or a rejection is still to be reported by ``update``."""
         return bool(self.waiting or self.running or self._rejected)
 
-    @property
-    def num_cached_tokens(self) -> int:
-        """Tokens served from the prefix cache so far (over all admissions)."""
-        return self.block_manager.num_hit_tokens
-
     # ---- requests ----------------------------------------------------------------------------------------
     def max_len_of(self, seq: Sequence) -> int:
         """The most tokens (prompt + outputs) ``seq`` can reach: prompt + ``max_tokens`` (``check_request`` admits
@@ -529,24 +524,18 @@ class Scheduler:
             steps = left if steps is None or left < steps else steps
         steps = max(steps or 0, 0)
         free = self.block_manager.num_free_blocks
-        while steps > 0 and self._blocks_needed(steps) > free:
-            steps = self._max_steps_within(free, steps)
+        if self._blocks_needed(steps) > free:  # the largest k < steps whose blocks fit (monotone in k)
+            lo, hi = 0, steps - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self._blocks_needed(mid) <= free else (lo, mid - 1)
+            steps = lo
         return steps
 
     def _blocks_needed(self, num_steps: int) -> int:
         """New blocks the running decodes take over ``num_steps`` steps (step j writes position computed + j - 1)."""
         bs = self.block_manager.block_size
         return sum(max(0, -(-(s.num_computed_tokens + num_steps) // bs) - len(s.block_table)) for s in self.running)
-
-    def _max_steps_within(self, free: int, upper: int) -> int:
-        lo, hi = 0, upper - 1  # the largest k < upper with _blocks_needed(k) <= free (monotone in k)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._blocks_needed(mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     def advance_decode_steps(self, end_times: list[float], token: int = 0) -> None:
         """Apply ``len(end_times)`` pure-decode steps to every running sequence at once, each sampling ``token``.

@@ -68,7 +68,6 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         # cumulative counters
         self.num_hit_tokens = 0  # prompt/recompute tokens served from the prefix cache
-        self.num_queried_tokens = 0  # tokens looked up at admission (for a hit ratio)
         self.num_evictions = 0
 
     # ---- counters ----------------------------------------------------------------------------------------
@@ -190,9 +189,7 @@ class BlockManager:
         hit_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = hit_tokens
         seq.num_computed_tokens = hit_tokens
-        if self.enable_prefix_caching:
-            self.num_hit_tokens += hit_tokens
-            self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += hit_tokens
         return True
 
     def append_slots(self, seq: Sequence, num_positions: int) -> bool:

@@ -108,10 +108,6 @@ class KVCache:
             self.v_scale = torch.ones(cfg.num_layers, dtype=torch.float32, device=device)
 
     @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def bytes_per_token(self) -> int:
         """K and V bytes of one token over all layers: 2 * layers * kv_heads * (head_dim * element size + scale),
         the scale being int8's fp32 per token and head (``ModelConfig.kv_bytes_per_token`` counts the same)."""
@@ -119,10 +115,6 @@ class KVCache:
         if self.latent_dim is not None:  # MLA: one entry, V inside it
             return self.num_layers * self.head_dim * self.k.element_size()
         return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.k.element_size() + scale)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_token * self.num_slots
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
         """The one writer of the pool: row ``t`` of ``k``/``v`` goes to slot ``slot_mapping[t]`` (int64, (T,)).

@@ -35,6 +35,7 @@ from workbench.model.attention import (
 from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary_rolled, signed_sin
 from workbench.model.mla import MLAttention
 from workbench.model.moe import MoE
+from workbench.request import validate_request
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 """(layer, q (T, heads, d), k (T, kv_heads, d), v, scale) -> attention output (T, heads, d)."""
@@ -250,17 +251,6 @@ class Transformer(nn.Module):
         return self.lm_head(hidden).float()
 
     # ---- the two phases over a contiguous cache ---------------------------------------------------------------
-    def check_prompt(self, prompt: list[int], max_len: int) -> None:
-        """Raise RequestError for an empty prompt, an id outside the vocabulary, or a prompt longer than max_len."""
-        if len(prompt) == 0:
-            raise RequestError("empty prompt: at least one token id is needed")
-        if len(prompt) > max_len:
-            raise RequestError(f"prompt of {len(prompt)} tokens is longer than the maximum of {max_len}")
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
-
     def prefill(
         self,
         prompts: list[list[int]],
@@ -273,7 +263,7 @@ class Transformer(nn.Module):
         if len(prompts) != len(slots):
             raise RequestError(f"{len(prompts)} prompts but {len(slots)} slots")
         for p in prompts:
-            self.check_prompt(p, cache.max_len)
+            validate_request(p, 0, cache.max_len, self.config.vocab_size)
         lens = [len(p) for p in prompts]
         meta = build_metadata(lens, lens, [[s] for s in slots], cache.block_size, self.device)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)

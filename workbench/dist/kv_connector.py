@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,8 +83,6 @@ class KVTransfer:
 
 def head_range(cfg: ModelConfig, rank: int, tp: int) -> tuple[int, int]:
     """[first, end) of the full model's KV heads that rank ``rank`` of ``tp`` holds."""
-    if tp == 1:
-        return 0, cfg.num_kv_heads
     shard = TensorParallelShard(cfg, rank, tp)
     return shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads
 
@@ -203,7 +200,7 @@ class KVSender:
 
     def post(self, buffer: torch.Tensor, dst: int, request_id: int, attempt: int) -> dist.Work:
         """Post one piece's bytes to decode rank ``dst``, tagged by request and attempt."""
-        return dist.isend(_on_wire_device(buffer), dst, tag=(request_id << ATTEMPT_BITS) | attempt)
+        return dist.isend(buffer.to(_wire_device(buffer.device)), dst, tag=(request_id << ATTEMPT_BITS) | attempt)
 
     def finish(self, request_id: int) -> None:
         """The receiver has the KV (or gave up on it): drop the staging buffers."""
@@ -251,10 +248,6 @@ def _wire_device(device: torch.device) -> torch.device:
     CPU tensors only: a CUDA pool is staged through the host, as when two processes share one GPU, which NCCL
     refuses)."""
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _on_wire_device(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to(_wire_device(tensor.device))
 
 
 def wall_clock(t0: float) -> Callable[[], float]:

@@ -37,22 +37,14 @@ from workbench.model.transformer import Transformer
 from workbench.timing import now
 
 
-def resolve_attention_backend(name: str, device_type: str | None = None) -> str:
-    """``name`` with 'auto' decided: 'cpu' (the paged C++ decode, ``kernels/paged_decode_cpu.py``) on a CPU where it
-    builds, 'torch' otherwise (CUDA, or no compiler). ``device_type`` None: CUDA if present, else the CPU."""
-    if name != "auto":
-        return name
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    from workbench.model.cpu_backend import default_backend
-
-    return default_backend(device_type).name
-
-
 def make_backend(name: str, device_type: str | None = None) -> AttentionBackend:
-    """The attention backend called ``name`` (``EngineConfig.attention_backend``; 'auto' by
-    ``resolve_attention_backend``)."""
-    name = resolve_attention_backend(name, device_type)
+    """The attention backend called ``name`` (``EngineConfig.attention_backend``). 'auto': the paged C++ decode
+    (``kernels/paged_decode_cpu.py``) on a CPU where it builds, else torch (``cpu_backend.default_backend``);
+    ``device_type`` None: CUDA if present, else the CPU."""
+    if name == "auto":
+        from workbench.model.cpu_backend import default_backend
+
+        return default_backend(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
     if name == "triton":
         from workbench.model.triton_backend import TritonAttentionBackend
 

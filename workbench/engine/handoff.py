@@ -93,6 +93,3 @@ class Handoff(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         return (item for _, item in self._arrived)
-
-
-__all__ = ["Handoff", "prefilled_sequence"]

@@ -1,17 +1,7 @@
-"""Memory ledger: where the bytes of a serving engine go, and what a contiguous cache would have wasted.
-
-- weights: ``ModelConfig.weight_bytes(dtype, quantization, group_size)`` (int8/int4 linear layers with their
-  scales, the rest in ``dtype``);
-- KV per token: ``2 (K and V) * num_layers * num_kv_heads * head_dim * bytes(kv_dtype)`` (plus int8's fp32
-  scale per token and head), so GQA and MQA shrink it by ``num_heads / num_kv_heads`` against MHA;
-- the pool: ``num_blocks * block_size * kv_bytes_per_token``; blocks in use, free, and cached (prefix
-  blocks kept for reuse, a subset of used + free);
-- waste: a contiguous per-slot cache (a static cache, as HF's) reserves ``max_model_len`` positions per
-  request however long it turns out, so it wastes ``max_model_len - tokens``; a paged cache only wastes the
-  unused tail of each request's last block, ``ceil(tokens / block_size) * block_size - tokens`` (internal
-  fragmentation; blocks reserved ahead for a prompt are not counted as waste here).
-
-Plain Python; the tensors themselves live in ``workbench/kv/cache.py``.
+"""Memory ledger: where the bytes of a serving engine go (weights, KV per token, the pool; blocks in use, free and
+cached for prefix reuse), and what a contiguous per-slot cache would have wasted where a paged one wastes only the
+tail of each request's last block (``workbench.kv.sizing.paged_vs_contiguous``). Plain Python; the tensors live in
+``workbench/kv/cache.py``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""KV-cache calculator: bytes per token, how many sequences fit, paged versus contiguous memory.
-
-- bytes per token: ``ModelConfig.kv_bytes_per_token`` (K and V, all layers: 2 * layers * kv_heads * head_dim * B).
-- ``attention_variants``: the same for the model's MHA, GQA and MQA counterparts (same query heads and head
-  size, different numbers of KV heads), to show what grouping saves; an MLA model's own row beside them.
-- ``plan_num_blocks``: the one KV-pool planner: how many blocks of ``block_size`` tokens a pool gets (given,
-  or as many as fit a byte budget, capped at what the wanted tokens need). The engine (``EngineConfig``), the
-  simulator (``SimConfig``) and ``max_concurrent_sequences`` size their pools through it.
-- ``max_concurrent_sequences``: the largest number of sequences of a given length whose KV cache fits in a
-  memory budget after the weights (and an optional reserve for activations), contiguous or paged.
-- ``paged_vs_contiguous``: memory of a set of requests when each slot reserves the maximum length
-  (a contiguous, static cache) versus when each sequence holds ``ceil(len / block_size)`` blocks (paged).
-
-Pure Python; imports no torch.
+"""KV-cache calculator, in pure Python: bytes per token of a model and of its MHA, GQA and MQA counterparts
+(``attention_variants``), the one KV-pool planner (``plan_num_blocks``, through which the engine, the simulator and
+``max_concurrent_sequences`` size their pools), how many sequences fit in a memory budget, and the memory of a set
+of requests under a contiguous (per-slot maximum length) versus a paged cache (``paged_vs_contiguous``).
 """
 
 from __future__ import annotations
@@ -218,13 +208,3 @@ def paged_vs_contiguous(
         block_size=block_size,
         max_len=max_len,
     )
-
-
-__all__ = [
-    "attention_variants",
-    "max_concurrent_sequences",
-    "plan_num_blocks",
-    "CapacityResult",
-    "paged_vs_contiguous",
-    "PagingComparison",
-]

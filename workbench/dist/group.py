@@ -1,22 +1,17 @@
 """Worker processes over torch.distributed: launch, one process group, calls broadcast to every rank, shutdown.
 
-This is the process machinery that tensor parallelism (one model sharded over N ranks) and disaggregation (a
-prefill and a decode engine exchanging KV blocks) share. It is a thin layer on ``torch.distributed``: gloo on the
-CPU, NCCL on CUDA, the same code.
+The process machinery of tensor parallelism and disaggregation, shaped like vLLM's multiprocessing executor: gloo
+on the CPU, NCCL on CUDA, the same code. The **driver** is rank 0, in the calling process; ranks 1..N-1 are
+**workers** spawned by ``WorkerGroup`` itself, or started by ``torchrun`` (``WorkerGroup.from_env`` /
+``run_worker``). Every rank builds its worker object with one picklable ``factory(rank, world_size, *args)``;
+``WorkerGroup.call(method, *args)`` sends ``(method, args)`` to all ranks with one ``broadcast_object_list``, each
+runs ``worker.method(*args)`` (their collectives meet across ranks) and the driver returns its own result.
 
-The shape follows vLLM's multiprocessing executor. The **driver** is rank 0 and lives in the calling process (the
-engine, which runs the scheduler and samples); ranks 1..N-1 are **workers** spawned by ``WorkerGroup`` itself, or
-started by ``torchrun`` on other nodes (``WorkerGroup.from_env`` / ``run_worker``). Every rank builds its own worker
-object from one picklable factory ``factory(rank, world_size, *args)``. ``WorkerGroup.call(method, *args)`` sends
-``(method, args)`` to all ranks with one ``broadcast_object_list``; each rank runs ``worker.method(*args)`` (the
-collectives inside it, e.g. the all-reduce after a row-parallel matmul, meet across ranks) and the driver returns
-its own rank's result.
-
-Faults never hang the driver: every collective runs under the process group's timeout (``timeout_s``); a worker
-that raises reports its traceback on a side pipe and exits, which breaks the collective at once; a worker that dies
-is seen by its exit code. Either way ``call`` raises ``WorkerError`` naming the rank and the cause, and the group is
-shut down (workers terminated, then killed). A worker also exits by itself when its driver process disappears, so
-no orphan is left behind.
+Faults never hang the driver: every collective runs under the group's timeout (``timeout_s``); a worker that raises
+reports its traceback on a side pipe and exits, which breaks the collective at once; a worker that dies is seen by
+its exit code, one that stops beating by the liveness watchdog (``ProcessSet``). ``call`` then raises
+``WorkerError`` naming the rank and the cause, and the group is shut down. A worker exits by itself when its driver
+process disappears, so no orphan is left behind.
 """
 
 from __future__ import annotations

@@ -133,17 +133,13 @@ class ServingConfig:
         return self.max_model_len
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
-        kwargs: dict[str, int] = {}
-        if self.token_budget is not None:
-            kwargs["token_budget"] = self.token_budget
-        if self.chunk_size is not None:
-            kwargs["chunk_size"] = self.chunk_size
         return SchedulerConfig(
             policy=self.policy,
             max_num_seqs=self.max_num_seqs,
+            token_budget=self.token_budget,
+            chunk_size=self.chunk_size,
             max_model_len=self.resolved_max_model_len(model),
             enable_prefix_caching=self.enable_prefix_caching,
-            **kwargs,
         )
 
 

@@ -38,7 +38,7 @@ from workbench.kv.block_manager import BlockManager
 from workbench.kv.ledger import MemoryLedger
 from workbench.model.sharding import TensorParallelShard, check_tensor_parallel_size
 from workbench.model.transformer import Transformer
-from workbench.request import RequestRecord, SamplingParams, Sequence, SequenceStatus, validate_request
+from workbench.request import RequestRecord, SamplingParams, Sequence, validate_request
 from workbench.workloads import prompt_token_ids
 
 
@@ -147,11 +147,10 @@ class Engine:
                 f"{model_q or 'unquantized'}; quantize with workbench.model.quant.quantize_model or use "
                 "Engine.from_model"
             )
-        # the pool stores the configured KV dtype ('auto': the weights' dtype, whatever config.dtype says)
-        kv_dtype = self.config.kv_cache_dtype if self.config.kv_cache_dtype in ("int8", "fp8") else "auto"
+        # the pool stores a quantized KV dtype, else the weights' dtype (whatever config.dtype says)
         self.ledger = MemoryLedger(
             mcfg, self.block_manager, weight_dtype=dtype_name(model.dtype),
-            kv_dtype=dtype_name(model.dtype) if kv_dtype == "auto" else kv_dtype,
+            kv_dtype=self.config.kv_cache_dtype if self.config.kv_cache_quantized else dtype_name(model.dtype),
             max_model_len=self.scheduler.config.max_model_len, quantization=model_q,
             group_size=getattr(model, "group_size", self.config.group_size),
         )  # fmt: skip
@@ -178,7 +177,6 @@ class Engine:
         self._num_reported: dict[int, int] = {}  # request id -> output tokens already reported by step()
         self._keep: dict[int, Sequence] | None = None  # generate/replay: their finished sequences, for the RunResult
         self._ids = itertools.count()
-        self._early_finished: list[Sequence] = []
         self._handoff_states: dict[int, torch.Tensor] = {}  # held requests' generators (handoff_state)
         self.reset_clock()
 
@@ -286,10 +284,7 @@ class Engine:
         seq = Sequence(rid, prompt, sampling, arrival, eos_token_ids=self.model.config.eos_token_ids)
         self.sequences[rid] = seq
         if reason is not None:
-            seq.status, seq.finish_reason, seq.reject_reason, seq.finish_time = (
-                SequenceStatus.FINISHED, "rejected", reason, arrival,
-            )  # fmt: skip
-            self._early_finished.append(seq)
+            self.scheduler.reject(seq, reason)
         else:
             self.scheduler.add(seq)
         return rid
@@ -306,7 +301,7 @@ class Engine:
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._early_finished)
+        return self.scheduler.has_unfinished()
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self, start: float | None = None) -> list[RequestOutput]:
@@ -316,13 +311,12 @@ class Engine:
         ``start``: the step's start time when the caller already read the clock (``replay`` passes the time at
         which it admitted arrivals, so that a simulator replaying the step log admits exactly the same ones).
         """
-        finished, self._early_finished = self._early_finished, []
         start = self.now() if start is None else start
         plan = self.scheduler.schedule(now=start)
         sampled = self.executor.execute(plan)
         synchronize(self.model.device)
         end = self.now()
-        finished += self.scheduler.update(plan, sampled, end)
+        finished = self.scheduler.update(plan, sampled, end)
         if not plan.is_empty:
             record = self.step_log.record(plan, start, end, self.block_manager.num_used_blocks)
             if self.on_step is not None:

@@ -228,6 +228,11 @@ class Scheduler:
         """True while a request waits or runs, or a rejection is still to be reported by ``update``."""
         return bool(self.waiting or self.running or self._rejected)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens served from the prefix cache so far (over all admissions)."""
+        return self.block_manager.num_hit_tokens
+
     # ---- requests ----------------------------------------------------------------------------------------
     def max_len_of(self, seq: Sequence) -> int:
         """The most tokens (prompt + outputs) ``seq`` can reach: prompt + ``max_tokens`` (``check_request`` admits
@@ -256,17 +261,19 @@ class Scheduler:
         try:
             self.check_request(seq)
         except RequestError as exc:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "rejected"
-            seq.reject_reason = str(exc)
-            seq.finish_time = seq.arrival_time
-            self._rejected.append(seq)
-            self.num_rejected += 1
+            self.reject(seq, str(exc))
             return False
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._by_id[seq.seq_id] = seq
         return True
+
+    def reject(self, seq: Sequence, reason: str) -> None:
+        """Finish ``seq`` as 'rejected' for ``reason`` at its arrival; reported by the next ``update``."""
+        seq.status, seq.finish_reason, seq.reject_reason = SequenceStatus.FINISHED, "rejected", reason
+        seq.finish_time = seq.arrival_time
+        self._rejected.append(seq)
+        self.num_rejected += 1
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Drop an unfinished request (finish_reason 'abort'), freeing its blocks; None if unknown."""

@@ -41,16 +41,13 @@ finishes. Admission keeps ``watermark`` of the pool free while something is runn
 against immediate re-preemption); no request is admitted in a step that preempted one.
 
 Speculative decoding (``proposer`` set; ``workbench.engine.speculative``): at each ``schedule()`` the proposer gives
-proposed tokens for the running decodes; a decode then carries ``k`` of them (``ScheduledChunk.spec_token_ids``, cut to
-the token budget, to what ``max_tokens`` and the context leave, and to the free blocks beyond one per running sequence
-after it, so speculation never preempts) and computes ``1 + k`` tokens. ``update()`` takes the list of tokens the
-verification kept (the accepted proposals and the target's own token), appends them up to a finish, sets
-``num_computed_tokens`` to the positions they confirm and returns the rejected positions' blocks to the pool
-(``BlockManager.truncate``); ``spec_stats`` counts acceptance.
+proposed tokens for the running decodes; a decode then carries up to ``k`` of them (``_spec_tokens``) and computes
+``1 + k`` tokens; ``update()`` appends the tokens verification kept and rolls back the rejected positions' blocks
+(``_update_spec``); ``spec_stats`` counts acceptance.
 
 Cost per step is O(running sequences + admitted requests): there is no per-step work over all requests. The
-simulator's fast path advances several pure-decode steps at once while nothing changes (no waiting request, no
-finish, the pool holds the blocks they need): ``decode_steps_until_change`` tells how many.
+simulator's fast path advances several pure-decode steps at once while nothing changes
+(``decode_steps_until_change``, ``advance_decode_steps``).
 """
 
 from __future__ import annotations
@@ -512,14 +509,10 @@ class Scheduler:
 
     # ---- bulk decode (the simulator's fast path) -------------------------------------------------------------
     def decode_steps_until_change(self) -> int:
-        """How many next steps are the same pure-decode step over the same running sequences, the last included.
-
-        A block boundary is no change while the free pool holds every block the run needs (taking a free
-        block is bookkeeping, not a scheduling decision): zero unless no
-        request waits (the static policy ignores waiting requests while its batch runs) and every running
-        sequence decodes; otherwise the steps up to and including the first that finishes a sequence by
-        ``max_tokens`` (EOS ignored), capped where the pool would run out of blocks.
-        """
+        """How many next steps are the same pure-decode step over the same running sequences, the last included:
+        zero unless no request waits (the static policy ignores them while its batch runs) and every running sequence
+        decodes; else up to the first step that finishes a sequence by ``max_tokens`` (EOS ignored), capped where the
+        free pool would run out of blocks (taking a free block is bookkeeping, not a scheduling decision)."""
         if (self.waiting and self.policy != "static") or not self.running or self._rejected:
             return 0
         steps = None

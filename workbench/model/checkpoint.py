@@ -1,12 +1,9 @@
 """Hugging Face checkpoints: load a local directory into our ``Transformer``; write a random one of a preset.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
-``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file). Supported architectures:
-LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, and the MoE / MLA ones MixtralForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (with its per-head ``q_norm`` / ``k_norm``), DeepseekV3ForCausalLM (their
-per-expert and MLA tensors: ``model.moe``, ``model.mla``). Our
-model fuses q/k/v into ``qkv_proj`` and gate/up into
-``gate_up_proj``; the loader concatenates the HF tensors into them (rows in q, k, v and gate, up order).
+``model.safetensors.index.json``. Supported architectures: ``workbench.config.SUPPORTED_ARCHITECTURES`` (Llama,
+Mistral, Qwen2, and the MoE / MLA ones, whose per-expert and MLA tensors ``model.moe`` and ``model.mla`` map). Our
+model fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``; the loader concatenates the HF tensors.
 
 No weights can be downloaded where this workbench is tested, so ``save_random_checkpoint`` builds a randomly
 initialised model of a preset's architecture *through transformers* and saves it as a real HF checkpoint, with a

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from workbench.config import DEFAULT_GROUP_SIZE
 from workbench.device import resolve_device, synchronize, torch_dtype
@@ -22,7 +23,7 @@ from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.runner import ModelRunner, StepInput, make_backend
 from workbench.kv.cache import KVCache
 from workbench.model.packed import pack_linears, unpack_linears
-from workbench.model.sharding import all_reduce, all_reduce_max, traced_reduce
+from workbench.model.sharding import all_reduce, traced_reduce
 from workbench.model.transformer import Transformer
 from workbench.timing import now, set_threads
 
@@ -72,7 +73,9 @@ class Worker:
         for layer in self.model.layers:
             layer.self_attn.reduce = layer.mlp.reduce = self._reduce
         if quantization is not None:
-            quantize_model(self.model, quantization, group_size, lambda amax: all_reduce_max(amax, self.group))
+            quantize_model(
+                self.model, quantization, group_size, lambda amax: all_reduce(amax, self.group, dist.ReduceOp.MAX)
+            )
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._timing:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.config import KV_INT8_SCALE_BYTES, ModelConfig, resolve_kv_cache_dtype
+from workbench.config import KV_INT8_SCALE_BYTES, ModelConfig, check_positive_ints, resolve_kv_cache_dtype
 from workbench.errors import ConfigError
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -78,13 +78,10 @@ class KVCache:
         device: torch.device | str = "cpu",
         kv_cache_dtype: str | None = "auto",
     ) -> None:
-        if num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be positive, got {num_blocks}")
-        if block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {block_size}")
         self.num_layers = cfg.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
+        check_positive_ints(self, ("num_blocks", "block_size"))
         self.num_kv_heads, self.head_dim = cfg.cache_entry  # MLA: (1, kv_lora_rank + qk_rope_head_dim)
         self.latent_dim = cfg.kv_lora_rank if cfg.is_mla else None  # MLA: V is k[..., :latent_dim]
         self.dtype = dtype  # what attention reads: the activation dtype

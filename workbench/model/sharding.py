@@ -94,11 +94,6 @@ class TensorParallelShard:
         start = min(self.rank * per, self.cfg.vocab_size)
         return start, min(start + per, self.cfg.vocab_size)
 
-    @property
-    def vocab_slice_len(self) -> int:
-        """The longest vocabulary slice of any rank (logits are padded to it for the gather)."""
-        return ceil_div(self.cfg.vocab_size, self.tp)
-
     def local_config(self) -> ModelConfig:
         """The shape of this rank's model: its heads and its share of the MLP; vocabulary and hidden size full."""
         return dataclasses.replace(
@@ -197,18 +192,13 @@ def traced_reduce(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[t
     return reduce_op
 
 
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The element-wise maximum of ``tensor`` over the ranks, in place (a no-op without a group or with one rank)."""
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """Sum (or ``op``) ``tensor`` over the ranks of the running torch.distributed group (or of ``group``, a
+    subgroup), in place (the row-parallel layers' one collective; a no-op without a group or with one rank)."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
-
-
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Sum ``tensor`` over the ranks of the running torch.distributed group (or of ``group``, a subgroup), in place
-    (the row-parallel layers' one collective; a no-op without a group or with one rank)."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
+        dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -219,7 +209,7 @@ def gather_logits(
     on the other ranks. Slices are padded to one length for ``dist.gather`` and trimmed again."""
     if shard.tp == 1:
         return local
-    width = shard.vocab_slice_len
+    width = ceil_div(shard.cfg.vocab_size, shard.tp)  # the longest slice of any rank
     padded = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
     parts = [torch.empty_like(padded) for _ in range(shard.tp)] if shard.rank == 0 else None
     if group is None:

@@ -567,9 +567,13 @@ class Scheduler:
         self.num_steps += k
         self.num_decode_tokens += k * len(self.running)
 
-    def release_held(self, seq_id: int) -> None:
-        """Free the blocks of a finished sequence kept by ``hold_finished`` (its KV has been sent)."""
-        self.block_manager.free(self.held.pop(seq_id))
+    def release_held(self, seq_id: int) -> bool:
+        """Free the blocks of a finished sequence kept by ``hold_finished`` (its KV has been sent); False when it is
+        not held."""
+        seq = self.held.pop(seq_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+        return seq is not None
 
     def admit_prefilled(self, seq: Sequence) -> bool:
         """Admit a request whose KV for all but its last token was computed elsewhere (prefill/decode

@@ -4,18 +4,14 @@ Layout (the kernels' input, vLLM/flash-attention convention):
 
     k[layer], v[layer]: (num_blocks, block_size, num_kv_heads, head_dim)
 
-A token at position p of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``;
-``slot_mapping`` lists that slot for every new token of a step. Which blocks a sequence owns is decided by the
-torch-free ``BlockManager``; this module only holds the memory.
+``slot_mapping`` lists the slot of every new token of a step (``block_table[p // block_size] * block_size +
+p % block_size`` for position ``p``); which blocks a sequence owns is decided by the torch-free ``BlockManager``.
 
-Multi-head latent attention (``cfg.is_mla``, ``workbench.model.mla``) stores one entry per token and layer,
-``[latent (kv_lora_rank), rotary key (qk_rope_head_dim)]`` as a single "KV head" of ``k``; ``v`` is a view of its
-first ``kv_lora_rank`` values (no second copy), so ``write`` stores K only.
+Multi-head latent attention (``workbench.model.mla``) stores one entry per token and layer, ``[latent, rotary key]``,
+as a single "KV head" of ``k``; ``v`` is a view of its first ``kv_lora_rank`` values, so ``write`` stores K only.
 
 The *contiguous* cache of a static-batching framework (gpt-fast, HF's static cache) is the same pool with
-``block_size = max_len`` and one block per batch slot: sequence ``i`` owns block ``i`` and its tokens are a plain
-slice ``k[layer][i, :len]``. ``ContiguousKVCache`` adds the per-slot lengths that ``Transformer.prefill`` and
-``Transformer.decode`` need.
+``block_size = max_len`` and one block per batch slot; ``ContiguousKVCache`` adds the per-slot lengths.
 """
 
 from __future__ import annotations

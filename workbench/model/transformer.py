@@ -4,13 +4,10 @@
                         prompt are written to the cache, and the last position's logits give the first token.
     decode(tokens)    : one new token per sequence; each step re-reads every weight and the sequence's whole cache.
 
-They are thin wrappers over the model's two entry points over a paged cache: ``forward``, a flat ragged batch of
-new tokens and its ``AttentionMetadata`` (so the engine can also mix prefill chunks and decodes in one step), and
-``decode_step``, the one pure-decode step (one token per sequence, ``DecodeMetadata``), which the engine runs eagerly,
-compiled or as a CUDA graph (``workbench.engine.decode_step``). The attention backend is an argument of both: it
-belongs to the caller (the engine), not to the model. MHA, GQA and MQA are one code path: only
-``num_kv_heads`` differs. Q/K/V and gate/up projections are fused into single matrix products (fewer, larger GEMMs);
-``workbench.model.checkpoint`` maps HF tensors onto them.
+These two, over a contiguous cache, wrap the engine's entry points over a paged cache: ``forward`` (a ragged step)
+and ``decode_step`` (a pure decode), whose metadata ``workbench.model.attention`` describes. The attention backend
+is an argument of both: it belongs to the caller, not to the model. MHA, GQA and MQA are one code path (only
+``num_kv_heads`` differs); Q/K/V and gate/up projections are fused into single matrix products.
 """
 
 from __future__ import annotations

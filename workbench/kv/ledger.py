@@ -16,13 +16,6 @@ from workbench.kv.sizing import PagingComparison, paged_vs_contiguous
 from workbench.request import Sequence
 
 
-def kv_tokens_held(seq: Sequence) -> int:
-    """K/V positions a sequence holds now (running) or held at its end (finished: all but the last token)."""
-    if seq.is_finished:
-        return max(seq.num_tokens - 1, 0) if seq.finish_reason != "rejected" else 0
-    return seq.num_computed_tokens
-
-
 @dataclass
 class MemoryLedger:
     """Bytes of weights and of the KV pool of one engine, with the live block counts of its BlockManager."""
@@ -55,7 +48,12 @@ class MemoryLedger:
         """Contiguous-versus-paged memory for the K/V these sequences hold (needs ``max_model_len``)."""
         if self.max_model_len is None:
             raise ConfigError("MemoryLedger.max_model_len is needed to compare with a contiguous cache")
-        counts = [kv_tokens_held(s) for s in sequences if s.finish_reason != "rejected"]
+        # K/V positions each holds now (running) or held at its end (finished: all but the last token)
+        counts = [
+            max(s.num_tokens - 1, 0) if s.is_finished else s.num_computed_tokens
+            for s in sequences
+            if s.finish_reason != "rejected"
+        ]
         return paged_vs_contiguous(self.model, counts, self.block_manager.block_size, self.max_model_len, self.kv_dtype)
 
     def snapshot(self, sequences: list[Sequence] | None = None) -> dict[str, Any]:

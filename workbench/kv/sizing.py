@@ -49,8 +49,16 @@ def attention_variants(
     if cfg.is_mla:
         sizes.append(("MLA", None, cfg.kv_bytes_per_token(kv_dtype)))
     mha = sizes[0][2]
-    return [{"kind": kind, "num_kv_heads": h, "bytes_per_token": b, "ratio_to_mha": b / mha,
-             "is_model": kind == "MLA" if cfg.is_mla else h == cfg.num_kv_heads} for kind, h, b in sizes]  # fmt: skip
+    return [
+        {
+            "kind": kind,
+            "num_kv_heads": h,
+            "bytes_per_token": b,
+            "ratio_to_mha": b / mha,
+            "is_model": kind == "MLA" if cfg.is_mla else h == cfg.num_kv_heads,
+        }
+        for kind, h, b in sizes
+    ]
 
 
 def plan_num_blocks(

@@ -1,22 +1,17 @@
 """Worker processes over torch.distributed: launch, one process group, calls broadcast to every rank, shutdown.
 
-This is the process machinery that tensor parallelism (one model sharded over N ranks) and disaggregation (a
-prefill and a decode engine exchanging KV blocks) share. It is a thin layer on ``torch.distributed``: gloo on the
-CPU, NCCL on CUDA, the same code.
+The process machinery of tensor parallelism and disaggregation, shaped like vLLM's multiprocessing executor: gloo
+on the CPU, NCCL on CUDA, the same code. The **driver** is rank 0, in the calling process; ranks 1..N-1 are
+**workers** spawned by ``WorkerGroup`` itself, or started by ``torchrun`` (``WorkerGroup.from_env`` /
+``run_worker``). Every rank builds its worker object with one picklable ``factory(rank, world_size, *args)``;
+``WorkerGroup.call(method, *args)`` sends ``(method, args)`` to all ranks with one ``broadcast_object_list``, each
+runs ``worker.method(*args)`` (their collectives meet across ranks) and the driver returns its own result.
 
-The shape follows vLLM's multiprocessing executor. The **driver** is rank 0 and lives in the calling process (the
-engine, which runs the scheduler and samples); ranks 1..N-1 are **workers** spawned by ``WorkerGroup`` itself, or
-started by ``torchrun`` on other nodes (``WorkerGroup.from_env`` / ``run_worker``). Every rank builds its own worker
-object from one picklable factory ``factory(rank, world_size, *args)``. ``WorkerGroup.call(method, *args)`` sends
-``(method, args)`` to all ranks with one ``broadcast_object_list``; each rank runs ``worker.method(*args)`` (the
-collectives inside it, e.g. the all-reduce after a row-parallel matmul, meet across ranks) and the driver returns
-its own rank's result.
-
-Faults never hang the driver: every collective runs under the process group's timeout (``timeout_s``); a worker
-that raises reports its traceback on a side pipe and exits, which breaks the collective at once; a worker that dies
-is seen by its exit code. Either way ``call`` raises ``WorkerError`` naming the rank and the cause, and the group is
-shut down (workers terminated, then killed). A worker also exits by itself when its driver process disappears, so
-no orphan is left behind.
+Faults never hang the driver: every collective runs under the group's timeout (``timeout_s``); a worker that raises
+reports its traceback on a side pipe and exits, which breaks the collective at once; a worker that dies is seen by
+its exit code, one that stops beating by the liveness watchdog (``ProcessSet``). ``call`` then raises
+``WorkerError`` naming the rank and the cause, and the group is shut down. A worker exits by itself when its driver
+process disappears, so no orphan is left behind.
 """
 
 from __future__ import annotations
@@ -322,15 +317,6 @@ class ProcessSet:
                 return f"rank {rank} ({process.name}, pid {process.pid}) exited with code {process.exitcode}", ""
         return None
 
-    def wait_for_problem(self, seconds: float) -> tuple[str, str] | None:
-        """``problem()``, waiting up to ``seconds`` for a dying process to say why."""
-        deadline = now() + seconds
-        found = self.problem()
-        while found is None and now() < deadline:
-            time.sleep(0.05)
-            found = self.problem()
-        return found
-
     def stop(self, grace_s: float = 5.0) -> None:
         self._done.set()
         deadline = now() + grace_s
@@ -409,10 +395,9 @@ class WorkerGroup:
     @classmethod
     def from_env(cls, factory: Callable[..., Any], factory_args: tuple[Any, ...] = (), timeout_s: float = 60.0):
         """The driver's side under torchrun: this process is rank 0, the other ranks run ``run_worker``."""
-        group = cls._joined(DistConfig(int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s), None)
-        _init(group.backend, "env://", 0, group.world_size, timeout_s)
-        group.worker = factory(0, group.world_size, *factory_args)
-        return group
+        config = DistConfig(int(os.environ["WORLD_SIZE"]), timeout_s=timeout_s)
+        _init(config.resolved_backend(), "env://", 0, config.world_size, timeout_s)
+        return cls._joined(config, None, factory, factory_args)
 
     @classmethod
     def on_subgroup(
@@ -423,17 +408,17 @@ class WorkerGroup:
         other ranks run ``serve_subgroup``. Nothing is spawned; ``shutdown`` ends the subgroup's workers' loops
         and leaves the world to its owner."""
         config = DistConfig(dist.get_world_size(group), backend=dist.get_backend(group), timeout_s=timeout_s)
-        out = cls._joined(config, group)
-        out.worker = factory(0, out.world_size, *factory_args)
-        return out
+        return cls._joined(config, group, factory, factory_args)
 
     @classmethod
-    def _joined(cls, config: DistConfig, group: Any) -> WorkerGroup:
-        """A group whose other ranks were started elsewhere (nothing spawned here); ``group`` None: the world."""
+    def _joined(cls, config: DistConfig, group: Any, factory: Callable[..., Any], factory_args: tuple) -> WorkerGroup:
+        """Rank 0 of a group whose other ranks were started elsewhere (nothing spawned here); ``group`` None: the
+        world."""
         out = cls.__new__(cls)
         out.config, out.backend, out.world_size = config, config.resolved_backend(), config.world_size
         out._workers, out._closed, out._processes = ProcessSet.none(), False, []
         out.group, out._owns_world = group, group is None
+        out.worker = factory(0, out.world_size, *factory_args)
         return out
 
     def __enter__(self) -> WorkerGroup:
@@ -446,7 +431,8 @@ class WorkerGroup:
         """Run ``worker.method(*args, **kwargs)`` on every rank; return rank 0's result."""
         if self._closed:
             raise WorkerError("the worker group has been shut down")
-        self._check_alive()
+        if self._workers.problem() is not None:
+            self._fail(None, "the previous call")
         try:
             _broadcast([(method, args, kwargs)], self.group)
             return getattr(self.worker, method)(*args, **kwargs)
@@ -475,13 +461,12 @@ class WorkerGroup:
                 dist.destroy_process_group()
         self._workers.stop(grace_s)
 
-    def _check_alive(self) -> None:
-        if self._workers.problem() is not None:
-            self._fail(None, "the previous call")
-
     def _fail(self, exc: BaseException | None, during: str) -> None:
-        # give a dying worker a moment to report why, so the message says the cause and not just the symptom
-        problem = self._workers.wait_for_problem(2.0)
+        # give a dying worker a moment (2 s) to report why, so the message says the cause and not just the symptom
+        deadline, problem = now() + 2.0, self._workers.problem()
+        while problem is None and now() < deadline:
+            time.sleep(0.05)
+            problem = self._workers.problem()
         if problem is None:
             problem = (
                 f"rank 0: {type(exc).__name__}: {exc} (no worker reported an error; a hung rank is given up on "

@@ -1,39 +1,32 @@
 """The KV connector of prefill/decode disaggregation: which KV to move, and moving it over torch.distributed.
 
-Its shape follows vLLM v1's KV connector, split in the same two halves:
+Its shape follows vLLM v1's KV connector, in the same two halves:
 
-- the **scheduler side** decides. On the prefill engine, a request whose prefill has produced its first token is
-  finished but keeps its blocks (``Engine.hold``) until its KV has reached the decode engine
-  (``KVSender.finish``): a full decode pool therefore fills the prefill pool and stops its admissions
-  (backpressure), and nothing is dropped. On the decode engine, ``Engine.add_prefilled`` allocates blocks
-  for the request's tokens, and the connector loads the prompt's KV into them before its first decode step.
-- the **worker side** moves the bytes: ``KVSender.start`` gathers the K and V of the prompt's token slots from
-  every layer into one byte buffer per piece (``pack``: K, V and, for an int8 pool, their fp32 scales per token and
-  head, each ``(layers, num_tokens, heads, ...)``) and posts it with ``isend``; ``KVReceiver.receive`` posts the
-  matching ``irecv`` (tagged by request and attempt, so transfers may complete in any order), waits up to a
-  timeout, checks the checksum and scatters the tokens into its own slots (``unpack``). Exactly the prompt's tokens
-  are sent, so a transfer is ``num_tokens * ModelConfig.kv_bytes_per_token(kv dtype)`` bytes. An fp8 pool's scales
-  are one per layer, the model's constants: they are announced with the transfer and checked equal, not sent.
+- the **scheduler side** decides: the prefill engine holds a finished prefill's blocks (``Engine.hold``) until its
+  KV has reached the decode engine (``KVSender.finish``), so a full decode pool fills the prefill pool and stops its
+  admissions (backpressure); the decode engine allocates blocks for the request (``Engine.add_prefilled``) and the
+  connector loads the prompt's KV into them before its first decode step.
+- the **worker side** moves the bytes: ``KVSender.start`` packs the prompt's token slots of every layer into one
+  byte buffer per piece (``pack``: an int8 pool's fp32 scales, then K and V) and posts it with ``isend``;
+  ``KVReceiver.receive`` posts the matching ``irecv`` (tagged by request and attempt), waits up to a timeout,
+  checks the checksum and scatters the tokens into its own slots (``unpack``). A transfer is exactly
+  ``num_tokens * ModelConfig.kv_bytes_per_token(kv dtype)`` bytes; an fp8 pool's per-layer scales are announced
+  and checked equal, not sent.
 
-Tensor parallelism on either side (``transfer_plan``): a rank holds the KV heads of its query heads
-(``workbench.model.sharding``), so a request's KV moves as **pieces**, one per (prefill rank, decode rank) pair
-whose heads overlap: each decode rank receives the heads it holds from the first prefill rank holding them. Equal
-TP is rank i to rank i; unequal TP re-slices the heads (TP 1 to TP 2: one prefill rank sends each decode rank
-its half). The pieces add up to the prompt's KV bytes exactly, unless the decode side replicates KV heads
-(``decode_tp > num_kv_heads``): each replica then receives its copy.
+Under tensor parallelism on either side a request's KV moves as **pieces** (``transfer_plan``), one per (prefill
+rank, decode rank) pair whose KV heads overlap: each decode rank receives the heads it holds from the first prefill
+rank holding them (equal TP: rank i to rank i; each replica of a replicated KV head receives its copy).
 
 Completion is reported on the control channel (``ack``); a transfer whose checksum does not match is sent again
-(``nack``, up to ``max_retries``), and one that still fails, or times out, is recomputed on the decode side from
-the prompt. What overlaps: an ``isend`` is posted at the end of the prefill step that finished the prompt and the
-prefill engine goes on with its next step while the bytes move (gloo sends from its own thread); the decode engine
-receives between its steps, so a transfer delays the decode side's next step by its wire time only.
+(``nack``, up to ``max_retries``), and one that still fails, or times out, is recomputed on the decode side. The
+``isend`` is posted at the end of the prefill step that finished the prompt and the prefill engine goes on while
+the bytes move; the decode engine receives between its steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,8 +77,6 @@ class KVTransfer:
 
 def head_range(cfg: ModelConfig, rank: int, tp: int) -> tuple[int, int]:
     """[first, end) of the full model's KV heads that rank ``rank`` of ``tp`` holds."""
-    if tp == 1:
-        return 0, cfg.num_kv_heads
     shard = TensorParallelShard(cfg, rank, tp)
     return shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads
 
@@ -203,7 +194,7 @@ class KVSender:
 
     def post(self, buffer: torch.Tensor, dst: int, request_id: int, attempt: int) -> dist.Work:
         """Post one piece's bytes to decode rank ``dst``, tagged by request and attempt."""
-        return dist.isend(_on_wire_device(buffer), dst, tag=(request_id << ATTEMPT_BITS) | attempt)
+        return dist.isend(buffer.to(_wire_device(buffer.device)), dst, tag=(request_id << ATTEMPT_BITS) | attempt)
 
     def finish(self, request_id: int) -> None:
         """The receiver has the KV (or gave up on it): drop the staging buffers."""
@@ -251,10 +242,6 @@ def _wire_device(device: torch.device) -> torch.device:
     CPU tensors only: a CUDA pool is staged through the host, as when two processes share one GPU, which NCCL
     refuses)."""
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _on_wire_device(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to(_wire_device(tensor.device))
 
 
 def wall_clock(t0: float) -> Callable[[], float]:

@@ -133,17 +133,13 @@ class ServingConfig:
         return self.max_model_len
 
     def scheduler_config(self, model: ModelConfig) -> SchedulerConfig:
-        kwargs: dict[str, int] = {}
-        if self.token_budget is not None:
-            kwargs["token_budget"] = self.token_budget
-        if self.chunk_size is not None:
-            kwargs["chunk_size"] = self.chunk_size
         return SchedulerConfig(
             policy=self.policy,
             max_num_seqs=self.max_num_seqs,
+            token_budget=self.token_budget,
+            chunk_size=self.chunk_size,
             max_model_len=self.resolved_max_model_len(model),
             enable_prefix_caching=self.enable_prefix_caching,
-            **kwargs,
         )
 
 
@@ -151,26 +147,14 @@ class ServingConfig:
 class EngineConfig(ServingConfig):
     """The engine's settings: the shared ``ServingConfig`` plus cache layout, attention backend and device.
 
-    ``compile_decode`` (CPU): pure-decode steps run as ``torch.compile``d graphs, one per batch bucket, each batch
-    padded to its bucket (``workbench.engine.decode_step``); a bucket compiles at its first decode step, or all of
-    them in ``Engine.warmup_decode()``. On CUDA, pure-decode steps replay CUDA graphs; otherwise they run eagerly
-    (``decode_mode``).
-
-    ``compile_prefill`` (CPU, one process): ragged steps (prefill, chunks, prefill mixed with decodes) run each
-    layer's work around its attention as ``torch.compile``d graphs with the token count dynamic, attention eager
-    between them (``workbench.engine.prefill_step``); a token-count range compiles at its first step, or all of
-    them in ``Engine.prefill.warmup()``.
-
-    ``quantization`` / ``group_size``: weight-only int8 or int4 linear layers (``workbench.model.quant``), applied
-    by ``Engine.from_model`` at load time; ``kv_cache_dtype``: what the KV pool stores (``workbench.kv.cache``), and
-    so how many blocks a byte budget buys (``plan_num_blocks`` counts int8's scales).
-
-    ``packed_linears`` (CPU, fp32 or bf16, every rank): the model's plain linear layers also hold oneDNN's packed
-    layout of their weights, used for products of 4 to 256 rows (``workbench.model.packed``): a second copy of the
-    weights in memory for faster decode batches and short chunks. The engine applies it to the model it is given.
-
-    ``speculative_config`` (``--speculative-config``; a ``SpeculativeConfig``, its dict or JSON text; None: off):
-    speculative decoding with an n-gram, draft-model or oracle proposer (``workbench.engine.speculative``).
+    ``compile_decode`` (CPU): pure-decode steps run as ``torch.compile``d graphs, one per batch bucket
+    (``workbench.engine.decode_step``), compiled at a bucket's first step or all in ``Engine.warmup_decode()``. On
+    CUDA, pure-decode steps replay CUDA graphs; otherwise they run eagerly (``decode_mode``). ``compile_prefill``
+    (CPU, one process): ragged steps run each layer's work around its attention compiled
+    (``workbench.engine.prefill_step``). ``quantization`` / ``group_size`` are applied by ``Engine.from_model`` at
+    load time. ``packed_linears`` (CPU, fp32 or bf16, every rank): the plain linear layers also hold oneDNN's packed
+    copy of their weights, used for products of 4 to 256 rows (``workbench.model.packed``); the engine applies it to
+    the model it is given. ``speculative_config``: a ``SpeculativeConfig``, its dict or JSON text; None: off.
     """
 
     cache: str = "paged"

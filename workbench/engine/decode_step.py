@@ -7,20 +7,14 @@ three modes over the same model function and the same ``DecodeMetadata`` builder
 - ``eager``: the metadata of this step (cached-key width padded to ``KEY_PAD``), the model's decode step, and the
   cache write (``KVCache.write``).
 - ``compile`` (CPU): the model's decode step compiled by inductor with its C++ wrapper, one graph per bucket of
-  ``compile_buckets`` (1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to ``max_batch``) with the key width dynamic. A batch
-  is padded to its bucket with copies of its first row, whose results are dropped: only the real rows' logits are
-  returned and only their new K/V written. So every pure decode of the offline set and of ``replay`` runs a
-  compiled graph, however its batch size moves as requests finish. Why compile (measured with per-segment timers
-  and ``torch.profiler`` on ``bench-300m``, fp32, 2 CPU threads): a batch-1 step is ~100 matrix-vector products and
-  ~20 small eager operations per layer between them; each small one finds its code and data evicted by the weight
-  stream before it and costs 10-60 us instead of 2-5 us, ~10 of the step's ~57 ms. Compiled, a layer's glue fuses
-  into a few loops and no Python runs between the products; packed linears stay packed inside the graph
-  (``workbench.model.packed``). The compiled function writes nothing (a write into a view of a graph input makes
-  inductor copy the whole pool); the step's new K/V are written after it. A bucket compiles at its first decode,
-  or all of them at once in ``warmup`` (what a benchmark calls before it times, as vLLM captures its graphs at
-  start-up); ``compile_s`` keeps the seconds each took. Inductor caches compiled code on disk
-  (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary directory), so a second process pays only
-  for tracing and loading.
+  ``compile_buckets`` with the key width dynamic. A batch is padded to its bucket with copies of its first row,
+  whose results are dropped (only the real rows' logits are returned and only their new K/V written), so every pure
+  decode runs a compiled graph however its batch size moves. Why (``torch.profiler`` on ``bench-300m``, fp32, 2 CPU
+  threads): a batch-1 step is ~100 matrix-vector products with ~20 small eager operations per layer between them,
+  each slowed 10x by the weight stream evicting its code and data (~10 of the step's ~57 ms); compiled, a layer's
+  glue fuses into a few loops. The compiled function writes nothing (a write into a view of a graph input makes
+  inductor copy the whole pool); the step's new K/V are written after it. A bucket compiles at its first decode, or
+  all at once in ``warmup`` (as vLLM captures its graphs at start-up); ``compile_s`` keeps the seconds each took.
 - ``graph`` (CUDA; ``capture=False`` runs the same static path eagerly, which is how the CPU tests check it):
   a batch is padded to the next bucket of ``batch_buckets`` (1, 2, 4, 8, 16, ...) by repeating its first row,
   whose K/V the padding rows compute again and write to the same slot. All buckets share one set of static input

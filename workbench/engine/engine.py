@@ -5,17 +5,9 @@
 The executor runs each plan on the engine's workers (``workbench.engine.executor``): one ``ModelRunner`` in this
 process, or one per rank of a tensor-parallel engine, all running the same code on their shards.
 
-The engine's API, the only way in for the server, the benchmarks, disaggregation and the simulator's measurements:
-``add_request`` queues a request (an invalid one is rejected with its reason, the others keep running), ``abort``
-drops one between steps (the server does when a client goes away); ``step`` runs one scheduler step and returns a
-``RequestOutput`` (the new tokens; once finished, the whole result) for each request it touched, after which a
-finished request is forgotten; ``hold``/``held_blocks``/``release`` and ``add_prefilled`` hand a request from a
-prefill engine to a decode engine; ``stats`` gives the queue and pool gauges, ``speculative_stats`` speculative
-decoding's acceptance counters, ``request_state`` the per-request entries it holds (none of a finished request) and
-``check_invariants`` checks the block manager against the live requests' block tables. ``generate`` serves a list of
-prompts offline (all arrive at once); ``replay`` serves a workload online, admitting each request when its arrival
-time comes on the wall clock. Every timestamp is seconds
-since the engine's clock was started (``reset_clock``), and each step's measured duration is what advances it.
+The engine's public methods are the only way in for the server, the benchmarks, disaggregation and the simulator's
+measurements; a finished request is forgotten once ``step`` (or ``abort``) has returned its output. Every timestamp
+is seconds since the engine's clock was started (``reset_clock``), and each step's measured duration advances it.
 """
 
 from __future__ import annotations
@@ -46,7 +38,7 @@ from workbench.kv.block_manager import BlockManager
 from workbench.kv.ledger import MemoryLedger
 from workbench.model.sharding import TensorParallelShard, check_tensor_parallel_size
 from workbench.model.transformer import Transformer
-from workbench.request import RequestRecord, SamplingParams, Sequence, SequenceStatus, validate_request
+from workbench.request import RequestRecord, SamplingParams, Sequence, validate_request
 from workbench.workloads import prompt_token_ids
 
 
@@ -155,11 +147,10 @@ class Engine:
                 f"{model_q or 'unquantized'}; quantize with workbench.model.quant.quantize_model or use "
                 "Engine.from_model"
             )
-        # the pool stores the configured KV dtype ('auto': the weights' dtype, whatever config.dtype says)
-        kv_dtype = self.config.kv_cache_dtype if self.config.kv_cache_dtype in ("int8", "fp8") else "auto"
+        # the pool stores a quantized KV dtype, else the weights' dtype (whatever config.dtype says)
         self.ledger = MemoryLedger(
             mcfg, self.block_manager, weight_dtype=dtype_name(model.dtype),
-            kv_dtype=dtype_name(model.dtype) if kv_dtype == "auto" else kv_dtype,
+            kv_dtype=self.config.kv_cache_dtype if self.config.kv_cache_quantized else dtype_name(model.dtype),
             max_model_len=self.scheduler.config.max_model_len, quantization=model_q,
             group_size=getattr(model, "group_size", self.config.group_size),
         )  # fmt: skip
@@ -186,7 +177,6 @@ class Engine:
         self._num_reported: dict[int, int] = {}  # request id -> output tokens already reported by step()
         self._keep: dict[int, Sequence] | None = None  # generate/replay: their finished sequences, for the RunResult
         self._ids = itertools.count()
-        self._early_finished: list[Sequence] = []
         self._handoff_states: dict[int, torch.Tensor] = {}  # held requests' generators (handoff_state)
         self.reset_clock()
 
@@ -294,10 +284,7 @@ class Engine:
         seq = Sequence(rid, prompt, sampling, arrival, eos_token_ids=self.model.config.eos_token_ids)
         self.sequences[rid] = seq
         if reason is not None:
-            seq.status, seq.finish_reason, seq.reject_reason, seq.finish_time = (
-                SequenceStatus.FINISHED, "rejected", reason, arrival,
-            )  # fmt: skip
-            self._early_finished.append(seq)
+            self.scheduler.reject(seq, reason)
         else:
             self.scheduler.add(seq)
         return rid
@@ -314,7 +301,7 @@ class Engine:
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._early_finished)
+        return self.scheduler.has_unfinished()
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self, start: float | None = None) -> list[RequestOutput]:
@@ -324,13 +311,12 @@ class Engine:
         ``start``: the step's start time when the caller already read the clock (``replay`` passes the time at
         which it admitted arrivals, so that a simulator replaying the step log admits exactly the same ones).
         """
-        finished, self._early_finished = self._early_finished, []
         start = self.now() if start is None else start
         plan = self.scheduler.schedule(now=start)
         sampled = self.executor.execute(plan)
         synchronize(self.model.device)
         end = self.now()
-        finished += self.scheduler.update(plan, sampled, end)
+        finished = self.scheduler.update(plan, sampled, end)
         if not plan.is_empty:
             record = self.step_log.record(plan, start, end, self.block_manager.num_used_blocks)
             if self.on_step is not None:
@@ -341,10 +327,7 @@ class Engine:
                 if state is not None:
                     self._handoff_states[seq.seq_id] = state
             self.executor.release(seq.seq_id)
-        return self._outputs(plan, finished)
-
-    def _outputs(self, plan: StepPlan, finished: list[Sequence]) -> list[RequestOutput]:
-        """The step's deltas: every unfinished sequence of the plan that sampled, then every finished one."""
+        # the step's deltas: every unfinished sequence of the plan that sampled, then every finished one
         out = [self._output(c.seq) for c in plan.chunks if c.samples and not c.seq.is_finished]
         return out + [self._output(seq) for seq in finished]
 
@@ -482,19 +465,14 @@ class Engine:
             seq.first_token_time, seq.token_times = landed, [landed]
         self.sequences[request_id] = seq
         self._num_reported[request_id] = 1  # the first token was reported by the prefill side
-        self.resume_sampling(request_id, sampler_state)
+        if sampler_state is not None:  # a seeded request draws on as on one engine, not from its seed again
+            self.executor.sampler.resume(request_id, sampler_state, self.model.device)
         return "admitted"
 
     def handoff_state(self, seq_id: int) -> torch.Tensor | None:
         """The sampling generator's state of held request ``seq_id`` as it finished here (taken: asked once), for
-        ``resume_sampling`` on the engine that continues the request; None when it sampled greedily."""
+        ``add_prefilled`` on the engine that continues the request; None when it sampled greedily."""
         return self._handoff_states.pop(seq_id, None)
-
-    def resume_sampling(self, seq_id: int, state: torch.Tensor | None) -> None:
-        """Continue request ``seq_id``'s sampling from ``state`` (another engine's ``handoff_state``): a seeded
-        request then draws the same tokens as on one engine, instead of reseeding and repeating its first draw."""
-        if state is not None:
-            self.executor.sampler.resume(seq_id, state, self.model.device)
 
     # ---- serving a batch or a workload ---------------------------------------------------------------------
     def generate(

@@ -1,15 +1,11 @@
 """Executor: runs the engine's step plans on its workers, in this process (one device) or on N ranks; samples.
 
     Engine (scheduler) -> Executor.execute(plan): prepare_step(plan) -> StepInput, built once
-      -> Worker.execute_model(step) on every rank: in this process for one device; under tensor parallelism one
-         broadcast (``WorkerGroup.call``) and each rank runs its ``ModelRunner`` on its shard
+      -> Worker.execute_model(step) on every rank (one broadcast under tensor parallelism, ``WorkerGroup.call``)
       -> the driver's logits (rank 0 gathers the vocabulary slices) -> Sampler / verification -> tokens
 
-The same executor serves both: the only difference is whether a call goes to the one worker here or to every rank
-of a ``workbench.dist.group.WorkerGroup`` (rank 0 being the worker in this process). Every rank of a
-tensor-parallel engine holds a pool of the same number of blocks, and the one block table the driver's block
-manager keeps addresses all of them; a rank's blocks hold only its KV heads, so a rank's pool is ``1 / tp`` of the
-whole (or a replicated KV head's share when ``tp`` exceeds ``num_kv_heads``).
+Every rank of a tensor-parallel engine holds a pool of the same number of blocks, addressed by the one block table
+the driver's block manager keeps; a rank's blocks hold only its KV heads.
 """
 
 from __future__ import annotations

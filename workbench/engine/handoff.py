@@ -60,10 +60,7 @@ class Handoff(Generic[T]):
     @staticmethod
     def release(scheduler: Scheduler, request_id: int) -> bool:
         """Free the blocks of held request ``request_id`` (the decode side took its KV); False when not held."""
-        if request_id not in scheduler.held:
-            return False
-        scheduler.release_held(request_id)
-        return True
+        return scheduler.release_held(request_id)
 
     # ---- the decode side -------------------------------------------------------------------------------------
     def arrive(self, request_id: int, item: T) -> None:
@@ -93,6 +90,3 @@ class Handoff(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         return (item for _, item in self._arrived)
-
-
-__all__ = ["Handoff", "prefilled_sequence"]

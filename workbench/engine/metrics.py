@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from workbench.config import check_positive_ints
 from workbench.request import RequestRecord, Sequence
 
 if TYPE_CHECKING:
@@ -198,12 +199,9 @@ class ServingStats:
         if num_preemptions is None:
             num_preemptions = self.num_preemptions
         good_mask = np.ones(done, dtype=bool)
-        if slo_ttft_s is not None:
-            good_mask &= ~(ttft > slo_ttft_s)
-        if slo_tpot_s is not None:
-            good_mask &= ~(tpot > slo_tpot_s)  # NaN (one output token) meets any TPOT SLO
-        if slo_e2el_s is not None:
-            good_mask &= ~(e2el > slo_e2el_s)
+        for values, slo in ((ttft, slo_ttft_s), (tpot, slo_tpot_s), (e2el, slo_e2el_s)):
+            if slo is not None:
+                good_mask &= ~(values > slo)  # a NaN TPOT (one output token) meets any TPOT SLO
         good = int(good_mask.sum())
         has_slo = any(x is not None for x in (slo_ttft_s, slo_tpot_s, slo_e2el_s))
         records = self.num_requests
@@ -303,8 +301,7 @@ class StepLog:
     num_recorded: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
-            raise ValueError(f"max_steps must be a positive integer or None, got {self.max_steps!r}")
+        check_positive_ints(self, ("max_steps",), optional=True)
 
     def record(self, plan: StepPlan, start_s: float, end_s: float, num_blocks_used: int) -> StepRecord:
         """Log one executed ``StepPlan``: the one step record of the engine and the simulator."""

@@ -1,16 +1,13 @@
 """The one ragged-step executor: ``Transformer.forward`` (prefill, chunks, prefill mixed with decodes) eagerly, or
 with every layer's work around its attention compiled.
 
-A ragged step's time is mostly its large matrix products; what is left (measured with ``torch.profiler`` on
-``bench-300m``, fp32, 2 CPU threads, one 320-token step over 5 sequences: 1.10 s, of which ``aten::mm`` 85%, SDPA
-4%, SiLU 2.7%, and ~8% in ~40 small operations per layer: RMSNorm, rotary, residual adds, the SiLU's product, the
-cache write, the per-sequence gathers) is glue between them, each small operation a pass over (tokens, hidden)
-or (tokens, intermediate) in memory. ``compile=True`` (``EngineConfig.compile_prefill``, CPU) compiles the two
-parts of a layer, ``DecoderLayer.pre_attention`` (norm, QKV projection, rotary) and ``post_attention`` (O
-projection, residual, norm, SwiGLU, residual), with inductor and its C++ wrapper, so each part's glue fuses into a
-few loops. Attention stays eager between them: its cache write and its Python loop over the step's sequences are
-ragged, and a write into the pool inside a graph makes inductor copy the pool (``workbench.engine.decode_step``).
-Packed linears stay packed inside the graphs (``workbench::packed_linear``, ``workbench.model.packed``).
+A ragged step's time is mostly its large matrix products; ~8% (``torch.profiler`` on ``bench-300m``, fp32, 2 CPU
+threads, a 320-token step) is ~40 small operations per layer between them, each a pass over (tokens, hidden) in
+memory. ``compile=True`` (``EngineConfig.compile_prefill``, CPU) compiles the two parts of a layer,
+``DecoderLayer.pre_attention`` (norm, QKV projection, rotary) and ``post_attention`` (O projection, residual, norm,
+SwiGLU, residual), with inductor and its C++ wrapper, so each part's glue fuses into a few loops. Attention stays
+eager between them: its cache write and its loop over the step's sequences are ragged, and a write into the pool
+inside a graph makes inductor copy the pool.
 
 The token count is a dynamic dimension and the layer is an argument (dynamo inlines the module, so its weights are
 graph inputs): one pair of graphs serves every layer and every token count of a range. The ranges are what the
@@ -18,8 +15,7 @@ graphs are guarded on: dynamo specialises a count of 1, and a packed linear's ro
 ``PACKED_MAX_ROWS``) splits the rest, so at most four pairs: 1, 2-3, 4-256 and 257 or more tokens
 (``WARMUP_TOKEN_COUNTS`` holds one count of each). A range compiles at its first step, or all of them in
 ``warmup`` (on a scratch cache: the engine's pool is not written); ``compile_s`` keeps the seconds of each step
-that compiled. Inductor caches compiled code on disk (``TORCHINDUCTOR_CACHE_DIR``), so a second process pays only
-for tracing and loading.
+that compiled. Inductor caches compiled code on disk (``workbench.engine.compile_cache``).
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """ModelRunner: one rank's model, KV pool and step executors; the only place that turns a step into tensors.
 
-    Executor.execute(plan): prepare_step(plan) -> StepInput (plain lists, built once on the driver, broadcast to
-    every rank under tensor parallelism) -> ModelRunner.run(step) on each rank -> logits on the driver -> sampler
-
-Two named paths, as in the seed's pseudocode:
+Two named paths, as in the seed's pseudocode (the driver's ``Executor`` builds each step's ``StepInput`` once):
 
 - ``prepare_prefill`` / ``run_prefill``: a step with any prefill chunk (or a pure decode the decode executor
-  refuses) lays every chunk's tokens into one flat ragged batch, with positions and cache slots from each
-  sequence's block table, and runs ``Transformer.forward`` once for the whole mixed step, through the one
-  ragged-step executor ``workbench.engine.prefill_step.PrefillStep`` (eager, or each layer's work around its
-  attention compiled: ``EngineConfig.compile_prefill``), then the LM head on the rows that need logits;
-- ``prepare_decode`` / ``run_decode``: a pure decode (``StepPlan.is_pure_decode``) goes to the one decode executor,
-  ``workbench.engine.decode_step.DecodeStep`` (eager, compiled or CUDA graphs).
+  refuses) as one flat ragged batch, positions and cache slots from each sequence's block table, through the one
+  ragged-step executor (``workbench.engine.prefill_step``), then the LM head on the rows that need logits;
+- ``prepare_decode`` / ``run_decode``: a pure decode through the one decode executor
+  (``workbench.engine.decode_step``: eager, compiled or CUDA graphs).
 
-A tensor-parallel rank runs the same code on its shard (its heads, its slice of the MLP and of the vocabulary, its
-KV heads of the pool); its row-parallel layers all-reduce and ``run`` gathers the vocabulary slices of the logits
-on the driver (``workbench.model.sharding``). The driver samples (``workbench.engine.executor``).
+A tensor-parallel rank runs the same code on its shard; ``run`` gathers the vocabulary slices of the logits on the
+driver (``workbench.model.sharding``).
 """
 
 from __future__ import annotations
@@ -37,22 +31,14 @@ from workbench.model.transformer import Transformer
 from workbench.timing import now
 
 
-def resolve_attention_backend(name: str, device_type: str | None = None) -> str:
-    """``name`` with 'auto' decided: 'cpu' (the paged C++ decode, ``kernels/paged_decode_cpu.py``) on a CPU where it
-    builds, 'torch' otherwise (CUDA, or no compiler). ``device_type`` None: CUDA if present, else the CPU."""
-    if name != "auto":
-        return name
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    from workbench.model.cpu_backend import default_backend
-
-    return default_backend(device_type).name
-
-
 def make_backend(name: str, device_type: str | None = None) -> AttentionBackend:
-    """The attention backend called ``name`` (``EngineConfig.attention_backend``; 'auto' by
-    ``resolve_attention_backend``)."""
-    name = resolve_attention_backend(name, device_type)
+    """The attention backend called ``name`` (``EngineConfig.attention_backend``). 'auto': the paged C++ decode
+    (``kernels/paged_decode_cpu.py``) on a CPU where it builds, else torch (``cpu_backend.default_backend``);
+    ``device_type`` None: CUDA if present, else the CPU."""
+    if name == "auto":
+        from workbench.model.cpu_backend import default_backend
+
+        return default_backend(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
     if name == "triton":
         from workbench.model.triton_backend import TritonAttentionBackend
 

@@ -41,16 +41,13 @@ finishes. Admission keeps ``watermark`` of the pool free while something is runn
 against immediate re-preemption); no request is admitted in a step that preempted one.
 
 Speculative decoding (``proposer`` set; ``workbench.engine.speculative``): at each ``schedule()`` the proposer gives
-proposed tokens for the running decodes; a decode then carries ``k`` of them (``ScheduledChunk.spec_token_ids``, cut to
-the token budget, to what ``max_tokens`` and the context leave, and to the free blocks beyond one per running sequence
-after it, so speculation never preempts) and computes ``1 + k`` tokens. ``update()`` takes the list of tokens the
-verification kept (the accepted proposals and the target's own token), appends them up to a finish, sets
-``num_computed_tokens`` to the positions they confirm and returns the rejected positions' blocks to the pool
-(``BlockManager.truncate``); ``spec_stats`` counts acceptance.
+proposed tokens for the running decodes; a decode then carries up to ``k`` of them (``_spec_tokens``) and computes
+``1 + k`` tokens; ``update()`` appends the tokens verification kept and rolls back the rejected positions' blocks
+(``_update_spec``); ``spec_stats`` counts acceptance.
 
 Cost per step is O(running sequences + admitted requests): there is no per-step work over all requests. The
-simulator's fast path advances several pure-decode steps at once while nothing changes (no waiting request, no
-finish, the pool holds the blocks they need): ``decode_steps_until_change`` tells how many.
+simulator's fast path advances several pure-decode steps at once while nothing changes
+(``decode_steps_until_change``, ``advance_decode_steps``).
 """
 
 from __future__ import annotations
@@ -261,17 +258,19 @@ class Scheduler:
         try:
             self.check_request(seq)
         except RequestError as exc:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "rejected"
-            seq.reject_reason = str(exc)
-            seq.finish_time = seq.arrival_time
-            self._rejected.append(seq)
-            self.num_rejected += 1
+            self.reject(seq, str(exc))
             return False
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self._by_id[seq.seq_id] = seq
         return True
+
+    def reject(self, seq: Sequence, reason: str) -> None:
+        """Finish ``seq`` as 'rejected' for ``reason`` at its arrival; reported by the next ``update``."""
+        seq.status, seq.finish_reason, seq.reject_reason = SequenceStatus.FINISHED, "rejected", reason
+        seq.finish_time = seq.arrival_time
+        self._rejected.append(seq)
+        self.num_rejected += 1
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Drop an unfinished request (finish_reason 'abort'), freeing its blocks; None if unknown."""
@@ -510,14 +509,10 @@ class Scheduler:
 
     # ---- bulk decode (the simulator's fast path) -------------------------------------------------------------
     def decode_steps_until_change(self) -> int:
-        """How many next steps are the same pure-decode step over the same running sequences, the last included.
-
-        A block boundary is no change while the free pool holds every block the run needs (taking a free
-        block is bookkeeping, not a scheduling decision): zero unless no
-        request waits (the static policy ignores waiting requests while its batch runs) and every running
-        sequence decodes; otherwise the steps up to and including the first that finishes a sequence by
-        ``max_tokens`` (EOS ignored), capped where the pool would run out of blocks.
-        """
+        """How many next steps are the same pure-decode step over the same running sequences, the last included:
+        zero unless no request waits (the static policy ignores them while its batch runs) and every running sequence
+        decodes; else up to the first step that finishes a sequence by ``max_tokens`` (EOS ignored), capped where the
+        free pool would run out of blocks (taking a free block is bookkeeping, not a scheduling decision)."""
         if (self.waiting and self.policy != "static") or not self.running or self._rejected:
             return 0
         steps = None
@@ -529,24 +524,18 @@ class Scheduler:
             steps = left if steps is None or left < steps else steps
         steps = max(steps or 0, 0)
         free = self.block_manager.num_free_blocks
-        while steps > 0 and self._blocks_needed(steps) > free:
-            steps = self._max_steps_within(free, steps)
+        if self._blocks_needed(steps) > free:  # the largest k < steps whose blocks fit (monotone in k)
+            lo, hi = 0, steps - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self._blocks_needed(mid) <= free else (lo, mid - 1)
+            steps = lo
         return steps
 
     def _blocks_needed(self, num_steps: int) -> int:
         """New blocks the running decodes take over ``num_steps`` steps (step j writes position computed + j - 1)."""
         bs = self.block_manager.block_size
         return sum(max(0, -(-(s.num_computed_tokens + num_steps) // bs) - len(s.block_table)) for s in self.running)
-
-    def _max_steps_within(self, free: int, upper: int) -> int:
-        lo, hi = 0, upper - 1  # the largest k < upper with _blocks_needed(k) <= free (monotone in k)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._blocks_needed(mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     def advance_decode_steps(self, end_times: list[float], token: int = 0) -> None:
         """Apply ``len(end_times)`` pure-decode steps to every running sequence at once, each sampling ``token``.
@@ -578,9 +567,13 @@ class Scheduler:
         self.num_steps += k
         self.num_decode_tokens += k * len(self.running)
 
-    def release_held(self, seq_id: int) -> None:
-        """Free the blocks of a finished sequence kept by ``hold_finished`` (its KV has been sent)."""
-        self.block_manager.free(self.held.pop(seq_id))
+    def release_held(self, seq_id: int) -> bool:
+        """Free the blocks of a finished sequence kept by ``hold_finished`` (its KV has been sent); False when it is
+        not held."""
+        seq = self.held.pop(seq_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+        return seq is not None
 
     def admit_prefilled(self, seq: Sequence) -> bool:
         """Admit a request whose KV for all but its last token was computed elsewhere (prefill/decode

@@ -17,19 +17,8 @@ step; row ``i`` of its logits is the target's distribution ``p_i`` of the token 
   its temperature, top-k and top-p: ``p_i`` is the filtered distribution the sampler draws from). The sequences of
   a step are verified together (``rejection_sample``), each with ``k + 1`` uniforms from its own generator.
 
-Proposers (each ``propose(seq, k) -> list[int]``):
-
-- ``OracleProposer``: the target's own greedy continuation with each token kept with probability ``acceptance``,
-  else replaced by a different token (seeded coin flips), so a run's acceptance rate is dialled for experiments.
-  The continuation is honest: a reference run of the target (``add_reference``, e.g. the tokens of a run without
-  speculation, as the speed-up benchmark does; kept by prompt until the caller drops the proposer), or else the
-  target's greedy continuation computed on first need with the plain static loop
-  (``workbench.model.generate.generate_static``, greedy, EOS ignored) from the sequence's tokens so far, and again
-  whenever the sequence's outputs leave it (``num_reference_runs`` counts); a computed one is kept by request and
-  dropped when the request ends (``release``), so a long-running engine holds none of a finished request.
-- ``DraftModelProposer``: a smaller model with the target's vocabulary, its own paged KV pool and block manager;
-  each step it catches up on the sequence's tokens it has not seen and proposes its greedy continuation, one
-  token per forward; its KV past the accepted tokens is dropped (``BlockManager.truncate``).
+The proposers that need a model (each ``propose(seq, k) -> list[int]``) are ``OracleProposer`` and
+``DraftModelProposer`` below.
 """
 
 from __future__ import annotations
@@ -138,7 +127,11 @@ def verify(plan: StepPlan, logits: torch.Tensor, sampler: Sampler) -> dict[int, 
 
 # ---- proposers that need a model -----------------------------------------------------------------------------------
 class OracleProposer:
-    """The target's greedy continuation, each token kept with probability ``acceptance`` (module docstring)."""
+    """The target's greedy continuation, each token kept with probability ``acceptance`` (else a different token,
+    seeded coin flips), so a run's acceptance rate is dialled for experiments. The continuation is a reference run
+    (``add_reference``: a run without speculation, kept by prompt), or else computed on first need with the static
+    loop (``generate_static``, greedy, EOS ignored) and again whenever the outputs leave it (``num_reference_runs``
+    counts), kept by request until ``release``."""
 
     def __init__(self, model: Transformer, acceptance: float, seed: int = 0) -> None:
         self.model, self.acceptance = model, acceptance
@@ -190,7 +183,8 @@ class OracleProposer:
 
 
 class DraftModelProposer:
-    """A smaller model's greedy continuation, over its own paged KV (module docstring)."""
+    """A smaller model's greedy continuation, one token per forward, over its own paged KV pool: each step it catches
+    up on the tokens it has not seen; its KV past the accepted tokens is dropped (``BlockManager.truncate``)."""
 
     def __init__(self, draft: Transformer, target_vocab: int, num_blocks: int, block_size: int) -> None:
         if draft.config.vocab_size != target_vocab:

@@ -1,19 +1,12 @@
 """Speculative decoding's torch-free half: its config, the n-gram proposer, the acceptance counters and the
 expected gain.
 
-A speculating decode step (Leviathan et al., ICML 2023; Chen et al., 2023) runs the sequence's last token and
-``k`` proposed tokens as ``k + 1`` query tokens over the cached context, in the engine's ragged step: a chunk like
-a prefill chunk (``ScheduledChunk.spec_token_ids``). Verification (``workbench.engine.spec_decode``) keeps the
-longest accepted prefix of the proposal plus one token of the target's own, so a step emits 1 to ``k + 1`` tokens;
-the rejected positions' KV slots are rolled back (``BlockManager.truncate``). The proposers:
-
-- ``ngram`` (vLLM's prompt lookup, no second model): the last ``n`` tokens of prompt + outputs, for ``n`` from
-  ``prompt_lookup_max`` down to ``prompt_lookup_min``, are looked up earlier in the same sequence; the tokens that
-  followed their first occurrence are the proposal (``NgramProposer``, here);
-- ``draft`` (``{"model": DIR}``): a smaller checkpoint with the same vocabulary, its own paged KV, proposing its
-  greedy continuation (``workbench.engine.spec_decode.DraftModelProposer``);
-- ``oracle`` (experiments): the target's own greedy continuation, each token kept with probability ``acceptance``
-  (else a wrong token), so the acceptance rate can be dialled (``workbench.engine.spec_decode.OracleProposer``).
+A speculating decode step (Leviathan et al., ICML 2023; Chen et al., 2023) runs the sequence's last token and ``k``
+proposed tokens as ``k + 1`` query tokens over the cached context, in the engine's ragged step; verification
+(``workbench.engine.spec_decode``) keeps the longest accepted prefix plus one token of the target's own, so a step
+emits 1 to ``k + 1`` tokens. The proposers: ``ngram`` (vLLM's prompt lookup, ``NgramProposer`` here), ``draft`` (a
+smaller checkpoint with the same vocabulary) and ``oracle`` (experiments: the target's own greedy continuation with
+a dialled acceptance rate), the last two in ``workbench.engine.spec_decode``.
 
 With i.i.d. per-token acceptance ``alpha``, a step emits ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens on average
 (Leviathan et al., eq. 1): ``expected_tokens_per_step``.

@@ -1,15 +1,11 @@
-"""Worker: one rank of an engine, holding its model (the whole model, or its tensor-parallel shard) and, once the
-engine has sized the pool, its ``ModelRunner`` (KV pool, attention backend, ``DecodeStep``, ``PrefillStep``).
+"""Worker: one rank of an engine, holding its model (whole, or its tensor-parallel shard) and, once the engine has
+sized the pool, its ``ModelRunner``.
 
-A one-device engine has one worker in its own process (``Worker.for_model``); a tensor-parallel engine has one per
-rank, each built in its process by ``Worker(rank, world_size, ...)`` (the factory of ``workbench.dist.group.
-WorkerGroup``), and the driver's ``Executor`` calls the same methods on all of them: ``init_cache`` once per engine,
-``execute_model`` once per step. Every rank therefore runs the one-device code on its shard, with the engine's
-settings: compiled decode or CUDA graphs, compiled prefill, packed linears, int8/int4 weights, a quantized KV pool.
-
-A rank's row-parallel layers sum their partial products with one all-reduce each (after O, after down), as one
-opaque operator (``workbench.model.sharding.traced_reduce``) that compiled graphs call like any other; each rank
-times its all-reduces when asked (``comm_stats``), which is how ``bench decode`` reports a step's share of them.
+The driver's ``Executor`` calls the same methods on every worker (``init_cache`` once per engine, ``execute_model``
+once per step), so every rank runs the one-device code on its shard with the engine's settings. A rank's
+row-parallel layers sum their partial products with one all-reduce each (after O, after down), as one opaque
+operator (``workbench.model.sharding.traced_reduce``) that compiled graphs call like any other; ``comm_stats`` times
+them when asked (how ``bench decode`` reports a step's share of them).
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from workbench.config import DEFAULT_GROUP_SIZE
 from workbench.device import resolve_device, synchronize, torch_dtype
@@ -26,7 +23,7 @@ from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.runner import ModelRunner, StepInput, make_backend
 from workbench.kv.cache import KVCache
 from workbench.model.packed import pack_linears, unpack_linears
-from workbench.model.sharding import all_reduce, all_reduce_max, traced_reduce
+from workbench.model.sharding import all_reduce, traced_reduce
 from workbench.model.transformer import Transformer
 from workbench.timing import now, set_threads
 
@@ -76,7 +73,9 @@ class Worker:
         for layer in self.model.layers:
             layer.self_attn.reduce = layer.mlp.reduce = self._reduce
         if quantization is not None:
-            quantize_model(self.model, quantization, group_size, lambda amax: all_reduce_max(amax, self.group))
+            quantize_model(
+                self.model, quantization, group_size, lambda amax: all_reduce(amax, self.group, dist.ReduceOp.MAX)
+            )
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._timing:

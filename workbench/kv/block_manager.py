@@ -25,8 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from workbench.config import ceil_div
-from workbench.errors import ConfigError
+from workbench.config import ceil_div, check_positive_ints
 from workbench.request import Sequence
 
 
@@ -54,11 +53,9 @@ class BlockManager:
     """Allocates KV blocks to sequences; optionally shares full blocks across sequences by prefix hash."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        check_positive_ints(self, ("num_blocks", "block_size"))
         self.enable_prefix_caching = bool(enable_prefix_caching)
         # Blocks are made when first taken (ids in order), so a pool sized from an accelerator's memory (millions of
         # blocks) costs what the run uses: ``blocks`` holds the ids taken so far, ids from len(blocks) on are fresh.
@@ -68,7 +65,6 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         # cumulative counters
         self.num_hit_tokens = 0  # prompt/recompute tokens served from the prefix cache
-        self.num_queried_tokens = 0  # tokens looked up at admission (for a hit ratio)
         self.num_evictions = 0
 
     # ---- counters ----------------------------------------------------------------------------------------
@@ -190,9 +186,7 @@ class BlockManager:
         hit_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = hit_tokens
         seq.num_computed_tokens = hit_tokens
-        if self.enable_prefix_caching:
-            self.num_hit_tokens += hit_tokens
-            self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += hit_tokens
         return True
 
     def append_slots(self, seq: Sequence, num_positions: int) -> bool:

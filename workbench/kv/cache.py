@@ -4,25 +4,21 @@ Layout (the kernels' input, vLLM/flash-attention convention):
 
     k[layer], v[layer]: (num_blocks, block_size, num_kv_heads, head_dim)
 
-A token at position p of a sequence lives in slot ``block_table[p // block_size] * block_size + p % block_size``;
-``slot_mapping`` lists that slot for every new token of a step. Which blocks a sequence owns is decided by the
-torch-free ``BlockManager``; this module only holds the memory.
+``slot_mapping`` lists the slot of every new token of a step (``block_table[p // block_size] * block_size +
+p % block_size`` for position ``p``); which blocks a sequence owns is decided by the torch-free ``BlockManager``.
 
-Multi-head latent attention (``cfg.is_mla``, ``workbench.model.mla``) stores one entry per token and layer,
-``[latent (kv_lora_rank), rotary key (qk_rope_head_dim)]`` as a single "KV head" of ``k``; ``v`` is a view of its
-first ``kv_lora_rank`` values (no second copy), so ``write`` stores K only.
+Multi-head latent attention (``workbench.model.mla``) stores one entry per token and layer, ``[latent, rotary key]``,
+as a single "KV head" of ``k``; ``v`` is a view of its first ``kv_lora_rank`` values, so ``write`` stores K only.
 
 The *contiguous* cache of a static-batching framework (gpt-fast, HF's static cache) is the same pool with
-``block_size = max_len`` and one block per batch slot: sequence ``i`` owns block ``i`` and its tokens are a plain
-slice ``k[layer][i, :len]``. ``ContiguousKVCache`` adds the per-slot lengths that ``Transformer.prefill`` and
-``Transformer.decode`` need.
+``block_size = max_len`` and one block per batch slot; ``ContiguousKVCache`` adds the per-slot lengths.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workbench.config import KV_INT8_SCALE_BYTES, ModelConfig, resolve_kv_cache_dtype
+from workbench.config import KV_INT8_SCALE_BYTES, ModelConfig, check_positive_ints, resolve_kv_cache_dtype
 from workbench.errors import ConfigError
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -78,13 +74,10 @@ class KVCache:
         device: torch.device | str = "cpu",
         kv_cache_dtype: str | None = "auto",
     ) -> None:
-        if num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be positive, got {num_blocks}")
-        if block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {block_size}")
         self.num_layers = cfg.num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
+        check_positive_ints(self, ("num_blocks", "block_size"))
         self.num_kv_heads, self.head_dim = cfg.cache_entry  # MLA: (1, kv_lora_rank + qk_rope_head_dim)
         self.latent_dim = cfg.kv_lora_rank if cfg.is_mla else None  # MLA: V is k[..., :latent_dim]
         self.dtype = dtype  # what attention reads: the activation dtype
@@ -108,10 +101,6 @@ class KVCache:
             self.v_scale = torch.ones(cfg.num_layers, dtype=torch.float32, device=device)
 
     @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
     def bytes_per_token(self) -> int:
         """K and V bytes of one token over all layers: 2 * layers * kv_heads * (head_dim * element size + scale),
         the scale being int8's fp32 per token and head (``ModelConfig.kv_bytes_per_token`` counts the same)."""
@@ -119,10 +108,6 @@ class KVCache:
         if self.latent_dim is not None:  # MLA: one entry, V inside it
             return self.num_layers * self.head_dim * self.k.element_size()
         return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.k.element_size() + scale)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_token * self.num_slots
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
         """The one writer of the pool: row ``t`` of ``k``/``v`` goes to slot ``slot_mapping[t]`` (int64, (T,)).

@@ -1,17 +1,7 @@
-"""Memory ledger: where the bytes of a serving engine go, and what a contiguous cache would have wasted.
-
-- weights: ``ModelConfig.weight_bytes(dtype, quantization, group_size)`` (int8/int4 linear layers with their
-  scales, the rest in ``dtype``);
-- KV per token: ``2 (K and V) * num_layers * num_kv_heads * head_dim * bytes(kv_dtype)`` (plus int8's fp32
-  scale per token and head), so GQA and MQA shrink it by ``num_heads / num_kv_heads`` against MHA;
-- the pool: ``num_blocks * block_size * kv_bytes_per_token``; blocks in use, free, and cached (prefix
-  blocks kept for reuse, a subset of used + free);
-- waste: a contiguous per-slot cache (a static cache, as HF's) reserves ``max_model_len`` positions per
-  request however long it turns out, so it wastes ``max_model_len - tokens``; a paged cache only wastes the
-  unused tail of each request's last block, ``ceil(tokens / block_size) * block_size - tokens`` (internal
-  fragmentation; blocks reserved ahead for a prompt are not counted as waste here).
-
-Plain Python; the tensors themselves live in ``workbench/kv/cache.py``.
+"""Memory ledger: where the bytes of a serving engine go (weights, KV per token, the pool; blocks in use, free and
+cached for prefix reuse), and what a contiguous per-slot cache would have wasted where a paged one wastes only the
+tail of each request's last block (``workbench.kv.sizing.paged_vs_contiguous``). Plain Python; the tensors live in
+``workbench/kv/cache.py``.
 """
 
 from __future__ import annotations
@@ -24,13 +14,6 @@ from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
 from workbench.kv.sizing import PagingComparison, paged_vs_contiguous
 from workbench.request import Sequence
-
-
-def kv_tokens_held(seq: Sequence) -> int:
-    """K/V positions a sequence holds now (running) or held at its end (finished: all but the last token)."""
-    if seq.is_finished:
-        return max(seq.num_tokens - 1, 0) if seq.finish_reason != "rejected" else 0
-    return seq.num_computed_tokens
 
 
 @dataclass
@@ -65,7 +48,12 @@ class MemoryLedger:
         """Contiguous-versus-paged memory for the K/V these sequences hold (needs ``max_model_len``)."""
         if self.max_model_len is None:
             raise ConfigError("MemoryLedger.max_model_len is needed to compare with a contiguous cache")
-        counts = [kv_tokens_held(s) for s in sequences if s.finish_reason != "rejected"]
+        # K/V positions each holds now (running) or held at its end (finished: all but the last token)
+        counts = [
+            max(s.num_tokens - 1, 0) if s.is_finished else s.num_computed_tokens
+            for s in sequences
+            if s.finish_reason != "rejected"
+        ]
         return paged_vs_contiguous(self.model, counts, self.block_manager.block_size, self.max_model_len, self.kv_dtype)
 
     def snapshot(self, sequences: list[Sequence] | None = None) -> dict[str, Any]:

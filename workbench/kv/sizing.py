@@ -1,17 +1,7 @@
-"""KV-cache calculator: bytes per token, how many sequences fit, paged versus contiguous memory.
-
-- bytes per token: ``ModelConfig.kv_bytes_per_token`` (K and V, all layers: 2 * layers * kv_heads * head_dim * B).
-- ``attention_variants``: the same for the model's MHA, GQA and MQA counterparts (same query heads and head
-  size, different numbers of KV heads), to show what grouping saves; an MLA model's own row beside them.
-- ``plan_num_blocks``: the one KV-pool planner: how many blocks of ``block_size`` tokens a pool gets (given,
-  or as many as fit a byte budget, capped at what the wanted tokens need). The engine (``EngineConfig``), the
-  simulator (``SimConfig``) and ``max_concurrent_sequences`` size their pools through it.
-- ``max_concurrent_sequences``: the largest number of sequences of a given length whose KV cache fits in a
-  memory budget after the weights (and an optional reserve for activations), contiguous or paged.
-- ``paged_vs_contiguous``: memory of a set of requests when each slot reserves the maximum length
-  (a contiguous, static cache) versus when each sequence holds ``ceil(len / block_size)`` blocks (paged).
-
-Pure Python; imports no torch.
+"""KV-cache calculator, in pure Python: bytes per token of a model and of its MHA, GQA and MQA counterparts
+(``attention_variants``), the one KV-pool planner (``plan_num_blocks``, through which the engine, the simulator and
+``max_concurrent_sequences`` size their pools), how many sequences fit in a memory budget, and the memory of a set
+of requests under a contiguous (per-slot maximum length) versus a paged cache (``paged_vs_contiguous``).
 """
 
 from __future__ import annotations
@@ -38,44 +28,37 @@ def attention_variants(
 ) -> list[dict[str, Any]]:
     """KV bytes per token of the model's MHA, GQA and MQA counterparts (rows: kind, num_kv_heads,
     bytes_per_token, ratio_to_mha, is_model). The GQA row uses the model's own KV heads when it is GQA, else
-    ``gqa_kv_heads`` (default 8 where that divides the heads); it is omitted when no grouping exists."""
+    ``gqa_kv_heads`` (default 8 where that divides the heads); it is omitted when no grouping exists. An MLA model's
+    own row (kind 'MLA', one latent + rope entry per token and layer) comes last; its counterparts cache K
+    (``qk_nope + qk_rope``) and V (``v_head_dim``) per KV head."""
     nh = cfg.num_heads
-    if cfg.is_mla:
-        return _mla_variants(cfg, kv_dtype, gqa_kv_heads or _default_gqa_kv_heads(nh))
     if gqa_kv_heads is None:
         gqa_kv_heads = cfg.num_kv_heads if cfg.attention_kind == "GQA" else _default_gqa_kv_heads(nh)
-    elif not (1 < gqa_kv_heads < nh and nh % gqa_kv_heads == 0):
+    elif not cfg.is_mla and not (1 < gqa_kv_heads < nh and nh % gqa_kv_heads == 0):
         raise ConfigError(
             f"gqa_kv_heads must divide num_heads ({nh}) and lie strictly between 1 and it, got {gqa_kv_heads}"
         )
-    mha = cfg.with_overrides(num_kv_heads=nh).kv_bytes_per_token(kv_dtype)
-    rows = []
-    for kind, kv_heads in (("MHA", nh), ("GQA", gqa_kv_heads), ("MQA", 1)):
-        if kv_heads is None:
-            continue
-        bpt = cfg.with_overrides(num_kv_heads=kv_heads).kv_bytes_per_token(kv_dtype)
-        rows.append(
-            {
-                "kind": kind,
-                "num_kv_heads": kv_heads,
-                "bytes_per_token": bpt,
-                "ratio_to_mha": bpt / mha,
-                "is_model": kv_heads == cfg.num_kv_heads,
-            }
-        )
-    return rows
 
+    def per_token(kv_heads: int) -> int:
+        if cfg.is_mla:
+            return cfg.num_layers * kv_heads * (cfg.head_dim + cfg.v_head_dim) * dtype_bytes(kv_dtype)
+        return cfg.with_overrides(num_kv_heads=kv_heads).kv_bytes_per_token(kv_dtype)
 
-def _mla_variants(cfg: ModelConfig, kv_dtype: str, gqa_kv_heads: int | None) -> list[dict[str, Any]]:
-    """An MLA model's own row (kind 'MLA', one latent + rope entry per token and layer) after its MHA / GQA / MQA
-    counterparts, which cache K (``qk_nope + qk_rope``) and V (``v_head_dim``) per KV head."""
-    per_head = (cfg.head_dim + cfg.v_head_dim) * dtype_bytes(kv_dtype)
-    kinds = [("MHA", cfg.num_heads), ("GQA", gqa_kv_heads), ("MQA", 1)]
-    sizes = [(k, h, cfg.num_layers * h * per_head) for k, h in kinds if h is not None]
-    sizes.append(("MLA", None, cfg.kv_bytes_per_token(kv_dtype)))
+    kinds = (("MHA", nh), ("GQA", gqa_kv_heads), ("MQA", 1))
+    sizes = [(kind, h, per_token(h)) for kind, h in kinds if h is not None]
+    if cfg.is_mla:
+        sizes.append(("MLA", None, cfg.kv_bytes_per_token(kv_dtype)))
     mha = sizes[0][2]
-    return [{"kind": k, "num_kv_heads": h, "bytes_per_token": b, "ratio_to_mha": b / mha, "is_model": k == "MLA"}
-            for k, h, b in sizes]  # fmt: skip
+    return [
+        {
+            "kind": kind,
+            "num_kv_heads": h,
+            "bytes_per_token": b,
+            "ratio_to_mha": b / mha,
+            "is_model": kind == "MLA" if cfg.is_mla else h == cfg.num_kv_heads,
+        }
+        for kind, h, b in sizes
+    ]
 
 
 def plan_num_blocks(
@@ -233,13 +216,3 @@ def paged_vs_contiguous(
         block_size=block_size,
         max_len=max_len,
     )
-
-
-__all__ = [
-    "attention_variants",
-    "max_concurrent_sequences",
-    "plan_num_blocks",
-    "CapacityResult",
-    "paged_vs_contiguous",
-    "PagingComparison",
-]

@@ -1,17 +1,10 @@
 """What a quantization costs in accuracy, measured on logits: cosine similarity, KL divergence, top-1 agreement.
 
 Each prompt goes through the reference model (unquantized weights, KV cache in the activation dtype) and through
-the candidate (quantized weights and/or a quantized KV cache) as one ragged prefill; every position's next-token
-logits are compared in fp32. The K/V of a prefill are written to the cache and read back for attention (the
-ragged path), so a quantized KV cache is exercised as well as quantized weights.
-
-- ``cosine``: mean over positions of the cosine similarity of the two logit vectors;
-- ``kl``: mean over positions of KL(p_ref || p_candidate) in nats, from log-softmax in fp32;
-- ``top1_agreement``: share of positions where both models put the same token first.
-
-Random-weight models are harsher here than trained ones: their logits are nearly flat (a random init's
-next-token distribution has no confident peaks), so a small perturbation reorders the top tokens more easily,
-while a trained model's large margins absorb it.
+the candidate (quantized weights and/or a quantized KV cache) as one ragged prefill, whose K/V are written to the
+cache and read back for attention, so a quantized KV cache is exercised too; every position's next-token logits are
+compared in fp32 (``compare_logits``). Random-weight models are harsher here than trained ones: their nearly flat
+logits let a small perturbation reorder the top tokens, where a trained model's large margins absorb it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Hugging Face checkpoints: load a local directory into our ``Transformer``; write a random one of a preset.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors`` or shards listed in
-``model.safetensors.index.json`` (``weight_map``: tensor name -> shard file). Supported architectures:
-LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, and the MoE / MLA ones MixtralForCausalLM,
-Qwen2MoeForCausalLM, Qwen3MoeForCausalLM (with its per-head ``q_norm`` / ``k_norm``), DeepseekV3ForCausalLM (their
-per-expert and MLA tensors: ``model.moe``, ``model.mla``). Our
-model fuses q/k/v into ``qkv_proj`` and gate/up into
-``gate_up_proj``; the loader concatenates the HF tensors into them (rows in q, k, v and gate, up order).
+``model.safetensors.index.json``. Supported architectures: ``workbench.config.SUPPORTED_ARCHITECTURES`` (Llama,
+Mistral, Qwen2, and the MoE / MLA ones, whose per-expert and MLA tensors ``model.moe`` and ``model.mla`` map). Our
+model fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``; the loader concatenates the HF tensors.
 
 No weights can be downloaded where this workbench is tested, so ``save_random_checkpoint`` builds a randomly
 initialised model of a preset's architecture *through transformers* and saves it as a real HF checkpoint, with a
@@ -16,7 +13,7 @@ tokenizer trained offline (``workbench.model.tokenizer``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,7 @@ from workbench.device import torch_dtype
 from workbench.errors import CheckpointError, ConfigError
 from workbench.model.mla import hf_mla_shapes, mla_state
 from workbench.model.moe import hf_moe_shapes, moe_state
-from workbench.model.sharding import TensorParallelShard, all_reduce, empty_shard_model, shard_from_full, shard_model
+from workbench.model.sharding import TensorParallelShard, all_reduce, empty_shard_model, shard_model
 from workbench.model.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
@@ -52,22 +49,23 @@ def _open_safetensors(file: Path) -> Iterator[Any]:
         yield f
 
 
-def _get_slice(f: Any, file: Path, name: str) -> Any:
-    """The safetensors slice of ``name`` (nothing read yet); a damaged entry is a CheckpointError naming it."""
+def _by_file(files: dict[str, Path], names: Iterable[str]) -> Iterator[tuple[Path, Any, str]]:
+    """(file, its open safetensors handle, name) for each of ``names``, one file open at a time."""
+    for file in sorted(set(files[n] for n in names)):
+        with _open_safetensors(file) as f:
+            for name in names:
+                if files[name] == file:
+                    yield file, f, name
+
+
+def _slice(f: Any, file: Path, name: str, read: bool = False, shard: TensorParallelShard | None = None) -> Any:
+    """The safetensors slice of ``name`` (nothing read), or with ``read`` the tensor: whole, or only ``shard``'s
+    part (the bytes of the other ranks are never read). A damaged entry is a CheckpointError naming it."""
     from safetensors import SafetensorError
 
     try:
-        return f.get_slice(name)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc}); the file is damaged") from None
-
-
-def _read_slice(t: Any, file: Path, name: str, shard: TensorParallelShard | None) -> torch.Tensor:
-    """The whole tensor, or only ``shard``'s part of it (the bytes of the other ranks are never read)."""
-    from safetensors import SafetensorError
-
-    try:
-        return t[:] if shard is None else shard.take(t, name)
+        t = f.get_slice(name)
+        return (t[:] if shard is None else shard.take(t, name)) if read else t
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{file}: tensor {name} cannot be read ({exc}); the file is damaged") from None
 
@@ -161,30 +159,23 @@ def check_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Path], di
             f"{ckpt}: tensor(s) {unused[:5]}{more} are not used by the model config.json describes "
             f"({cfg.num_layers} layers); the config and the weights disagree (num_hidden_layers?)"
         )
-    for file in sorted(set(files[n] for n in expected)):
-        with _open_safetensors(file) as f:
-            for name in expected:
-                if files[name] == file:
-                    t = _get_slice(f, file, name)
-                    if tuple(t.get_shape()) != expected[name]:
-                        raise CheckpointError(
-                            f"{ckpt}: tensor {name} has shape {tuple(t.get_shape())}, expected {expected[name]}"
-                        )
-                    if t.get_dtype() not in FLOAT_DTYPES:  # an integer tensor would be cast silently
-                        raise CheckpointError(
-                            f"{file}: tensor {name} has dtype {t.get_dtype()}; weights must be floating point "
-                            f"({', '.join(FLOAT_DTYPES)}): write the checkpoint again with float weights"
-                        )
+    for file, f, name in _by_file(files, expected):
+        t = _slice(f, file, name)
+        if tuple(t.get_shape()) != expected[name]:
+            raise CheckpointError(f"{ckpt}: tensor {name} has shape {tuple(t.get_shape())}, expected {expected[name]}")
+        if t.get_dtype() not in FLOAT_DTYPES:  # an integer tensor would be cast silently
+            raise CheckpointError(
+                f"{file}: tensor {name} has dtype {t.get_dtype()}; weights must be floating point "
+                f"({', '.join(FLOAT_DTYPES)}): write the checkpoint again with float weights"
+            )
     return cfg, files, expected
 
 
 def check_model_source(name_or_path: str | Path) -> None:
     """What ``load_model`` would refuse before reading a weight: a checkpoint directory (or the ``config.json`` of
     one) is ``check_checkpoint``-ed, anything else must resolve to a model config (a preset or a config.json)."""
-    path = Path(name_or_path)
-    if path.is_file() and path.name == "config.json" and _has_weights(path.parent):
-        path = path.parent
-    if path.is_dir():
+    path = _checkpoint_dir(name_or_path)
+    if path is not None:
         check_checkpoint(path)
     else:
         ModelConfig.resolve(name_or_path)
@@ -201,20 +192,23 @@ def load_checkpoint(
     ``tensor_parallel`` ``(rank, size)``: load only that rank's shard (``workbench.model.sharding``): every
     tensor is read as a slice of the file, so the rank never holds the whole model.
     """
-    ckpt = Path(path)
-    cfg, files, expected = check_checkpoint(ckpt)
+    cfg, files, expected = check_checkpoint(path)
     shard = None if tensor_parallel is None else TensorParallelShard(cfg, *tensor_parallel)
     tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(set(files[n] for n in expected)):
-        with _open_safetensors(file) as f:
-            for name in expected:
-                if files[name] == file:
-                    value = _read_slice(_get_slice(f, file, name), file, name, shard)
-                    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                        bad = int((~torch.isfinite(value)).sum())
-                        raise CheckpointError(f"{file}: tensor {name} holds {bad} NaN or infinite value(s)")
-                    tensors[name] = value
+    for file, f, name in _by_file(files, expected):
+        value = _slice(f, file, name, read=True, shard=shard)
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            bad = int((~torch.isfinite(value)).sum())
+            raise CheckpointError(f"{file}: tensor {name} holds {bad} NaN or infinite value(s)")
+        tensors[name] = value
+    return _model_from_tensors(cfg, tensors, shard).to(device=device, dtype=torch_dtype(dtype)).eval()
 
+
+def _model_from_tensors(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], shard: TensorParallelShard | None
+) -> Transformer:
+    """Our fp32 model (or ``shard``'s rank of it) holding the checkpoint-named ``tensors`` (already cut to the
+    shard): q/k/v and gate/up concatenated into the fused ``qkv_proj`` and ``gate_up_proj``."""
     if shard is None:
         model = Transformer.from_config(cfg, dtype=torch.float32, device="cpu", init_std=0.0)
     else:
@@ -253,7 +247,29 @@ def load_checkpoint(
             params[name].copy_(value.float())
     if shard is not None:
         shard_model(model, shard, all_reduce)
-    return model.to(device=device, dtype=torch_dtype(dtype)).eval()
+    return model
+
+
+def _checkpoint_tensors(model: Transformer) -> dict[str, torch.Tensor]:
+    """A dense model's weights under the checkpoint's names (the fused projections split again)."""
+    cfg, ours = model.config, model.state_dict()
+    tensors = {"model." + name: ours[name] for name in ("embed_tokens.weight", "norm.weight")}
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = ours["lm_head.weight"]
+    for name, value in ours.items():
+        if name.startswith("layers."):
+            layer, _, rest = name.removeprefix("layers.").partition(".")
+            p = f"model.layers.{layer}."
+            if rest.startswith("self_attn.qkv_proj."):
+                kind = rest.rpartition(".")[2]
+                for x, part in zip("qkv", value.split([cfg.q_size, cfg.kv_size, cfg.kv_size])):
+                    tensors[p + f"self_attn.{x}_proj.{kind}"] = part
+            elif rest == "mlp.gate_up_proj.weight":
+                gate, up = value.split(cfg.intermediate_size)
+                tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"] = gate, up
+            else:
+                tensors[p + rest] = value
+    return tensors
 
 
 def hf_config_object(cfg: ModelConfig):  # noqa: ANN201  (a transformers PretrainedConfig)
@@ -302,8 +318,15 @@ def save_random_checkpoint(
     return out
 
 
-def _has_weights(ckpt: Path) -> bool:
-    return (ckpt / SINGLE_FILE).exists() or (ckpt / INDEX_FILE).exists()
+def _checkpoint_dir(name_or_path: str | Path) -> Path | None:
+    """The checkpoint directory ``name_or_path`` names (a ``config.json`` beside safetensors weights names that
+    checkpoint), or None for a preset or a lone config.json."""
+    path = Path(name_or_path)
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+        if not ((path / SINGLE_FILE).exists() or (path / INDEX_FILE).exists()):
+            return None
+    return path if path.is_dir() else None
 
 
 def load_model(
@@ -321,13 +344,13 @@ def load_model(
     random weights are drawn whole (the same for every size, so shards of one seed add up to the same model)
     and then cut.
     """
-    path = Path(name_or_path)
-    if path.is_file() and path.name == "config.json" and _has_weights(path.parent):
-        path = path.parent  # the config of a checkpoint: load its weights, not random ones
-    if path.is_dir():
+    path = _checkpoint_dir(name_or_path)
+    if path is not None:
         return load_checkpoint(path, dtype=dtype, device=device, tensor_parallel=tensor_parallel)
     cfg = ModelConfig.resolve(name_or_path)
     if tensor_parallel is None:
         return Transformer.from_config(cfg, dtype=torch_dtype(dtype), device=device, seed=seed)
-    full = Transformer.from_config(cfg, dtype=torch.float32, device="cpu", seed=seed)
-    return shard_from_full(full, TensorParallelShard(cfg, *tensor_parallel)).to(device, torch_dtype(dtype)).eval()
+    shard = TensorParallelShard(cfg, *tensor_parallel)  # cut from the whole model, as from a checkpoint's tensors
+    full = _checkpoint_tensors(Transformer.from_config(cfg, dtype=torch.float32, device="cpu", seed=seed))
+    tensors = {name: shard.take(value, name) for name, value in full.items()}
+    return _model_from_tensors(cfg, tensors, shard).to(device, torch_dtype(dtype)).eval()

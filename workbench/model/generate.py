@@ -7,7 +7,7 @@ chunking; this loop stays as the reference it is compared with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from workbench.device import synchronize
 from workbench.model.sampler import Sampler
@@ -27,13 +27,7 @@ class GenerationResult:
     itl_s: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {
-            "prompt_ids": self.prompt_ids,
-            "tokens": self.tokens,
-            "finish_reason": self.finish_reason,
-            "ttft_s": self.ttft_s,
-            "itl_s": self.itl_s,
-        }
+        return asdict(self)
 
 
 def generate_static(
@@ -44,9 +38,7 @@ def generate_static(
         params = [params] * len(prompts)
     cfg = model.config
     max_len = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
-    max_len = min(max_len, cfg.max_position_embeddings)
-    for p in prompts:
-        model.check_prompt(p, max_len)
+    max_len = min(max_len, cfg.max_position_embeddings)  # a longer prompt is refused by prefill
     cache = model.new_cache(len(prompts), max_len)
     sampler = Sampler()
     results = [GenerationResult(prompt_ids=list(p)) for p in prompts]

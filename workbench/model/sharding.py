@@ -94,11 +94,6 @@ class TensorParallelShard:
         start = min(self.rank * per, self.cfg.vocab_size)
         return start, min(start + per, self.cfg.vocab_size)
 
-    @property
-    def vocab_slice_len(self) -> int:
-        """The longest vocabulary slice of any rank (logits are padded to it for the gather)."""
-        return ceil_div(self.cfg.vocab_size, self.tp)
-
     def local_config(self) -> ModelConfig:
         """The shape of this rank's model: its heads and its share of the MLP; vocabulary and hidden size full."""
         return dataclasses.replace(
@@ -169,46 +164,6 @@ def shard_model(model: Transformer, shard: TensorParallelShard, reduce: Callable
         model.lm_head.weight = nn.Parameter(model.embed_tokens.weight.data[start:end], requires_grad=False)
 
 
-def shard_from_full(full: Transformer, shard: TensorParallelShard) -> Transformer:
-    """This rank's shard cut from a whole model in memory (for presets with random weights)."""
-    cfg = shard.cfg
-    model = empty_shard_model(shard)
-    q, kv = cfg.q_size, cfg.kv_size
-    full_state = full.state_dict()
-    state: dict[str, torch.Tensor] = {"embed_tokens.weight": full_state["embed_tokens.weight"]}
-    state["norm.weight"] = full_state["norm.weight"]
-    if not cfg.tie_word_embeddings:
-        state["lm_head.weight"] = shard.take(full_state["lm_head.weight"], "lm_head.weight")
-    for layer in range(cfg.num_layers):
-        o, hf = f"layers.{layer}.", f"model.layers.{layer}."
-        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            state[o + norm] = full_state[o + norm]
-        for kind in ("weight", "bias"):
-            fused = full_state.get(o + f"self_attn.qkv_proj.{kind}")
-            if fused is None:
-                continue
-            parts = fused.split([q, kv, kv])
-            state[o + f"self_attn.qkv_proj.{kind}"] = torch.cat(
-                [shard.take(p, hf + f"self_attn.{x}_proj.{kind}") for p, x in zip(parts, "qkv")]
-            )
-        state[o + "self_attn.o_proj.weight"] = shard.take(
-            full_state[o + "self_attn.o_proj.weight"], hf + "self_attn.o_proj.weight"
-        )
-        gate, up = full_state[o + "mlp.gate_up_proj.weight"].split(cfg.intermediate_size)
-        state[o + "mlp.gate_up_proj.weight"] = torch.cat(
-            [shard.take(gate, hf + "mlp.gate_proj.weight"), shard.take(up, hf + "mlp.up_proj.weight")]
-        )
-        state[o + "mlp.down_proj.weight"] = shard.take(
-            full_state[o + "mlp.down_proj.weight"], hf + "mlp.down_proj.weight"
-        )
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        for name, value in state.items():
-            params[name].copy_(value)
-    shard_model(model, shard, all_reduce)
-    return model
-
-
 # the reduce functions of this process's ranks (one per ``Worker``), addressed by index from ``traced_reduce``'s op
 _REDUCERS: list[Callable[[torch.Tensor], torch.Tensor]] = []
 
@@ -237,18 +192,13 @@ def traced_reduce(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[t
     return reduce_op
 
 
-def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The element-wise maximum of ``tensor`` over the ranks, in place (a no-op without a group or with one rank)."""
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """Sum (or ``op``) ``tensor`` over the ranks of the running torch.distributed group (or of ``group``, a
+    subgroup), in place (the row-parallel layers' one collective; a no-op without a group or with one rank)."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor
-
-
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Sum ``tensor`` over the ranks of the running torch.distributed group (or of ``group``, a subgroup), in place
-    (the row-parallel layers' one collective; a no-op without a group or with one rank)."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, group=group)
+        dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -259,7 +209,7 @@ def gather_logits(
     on the other ranks. Slices are padded to one length for ``dist.gather`` and trimmed again."""
     if shard.tp == 1:
         return local
-    width = shard.vocab_slice_len
+    width = ceil_div(shard.cfg.vocab_size, shard.tp)  # the longest slice of any rank
     padded = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
     parts = [torch.empty_like(padded) for _ in range(shard.tp)] if shard.rank == 0 else None
     if group is None:

@@ -4,13 +4,10 @@
                         prompt are written to the cache, and the last position's logits give the first token.
     decode(tokens)    : one new token per sequence; each step re-reads every weight and the sequence's whole cache.
 
-They are thin wrappers over the model's two entry points over a paged cache: ``forward``, a flat ragged batch of
-new tokens and its ``AttentionMetadata`` (so the engine can also mix prefill chunks and decodes in one step), and
-``decode_step``, the one pure-decode step (one token per sequence, ``DecodeMetadata``), which the engine runs eagerly,
-compiled or as a CUDA graph (``workbench.engine.decode_step``). The attention backend is an argument of both: it
-belongs to the caller (the engine), not to the model. MHA, GQA and MQA are one code path: only
-``num_kv_heads`` differs. Q/K/V and gate/up projections are fused into single matrix products (fewer, larger GEMMs);
-``workbench.model.checkpoint`` maps HF tensors onto them.
+These two, over a contiguous cache, wrap the engine's entry points over a paged cache: ``forward`` (a ragged step)
+and ``decode_step`` (a pure decode), whose metadata ``workbench.model.attention`` describes. The attention backend
+is an argument of both: it belongs to the caller, not to the model. MHA, GQA and MQA are one code path (only
+``num_kv_heads`` differs); Q/K/V and gate/up projections are fused into single matrix products.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ from workbench.model.attention import (
 from workbench.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary_rolled, signed_sin
 from workbench.model.mla import MLAttention
 from workbench.model.moe import MoE
+from workbench.request import validate_request
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 """(layer, q (T, heads, d), k (T, kv_heads, d), v, scale) -> attention output (T, heads, d)."""
@@ -250,17 +248,6 @@ class Transformer(nn.Module):
         return self.lm_head(hidden).float()
 
     # ---- the two phases over a contiguous cache ---------------------------------------------------------------
-    def check_prompt(self, prompt: list[int], max_len: int) -> None:
-        """Raise RequestError for an empty prompt, an id outside the vocabulary, or a prompt longer than max_len."""
-        if len(prompt) == 0:
-            raise RequestError("empty prompt: at least one token id is needed")
-        if len(prompt) > max_len:
-            raise RequestError(f"prompt of {len(prompt)} tokens is longer than the maximum of {max_len}")
-        vocab = self.config.vocab_size
-        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
-
     def prefill(
         self,
         prompts: list[list[int]],
@@ -273,7 +260,7 @@ class Transformer(nn.Module):
         if len(prompts) != len(slots):
             raise RequestError(f"{len(prompts)} prompts but {len(slots)} slots")
         for p in prompts:
-            self.check_prompt(p, cache.max_len)
+            validate_request(p, 0, cache.max_len, self.config.vocab_size)
         lens = [len(p) for p in prompts]
         meta = build_metadata(lens, lens, [[s] for s in slots], cache.block_size, self.device)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=self.device)

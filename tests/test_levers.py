@@ -155,12 +155,21 @@ def test_claim_fewer_weight_bytes_faster_decode_each_verdict():
 
 
 def test_claim_kv_quantized_long_decode_each_verdict():
-    cap = [{"kv_cache_dtype": "fp32", "sequences_that_fit": 10}, {"kv_cache_dtype": "int8", "sequences_that_fit": 30}]
-    rows = [_row("fp32", 900, 10, 9, 11, kv_cache_dtype="fp32", context_len=1024),
-            _row("fp32 kv-int8", 500, 14, 13, 15, kv_cache_dtype="int8", context_len=1024)]  # fmt: skip
-    assert claims.fewer_kv_bytes_faster_long_decode(rows, cap)["verdict"] == "confirmed"
-    rows[1].update(tokens_per_s=8, tokens_per_s_min=7.5, tokens_per_s_max=8.5)
-    assert claims.fewer_kv_bytes_faster_long_decode(rows, cap)["verdict"] == "not_confirmed"
+    cap = [{"kv_cache_dtype": "fp32", "sequences_that_fit": 10}, {"kv_cache_dtype": "int8", "sequences_that_fit": 30},
+           {"kv_cache_dtype": "fp8", "sequences_that_fit": 40}]  # fmt: skip
+    faster = _pair([1.4, 1.45, 1.38, 1.42, 1.4, 1.41], "fp32", "fp32 kv-int8")
+    fp8_faster = _pair([1.3, 1.35, 1.28, 1.32, 1.3, 1.31], "fp32", "fp32 kv-fp8")
+    same = _pair([1.0, 1.01, 0.99, 1.0, 1.005, 0.995], "fp32", "fp32 kv-fp8")
+    unclear = _pair([0.9, 1.3, 1.0, 1.25, 0.95, 1.2], "fp32", "fp32 kv-fp8")
+    ok = claims.fewer_kv_bytes_faster_long_decode([faster, fp8_faster], cap)
+    assert ok["verdict"] == "confirmed" and ok["evidence"]["ratio"] == pytest.approx(faster.ratio)
+    assert ok["evidence"]["sequences_that_fit"] == {"fp32": 10, "int8": 30, "fp8": 40} and ok["uses"] == ["paired"]
+    assert [p["verdict"] for p in ok["evidence"]["pairs"]] == ["confirmed", "confirmed"]
+    bad = claims.fewer_kv_bytes_faster_long_decode([faster, same], cap)
+    assert bad["verdict"] == "not_confirmed" and "equivalent" in bad["detail"] and "KV fp8 40" in bad["detail"]
+    assert claims.fewer_kv_bytes_faster_long_decode([faster, unclear], cap)["verdict"] == "inconclusive"
+    fewer_fit = [cap[0], {**cap[1], "sequences_that_fit": 10}, cap[2]]  # faster, but no more sequences fit
+    assert claims.fewer_kv_bytes_faster_long_decode([faster, fp8_faster], fewer_fit)["verdict"] == "not_confirmed"
 
 
 def test_claim_decode_not_prefill_each_verdict():

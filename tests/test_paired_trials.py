@@ -82,6 +82,12 @@ def test_phase_and_lever_trials_run_their_arms(model):
     # sorted by weight bytes, most first, whatever the order given
     assert [c.arms for c in pairs] == [("fp32", "int8"), ("int8", "int4-g32")]
     assert all(c.rounds == 6 and c.control is not None for c in pairs)
+    kv = levers.make_schemes([None], [32], ["auto", "int8", "fp8"])
+    kv_pairs = levers.kv_trials(models, kv, 2, 8, ROUNDS, steps=1)
+    assert [c.arms for c in kv_pairs] == [("fp32", "fp32 kv-int8"), ("fp32", "fp32 kv-fp8")]
+    assert all(c.rounds == 6 and c.control is not None and c.rule == DecisionRule("higher", 0.05) for c in kv_pairs)
+    with pytest.raises(ConfigError, match="same weights"):
+        levers.kv_trials(models, [kv[0], schemes[1]], 2, 8, ROUNDS)
     with pytest.raises(ConfigError, match="ran out of decode steps"):
         arm = levers.scheme_decode_arm(models[schemes[0].weights_key], schemes[0], 1, 8, steps=2, trials=1)
         arm(0), arm(1)

@@ -328,33 +328,43 @@ def fewer_weight_bytes_faster_decode(comparisons: Sequence[Any]) -> dict[str, An
 
 
 def fewer_kv_bytes_faster_long_decode(
-    rows: Sequence[Mapping[str, Any]], capacity: Sequence[Mapping[str, Any]]
+    comparisons: Sequence[Any], capacity: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """At a long context, a quantized KV cache raises decode tokens/s (beyond the spreads) and more sequences fit.
+    """At a long context, a quantized KV cache raises decode tokens/s and more sequences fit in the same KV budget.
 
-    ``rows``: decode rows at one (batch, context) with the same weights and different ``kv_cache_dtype``, the
-    unquantized cache first; ``capacity``: ``levers.kv_capacity`` rows."""
-    base, others = rows[0], rows[1:]
+    ``comparisons``: paired rounds (``levers.kv_trials``) of each quantized KV dtype (B) against the cache in the
+    activation dtype (A), tokens/s, claimed higher; ``capacity``: ``levers.kv_capacity`` rows, the unquantized cache
+    first. Confirmed when every quantized cache is confirmed faster and fits more sequences; not confirmed when one
+    is not confirmed faster (its reason says opposite or equivalent) or fits no more; else inconclusive. The
+    evidence's top-level ratio is the first comparison's; ``pairs`` holds every one, ``sequences_that_fit`` the
+    capacity per KV dtype."""
+    if not comparisons:
+        raise ValueError("fewer_kv_bytes_faster_long_decode needs at least one paired comparison")
     fits = {c["kv_cache_dtype"]: c["sequences_that_fit"] for c in capacity}
-    faster = [order(_tps_span(r), _tps_span(base)) for r in others]
-    more = all(fits[r["kv_cache_dtype"]] > fits[base["kv_cache_dtype"]] for r in others)
-    text = "; ".join(
-        f"KV {r['kv_cache_dtype']}: {_fmt_span(_tps_span(r))} tok/s at context {r['context_len']}, "
-        f"{fits[r['kv_cache_dtype']]} sequences fit"
-        for r in rows
-    )
-    if all(o == 1 for o in faster) and more:
+    base_kv = capacity[0]["kv_cache_dtype"]
+    more = all(fits[c["kv_cache_dtype"]] > fits[base_kv] for c in capacity[1:])
+    verdicts = [c.verdict for c in comparisons]
+    if all(v == CONFIRMED for v in verdicts) and more:
         verdict = CONFIRMED
-    elif any(o == -1 for o in faster) or not more:
+    elif any(v == NOT_CONFIRMED for v in verdicts) or not more:
         verdict = NOT_CONFIRMED
     else:
-        verdict, text = INCONCLUSIVE, text + "; the spreads overlap"
-    evidence = {r["kv_cache_dtype"]: {"tokens_per_s": r["tokens_per_s"], "sequences_that_fit":
-                fits[r["kv_cache_dtype"]]} for r in rows}  # fmt: skip
-    return make_claim(
-        "A quantized KV cache makes long-context decode faster and fits more sequences", verdict, evidence, text,
-        ("timing",),
-    )  # fmt: skip
+        verdict = INCONCLUSIVE
+    first = comparisons[0]
+    claim = paired_claim("A quantized KV cache makes long-context decode faster and fits more sequences", first,
+                         "long-context decode tokens/s", pairs=[_brief(c) for c in comparisons],
+                         sequences_that_fit=fits)  # fmt: skip
+    claim["verdict"] = verdict
+    claim["detail"] = (
+        "long-context decode tokens/s, each quantized KV cache against the unquantized one: "
+        + "; ".join(
+            f"{c.summary()} ({VERDICT_TEXT[c.verdict]}{', ' + c.reason if c.verdict == NOT_CONFIRMED else ''})"
+            for c in comparisons
+        )
+        + f" (margin {_pct(first.rule.margin)}, {first.rule.confidence:.0%} intervals); sequences that fit: "
+        + ", ".join(f"KV {k} {v}" for k, v in fits.items())
+    )
+    return claim
 
 
 def fewer_bytes_move_decode_not_prefill(

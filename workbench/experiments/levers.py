@@ -14,7 +14,9 @@ the activation dtype, int8, fp8), timed against each other in one run, with what
 - ``kv_capacity``: sequences of a context length that fit in a KV budget under each KV dtype (the one planner,
   ``workbench.kv.sizing.plan_num_blocks``, which counts int8's scales);
 - ``weight_trials``: the claim "fewer bytes per weight make decode faster" in paired rounds
-  (``workbench.experiments.trials``), each scheme against the next with fewer bytes per weight.
+  (``workbench.experiments.trials``), each scheme against the next with fewer bytes per weight;
+- ``kv_trials``: the claim "a quantized KV cache makes long-context decode faster" in paired rounds, each quantized
+  KV dtype against the cache in the activation dtype.
 """
 
 from __future__ import annotations
@@ -221,6 +223,32 @@ def weight_trials(
         arms = {a.label: arm(a), b.label: arm(b)}
         out.append(rounds.run(arms, DecisionRule("higher", THROUGHPUT_MARGIN), control_arm=arm(a)))
     return out
+
+
+def kv_trials(
+    models: dict, schemes: Sequence[Scheme], batch: int, context: int, rounds: Rounds, steps: int = 4, seed: int = 0,
+) -> list[Comparison]:  # fmt: skip
+    """Decode tokens/s at a long context of each quantized KV scheme against the first of ``schemes`` (the KV cache
+    in the activation dtype, same weights), in paired rounds: B (fewer bytes per cached token) higher by more than
+    ``THROUGHPUT_MARGIN``. Every arm is an engine of its own with ``batch`` sequences prefilled from ``context``-token
+    prompts (the same prompts in every arm), so both arms of a round decode at the same context; the A/A control is a
+    second engine of the first scheme."""
+    if len(schemes) < 2:
+        raise ConfigError(f"kv_trials compares KV dtypes against the first: need 2 or more schemes, got {len(schemes)}")
+    base = schemes[0]
+    keys = {s.weights_key for s in schemes}
+    if len(keys) > 1:
+        raise ConfigError(f"kv_trials compares KV dtypes of the same weights, got {[s.label for s in schemes]}")
+
+    def arm(s: Scheme) -> Any:
+        return scheme_decode_arm(models[s.weights_key], s, batch, context, steps, rounds.max_trials, seed)
+
+    return [
+        rounds.run(
+            {base.label: arm(base), s.label: arm(s)}, DecisionRule("higher", THROUGHPUT_MARGIN), control_arm=arm(base)
+        )  # fmt: skip
+        for s in schemes[1:]
+    ]
 
 
 def prefill_schemes(

@@ -57,9 +57,12 @@ def test_decide_by_hand():
     assert decide(-0.3, -L - 0.01, higher) == (NOT_CONFIRMED, "opposite")
     assert decide(-L + 0.01, L - 0.01, higher) == (NOT_CONFIRMED, "equivalent")
     assert decide(0.0, L + 0.1, higher)[0] == INCONCLUSIVE
+    assert decide(-L - 0.05, L - 0.01, higher) == (NOT_CONFIRMED, "short of the margin")  # reaches past -L, not +L
+    assert decide(-L - 0.05, L + 0.01, higher)[0] == INCONCLUSIVE
     lower = DecisionRule("lower", margin=0.05)
     assert decide(-0.3, -L - 0.01, lower)[0] == CONFIRMED
     assert decide(L + 0.01, 0.3, lower) == (NOT_CONFIRMED, "opposite")
+    assert decide(-L + 0.01, L + 0.05, lower) == (NOT_CONFIRMED, "short of the margin")
 
 
 def test_compare_by_hand():

@@ -105,7 +105,8 @@ def paired_claim(claim: str, comparison: Any, what: str, **evidence: Any) -> dic
     )
     if comparison.verdict == NOT_CONFIRMED:
         detail += {"opposite": "; the interval lies beyond the margin the other way",
-                   "equivalent": "; the interval lies inside the margin: no effect as large as claimed"}.get(
+                   "equivalent": "; the interval lies inside the margin: no effect as large as claimed",
+                   "short of the margin": "; the interval excludes an effect as large as claimed"}.get(
             comparison.reason, "")  # fmt: skip
     elif comparison.verdict == INCONCLUSIVE:
         detail += "; " + (
@@ -301,8 +302,8 @@ def _tps_span(row: Mapping[str, Any]) -> tuple[float, float, float]:
 def fewer_weight_bytes_faster_decode(comparisons: Sequence[Any]) -> dict[str, Any]:
     """Fewer bytes per weight raise batch-1 decode tokens/s: for each scheme and the next one with fewer bytes per
     step (in that order), paired rounds of their decode steps (B = fewer bytes). Confirmed when every step down in
-    bytes is confirmed faster; not confirmed when one is not (its reason says opposite or equivalent); else
-    inconclusive. The evidence's top-level ratio is the first step's; ``pairs`` holds every step's."""
+    bytes is confirmed faster; not confirmed when one is not (its reason: opposite, equivalent or short of the
+    margin); else inconclusive. The evidence's top-level ratio is the first step's; ``pairs`` holds every step's."""
     if not comparisons:
         raise ValueError("fewer_weight_bytes_faster_decode needs at least one paired comparison")
     verdicts = [c.verdict for c in comparisons]
@@ -335,9 +336,9 @@ def fewer_kv_bytes_faster_long_decode(
     ``comparisons``: paired rounds (``levers.kv_trials``) of each quantized KV dtype (B) against the cache in the
     activation dtype (A), tokens/s, claimed higher; ``capacity``: ``levers.kv_capacity`` rows, the unquantized cache
     first. Confirmed when every quantized cache is confirmed faster and fits more sequences; not confirmed when one
-    is not confirmed faster (its reason says opposite or equivalent) or fits no more; else inconclusive. The
-    evidence's top-level ratio is the first comparison's; ``pairs`` holds every one, ``sequences_that_fit`` the
-    capacity per KV dtype."""
+    is not confirmed faster (its reason: opposite, equivalent or short of the margin) or fits no more; else
+    inconclusive. The evidence's top-level ratio is the first comparison's; ``pairs`` holds every one,
+    ``sequences_that_fit`` the capacity per KV dtype."""
     if not comparisons:
         raise ValueError("fewer_kv_bytes_faster_long_decode needs at least one paired comparison")
     fits = {c["kv_cache_dtype"]: c["sequences_that_fit"] for c in capacity}

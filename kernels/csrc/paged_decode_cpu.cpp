@@ -178,22 +178,6 @@ static AI void pv(const float* p, const float* const* r, int64_t n, int64_t NC, 
   for (; c < NC; ++c) pv_chunks<1>(p, r, n, c, acc);
 }
 
-// where pool rows [start, start + n) of a sequence live (offsets in elements, and of their int8 scales): its block
-// table walked with one division
-static AI void locate_rows(const Args& a, const int32_t* table, int64_t start, int64_t n, int64_t* off,
-                           int64_t* soff) {
-  int64_t logical = start / a.block_size, t = start % a.block_size;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t blk = table[logical];
-    off[i] = blk * a.s_kb + t * a.s_kt;
-    soff[i] = blk * a.s_sb + t * a.s_st;
-    if (++t == a.block_size) {
-      t = 0;
-      ++logical;
-    }
-  }
-}
-
 // Attention of sequence b's KV heads [h0, h0 + a.heads_per_task), each with its G query rows. Per tile of TILE
 // tokens: the rows' places in the pool (once for all heads), then per head its K rows (read in place when they are
 // fp32 of a width of 8s, else dequantized into a padded buffer), the G x tile scores 8 rows at a time, the
@@ -218,35 +202,21 @@ static AI void task_body(const Args& a, int64_t b, int64_t h0, float* work) {
   const int64_t n_cached = a.lens[b];
   const int64_t total = n_cached + (a.k_new ? 1 : 0);
   const int32_t* table = a.tables + b * a.max_blocks;
-  int64_t offs[2][TILE], soffs[2][TILE];  // this tile's rows and the next one's
+  int64_t off[TILE], soff[TILE];
   const float* kr[TILE];
   const float* vr[TILE];
-  const int64_t elem = a.kind == KV_F32 ? 4 : a.kind == KV_BF16 ? 2 : 1, row_bytes = D * elem;
-  locate_rows(a, table, 0, std::min(TILE, n_cached), offs[0], soffs[0]);
-  for (int64_t start = 0, cur = 0; start < total; start += TILE, cur ^= 1) {
+  for (int64_t start = 0; start < total; start += TILE) {
     const int64_t n = std::min(TILE, total - start), n8 = (n + 7) / 8 * 8;
     const int64_t n_pool = std::max<int64_t>(0, std::min(n, n_cached - start));  // the rest: the new key
-    const int64_t n_next = std::max<int64_t>(0, std::min(TILE, n_cached - start - TILE));
-    const int64_t* off = offs[cur];
-    const int64_t* soff = soffs[cur];
-    const int64_t* next = offs[cur ^ 1];
-    locate_rows(a, table, start + TILE, n_next, offs[cur ^ 1], soffs[cur ^ 1]);
+    int64_t logical = start / a.block_size, t = start % a.block_size;  // one division a tile
+    for (int64_t i = 0; i < n_pool; ++i) {  // where each row lives: walk the block table
+      const int64_t blk = table[logical];
+      off[i] = blk * a.s_kb + t * a.s_kt;
+      soff[i] = blk * a.s_sb + t * a.s_st;
+      if (++t == a.block_size) { t = 0; ++logical; }
+    }
     for (int64_t hh = 0; hh < NH; ++hh) {
       const int64_t h = h0 + hh;
-      // the next tile's rows of this head into the cache while this one is computed: blocks lie anywhere in the
-      // pool, and an int8 block of one token's heads (16 x 4 x 64 bytes in bench-300m) is a page, at whose edge the
-      // hardware prefetchers stop; without this the int8 rows' loads were most of the op's time
-      for (int64_t i = 0; i < n_next; ++i) {
-        const int64_t at = (next[i] + h * a.s_kh) * elem;
-        for (int64_t bcount = 0; bcount < row_bytes; bcount += 64) {
-          __builtin_prefetch(a.k + at + bcount);
-          __builtin_prefetch(a.v + at + bcount);
-        }
-        if (a.kind == KV_INT8) {
-          __builtin_prefetch(a.k_scale + soffs[cur ^ 1][i] + h);
-          __builtin_prefetch(a.v_scale + soffs[cur ^ 1][i] + h);
-        }
-      }
       for (int64_t i = 0; i < n_pool; ++i) {
         if (direct) {
           kr[i] = reinterpret_cast<const float*>(a.k) + off[i] + h * a.s_kh;

@@ -67,7 +67,8 @@ class CppOp:
                 load(
                     name=self.name,
                     sources=[str(self.source)],
-                    extra_cflags=self.cflags,
+                    extra_cflags=[*self.cflags, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
                     is_python_module=False,
                     verbose=os.environ.get("WORKBENCH_VERBOSE_BUILD") == "1",
                 )

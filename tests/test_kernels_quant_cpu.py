@@ -63,7 +63,7 @@ def test_int8_matches_the_dequantized_product(isa, shape):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("group_size,shape", [(32, (44, 288)), (128, (24, 384)), (64, (8, 64))])
+@pytest.mark.parametrize("group_size,shape", [(32, (44, 288)), (128, (24, 384)), (64, (8, 64)), (256, (8, 512))])
 def test_int4_matches_the_reference(isa, group_size, shape):
     """Against ``quant.int4_op_reference`` (int8 activations at one row) at fp32's tolerance, and against the product
     of the dequantized weight within the bound of the activations' int8 step: each group's x is off by at most half its
@@ -87,6 +87,21 @@ def test_int4_matches_the_reference(isa, group_size, shape):
             assert bool(((out - exact).abs() <= bound + 1e-6).all())
         else:
             torch.testing.assert_close(out, exact, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_extreme_codes_and_inputs(isa):
+    """Every code 15 and every input x = 1 (int8 code 127) in groups of 256: each row's group sum is
+    15 * 127 * 256 = 487680, past int16 many times over (the AVX paths add at most 4 chunks in int16 before widening).
+    By hand, over the 2 groups: y = 2 * (scale * (1 / 127) * 487680 + offset * 256)."""
+    need_isa(isa)
+    codes = torch.full((16, 512), 15)
+    scale, offset = torch.full((16, 2), 0.5), torch.full((16, 2), -0.25)
+    packed, scale_t, offset_t = qk.pack_int4(codes, scale, offset)
+    out = qk.int4_linear(torch.ones(1, 512), packed, scale_t, offset_t, 16, 256, isa)
+    torch.testing.assert_close(
+        out, torch.full((1, 16), 15 * 256 * 2 * 0.5 - 256 * 2 * 0.25), **TOLERANCES[torch.float32]
+    )
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

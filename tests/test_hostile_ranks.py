@@ -121,8 +121,11 @@ def test_ctrl_c_on_replay_prints_the_finished_requests_and_leaves_nothing(tmp_pa
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "workbench.cli", "replay", "--model", "tiny-gqa", "--trace", str(trace), "--json",
            *layout]  # fmt: skip
+    # a terminal's foreground job takes SIGINT by default; a suite started in the background (`cmd &` in a script,
+    # nohup) hands SIGINT down ignored, and Python then never raises KeyboardInterrupt: restore the default
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave, env=env, cwd=ROOT,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     os.close(slave)
     err = b""
     try:

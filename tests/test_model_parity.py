@@ -113,7 +113,7 @@ def test_prompt_errors(tiny_checkpoint):
         model.prefill([[]], cache, [0])
     with pytest.raises(RequestError, match="outside the vocabulary"):
         model.prefill([[1, 256]], cache, [0])
-    with pytest.raises(RequestError, match="longer than"):
+    with pytest.raises(RequestError, match="maximum context length is 64 tokens; the prompt has 65"):
         model.prefill([[1] * 65], cache, [0])
-    with pytest.raises(RequestError, match="longer than"):
+    with pytest.raises(RequestError, match="maximum context length is 256 tokens; the prompt has 300"):
         generate_static(model, [[1] * 300], SamplingParams(max_tokens=2))  # beyond max_position_embeddings (256)

@@ -306,7 +306,20 @@ def fewer_weight_bytes_faster_decode(comparisons: Sequence[Any]) -> dict[str, An
     margin); else inconclusive. The evidence's top-level ratio is the first step's; ``pairs`` holds every step's."""
     if not comparisons:
         raise ValueError("fewer_weight_bytes_faster_decode needs at least one paired comparison")
-    verdicts = [c.verdict for c in comparisons]
+    return _every_pair_claim(
+        "Fewer bytes per weight make decode faster",
+        comparisons,
+        "batch-1 decode tokens/s",
+        "batch-1 decode tokens/s, each scheme against the next with more bytes per weight: ",
+    )
+
+
+def _every_pair_claim(
+    title: str, comparisons: Sequence[Any], metric: str, lead: str, also: str = CONFIRMED, **evidence: Any
+) -> dict[str, Any]:
+    """A claim that holds when every paired comparison (and ``also``, a further verdict) is confirmed: not confirmed
+    when one is not, else inconclusive; the detail lists each comparison after ``lead``."""
+    verdicts = [c.verdict for c in comparisons] + [also]
     if all(v == CONFIRMED for v in verdicts):
         verdict = CONFIRMED
     elif any(v == NOT_CONFIRMED for v in verdicts):
@@ -314,11 +327,10 @@ def fewer_weight_bytes_faster_decode(comparisons: Sequence[Any]) -> dict[str, An
     else:
         verdict = INCONCLUSIVE
     first = comparisons[0]
-    claim = paired_claim("Fewer bytes per weight make decode faster", first, "batch-1 decode tokens/s",
-                         pairs=[_brief(c) for c in comparisons])  # fmt: skip
+    claim = paired_claim(title, first, metric, pairs=[_brief(c) for c in comparisons], **evidence)
     claim["verdict"] = verdict
     claim["detail"] = (
-        "batch-1 decode tokens/s, each scheme against the next with more bytes per weight: "
+        lead
         + "; ".join(
             f"{c.summary()} ({VERDICT_TEXT[c.verdict]}{', ' + c.reason if c.verdict == NOT_CONFIRMED else ''})"
             for c in comparisons
@@ -344,27 +356,12 @@ def fewer_kv_bytes_faster_long_decode(
     fits = {c["kv_cache_dtype"]: c["sequences_that_fit"] for c in capacity}
     base_kv = capacity[0]["kv_cache_dtype"]
     more = all(fits[c["kv_cache_dtype"]] > fits[base_kv] for c in capacity[1:])
-    verdicts = [c.verdict for c in comparisons]
-    if all(v == CONFIRMED for v in verdicts) and more:
-        verdict = CONFIRMED
-    elif any(v == NOT_CONFIRMED for v in verdicts) or not more:
-        verdict = NOT_CONFIRMED
-    else:
-        verdict = INCONCLUSIVE
-    first = comparisons[0]
-    claim = paired_claim("A quantized KV cache makes long-context decode faster and fits more sequences", first,
-                         "long-context decode tokens/s", pairs=[_brief(c) for c in comparisons],
-                         sequences_that_fit=fits)  # fmt: skip
-    claim["verdict"] = verdict
-    claim["detail"] = (
-        "long-context decode tokens/s, each quantized KV cache against the unquantized one: "
-        + "; ".join(
-            f"{c.summary()} ({VERDICT_TEXT[c.verdict]}{', ' + c.reason if c.verdict == NOT_CONFIRMED else ''})"
-            for c in comparisons
-        )
-        + f" (margin {_pct(first.rule.margin)}, {first.rule.confidence:.0%} intervals); sequences that fit: "
-        + ", ".join(f"KV {k} {v}" for k, v in fits.items())
-    )
+    claim = _every_pair_claim(
+        "A quantized KV cache makes long-context decode faster and fits more sequences", comparisons,
+        "long-context decode tokens/s", "long-context decode tokens/s, each quantized KV cache against the unquantized "
+        "one: ", also=CONFIRMED if more else NOT_CONFIRMED, sequences_that_fit=fits,
+    )  # fmt: skip
+    claim["detail"] += "; sequences that fit: " + ", ".join(f"KV {k} {v}" for k, v in fits.items())
     return claim
 
 

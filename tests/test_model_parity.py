@@ -113,7 +113,10 @@ def test_prompt_errors(tiny_checkpoint):
         model.prefill([[]], cache, [0])
     with pytest.raises(RequestError, match="outside the vocabulary"):
         model.prefill([[1, 256]], cache, [0])
-    with pytest.raises(RequestError, match="maximum context length is 64 tokens; the prompt has 65"):
+    with pytest.raises(RequestError, match="maximum context length is 64 tokens; the prompt alone has 65:"):
         model.prefill([[1] * 65], cache, [0])
-    with pytest.raises(RequestError, match="maximum context length is 256 tokens; the prompt has 300"):
+    with pytest.raises(RequestError, match="256 tokens; the prompt has 300 and max_tokens asks for 2 more .302 in"):
         generate_static(model, [[1] * 300], SamplingParams(max_tokens=2))  # beyond max_position_embeddings (256)
+    # the prompt fits, prompt + max_tokens does not: refused (the one rule), not cut short at 256 tokens
+    with pytest.raises(RequestError, match="the prompt has 250 and max_tokens asks for 10 more .260 in all"):
+        generate_static(model, [[1] * 250], SamplingParams(max_tokens=10))

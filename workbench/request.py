@@ -92,7 +92,8 @@ def validate_request(
     """Raise RequestError (with ``param``) unless a request of ``prompt`` (token ids, or a length when the ids are
     not known yet, as for a trace row) and ``max_tokens`` can be served by a model of ``max_model_len`` positions
     and ``vocab_size`` tokens: a non-empty prompt, every id in the vocabulary, prompt + max_tokens within the
-    context. The sampling parameters themselves are checked by ``SamplingParams``."""
+    context. ``max_tokens`` 0 checks the prompt alone (a prefill into a cache of ``max_model_len`` positions, as
+    ``Transformer.prefill`` does). The sampling parameters themselves are checked by ``SamplingParams``."""
     num_prompt_tokens = prompt if isinstance(prompt, int) else len(prompt)
     if num_prompt_tokens == 0:
         raise RequestError("empty prompt: at least one token id is needed", param="prompt")
@@ -101,6 +102,12 @@ def validate_request(
         if bad:
             raise RequestError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", param="prompt")
     if num_prompt_tokens + max_tokens > max_model_len:
+        if max_tokens == 0:  # a prefill alone (the static loop's cache), no output asked for yet
+            raise RequestError(
+                f"this model's maximum context length is {max_model_len} tokens; the prompt alone has "
+                f"{num_prompt_tokens}: shorten the prompt, or use a larger max_model_len",
+                param="prompt",
+            )
         raise RequestError(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} and "
             f"max_tokens asks for {max_tokens} more ({num_prompt_tokens + max_tokens} in all): shorten the prompt, "

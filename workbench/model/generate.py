@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from workbench.device import synchronize
 from workbench.model.sampler import Sampler
 from workbench.model.transformer import Transformer
-from workbench.request import SamplingParams
+from workbench.request import SamplingParams, validate_request
 from workbench.timing import now
 
 
@@ -33,12 +33,15 @@ class GenerationResult:
 def generate_static(
     model: Transformer, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams
 ) -> list[GenerationResult]:
-    """Generate for all prompts as one static batch; stops each at EOS (unless ignore_eos) or max_tokens."""
+    """Generate for all prompts as one static batch; stops each at EOS (unless ignore_eos) or max_tokens. A request
+    whose prompt + max_tokens exceeds the model's positions is refused (RequestError,
+    ``workbench.request.validate_request``), never cut short."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     cfg = model.config
+    for p, sp in zip(prompts, params):  # the one request rule: prompt + max_tokens within the model's positions
+        validate_request(p, sp.max_tokens, cfg.max_position_embeddings, cfg.vocab_size)
     max_len = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
-    max_len = min(max_len, cfg.max_position_embeddings)  # a longer prompt is refused by prefill
     cache = model.new_cache(len(prompts), max_len)
     sampler = Sampler()
     results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
@@ -64,7 +67,7 @@ def generate_static(
             last_time[i] = elapsed
             if tok in eos[i]:
                 r.finish_reason = "stop"
-            elif len(r.tokens) >= params[i].max_tokens or cache.lengths[i] + 1 > cache.max_len:
+            elif len(r.tokens) >= params[i].max_tokens:
                 r.finish_reason = "length"
             else:
                 still.append(i)

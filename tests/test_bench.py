@@ -162,9 +162,12 @@ def test_cli_prefill_table(capsys):
 def test_lengths_beyond_the_models_positions_are_refused(tiny):
     from workbench.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="prompt lengths"):
+    # each benchmark sizes max_model_len to its requests, so tiny-gqa's 256 positions are the limit
+    with pytest.raises(ConfigError, match=r"needs max_model_len 513 \(--prompt-len 512 \+ 1 generated token\).* 256 "
+                       "positions.*at most 255"):  # fmt: skip
         bench.bench_prefill(tiny, prompt_lens=(512,), hw=FAKE_HW)
-    with pytest.raises(ConfigError, match="positions"):
+    # 250 + (2 warm-up + 8 steps + 1) generated + 1 spare = 262 > 256; the longest prompt is 256 - 12 = 244
+    with pytest.raises(ConfigError, match=r"needs max_model_len 262 .* 256 positions.*at most 244$"):
         bench.bench_decode(tiny, batches=(1,), prompt_len=250, hw=FAKE_HW)
 
 

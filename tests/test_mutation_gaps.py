@@ -7,7 +7,9 @@ anything runs. A running 7-token request holds 2 blocks (8 tokens after its firs
 20-token request (5 blocks, 5 <= 5) may enter.
 """
 
-from workbench.engine.scheduler import Scheduler, SchedulerConfig
+import pytest
+
+from workbench.engine.scheduler import Scheduler, SchedulerConfig, blocks_over_watermark
 from workbench.kv.block_manager import BlockManager
 from workbench.request import SamplingParams, Sequence, SequenceStatus
 
@@ -78,6 +80,25 @@ def test_admit_prefilled_without_a_watermark_admits_it():
     s = scheduler(watermark=0.0)
     assert s.admit_prefilled(prefilled(0, 8))
     assert s.admit_prefilled(prefilled(1, 24))
+
+
+@pytest.mark.parametrize("sized_over_the_watermark", [False, True])
+def test_a_pool_sized_over_the_watermark_admits_the_whole_batch(sized_over_the_watermark):
+    """bench decode's pool (``workbench.bench.bench_engine``) at batch 16, prompt 2048, max_model_len 2060: 129
+    blocks of 16 tokens a sequence. 16 x 129 = 2064 blocks keep int(0.01 x 2064) = 20 free, so once 15 prompts hold
+    128 blocks each, 2064 - 1920 = 144 < 128 + 20: the 16th waits while the others decode (the benchmark then
+    failed, "finished early"). ceil(2064 / 0.99) + 1 = 2086 blocks keep 20 free and 166 >= 148: all 16 run."""
+    num_blocks = blocks_over_watermark(16, 129) if sized_over_the_watermark else 16 * 129
+    assert num_blocks == (2086 if sized_over_the_watermark else 2064)
+    cfg = SchedulerConfig(policy="continuous", max_num_seqs=16, max_model_len=2060)  # budget 2060: a prompt a step
+    s = Scheduler(cfg, BlockManager(num_blocks=num_blocks, block_size=16))
+    batch = [Sequence(i, [i + 1] * 2048, SamplingParams(max_tokens=11, ignore_eos=True)) for i in range(16)]
+    for q in batch:
+        s.add(q)
+    for step in range(16):
+        run_one_step(s, float(step))
+    waiting = [q.seq_id for q in batch if q.status is SequenceStatus.WAITING]
+    assert waiting == ([] if sized_over_the_watermark else [15])
 
 
 def test_shared_prefix_blocks_are_released_once_per_holder():

@@ -42,6 +42,7 @@ from workbench.config import (
 from workbench.device import resolve_device, torch_dtype
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
+from workbench.engine.scheduler import blocks_over_watermark
 from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec, measured_spec
 from workbench.model.transformer import Transformer
@@ -151,11 +152,12 @@ def bench_engine(
     model: Transformer, max_num_seqs: int, max_model_len: int, workers: Any = None, **kwargs: Any
 ) -> Engine:
     """An engine on ``model`` (with ``workers``: rank 0's shard of a tensor-parallel model on those ranks) whose pool
-    holds ``max_num_seqs`` requests of ``max_model_len`` tokens at once, each in whole blocks (no preemption)."""
+    holds ``max_num_seqs`` requests of ``max_model_len`` tokens at once, each in whole blocks, over the scheduler's
+    admission watermark (``blocks_over_watermark``): all are admitted together, none is preempted."""
     max_model_len = min(max_model_len, model.config.max_position_embeddings)
     if "kv_cache_bytes" not in kwargs:
         block_size = kwargs.get("block_size", EngineConfig.block_size)
-        kwargs.setdefault("num_blocks", max_num_seqs * -(-max_model_len // block_size))
+        kwargs.setdefault("num_blocks", blocks_over_watermark(max_num_seqs, -(-max_model_len // block_size)))
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
@@ -194,6 +196,51 @@ def track_contexts(contexts: dict[int, int], outputs: list[Any]) -> None:
         contexts[out.request_id] = out.num_tokens
 
 
+# ---- lengths, checked before anything loads -----------------------------------------------------------------------
+def decode_max_model_len(prompt_len: int, warmup: int, steps: int) -> int:
+    """The engine's ``max_model_len`` in a decode benchmark: the prompt, ``warmup + steps + 1`` generated tokens (the
+    prefill's token, then one per step) and one spare. The engine is sized to the request, as vLLM's ``bench
+    latency`` wants ``max_model_len >= input_len + output_len``; only the model's positions bound it."""
+    return prompt_len + warmup + steps + 2
+
+
+def check_bench_lengths(
+    cfg: ModelConfig,
+    kind: str,
+    prompt_lens: Sequence[int],
+    warmup: int = 2,
+    steps: int = 8,
+    new_tokens: int = 32,
+    context: int | None = None,
+) -> None:
+    """ConfigError, one line naming the numbers and the flag to change, unless every request of ``bench kind``
+    (decode, prefill, offline, hf) fits ``cfg``'s positions: each benchmark sizes its engine's ``max_model_len`` to
+    its requests, so the model's ``max_position_embeddings`` is the only limit. Cheap (no model loaded): the command
+    calls it before measuring ceilings or loading weights, and the benchmark functions again on their own."""
+    limit = cfg.max_position_embeddings
+    where = f"{cfg.name} has {limit} positions (max_position_embeddings; the engine's max_model_len is sized to the "
+    for n in prompt_lens:
+        if n < 1:
+            raise ConfigError(f"--prompt-len must be >= 1, got {n}")
+        if kind == "decode" and decode_max_model_len(n, warmup, steps) > limit:
+            need = decode_max_model_len(n, warmup, steps)
+            room = limit - (need - n)  # the longest prompt these steps leave room for
+            fix = f"lower --prompt-len to at most {room}" if room >= 1 else "lower --steps or --warmup"
+            raise ConfigError(
+                f"bench decode needs max_model_len {need} (--prompt-len {n} + {warmup + steps + 1} generated tokens: "
+                f"--warmup {warmup} + --steps {steps} + 1, and 1 spare), but {where}request): {fix}"
+            )
+        if kind == "prefill" and n + 1 > limit:
+            raise ConfigError(f"bench prefill needs max_model_len {n + 1} (--prompt-len {n} + 1 generated token), but "
+                              f"{where}request): lower --prompt-len to at most {limit - 1}")  # fmt: skip
+        if kind == "hf" and n + new_tokens > limit:
+            raise ConfigError(f"bench hf needs max_model_len {n + new_tokens} (--prompt-len {n} + --new-tokens "
+                              f"{new_tokens}), but {where}request): lower --prompt-len or --new-tokens")  # fmt: skip
+    if context is not None and context > limit:
+        raise ConfigError(f"bench {kind}: the offline set needs max_model_len {context} (--context {context}), but "
+                          f"{where}request): lower --context to at most {limit}")  # fmt: skip
+
+
 # ---- decode ----------------------------------------------------------------------------------------------------
 def bench_decode(
     model: Transformer,
@@ -227,16 +274,12 @@ def bench_decode(
     if steps < 1 or warmup < 0 or prompt_len < 1:
         raise ConfigError(f"need steps >= 1, warmup >= 0, prompt_len >= 1; got {steps}, {warmup}, {prompt_len}")
     cfg = model.config
-    if prompt_len + warmup + steps + 2 > cfg.max_position_embeddings:
-        raise ConfigError(
-            f"prompt_len {prompt_len} + {warmup + steps} steps do not fit {cfg.name}'s "
-            f"{cfg.max_position_embeddings} positions"
-        )
+    if compile_decode:
+        warmup = max(warmup, 1)  # the first decode step compiles
+    check_bench_lengths(cfg, "decode", [prompt_len], warmup, steps)
     dtype = canonical_dtype(str(model.dtype).replace("torch.", ""))
     hw = hw or measured_spec(model.device.type)
     sweep = sweep or LinearSweep(cfg, model.dtype, model.device, seed=seed)
-    if compile_decode:
-        warmup = max(warmup, 1)  # the first decode step compiles
     quantization, group_size = getattr(model, "quantization", None), getattr(model, "group_size", DEFAULT_GROUP_SIZE)
 
     def step_bytes(contexts: list[int]) -> dict[str, float]:
@@ -247,7 +290,7 @@ def bench_decode(
         engine = bench_engine(
             model,
             batch,
-            prompt_len + warmup + steps + 2,
+            decode_max_model_len(prompt_len, warmup, steps),
             workers,
             attention_backend=attention_backend,
             compile_decode=compile_decode,
@@ -327,13 +370,9 @@ def bench_prefill(
 ) -> list[dict[str, Any]]:
     """Per prompt length: median time of the engine step that prefills one fresh prompt, FLOP/s and MFU."""
     cfg = model.config
+    check_bench_lengths(cfg, "prefill", prompt_lens)
     dtype = canonical_dtype(str(model.dtype).replace("torch.", ""))
     hw = hw or measured_spec(model.device.type)
-    too_long = [n for n in prompt_lens if not 1 <= n < cfg.max_position_embeddings]
-    if too_long:
-        raise ConfigError(
-            f"prompt lengths {too_long} do not fit {cfg.name}: need 1 <= prompt_len < {cfg.max_position_embeddings}"
-        )
     rows = []
     for n in prompt_lens:
         engine = bench_engine(model, 1, n + 1)  # the default token budget holds the whole prompt
@@ -462,8 +501,10 @@ def bench_offline(
     compile_decode: bool = False,
     compile_prefill: bool = False,
     breakdown_top_ops: int | None = None,
+    engine_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up).
+    ``engine_options``: more ``EngineConfig`` fields of the engine (``token_budget``, ``enable_prefix_caching``).
 
     ``compile_decode``: pure decodes run compiled (``EngineConfig.compile_decode``), every batch bucket compiled
     before the timing; ``compile_s`` reports the seconds of each. ``compile_prefill``: prefill and mixed steps run
@@ -478,7 +519,7 @@ def bench_offline(
     requests = offline_requests(model.config.vocab_size, num_requests, context, seed)
     counts, t0 = cache_counts(), now()
     engine = bench_engine(model, max_num_seqs, max(len(p) + n for p, n in requests), compile_decode=compile_decode,
-                          compile_prefill=compile_prefill)  # fmt: skip
+                          compile_prefill=compile_prefill, **(engine_options or {}))  # fmt: skip
     compile_s = engine.warmup_decode()
     prefill_compile_s = engine.prefill.warmup(engine.token_budget)
     run_engine_offline(model, requests[: min(4, len(requests))], max_num_seqs, engine)  # warm-up

@@ -4,7 +4,7 @@
                             [--quantization none int8 int4] [--group-size 128] [--kv-cache-dtype auto int8]
     workbench bench prefill [--model ...] [--prompt-len 128 512 1024] [--json]
     workbench bench offline [--model ...] [--num-requests 64] [--context 256] [--max-num-seqs 32] [--json]
-                            [--breakdown [--top-ops 12]]
+                            [--max-num-batched-tokens N] [--enable-prefix-caching] [--breakdown [--top-ops 12]]
     workbench bench hf      [--model ...] [--prompt-len 32] [--new-tokens 32] [--no-offline] [--json]
     workbench bench serve   --base-url URL --model NAME [vllm bench serve's flags]   (workbench.commands.bench_serve)
     workbench bench linear | quant-ops | compiled | decode-parts | roofline | allreduce | gpu-costs | simulator
@@ -242,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         out["warning"] = emulated
     schemes = _schemes(args)
     _check_schemes(args, schemes)
+    _check_lengths(args, any(decode_arms))
     if args.kind == "hf":
         out |= bench.bench_hf(
             args.model, args.dtype, str(device), prompt_len=(args.prompt_len or [32])[0],
@@ -308,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
                 model, args.num_requests, args.context, args.max_num_seqs, args.repeats, seed=args.seed,
                 compile_decode=compile_decode, compile_prefill=compile_prefill,
                 breakdown_top_ops=args.top_ops if args.breakdown else None,
+                engine_options={"token_budget": args.token_budget,
+                                "enable_prefix_caching": args.enable_prefix_caching},
             )  # fmt: skip
     if args.json:
         print(json.dumps(out))
@@ -346,6 +349,25 @@ def _check_schemes(args: argparse.Namespace, schemes: list | None) -> None:
                           "bench decode only; give one value each")  # fmt: skip
     if schemes is not None and args.tensor_parallel_size > 1:
         raise ConfigError("comparing quantization schemes runs on one process; drop --tensor-parallel-size")
+
+
+def _check_lengths(args: argparse.Namespace, compiled: bool) -> None:
+    """ConfigError, before the ceilings are measured or a weight loads, for requests beyond the model's positions
+    (``workbench.bench.check_bench_lengths``: each benchmark sizes the engine's max_model_len to its requests)."""
+    from workbench.bench import check_bench_lengths
+    from workbench.config import ModelConfig
+
+    cfg = ModelConfig.resolve(args.model)
+    if args.kind == "decode":
+        warmup = max(args.warmup, 1) if compiled else args.warmup  # the first compiled step is a warm-up one
+        check_bench_lengths(cfg, "decode", args.prompt_len or [128], warmup, args.steps)
+    elif args.kind == "prefill":
+        check_bench_lengths(cfg, "prefill", args.prompt_len or [128, 512, 1024])
+    elif args.kind == "offline":
+        check_bench_lengths(cfg, "offline", [], context=args.context)
+    elif args.kind == "hf":
+        check_bench_lengths(cfg, "hf", (args.prompt_len or [32])[:1], new_tokens=args.new_tokens,
+                            context=None if args.no_offline else args.context)  # fmt: skip
 
 
 def compare_schemes(args: argparse.Namespace, schemes: list, hw: Any, device: str, compile_decode: bool) -> dict:

@@ -78,8 +78,8 @@ def add_tool_options(p: argparse.ArgumentParser, owns: Any) -> None:
 
     if owns("simulator", "vllm"):
         add_serving_arguments(p, EngineConfig, ("policy",))
-    if owns("vllm"):  # both engines: the workbench's token budget and prefix caching, vLLM's the same
-        add_serving_arguments(p, EngineConfig, ("token_budget", "enable_prefix_caching"))
+    if owns("vllm", "offline"):  # vllm: both engines, the workbench's and vLLM's the same; offline: vLLM's bench
+        add_serving_arguments(p, EngineConfig, ("token_budget", "enable_prefix_caching"))  # throughput takes them
     if owns("linear"):
         from workbench.experiments.weights import DEFAULT_ROWS
 

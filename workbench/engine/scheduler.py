@@ -53,6 +53,7 @@ simulator's fast path advances several pure-decode steps at once while nothing c
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,17 @@ def default_token_budget(policy: str, max_model_len: int) -> int:
     """The token budget (vLLM's ``max_num_batched_tokens``) when none is given: 2048 for ``chunked``, else
     ``max(max_model_len, 2048)`` (a whole-prompt policy never splits a prompt, so its budget holds the longest)."""
     return 2048 if policy == "chunked" else max(max_model_len, 2048)
+
+
+DEFAULT_WATERMARK = 0.01  # vLLM's: the fraction of the pool admission keeps free while something runs
+
+
+def blocks_over_watermark(num_seqs: int, blocks_per_seq: int, watermark: float = DEFAULT_WATERMARK) -> int:
+    """The smallest pool (plus one block of float slack) in which ``num_seqs`` sequences of ``blocks_per_seq``
+    blocks each are all admitted at once: admission keeps ``int(watermark * pool)`` blocks free while something
+    runs, so a pool of exactly ``num_seqs * blocks_per_seq`` blocks may admit one sequence fewer (16 sequences of 129
+    blocks in 2064, each admitted with 128: 16 blocks to spare, fewer than the 20 the watermark keeps)."""
+    return math.ceil(num_seqs * blocks_per_seq / (1.0 - watermark)) + 1
 
 
 def check_policy(policy: object) -> None:
@@ -98,7 +110,7 @@ class SchedulerConfig:
     chunk_size: int | None = None
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     enable_prefix_caching: bool = False
-    watermark: float = 0.01
+    watermark: float = DEFAULT_WATERMARK
 
     def __post_init__(self) -> None:
         check_policy(self.policy)

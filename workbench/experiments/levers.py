@@ -36,6 +36,7 @@ from workbench.config import (
 )
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
+from workbench.engine.scheduler import blocks_over_watermark
 from workbench.errors import ConfigError
 from workbench.experiments.trials import THROUGHPUT_MARGIN, Comparison, DecisionRule, Rounds
 from workbench.kv.sizing import plan_num_blocks
@@ -98,8 +99,12 @@ def load_scheme_models(name_or_path: str, schemes: Sequence[Scheme], device: str
 
 
 def _engine(model: Any, scheme: Scheme, max_num_seqs: int, max_model_len: int, compile_decode: bool) -> Engine:
+    """An engine of ``scheme`` whose pool admits ``max_num_seqs`` requests of ``max_model_len`` tokens together (over
+    the admission watermark: ``blocks_over_watermark``)."""
+    num_blocks = blocks_over_watermark(max_num_seqs, -(-max_model_len // EngineConfig.block_size))
     cfg = EngineConfig(
-        max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=scheme.dtype, device=str(model.device),
+        max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_blocks=num_blocks, dtype=scheme.dtype,
+        device=str(model.device),
         quantization=scheme.quantization, group_size=scheme.group_size, kv_cache_dtype=scheme.kv_cache_dtype,
         compile_decode=compile_decode,
     )  # fmt: skip

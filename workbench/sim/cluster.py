@@ -53,7 +53,7 @@ from workbench.config import ModelConfig, canonical_dtype, ceil_div, check_posit
 from workbench.engine.config import ServingConfig
 from workbench.engine.handoff import Handoff, prefilled_sequence
 from workbench.engine.metrics import ServingStats, StepLog
-from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
+from workbench.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan, blocks_over_watermark
 from workbench.engine.speculative import SpeculativeConfig, merged_spec_stats
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
@@ -699,7 +699,7 @@ def _blocks_never_short(sched_cfg: SchedulerConfig, block_size: int) -> int:
     trace. (With prefix caching, freed blocks stay cached until the pool runs out: the whole pool is tracked, its
     blocks made as they are first taken.)"""
     per_seq = ceil_div(sched_cfg.max_model_len, block_size) + 1
-    return math.ceil(sched_cfg.max_num_seqs * per_seq / (1.0 - sched_cfg.watermark)) + 1
+    return blocks_over_watermark(sched_cfg.max_num_seqs, per_seq, sched_cfg.watermark)
 
 
 def _sampling(base: SamplingParams | None, max_tokens: int) -> SamplingParams:

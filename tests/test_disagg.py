@@ -125,6 +125,20 @@ def test_a_one_token_request_never_leaves_the_prefill_engine(checkpoint, cluster
     assert result.transfers == {}
 
 
+def test_a_request_beyond_the_context_is_rejected_whole_and_the_others_served(checkpoint, cluster):
+    # the one request rule (workbench.request.validate_request) on a real pair: 120 + 10 > the pools' 128 positions,
+    # so the prefill engine rejects it (never a prefill the decode side would refuse, never capped)
+    big = ([5] * 120, SamplingParams(max_tokens=10, ignore_eos=True), 0.0)
+    result = cluster.run([big, *offline(PROMPTS[:1])], online=False)
+    by_id = {r.request_id: r for r in result.requests}
+    assert by_id[0].finish_reason == "rejected" and by_id[0].tokens == [] and 0 not in result.transfers
+    assert by_id[0].reject_reason == (
+        "this model's maximum context length is 128 tokens; the prompt has 120 and max_tokens asks for 10 more "
+        "(130 in all): shorten the prompt, lower max_tokens, or serve with a larger max_model_len"
+    )
+    assert by_id[1].tokens == colocated(checkpoint, PROMPTS[:1])[0]
+
+
 @pytest.mark.parametrize("spec", ["1", "0:1", "a:b", "1:2:3"])
 def test_bad_disaggregate_specs_are_config_errors(spec):
     with pytest.raises(ConfigError, match="P:D"):

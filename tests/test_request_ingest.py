@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from tests.conftest import one_line_error
 from workbench import cli
 from workbench.errors import RequestError
 from workbench.request import SamplingParams, default_max_tokens, validate_request
@@ -124,3 +125,18 @@ def test_trace_rows_beyond_the_context_are_rejected_counted_and_named(tmp_path, 
     assert sorted(r["request_id"] for r in summary["rejected"]) == [1, 3]
     assert "num_clipped" not in summary
     assert f"2 of 4 requests rejected (the others were served); the first, request 1: {EXPECTED}" in out.err
+
+
+def test_plan_plans_on_the_rows_that_fit_and_counts_the_others(tmp_path, capsys) -> None:
+    argv = ["plan", "--model", "tiny-gqa", "--hardware", "h100-sxm", "--num-gpus", "1", "--trace", _trace(tmp_path),
+            "--slo-ttft", "1", "--slo-tpot", "0.1", "--tp", "1", "--pp", "1", "--policies", "continuous",
+            "--no-disaggregate", "--serial"]  # fmt: skip
+    assert cli.main([*argv, "--json"]) == 0  # used to clip rows 1 and 3 to 256 tokens and plan on all four
+    out = capsys.readouterr()
+    summary = json.loads(out.out)
+    assert summary["num_requests"] == 4 and summary["num_rejected"] == 2 and "num_clipped" not in summary
+    assert summary["first_rejected"] == {"request_id": 1, "reason": EXPECTED}
+    assert f"2 of 4 requests rejected (planned on the others); the first, request 1: {EXPECTED}" in out.err
+    # every row beyond a 6-token context (8 + 3, 250 + 10, 5 + 2, 300 + 2): nothing to plan for, one line
+    rc = cli.main([*argv, "--max-model-len", "6"])
+    one_line_error(capsys, rc, "all 4 requests of the trace exceed max_model_len 6", "the first: this model's")

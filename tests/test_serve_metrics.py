@@ -159,8 +159,12 @@ def test_sharegpt_and_trace_datasets(tmp_path, tiny_checkpoint):
         sharegpt_requests(str(path), 3, None, None, seed=0)
 
     trace = load_workload("azure-conv", limit=5)
-    reqs = trace_requests("azure-conv", 5, None, 256, seed=0)
+    reqs, left_out = trace_requests("azure-conv", 5, None, 256, seed=0)
     assert [(r.prompt_len, r.output_len) for r in reqs] == [(t.prompt_len, t.output_len) for t in trace]
-    assert all(len(r.prompt) == r.prompt_len for r in reqs)
-    clipped = trace_requests("azure-conv", 5, 256, 256, seed=0)
-    assert all(r.prompt_len + r.output_len <= 256 for r in clipped)
+    assert all(len(r.prompt) == r.prompt_len for r in reqs) and left_out == 0
+    # a server of 512 positions: the rows beyond it are left out (counted), the others sent as they are, never clipped
+    rows = [(t.prompt_len, t.output_len) for t in load_workload("azure-conv", limit=200)]
+    fitting = [i for i, (p, o) in enumerate(rows) if p + o <= 512][:5]
+    fit, left_out = trace_requests("azure-conv", 5, 512, 256, seed=0)
+    assert [(r.prompt_len, r.output_len) for r in fit] == [rows[i] for i in fitting]
+    assert left_out == fitting[-1] + 1 - 5 >= 1  # the trace's third row, 879 + 55, among them

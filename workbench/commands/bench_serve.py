@@ -124,7 +124,14 @@ def run_serve(args: argparse.Namespace) -> int:
         if not args.dataset_path:
             raise ConfigError("--dataset-name trace needs --dataset-path (a trace name such as azure-conv, or a file)")
         max_len = asyncio.run(b.server_max_model_len(base_url, args.model))
-        reqs = b.trace_requests(args.dataset_path, args.num_prompts, max_len, args.random_vocab_size, args.seed)
+        reqs, left_out = b.trace_requests(args.dataset_path, args.num_prompts, max_len, args.random_vocab_size,
+                                          args.seed)  # fmt: skip
+        if left_out:
+            import sys
+
+            print(f"workbench bench serve: {left_out} rows of {args.dataset_path} exceed the server's max_model_len "
+                  f"{max_len} and were left out (never clipped); sending the next {len(reqs)} that fit",
+                  file=sys.stderr)  # fmt: skip
     if "chat" in endpoint and not all(isinstance(r.prompt, str) for r in reqs):
         reqs = b.decode_prompts(reqs, args.tokenizer)
     outputs, duration = asyncio.run(b.run_benchmark(

@@ -216,30 +216,33 @@ def add_slo_arguments(p: ArgumentContainer) -> None:
 LATENCY_LABELS = {"ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL", "e2el_s": "E2E latency"}
 
 
-def clip_to_context(requests: list[Any], max_len: int) -> tuple[list[Any], int]:
-    """``truncate_to_context(requests, max_len)`` and how many requests it shortened (to be reported, not hidden):
-    the capacity planner's workload shaping. ``replay`` and ``simulate`` clip nothing: a row beyond ``max_model_len``
-    is rejected there, as any request (``workbench.request.validate_request``).
+def reject_beyond_context(requests: list[Any], max_len: int) -> tuple[list[Any], list[dict[str, Any]]]:
+    """The requests of a workload that the one request rule (``workbench.request.validate_request``) accepts within
+    ``max_len``, and the others as ``add_rejections`` lists them (``request_id``, ``reason``): the capacity planner's
+    share of the rule ``replay`` and ``simulate`` apply as they run (a row beyond ``max_model_len`` is rejected and
+    counted, never capped). A TraceError when there is no request to run (a header-only csv, an empty jsonl,
+    ``--limit 0``): latencies of zero requests are not a result."""
+    from workbench.errors import RequestError
+    from workbench.request import validate_request
 
-    A TraceError when there is no request to run (a header-only csv, an empty jsonl, ``--limit 0``): latencies of
-    zero requests are not a result."""
-    stream = TraceStream(iter(requests), max_len)
-    return list(stream), stream.num_clipped
+    served, rejected = [], []
+    for r in TraceStream(iter(requests)):
+        try:
+            validate_request(r.prompt_len, r.output_len, max_len)
+        except RequestError as exc:
+            rejected.append({"request_id": r.request_id, "reason": str(exc)})
+            continue
+        served.append(r)
+    return served, rejected
 
 
 class TraceStream:
-    """The requests of a stream as they are read, clipped to ``max_len`` when one is given
-    (``workbench.workloads.clip_request``; ``num_clipped`` counts the rows that shortened so far). A TraceError now
-    when the stream has no request (as ``clip_to_context``)."""
+    """The requests of a stream as they are read, unchanged (a row beyond ``max_model_len`` is rejected where it is
+    served, never clipped). A TraceError now when the stream has no request."""
 
-    def __init__(self, requests: Iterator[Any], max_len: int | None = None) -> None:
+    def __init__(self, requests: Iterator[Any]) -> None:
         from workbench.errors import TraceError
-        from workbench.workloads import check_max_len
 
-        if max_len is not None:
-            check_max_len(max_len)
-        self.max_len = max_len
-        self.num_clipped = 0
         self._first = next(requests, None)
         if self._first is None:
             raise TraceError(
@@ -249,15 +252,7 @@ class TraceStream:
         self._rest = requests
 
     def __iter__(self) -> Iterator[Any]:
-        from workbench.workloads import clip_request
-
-        for r in itertools.chain([self._first], self._rest):
-            if self.max_len is None:
-                yield r
-                continue
-            clipped = clip_request(r, self.max_len)
-            self.num_clipped += clipped is not r
-            yield clipped
+        return itertools.chain([self._first], self._rest)
 
 
 def print_serving_metrics(m: dict[str, Any]) -> None:

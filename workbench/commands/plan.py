@@ -10,6 +10,10 @@ Searches replicas x TP x PP x (colocated | P:D with each side's TP) x policy x c
 ``--num-cpus`` CPUs unless ``--ray-address`` joins a cluster; ``--serial`` runs in this process, with the same
 results). Prints the best configurations and the Pareto table (goodput per GPU, GPUs, p90 TTFT, p90 TPOT), or with
 ``--json`` one object: ``best``, ``pareto``, ``rows`` (every candidate, skipped ones with their reason), ``wall_s``.
+
+A trace row whose prompt + output exceeds ``max_model_len`` is rejected, as everywhere (``workbench.request.
+validate_request``; never capped): the plan is made on the others, and ``num_rejected``, ``first_rejected`` and
+``rejected`` say which (one line on stderr too).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from workbench.commands.common import add_trace_arguments, slo_seconds
+from workbench.commands.common import add_serving_arguments, add_trace_arguments, slo_seconds
 from workbench.commands.sim_args import add_calibration_arguments, add_expert_parallel_argument, add_format_arguments
 from workbench.errors import ConfigError
 
@@ -53,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-disaggregate", action="store_true", help="colocated deployments only")
     s.add_argument("--max-replicas-only", action="store_true",
                    help="each shape with as many replicas as fit, not 1 .. that many")  # fmt: skip
-    s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default min(model, 4096))")
+    from workbench.sim.cluster import SimConfig
+
+    add_serving_arguments(s, SimConfig, ("max_model_len",))  # the one config's flag, help and default
     s.add_argument("--link-gbps", type=float, default=400.0, help="disaggregated KV link per GPU, Gb/s")
     r = p.add_argument_group("execution")
     r.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
@@ -89,10 +95,12 @@ def check_ray_args(address: str | None, num_cpus: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workbench.commands.common import clip_to_context
+    import sys
+
+    from workbench.commands.common import add_rejections, reject_beyond_context
     from workbench.commands.sim_args import format_kwargs
     from workbench.config import ModelConfig
-    from workbench.engine.scheduler import DEFAULT_MAX_MODEL_LEN
+    from workbench.engine.config import ServingConfig
     from workbench.hardware import get_hardware
     from workbench.sim.planner import PlanSettings, candidates, plan
     from workbench.workloads import load_workload
@@ -116,21 +124,28 @@ def run(args: argparse.Namespace) -> int:
         disaggregated=not args.no_disaggregate, all_replica_counts=not args.max_replicas_only,
         expert_parallel_size=args.expert_parallel_size,
     )  # fmt: skip
-    requests = load_workload(args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
-                             num_requests=args.num_requests, prompt_lens=args.prompt_lens,
-                             output_lens=args.output_lens, seed=args.trace_seed)  # fmt: skip
-    max_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    requests, num_clipped = clip_to_context(requests, max_len)
+    trace = load_workload(args.trace, limit=args.limit, time_scale=args.time_scale, rate_scale=args.rate_scale,
+                          num_requests=args.num_requests, prompt_lens=args.prompt_lens,
+                          output_lens=args.output_lens, seed=args.trace_seed)  # fmt: skip
+    max_len = ServingConfig(max_model_len=args.max_model_len).resolved_max_model_len(cfg)
+    requests, rejected = reject_beyond_context(trace, max_len)  # the one rule: rejected and counted, never capped
+    if not requests:
+        raise ConfigError(f"all {len(rejected)} requests of the trace exceed max_model_len {max_len}, so there is "
+                          f"nothing to plan for; the first: {rejected[0]['reason']}")  # fmt: skip
+    if rejected:
+        print(f"workbench plan: {len(rejected)} of {len(trace)} requests rejected (planned on the others); the "
+              f"first, request {rejected[0]['request_id']}: {rejected[0]['reason']}", file=sys.stderr)  # fmt: skip
     result = plan(requests, settings, args.num_gpus, search, parallel="serial" if args.serial else "ray",
                   ray_address=args.ray_address, num_cpus=args.num_cpus, top=args.top)  # fmt: skip
     out = result.to_dict()
-    out.update(model=args.model, hardware=args.hardware, trace=args.trace, num_requests=len(requests),
-               num_clipped=num_clipped)  # fmt: skip
+    out.update(model=args.model, hardware=args.hardware, trace=args.trace, num_requests=len(trace),
+               max_model_len=max_len)  # fmt: skip
+    add_rejections(out, rejected)
     if args.json:
         print(json.dumps(out))
         return 0 if out["num_evaluated"] else 1
     print(f"plan: {args.model} on up to {args.num_gpus} x {args.hardware}, {args.trace} ({len(requests)} requests, "
-          f"{num_clipped} clipped), SLOs TTFT <= {args.slo_ttft:g} s, TPOT <= {args.slo_tpot:g} s; "
+          f"{len(rejected)} rejected), SLOs TTFT <= {args.slo_ttft:g} s, TPOT <= {args.slo_tpot:g} s; "
           f"{out['num_candidates']} candidates ({out['num_evaluated']} simulated) in {out['wall_s']:.1f} s "
           f"({result.parallel})")  # fmt: skip
     header = f"  {'deployment':36s} {'GPUs':>4s} {'goodput/GPU':>11s} {'SLO %':>6s} {'TTFT p90':>9s} {'TPOT p90':>9s}"

@@ -12,8 +12,8 @@ Goodput (``--goodput ttft:MS tpot:MS e2el:MS``) counts the requests that meet ev
 Datasets: ``random`` (prompt lengths uniform in ``input_len * [1 - r, 1 + r]``, ids uniform below
 ``--random-vocab-size``, sent as token-id prompts; output lengths likewise), ``sharegpt`` (a ShareGPT JSON file:
 first human turn as the prompt text; prompt and reply lengths counted with ``--tokenizer``) and ``trace`` (a
-workbench trace such as ``azure-conv``: its prompt and output lengths, token-id prompts; clipped to the server's
-``max_model_len`` read from ``/v1/models``).
+workbench trace such as ``azure-conv``: its prompt and output lengths, token-id prompts; rows beyond the server's
+``max_model_len``, read from ``/v1/models``, are left out and counted, never clipped).
 """
 
 from __future__ import annotations
@@ -121,15 +121,28 @@ def sharegpt_requests(path: str, num: int, tokenizer_dir: str | None, output_len
     return out
 
 
-def trace_requests(name: str, num: int, max_model_len: int | None, vocab_size: int, seed: int) -> list[BenchRequest]:
-    from workbench.workloads import load_workload, prompt_token_ids, truncate_to_context
+def trace_requests(
+    name: str, num: int, max_model_len: int | None, vocab_size: int, seed: int
+) -> tuple[list[BenchRequest], int]:
+    """The first ``num`` rows of trace ``name`` that the server can serve, as they are (token-id prompts), and how
+    many rows before them were left out: a row whose prompt + output exceeds the server's ``max_model_len`` would be
+    rejected there (the one request rule, ``workbench.request.validate_request``), so it is not sent, and never
+    clipped (vLLM's ShareGPT sampling leaves such conversations out too)."""
+    from workbench.request import fits_context
+    from workbench.workloads import iter_workload, prompt_token_ids
 
-    reqs = load_workload(name, limit=num, num_requests=num, seed=seed)
-    if max_model_len is not None:
-        reqs = truncate_to_context(reqs, max_model_len)
+    reqs, left_out = [], 0
+    for r in iter_workload(name, num_requests=num, seed=seed):
+        if max_model_len is not None and not fits_context(r.prompt_len, r.output_len, max_model_len):
+            left_out += 1
+            continue
+        reqs.append(r)
+        if len(reqs) == num:
+            break
     if len(reqs) < num:
-        raise ConfigError(f"trace {name}: {len(reqs)} requests, --num-prompts is {num}")
-    return [BenchRequest(prompt_token_ids(r, vocab_size, seed), r.prompt_len, r.output_len) for r in reqs]
+        within = f" within the server's max_model_len {max_model_len} ({left_out} longer left out)" if left_out else ""
+        raise ConfigError(f"trace {name}: {len(reqs)} requests{within}, --num-prompts is {num}")
+    return [BenchRequest(prompt_token_ids(r, vocab_size, seed), r.prompt_len, r.output_len) for r in reqs], left_out
 
 
 # ---- one request -----------------------------------------------------------------------------------------

@@ -156,6 +156,22 @@ def test_vllm_named_flags_work_and_old_names_warn(command: str, capsys) -> None:
     ]
 
 
+def test_bench_offline_takes_vllm_bench_throughputs_names(capsys) -> None:
+    new = parse(["bench", "throughput", "--model", "tiny-gqa", "--enable-prefix-caching", "--max-num-batched-tokens",
+                 "512", "--max-num-seqs", "3", "--quantization", "int8", "--seed", "1"])  # fmt: skip
+    assert (new.enable_prefix_caching, new.token_budget, new.max_num_seqs, new.quantization, new.seed) == (
+        True,
+        512,
+        3,
+        ["int8"],
+        1,
+    )
+    assert capsys.readouterr().err == ""
+    old = parse(["bench", "offline", "--prefix-caching", "--token-budget", "512"])
+    assert (old.enable_prefix_caching, old.token_budget) == (True, 512)
+    assert capsys.readouterr().err.count("is deprecated") == 2
+
+
 def test_simulate_takes_the_same_flags_and_seed_means_sampling(capsys) -> None:
     args = parse(["simulate", "--model", "tiny-gqa", "--trace", "poisson:1", *VLLM_FLAGS, "--link-latency-s", "0.002"])
     assert (args.token_budget, args.enable_prefix_caching, args.max_num_seqs, args.link_latency_s) == (
@@ -236,6 +252,48 @@ def test_slo_units_are_named_and_an_implausible_one_warns(capsys) -> None:
         for action in parser._actions:
             if "slo" in action.dest or action.dest == "goodput":
                 assert re.search(r"seconds|milliseconds", action.help or ""), (name, action.dest)
+
+
+# the commands that print no result of their own: a server (its HTTP responses are the results) and the report
+# runner (it writes reports/<run-id>/ and prints where)
+NO_RESULTS = {"serve", "report"}
+
+
+def test_every_command_that_prints_results_takes_json() -> None:
+    for name, parser in PARSERS:
+        if name not in NO_RESULTS:
+            assert "--json" in parser._option_string_actions, f"{name} prints results but takes no --json"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # 250 + (2 warm-up + 8 steps + 1) generated + 1 spare = 262 > tiny-gqa's 256; 256 - 12 = 244
+        (["decode", "--prompt-len", "250"], "bench decode needs max_model_len 262 (--prompt-len 250 + 11 generated "
+         "tokens: --warmup 2 + --steps 8 + 1, and 1 spare), but tiny-gqa has 256 positions"),
+        (["decode", "--prompt-len", "16", "--steps", "300"], "lower --steps or --warmup"),  # 304 > 256 alone
+        (["prefill"], "bench prefill needs max_model_len 513 (--prompt-len 512 + 1 generated token)"),  # the default
+        (["offline", "--context", "300"], "the offline set needs max_model_len 300 (--context 300)"),
+        (["hf", "--prompt-len", "200", "--new-tokens", "64", "--no-offline"], "needs max_model_len 264 (--prompt-len "
+         "200 + --new-tokens 64)"),
+    ],
+    ids=["decode", "decode-steps", "prefill", "offline", "hf"],
+)  # fmt: skip
+def test_bench_lengths_beyond_the_model_are_refused_before_anything_loads(argv, message, capsys, monkeypatch) -> None:
+    # each benchmark sizes the engine's max_model_len to its requests (as vLLM's bench latency needs max_model_len >=
+    # input + output), so the model's positions are the limit: refused in one line before the ceilings are measured
+    # or a weight loads (used to run the whole decode benchmark first)
+    import workbench.bench
+    import workbench.hardware
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("loaded or measured before the lengths were checked")
+
+    monkeypatch.setattr(workbench.hardware, "measured_spec", never)
+    for name in ("load_bench_model", "bench_hf"):
+        monkeypatch.setattr(workbench.bench, name, never)
+    rc = cli.main(["bench", argv[0], "--model", "tiny-gqa", "--threads", "1", *argv[1:]])
+    one_line_error(capsys, rc, message, "max_position_embeddings", "lower --")
 
 
 def test_version(capsys) -> None:

@@ -1,7 +1,7 @@
 """Every README command runs as written (issue 34): each fenced ``.venv/bin/workbench ...`` command of the README and
 of the performance page, reports/PERFORMANCE.md (``tests.test_cli_vocabulary.DOC_COMMANDS``: the commands behind its
 figures), is run in this process, on tiny models where the documents' would take minutes, and must exit 0 with its
-JSON (``--json``, ``checkpoint``) parsing.
+JSON (``--json``) parsing.
 
 What is changed, and why, is the table below and nothing else: a new command in either document runs with these
 substitutions without any edit here. What is not run is ``SKIPS``, each with its reason (pytest -rs shows them).
@@ -239,7 +239,7 @@ def test_readme_command_runs(argv: list[str], checkpoint: str, long_tiny: str, t
         rc = cli.main(run)
     out = capsys.readouterr()
     assert rc == 0, f"{' '.join(run)}: exit {rc}\n{out.err[-3000:]}"
-    if "--json" in run or argv[0] == "checkpoint":
+    if "--json" in run:
         json.loads(out.out)  # one JSON object, nothing else on stdout
     else:
         assert out.out.strip(), run

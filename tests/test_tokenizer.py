@@ -102,7 +102,7 @@ def test_generate_text_prompt_without_a_tokenizer_says_to_pass_prompt_ids(capsys
 
 
 def test_checkpoint_without_tokenizer(tmp_path, capsys):
-    assert main(["checkpoint", "--model", "tiny-mha", "--out", str(tmp_path / "c"), "--no-tokenizer"]) == 0
+    assert main(["checkpoint", "--model", "tiny-mha", "--out", str(tmp_path / "c"), "--no-tokenizer", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokenizer"] is False
     assert not (tmp_path / "c" / "tokenizer.json").exists() and (tmp_path / "c" / "config.json").exists()
 

@@ -1,6 +1,7 @@
-"""``workbench checkpoint --model NAME --out DIR [--model-seed S] [--dtype D] [--no-tokenizer]``: a random HF
-checkpoint of a preset (config, weights and a byte-level BPE tokenizer trained on ``data/text/``). It prints one JSON
-object (``checkpoint``, ``preset``, ``params``, ``dtype``, ``tokenizer``): what it wrote, always as JSON.
+"""``workbench checkpoint --model NAME --out DIR [--model-seed S] [--dtype D] [--no-tokenizer] [--json]``: a random
+HF checkpoint of a preset (config, weights and a byte-level BPE tokenizer trained on ``data/text/``). It prints what it
+wrote in one line, or with ``--json`` (as every command that prints results) one JSON object (``checkpoint``,
+``preset``, ``params``, ``dtype``, ``tokenizer``).
 
 ``--model`` and ``--model-seed`` are the names every command uses for the model and the seed of its random weights;
 the older ``--preset`` and ``--seed`` still work, with a warning."""
@@ -24,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                help="seed of the random weights (--seed: deprecated spelling; default 0)")  # fmt: skip
     p.add_argument("--dtype", default="fp32", help="fp32 | fp16 | bf16 (default fp32)")
     p.add_argument("--no-tokenizer", action="store_true", help="write config and weights only (no tokenizer.json)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,5 +42,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise write_failed("--out", args.out, exc) from None
     summary = {"checkpoint": str(out), "preset": cfg.name, "params": cfg.num_params(), "dtype": args.dtype}
-    print(json.dumps(summary | {"tokenizer": not args.no_tokenizer}))
+    if args.json:
+        print(json.dumps(summary | {"tokenizer": not args.no_tokenizer}))
+    else:
+        tokenizer = "no tokenizer" if args.no_tokenizer else "a tokenizer"
+        print(f"wrote {cfg.name} ({cfg.num_params() / 1e6:.1f}M parameters, {args.dtype}, random weights of seed "
+              f"{args.seed}, {tokenizer}) to {out}")  # fmt: skip
     return 0

@@ -9,9 +9,11 @@ The logic is ``workbench.experiments.fidelity.fidelity_report`` (notebook 07's):
 this CPU's committed profile, else measured here; the real engine replays a held-out Poisson workload under every
 policy ``--repeats`` times, interleaved, with the load average before and after each run; the simulator replays the
 same workload deterministically and with the profile's residuals as seeded noise (``<model> noise``). The table
-(stderr) gives per policy and statistic the measured min, median and max, the spread, the simulated value, its error,
-the tolerance (10% or the spread) and BIMODAL where the repeats fall in two modes; the JSON (stdout, or ``--out``)
-holds it all, with the machine (CPU model, CPUs, the instruction set torch uses). A report, not a test.
+gives per policy and statistic the measured min, median and max, the spread, the simulated value, its error,
+the tolerance (10% or the spread) and BIMODAL where the repeats fall in two modes; the JSON holds it all, with the
+machine (CPU model, CPUs, the instruction set torch uses). As every command that prints results: the table on
+stdout, or with ``--json`` the JSON on stdout and the table on stderr; ``--out FILE`` writes the JSON there too. A
+report, not a test.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the fitted profile's workloads between them")  # fmt: skip
     p.add_argument("--measure-max-tokens", type=int, default=1024,
                    help="largest size the op profile measures when measured now (default 1024)")  # fmt: skip
-    p.add_argument("--out", default=None, help="write the JSON here instead of printing it")
+    p.add_argument("--out", default=None, help="also write the JSON to this file")
+    p.add_argument("--json", action="store_true", help="print the JSON on stdout (the table then on stderr)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -64,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
         args.repeats, args.disaggregate, args.measure_profiles, args.measure_max_tokens, not args.no_progress,
         lambda line: print(line, file=sys.stderr),
     )  # fmt: skip
-    fidelity.print_report(out)
     text = json.dumps(out)
     if args.out:
         atomic_write_text(args.out, text + "\n")
-    else:
+    fidelity.print_report(out, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
         print(text)
     return 0

@@ -206,3 +206,15 @@ def test_unsorted_mooncake_trace_is_refused_naming_the_line(tmp_path):
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(TraceError, match=r"m.jsonl:3: timestamp is 0.001 s earlier than line 2's"):
         load_workload(str(trace))
+
+
+def test_output_into_a_closed_pipe_stops_quietly():
+    # `workbench roofline --json | head -c 10`: the reader is gone before the command writes; no traceback
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.cli", "roofline", "--model", "tiny-gqa", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc.stdout.close()  # long before the child has imported its modules and written anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err and "Broken pipe" not in err, err

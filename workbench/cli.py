@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkbenchError as exc:
         print(f"workbench {args.command}: error: {exc}", file=sys.stderr)
         code = 2
+    except BrokenPipeError:  # stdout closed by its reader (``| head``): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes it
+        code = 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
     except KeyboardInterrupt as exc:  # Ctrl-C (or a SIGTERM a command turned into one): one line, not a traceback
         how = f" ({exc})" if str(exc) else ""
         print(f"workbench {args.command}: interrupted{how}", file=sys.stderr)

@@ -400,3 +400,26 @@ def test_the_notebook_and_the_command_fit_both_profiles_between_the_runs(monkeyp
     assert over["fit"]["num_steps"] > 0 and res["costs"]["op-profile"].source["load_average_end"] is not None
     # 2 policies x 4 statistics x (each model, its noise variant)
     assert len(res["rows"]) == 32 and set(res["step_errors"]) == {"op-profile", "profiled"}
+
+
+def test_a_committed_op_profile_of_another_attention_backend_is_not_used(tmp_path, monkeypatch) -> None:
+    """An op profile times the attention the engine runs: a committed one of this machine that timed the torch
+    backend's gather, where the engine attends with the C++ paged op, is measured anew (the torch gather took 5x the
+    op's time per layer for SmolLM2-135M's decode); the same file with the engine's backend is read."""
+    import json
+    from pathlib import Path
+
+    from workbench.experiments import fidelity
+    from workbench.sim import measure
+
+    source = next((Path(__file__).parents[1] / "data" / "profiles").glob("op-tiny-gqa-*.json"))
+    data = {**json.loads(source.read_text()), "machine": measure.machine_identity(), "packed_linears": True}
+    path = tmp_path / "op.json"
+    monkeypatch.setattr(measure, "default_op_profile_path", lambda model, machine: str(path))
+    for timed, runs, read in (("torch", "cpu", False), ("cpu", "cpu", True), ("torch", "torch", True)):
+        path.write_text(json.dumps({**data, "attention_backend": timed}))
+        monkeypatch.setattr(fidelity, "engine_attention_backend", lambda runs=runs: runs)
+        cost, why = fidelity.stored_profile("op-profile", "tiny-gqa")
+        assert (cost is not None) == read
+        assert why == (str(path) if read else f" (the committed {path} timed the torch attention backend; the engine "
+                                               "runs cpu)")  # fmt: skip

@@ -717,11 +717,12 @@ def profile_for_this_machine(
 
 def stored_profile(kind: str, model: str, path: str | None = None) -> tuple[Any, str]:
     """(cost model, its file) of ``kind`` (``op-profile`` or ``profiled``): ``path`` when given, else the committed
-    profile of this machine (``data/profiles/``, named after the CPU model as ``workbench profile-ops`` and
-    ``workbench fit-profile`` name them) when there is one, it records this machine (the CPU model, the number of
-    CPUs and torch's instruction set, ``workbench.sim.measure.machine_identity``: a VM's CPU name can cover parts of
-    several kinds) and it ran the linear layers as the engine does (``packed_mismatch``). Otherwise (None, why
-    not: "" when there is no such file, else a parenthesis to append to the source of a profile measured now)."""
+    profile of this machine (``data/profiles/``, named after the CPU model as ``workbench profile-ops`` and ``workbench
+    fit-profile`` name them) when there is one, it records this machine (the CPU model, the number of CPUs and torch's
+    instruction set, ``workbench.sim.measure.machine_identity``: a VM's CPU name can cover parts of several kinds), it
+    ran the linear layers as the engine does (``packed_mismatch``) and, an op profile, timed the attention backend the
+    engine runs (``engine_attention_backend``). Otherwise (None, why not: "" when there is no such file, else a
+    parenthesis to append to the source of a profile measured now)."""
     from pathlib import Path
 
     from workbench.errors import ConfigError
@@ -740,26 +741,39 @@ def stored_profile(kind: str, model: str, path: str | None = None) -> tuple[Any,
         return None, ""
     cost = cls.load(found)
     differ = identity_mismatch(profile_provenance(kind, cost)["machine"], machine_identity())
-    if not differ and not packed_mismatch(kind, cost.to_dict()):
-        return cost, found
-    return None, (f" (the committed {found} is of another machine: {'; '.join(differ)})" if differ else
-                  f" (the committed {found} timed plain linear layers; the engine packs them: "
-                  "EngineConfig.packed_linears)")  # fmt: skip
+    if differ:
+        return None, f" (the committed {found} is of another machine: {'; '.join(differ)})"
+    if packed_mismatch(kind, cost.to_dict()):
+        return None, (f" (the committed {found} timed plain linear layers; the engine packs them: "
+                      "EngineConfig.packed_linears)")  # fmt: skip
+    timed, runs = cost.to_dict().get("attention_backend", "torch"), engine_attention_backend()
+    if kind == "op-profile" and timed != runs:
+        return None, f" (the committed {found} timed the {timed} attention backend; the engine runs {runs})"
+    return cost, found
+
+
+def engine_attention_backend() -> str:
+    """The attention backend the fidelity check's engine runs on this CPU (``engine_config``'s, resolved by
+    ``make_backend``: ``cpu``, the paged C++ decode, where its op builds, else ``torch``). An op profile must time
+    the same: SmolLM2-135M's decode attention per layer took 0.35 ms with the torch backend's gather against 0.07 ms
+    with the C++ op at batch 4 x context 128 (5x; interleaved, AMD EPYC), so a profile of the torch backend priced
+    the engine's steps ~15% high."""
+    from workbench.engine.runner import make_backend
+
+    return make_backend(engine_config("continuous").attention_backend, "cpu").name
 
 
 def measure_op_profile(model: str, max_tokens: int = 2048) -> dict[str, Any]:
     """Every operation of ``model`` timed now on this CPU (``workbench.sim.op_timing.profile_ops``, fp32) with the
-    attention backend the fidelity check's engine runs (``engine_config``'s, resolved: the paged C++ decode where
-    it builds, else torch), with the machine (``machine_identity``) and the load average at the start; its
-    ``overhead`` is still to be fitted (``op_timing.measure_overhead``, or ``overhead_from_samples`` on workloads
-    measured elsewhere), on an engine of the same backend (``op_timing.overhead_engine_configs``)."""
-    from workbench.engine.runner import make_backend
+    attention backend the fidelity check's engine runs (``engine_attention_backend``), with the machine
+    (``machine_identity``) and the load average at the start; its ``overhead`` is still to be fitted
+    (``op_timing.measure_overhead``, or ``overhead_from_samples`` on workloads measured elsewhere), on an engine of the
+    same backend (``op_timing.overhead_engine_configs``)."""
     from workbench.sim.measure import machine_identity
     from workbench.sim.op_timing import profile_ops
 
-    backend = make_backend(engine_config("continuous").attention_backend, "cpu").name
     load_start = load_average()
-    profile = profile_ops(model, "cpu", "fp32", backend, max_tokens=max_tokens, progress=False)
+    profile = profile_ops(model, "cpu", "fp32", engine_attention_backend(), max_tokens=max_tokens, progress=False)
     profile["model"] = model
     profile["machine"] = machine_identity()
     profile["load_average_start"] = load_start

@@ -423,3 +423,26 @@ def test_a_committed_op_profile_of_another_attention_backend_is_not_used(tmp_pat
         assert (cost is not None) == read
         assert why == (str(path) if read else f" (the committed {path} timed the torch attention backend; the engine "
                                                "runs cpu)")  # fmt: skip
+
+
+def test_a_miss_on_runs_loaded_beyond_the_cpus_decides_nothing() -> None:
+    """The load average read around every run is a check of the machine: beyond its CPUs, other processes took
+    time from the runs, so a statistic outside its tolerance leaves the claim inconclusive (not the opposite of a
+    quiet run's verdict); within every tolerance it stays confirmed, and a quiet machine's miss is not confirmed."""
+    import os
+
+    from workbench.experiments.fidelity import fidelity_claims, runs_load
+
+    cpus = os.cpu_count() or 1
+    loads = [{"load_before": [cpus + 0.5, 1.0, 1.0], "load_after": [cpus - 0.5, 1.0, 1.0]}]
+    assert runs_load(loads) == {"peak": cpus + 0.5, "cpus": cpus, "loaded": True}
+    quiet = runs_load([{"load_before": [cpus - 0.5, 1.0, 1.0], "load_after": None}])
+    assert not quiet["loaded"] and quiet["peak"] == cpus - 0.5
+    runs = {"continuous": [metrics(0.10, 0.01)] * 3}
+    rows = (compare(runs, {"continuous": metrics(0.105, 0.0102)}, "profiled")
+            + compare(runs, {"continuous": metrics(0.2, 0.01)}, "op-profile"))  # fmt: skip
+    loaded = fidelity_claims(rows, ["profiled", "op-profile"], load=runs_load(loads))
+    assert [c["verdict"] for c in loaded] == [CONFIRMED, INCONCLUSIVE, CONFIRMED]
+    assert "load average up to" in loaded[1]["detail"] and loaded[1]["evidence"]["runs_load"]["loaded"]
+    assert [c["verdict"] for c in fidelity_claims(rows, ["op-profile"], load=quiet)] == [NOT_CONFIRMED, CONFIRMED]
+    assert fidelity_claims(rows[4:], ["op-profile"], load=runs_load(loads))[1]["verdict"] == INCONCLUSIVE

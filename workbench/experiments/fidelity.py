@@ -218,7 +218,30 @@ def compare(runs: Mapping[str, Sequence[Mapping]], simulated: Mapping[str, Mappi
 INTERLEAVED = "interleaved"  # a claim's ``uses``: its cost model was fitted to steps measured between its runs
 
 
-def fidelity_claim(rows: Sequence[Mapping[str, Any]], label: str, interleaved: Sequence[str] = ()) -> dict[str, Any]:
+def runs_load(loads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The load on the measured runs (``measure_policies``' ``loads``: each run's 1-minute load average before and
+    after): ``peak``, this machine's ``cpus`` and ``loaded``, whether the peak exceeded them (other processes then
+    took CPU time from the runs: their tails hold preemptions no cost model of this machine prices)."""
+    import os
+
+    peaks = [x[0] for run in loads for x in (run.get("load_before"), run.get("load_after")) if x]
+    cpus = os.cpu_count() or 1
+    peak = max(peaks) if peaks else None
+    return {"peak": peak, "cpus": cpus, "loaded": peak is not None and peak > cpus}
+
+
+def _loaded_miss(load: Mapping[str, Any] | None) -> str:
+    return (f"; the measured runs shared the CPUs with other processes (load average up to {load['peak']:.2f} on "
+            f"{load['cpus']} CPUs): a miss there is the machine's, not the cost model's to answer for, so it "
+            f"decides nothing")  # fmt: skip
+
+
+def fidelity_claim(
+    rows: Sequence[Mapping[str, Any]],
+    label: str,
+    interleaved: Sequence[str] = (),
+    load: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """ "The simulator (``label``) reproduces every policy within 10% or the measured spread": confirmed when every
     statistic is within its tolerance, not confirmed when one is not, inconclusive when a spread beyond
     ``NOISY_SPREAD`` sets the tolerance of a statistic outside 10% (the runs themselves vary too much to say: the
@@ -226,7 +249,9 @@ def fidelity_claim(rows: Sequence[Mapping[str, Any]], label: str, interleaved: S
     between the runs (``colocated_fidelity``); a claim on one of them ``uses`` ``INTERLEAVED``, which no hygiene
     anomaly voids (a drift of the machine during the check moved the model's steps and the runs alike); a claim on
     a model measured before the runs or read from a file rests on the absolute step times of another time
-    (``uses`` "timing"), which a drifting reference step does void."""
+    (``uses`` "timing"), which a drifting reference step does void. ``load`` (``runs_load``): when the runs were
+    loaded beyond the machine's CPUs, a statistic outside its tolerance makes the claim inconclusive, not "not
+    confirmed" (a check of the machine, its load average, shows the runs were not the machine the models priced)."""
     mine = [r for r in rows if r["model"] == label]
     worst = max(mine, key=lambda r: abs(r["rel_error"]))
     outside = [r for r in mine if not r["within"]]
@@ -248,6 +273,10 @@ def fidelity_claim(rows: Sequence[Mapping[str, Any]], label: str, interleaved: S
     )
     uses = (INTERLEAVED,) if fitted_between else ("timing",)
     claim = f"The simulator ({label}) reproduces every policy's TTFT and ITL within 10% or the run-to-run spread"
+    if load is not None:
+        evidence["runs_load"] = dict(load)
+    if outside and load is not None and load["loaded"]:
+        return make_claim(claim, INCONCLUSIVE, evidence, text + _loaded_miss(load), uses)
     if outside:
         return make_claim(claim, NOT_CONFIRMED, evidence, text, uses)
     if noisy:
@@ -256,18 +285,24 @@ def fidelity_claim(rows: Sequence[Mapping[str, Any]], label: str, interleaved: S
     return make_claim(claim, CONFIRMED, evidence, text, uses)
 
 
-def fidelity_claims(rows: Sequence[Mapping[str, Any]], labels: Sequence[str],
-                    interleaved: Sequence[str] = ()) -> list[dict[str, Any]]:  # fmt: skip
-    """``fidelity_claim`` of each of ``labels``, then ``best_cost_model`` over them (``interleaved``: as there)."""
-    return [fidelity_claim(rows, name, interleaved) for name in labels] + [best_cost_model(rows, interleaved)]
+def fidelity_claims(rows: Sequence[Mapping[str, Any]], labels: Sequence[str], interleaved: Sequence[str] = (),
+                    load: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """``fidelity_claim`` of each of ``labels``, then ``best_cost_model`` over every model of ``rows``
+    (``interleaved``, ``load``: as there)."""
+    return [fidelity_claim(rows, name, interleaved, load) for name in labels] + [
+        best_cost_model(rows, interleaved, load)
+    ]
 
 
-def best_cost_model(rows: Sequence[Mapping[str, Any]], interleaved: Sequence[str] = ()) -> dict[str, Any]:
+def best_cost_model(
+    rows: Sequence[Mapping[str, Any]], interleaved: Sequence[str] = (), load: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """ "The best cost model of this machine reproduces every policy within 10% or the run-to-run spread": the model
     (``rows``' ``model``: op-profile, profiled, each with its noise variant) with the most statistics within their
     tolerance, ties broken by the smaller worst error; confirmed when it holds all of them, not confirmed otherwise.
     The detail names it and every model's count, so the claim says which cost model was best. It ``uses`` what the
-    best model's own claim uses (``fidelity_claim``: ``INTERLEAVED`` when fitted between the runs)."""
+    best model's own claim uses (``fidelity_claim``: ``INTERLEAVED`` when fitted between the runs); with ``load``
+    (``runs_load``) loaded beyond the CPUs, a best model short of every statistic leaves it inconclusive."""
     labels = list(dict.fromkeys(r["model"] for r in rows))
     if not labels:
         raise ValueError("best_cost_model needs compared rows")
@@ -283,6 +318,8 @@ def best_cost_model(rows: Sequence[Mapping[str, Any]], interleaved: Sequence[str
     evidence = {"best": best, **{k: {"num_within": w, "num_statistics": n, "max_abs_rel_error": t}
                                  for k, (w, n, t) in scores.items()}}  # fmt: skip
     uses = (INTERLEAVED,) if best.removesuffix(" noise") in interleaved else ("timing",)
+    if within < total and load is not None and load["loaded"]:
+        return make_claim(claim, INCONCLUSIVE, {**evidence, "runs_load": dict(load)}, text + _loaded_miss(load), uses)
     return make_claim(claim, CONFIRMED if within == total else NOT_CONFIRMED, evidence, text, uses)
 
 
@@ -1021,7 +1058,6 @@ def fidelity_report(
     (``fidelity_claims``), the load averages, the machine (``machine_identity``: the CPU model, its CPUs, the
     instruction set torch dispatches to) and wall times. ``log``: a callable given one line per profile read or
     measured (None: quiet)."""
-    import os
 
     from workbench.config import parse_disaggregate
     from workbench.engine.scheduler import POLICIES
@@ -1075,13 +1111,13 @@ def fidelity_report(
     out["cost_models"] = {k: {"source": sources[k], **c.describe(), "provenance": profile_provenance(k, c)}
                           for k, c in costs.items()}  # fmt: skip
     out["rows"] = rows
-    out["claims"] = fidelity_claims(rows, labels, interleaved)
+    load = runs_load(out.get("loads", []))
+    out["claims"] = fidelity_claims(rows, labels, interleaved, load)
     out["max_abs_rel_error"] = {name: max(abs(r["rel_error"]) for r in rows if r["model"] == name)
                                 for name in labels}  # fmt: skip
     out["load_average_end"] = load_average()
     out["wall_s"] = {"profiles": profile_s, "total": now() - t_start}
-    loads = [x for run in out.get("loads", []) for x in (run["load_before"], run["load_after"]) if x]
-    out["measured_runs_loaded"] = bool(loads) and max(x[0] for x in loads) > (os.cpu_count() or 1)
+    out["measured_runs_loaded"] = load["loaded"]
     return out
 
 

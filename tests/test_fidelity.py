@@ -342,3 +342,107 @@ def test_step_errors_price_the_measured_runs_own_steps_by_hand() -> None:
     assert e["median"] == pytest.approx(0.0) and e["median_abs"] == pytest.approx(0.5)
     assert e["p90_abs"] == pytest.approx(1.0) and e["total_ratio"] == pytest.approx(0.042 / 0.045)
     assert step_errors(cost, StepSamples())["median"] is None
+
+
+def test_a_drift_of_the_machine_voids_only_the_claims_on_a_model_measured_at_another_time() -> None:
+    """Issue 28's terms: a model fitted to steps measured between the runs moved with the machine as the runs did,
+    so a drifting reference step (a hygiene anomaly on "timing") leaves its claim decided; a model measured before
+    the runs or read from a file rests on another time's step times and is voided; the best model's claim follows
+    the best model."""
+    from workbench.experiments.claims import apply_anomalies
+    from workbench.experiments.fidelity import INTERLEAVED, fidelity_claims
+    from workbench.experiments.hygiene import check_drift
+
+    runs = {"continuous": [metrics(0.10, 0.01)] * 3}
+    rows = (compare(runs, {"continuous": metrics(0.105, 0.0102)}, "profiled")
+            + compare(runs, {"continuous": metrics(0.2, 0.01)}, "op-profile"))  # fmt: skip
+    claims = fidelity_claims(rows, ["profiled", "op-profile"], interleaved=["profiled"])
+    assert [c["uses"] for c in claims] == [[INTERLEAVED], ["timing"], [INTERLEAVED]]
+    assert claims[0]["evidence"]["fitted_between_runs"] and not claims[1]["evidence"]["fitted_between_runs"]
+    drift = check_drift({"prefill": 0.73})  # notebook 07's reference prefill step, +73% from start to end
+    assert len(drift) == 1 and drift[0]["affects"] == "timing"
+    final = apply_anomalies(claims, drift)
+    assert [c["verdict"] for c in final] == [CONFIRMED, INCONCLUSIVE, CONFIRMED]
+    assert final[1]["unreliable"] and final[1]["verdict_from_numbers"] == NOT_CONFIRMED
+    assert final[2]["evidence"]["best"] == "profiled"
+    # nothing fitted between the runs: every claim rests on absolute step times
+    assert all(c["uses"] == ["timing"] for c in fidelity_claims(rows, ["profiled", "op-profile"]))
+
+
+def test_the_notebook_and_the_command_fit_both_profiles_between_the_runs(monkeypatch) -> None:
+    """``colocated_fidelity`` (notebook 07 and ``workbench fidelity --measure-profiles``): both models measured now
+    run their engine workloads between the measured runs, fitted after them: ``profiled`` on its workloads, the op
+    profile's overhead on the same workloads replayed on its own engine (torch attention, as its operations were
+    timed). The operations alone are stood in for by the committed tiny-gqa op profile (their timing is seconds of
+    micro-benchmarks, tested with profile-ops)."""
+    import json
+    from pathlib import Path
+
+    from workbench.experiments import fidelity
+    from workbench.model.checkpoint import load_model
+    from workbench.workloads import synthetic_workload
+
+    path = next((Path(__file__).parents[1] / "data" / "profiles").glob("op-tiny-gqa-*.json"))
+    ops = {**json.loads(path.read_text()), "overhead": None}
+    measured_ops = []
+    monkeypatch.setattr(fidelity, "measure_op_profile", lambda model, max_tokens: measured_ops.append(1) or dict(ops))
+    net = load_model("tiny-gqa", seed=0)
+    held_out = synthetic_workload(3, rate=50.0, prompt_lens="uniform:4:12", output_lens="uniform:2:4", seed=1)
+    res = fidelity.colocated_fidelity(net, "tiny-gqa", held_out, ["continuous", "static"], repeats=1, max_num_seqs=4,
+                                      max_model_len=32, measure_requests=2, measure_profiles=True)  # fmt: skip
+    assert measured_ops == [1] and res["interleaved"] == ["op-profile", "profiled"]
+    assert list(res["costs"]) == ["op-profile", "profiled"]
+    assert all("between the runs" in s for s in res["sources"].values())
+    fitted = res["costs"]["profiled"].meta
+    assert fitted["workloads_measured"] == "8 of 8" and fitted["fit"]["num_steps"] > 0
+    over = res["costs"]["op-profile"].source["overhead"]
+    assert {c["policy"] for c in over["fit"]["engine_configs"]} == {"continuous", "chunked"}
+    assert over["fit"]["num_steps"] > 0 and res["costs"]["op-profile"].source["load_average_end"] is not None
+    # 2 policies x 4 statistics x (each model, its noise variant)
+    assert len(res["rows"]) == 32 and set(res["step_errors"]) == {"op-profile", "profiled"}
+
+
+def test_a_committed_op_profile_of_another_attention_backend_is_not_used(tmp_path, monkeypatch) -> None:
+    """An op profile times the attention the engine runs: a committed one of this machine that timed the torch
+    backend's gather, where the engine attends with the C++ paged op, is measured anew (the torch gather took 5x the
+    op's time per layer for SmolLM2-135M's decode); the same file with the engine's backend is read."""
+    import json
+    from pathlib import Path
+
+    from workbench.experiments import fidelity
+    from workbench.sim import measure
+
+    source = next((Path(__file__).parents[1] / "data" / "profiles").glob("op-tiny-gqa-*.json"))
+    data = {**json.loads(source.read_text()), "machine": measure.machine_identity(), "packed_linears": True}
+    path = tmp_path / "op.json"
+    monkeypatch.setattr(measure, "default_op_profile_path", lambda model, machine: str(path))
+    for timed, runs, read in (("torch", "cpu", False), ("cpu", "cpu", True), ("torch", "torch", True)):
+        path.write_text(json.dumps({**data, "attention_backend": timed}))
+        monkeypatch.setattr(fidelity, "engine_attention_backend", lambda runs=runs: runs)
+        cost, why = fidelity.stored_profile("op-profile", "tiny-gqa")
+        assert (cost is not None) == read
+        assert why == (str(path) if read else f" (the committed {path} timed the torch attention backend; the engine "
+                                               "runs cpu)")  # fmt: skip
+
+
+def test_a_miss_on_runs_loaded_beyond_the_cpus_decides_nothing() -> None:
+    """The load average read around every run is a check of the machine: beyond its CPUs, other processes took
+    time from the runs, so a statistic outside its tolerance leaves the claim inconclusive (not the opposite of a
+    quiet run's verdict); within every tolerance it stays confirmed, and a quiet machine's miss is not confirmed."""
+    import os
+
+    from workbench.experiments.fidelity import fidelity_claims, runs_load
+
+    cpus = os.cpu_count() or 1
+    loads = [{"load_before": [cpus + 0.5, 1.0, 1.0], "load_after": [cpus - 0.5, 1.0, 1.0]}]
+    assert runs_load(loads) == {"peak": cpus + 0.5, "cpus": cpus, "loaded": True}
+    quiet = runs_load([{"load_before": [cpus - 0.5, 1.0, 1.0], "load_after": None}])
+    assert not quiet["loaded"] and quiet["peak"] == cpus - 0.5
+    runs = {"continuous": [metrics(0.10, 0.01)] * 3}
+    rows = (compare(runs, {"continuous": metrics(0.105, 0.0102)}, "profiled")
+            + compare(runs, {"continuous": metrics(0.2, 0.01)}, "op-profile"))  # fmt: skip
+    loaded = fidelity_claims(rows, ["profiled", "op-profile"], load=runs_load(loads))
+    assert [c["verdict"] for c in loaded] == [CONFIRMED, INCONCLUSIVE, CONFIRMED]
+    assert "load average up to" in loaded[1]["detail"] and loaded[1]["evidence"]["runs_load"]["loaded"]
+    assert [c["verdict"] for c in fidelity_claims(rows, ["op-profile"], load=quiet)] == [NOT_CONFIRMED, CONFIRMED]
+    assert fidelity_claims(rows[4:], ["op-profile"], load=runs_load(loads))[1]["verdict"] == INCONCLUSIVE

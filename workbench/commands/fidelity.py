@@ -5,13 +5,14 @@ repeated and their spread (and bimodality) reported.
         [--fit-profile FILE] [--num-requests 40] [--rate 10] [--repeats 3] [--policies ...]
         [--measure-profiles] [--measure-max-tokens 1024] [--disaggregate P:D] [--out FILE]
 
-The logic is ``workbench.experiments.fidelity.fidelity_report`` (notebook 07's): each cost model from its file, else
-this CPU's committed profile, else measured here; the real engine replays a held-out Poisson workload under every
-policy ``--repeats`` times, interleaved, with the load average before and after each run; the simulator replays the
-same workload deterministically and with the profile's residuals as seeded noise (``<model> noise``). The table
-gives per policy and statistic the measured min, median and max, the spread, the simulated value, its error,
-the tolerance (10% or the spread) and BIMODAL where the repeats fall in two modes; the JSON holds it all, with the
-machine (CPU model, CPUs, the instruction set torch uses). As every command that prints results: the table on
+The logic is ``workbench.experiments.fidelity.fidelity_report`` (notebook 07's ``colocated_fidelity`` inside): each cost
+model from its file, else this CPU's committed profile, else measured here, its engine workloads between the measured
+runs and fitted after them (a shared CPU's speed drifts within minutes); the real engine replays a held-out Poisson
+workload under every policy ``--repeats`` times, interleaved, with the load average before and after each run; the
+simulator replays the same workload deterministically and with the profile's residuals as seeded noise (``<model>
+noise``). The table gives per policy and statistic the measured min, median and max, the spread, the simulated value,
+its error, the tolerance (10% or the spread) and BIMODAL where the repeats fall in two modes; the JSON holds it all,
+with the machine (CPU model, CPUs, the instruction set torch uses). As every command that prints results: the table on
 stdout, or with ``--json`` the JSON on stdout and the table on stderr; ``--out FILE`` writes the JSON there too. A
 report, not a test.
 """
@@ -39,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="measured runs per policy (interleaved)")
     p.add_argument("--disaggregate", default=None, metavar="P:D", help="the real disaggregated engines instead")
     p.add_argument("--measure-profiles", action="store_true",
-                   help="measure both profiles now, here (not the committed ones): the op profile before the runs, "
-                        "the fitted profile's workloads between them")  # fmt: skip
+                   help="measure both profiles now, here (not the committed ones): the op profile's operations "
+                        "before the runs; both profiles' engine workloads between the runs, fitted after "
+                        "them")  # fmt: skip
     p.add_argument("--measure-max-tokens", type=int, default=1024,
                    help="largest size the op profile measures when measured now (default 1024)")  # fmt: skip
     p.add_argument("--out", default=None, help="also write the JSON to this file")

@@ -3,7 +3,10 @@ own spread (``workbench fidelity`` and notebook 07).
 
 - ``fidelity_report`` is the whole check of ``workbench fidelity``: the cost models (read or measured now), the
   measured runs (or the real disaggregated pair), the simulated ones, the table and the claims, in one JSON-able
-  dict; ``print_report`` writes its table.
+  dict; ``print_report`` writes its table. Its colocated half, ``colocated_fidelity``, is notebook 07's too: a
+  profile measured now runs its engine workloads between the measured runs and is fitted after them, so that a
+  machine whose speed drifts moves the model's steps and the runs alike (its claims, ``fidelity_claim``, are then
+  not voided by a drifting reference step; those on a profile of another time are).
 
 - ``measure_policies`` replays one held-out workload on the real engine under every policy, ``repeats`` times,
   interleaved (repeat 1 of every policy, then repeat 2, ...), so that a change of the machine's load during the
@@ -212,36 +215,94 @@ def compare(runs: Mapping[str, Sequence[Mapping]], simulated: Mapping[str, Mappi
     return rows
 
 
-def fidelity_claim(rows: Sequence[Mapping[str, Any]], label: str) -> dict[str, Any]:
+INTERLEAVED = "interleaved"  # a claim's ``uses``: its cost model was fitted to steps measured between its runs
+
+
+def runs_load(loads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The load on the measured runs (``measure_policies``' ``loads``: each run's 1-minute load average before and
+    after): ``peak``, this machine's ``cpus`` and ``loaded``, whether the peak exceeded them (other processes then
+    took CPU time from the runs: their tails hold preemptions no cost model of this machine prices)."""
+    import os
+
+    peaks = [x[0] for run in loads for x in (run.get("load_before"), run.get("load_after")) if x]
+    cpus = os.cpu_count() or 1
+    peak = max(peaks) if peaks else None
+    return {"peak": peak, "cpus": cpus, "loaded": peak is not None and peak > cpus}
+
+
+def _loaded_miss(load: Mapping[str, Any] | None) -> str:
+    return (f"; the measured runs shared the CPUs with other processes (load average up to {load['peak']:.2f} on "
+            f"{load['cpus']} CPUs): a miss there is the machine's, not the cost model's to answer for, so it "
+            f"decides nothing")  # fmt: skip
+
+
+def fidelity_claim(
+    rows: Sequence[Mapping[str, Any]],
+    label: str,
+    interleaved: Sequence[str] = (),
+    load: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """ "The simulator (``label``) reproduces every policy within 10% or the measured spread": confirmed when every
     statistic is within its tolerance, not confirmed when one is not, inconclusive when a spread beyond
-    ``NOISY_SPREAD`` sets the tolerance of a statistic outside 10% (the runs themselves vary too much to say)."""
+    ``NOISY_SPREAD`` sets the tolerance of a statistic outside 10% (the runs themselves vary too much to say: the
+    claim's own control). ``interleaved``: the cost models (``op-profile``, ``profiled``) fitted to steps measured
+    between the runs (``colocated_fidelity``); a claim on one of them ``uses`` ``INTERLEAVED``, which no hygiene
+    anomaly voids (a drift of the machine during the check moved the model's steps and the runs alike); a claim on
+    a model measured before the runs or read from a file rests on the absolute step times of another time
+    (``uses`` "timing"), which a drifting reference step does void. ``load`` (``runs_load``): when the runs were
+    loaded beyond the machine's CPUs, a statistic outside its tolerance makes the claim inconclusive, not "not
+    confirmed" (a check of the machine, its load average, shows the runs were not the machine the models priced)."""
     mine = [r for r in rows if r["model"] == label]
     worst = max(mine, key=lambda r: abs(r["rel_error"]))
     outside = [r for r in mine if not r["within"]]
     noisy = [r for r in mine if abs(r["rel_error"]) > FIDELITY_TOLERANCE and r["spread"] > NOISY_SPREAD]
+    fitted_between = label.removesuffix(" noise") in interleaved
     evidence = {"num_statistics": len(mine), "num_within": len(mine) - len(outside),
                 "worst": {k: worst[k] for k in ("policy", "statistic", "rel_error", "tolerance")},
-                "max_spread": max(r["spread"] for r in mine),
+                "max_spread": max(r["spread"] for r in mine), "num_noisy": len(noisy),
+                "fitted_between_runs": fitted_between,
                 "bimodal": [f"{r['policy']} {r['statistic']}" for r in mine if r.get("bimodal")]}  # fmt: skip
     text = (f"worst {worst['policy']} {worst['statistic']}: {100 * worst['rel_error']:+.1f}% against a tolerance of "
             f"{100 * worst['tolerance']:.0f}%; {evidence['num_within']}/{len(mine)} statistics within")  # fmt: skip
     if evidence["bimodal"]:
         text += f"; measured bimodal across repeats: {', '.join(evidence['bimodal'])}"
+    text += (
+        "; the profile fitted to steps measured between the runs (a drift of the machine moves both alike)"
+        if fitted_between
+        else "; the profile's step times measured before the runs or read from a file"
+    )
+    uses = (INTERLEAVED,) if fitted_between else ("timing",)
     claim = f"The simulator ({label}) reproduces every policy's TTFT and ITL within 10% or the run-to-run spread"
+    if load is not None:
+        evidence["runs_load"] = dict(load)
+    if outside and load is not None and load["loaded"]:
+        return make_claim(claim, INCONCLUSIVE, evidence, text + _loaded_miss(load), uses)
     if outside:
-        return make_claim(claim, NOT_CONFIRMED, evidence, text)
+        return make_claim(claim, NOT_CONFIRMED, evidence, text, uses)
     if noisy:
         return make_claim(claim, INCONCLUSIVE, evidence, text + f"; but {len(noisy)} only thanks to a spread > "
-                          f"{100 * NOISY_SPREAD:.0f}%")  # fmt: skip
-    return make_claim(claim, CONFIRMED, evidence, text)
+                          f"{100 * NOISY_SPREAD:.0f}%", uses)  # fmt: skip
+    return make_claim(claim, CONFIRMED, evidence, text, uses)
 
 
-def best_cost_model(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def fidelity_claims(rows: Sequence[Mapping[str, Any]], labels: Sequence[str], interleaved: Sequence[str] = (),
+                    load: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """``fidelity_claim`` of each of ``labels``, then ``best_cost_model`` over every model of ``rows``
+    (``interleaved``, ``load``: as there)."""
+    return [fidelity_claim(rows, name, interleaved, load) for name in labels] + [
+        best_cost_model(rows, interleaved, load)
+    ]
+
+
+def best_cost_model(
+    rows: Sequence[Mapping[str, Any]], interleaved: Sequence[str] = (), load: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """ "The best cost model of this machine reproduces every policy within 10% or the run-to-run spread": the model
     (``rows``' ``model``: op-profile, profiled, each with its noise variant) with the most statistics within their
     tolerance, ties broken by the smaller worst error; confirmed when it holds all of them, not confirmed otherwise.
-    The detail names it and every model's count, so the claim says which cost model was best."""
+    The detail names it and every model's count, so the claim says which cost model was best. It ``uses`` what the
+    best model's own claim uses (``fidelity_claim``: ``INTERLEAVED`` when fitted between the runs); with ``load``
+    (``runs_load``) loaded beyond the CPUs, a best model short of every statistic leaves it inconclusive."""
     labels = list(dict.fromkeys(r["model"] for r in rows))
     if not labels:
         raise ValueError("best_cost_model needs compared rows")
@@ -256,7 +317,10 @@ def best_cost_model(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     claim = "The best cost model of this machine reproduces every policy's TTFT and ITL within 10% or the spread"
     evidence = {"best": best, **{k: {"num_within": w, "num_statistics": n, "max_abs_rel_error": t}
                                  for k, (w, n, t) in scores.items()}}  # fmt: skip
-    return make_claim(claim, CONFIRMED if within == total else NOT_CONFIRMED, evidence, text)
+    uses = (INTERLEAVED,) if best.removesuffix(" noise") in interleaved else ("timing",)
+    if within < total and load is not None and load["loaded"]:
+        return make_claim(claim, INCONCLUSIVE, {**evidence, "runs_load": dict(load)}, text + _loaded_miss(load), uses)
+    return make_claim(claim, CONFIRMED if within == total else NOT_CONFIRMED, evidence, text, uses)
 
 
 def disaggregated_fidelity(
@@ -666,58 +730,200 @@ def profile_for_this_machine(
     threads: int | None = 1,
 ) -> tuple[Any, str]:
     """(cost model, where it came from): ``kind`` ``op-profile`` or ``profiled``; from ``path`` when given, else
-    the committed profile of this machine (``data/profiles/``, named after the CPU model as ``workbench
-    profile-ops`` and ``workbench fit-profile`` name them) when there is one and it records this machine (the CPU
-    model, the number of CPUs and torch's instruction set, ``workbench.sim.measure.machine_identity``: a VM's CPU
-    name can cover parts of several kinds), else measured now (``max_tokens``: the op profile's largest size;
-    ``num_requests``: per workload of the engine runs that fit). ``measure``: measure now in any case (the profile
-    then shares the fidelity check's machine and conditions); ``threads``: torch threads of a profile fitted now."""
+    the committed profile of this machine (``stored_profile``), else measured now (``max_tokens``: the op profile's
+    largest size; ``num_requests``: per workload of the engine runs that fit), all at once. ``measure``: measure now
+    in any case; ``threads``: torch threads of a profile fitted now. The fidelity check measures a profile it fits
+    now otherwise: its engine workloads between its measured runs (``colocated_fidelity``)."""
+    from workbench.sim.measure import fit_engine_profile
+    from workbench.sim.op_profile import OpProfileCostModel
+    from workbench.sim.op_timing import measure_overhead
+
+    cost, why = (None, "") if measure and path is None else stored_profile(kind, model, path)
+    if cost is not None:
+        return cost, why
+    if kind == "op-profile":
+        profile = measure_op_profile(model, max_tokens)
+        profile["overhead"] = measure_overhead(profile, num_requests=num_requests, max_num_seqs=max_num_seqs,
+                                               max_model_len=max_model_len)  # fmt: skip
+        profile["load_average_end"] = load_average()
+        return OpProfileCostModel.from_dict(profile, "the measured op profile"), "measured now (profile-ops)" + why
+    fitted = fit_engine_profile(model, num_requests=num_requests, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, threads=threads)  # fmt: skip
+    return fitted, "fitted now (fit-profile)" + why
+
+
+def stored_profile(kind: str, model: str, path: str | None = None) -> tuple[Any, str]:
+    """(cost model, its file) of ``kind`` (``op-profile`` or ``profiled``): ``path`` when given, else the committed
+    profile of this machine (``data/profiles/``, named after the CPU model as ``workbench profile-ops`` and ``workbench
+    fit-profile`` name them) when there is one, it records this machine (the CPU model, the number of CPUs and torch's
+    instruction set, ``workbench.sim.measure.machine_identity``: a VM's CPU name can cover parts of several kinds), it
+    ran the linear layers as the engine does (``packed_mismatch``) and, an op profile, timed the attention backend the
+    engine runs (``engine_attention_backend``). Otherwise (None, why not: "" when there is no such file, else a
+    parenthesis to append to the source of a profile measured now)."""
     from pathlib import Path
 
     from workbench.errors import ConfigError
     from workbench.hardware import cpu_model_name
     from workbench.sim.costmodel import ProfiledCostModel
-    from workbench.sim.measure import (
-        default_op_profile_path,
-        default_profile_path,
-        identity_mismatch,
-        machine_identity,
-    )
+    from workbench.sim.measure import default_op_profile_path, default_profile_path, identity_mismatch, machine_identity
     from workbench.sim.op_profile import OpProfileCostModel
 
     if kind not in ("op-profile", "profiled"):
         raise ConfigError(f"unknown profile kind {kind!r}; expected op-profile or profiled")
-    why = ""
+    cls = OpProfileCostModel if kind == "op-profile" else ProfiledCostModel
     if path is not None:
-        load = OpProfileCostModel.load if kind == "op-profile" else ProfiledCostModel.load
-        return load(path), path
-    if not measure:
-        found = (default_op_profile_path(model, cpu_model_name()) if kind == "op-profile"
-                 else default_profile_path(model))  # fmt: skip
-        if Path(found).is_file():
-            cost = (OpProfileCostModel if kind == "op-profile" else ProfiledCostModel).load(found)
-            differ = identity_mismatch(profile_provenance(kind, cost)["machine"], machine_identity())
-            if not differ and not packed_mismatch(kind, cost.to_dict()):
-                return cost, found
-            why = (f" (the committed {found} is of another machine: {'; '.join(differ)})" if differ else
-                   f" (the committed {found} timed plain linear layers; the engine packs them: "
-                   "EngineConfig.packed_linears)")  # fmt: skip
-    if kind == "op-profile":
-        from workbench.sim.op_timing import measure_overhead, profile_ops
+        return cls.load(path), path
+    found = default_op_profile_path(model, cpu_model_name()) if kind == "op-profile" else default_profile_path(model)
+    if not Path(found).is_file():
+        return None, ""
+    cost = cls.load(found)
+    differ = identity_mismatch(profile_provenance(kind, cost)["machine"], machine_identity())
+    if differ:
+        return None, f" (the committed {found} is of another machine: {'; '.join(differ)})"
+    if packed_mismatch(kind, cost.to_dict()):
+        return None, (f" (the committed {found} timed plain linear layers; the engine packs them: "
+                      "EngineConfig.packed_linears)")  # fmt: skip
+    timed, runs = cost.to_dict().get("attention_backend", "torch"), engine_attention_backend()
+    if kind == "op-profile" and timed != runs:
+        return None, f" (the committed {found} timed the {timed} attention backend; the engine runs {runs})"
+    return cost, found
 
-        load_start = load_average()
-        profile = profile_ops(model, "cpu", "fp32", max_tokens=max_tokens, progress=False)
-        profile["model"] = model
-        profile["overhead"] = measure_overhead(profile, num_requests=num_requests, max_num_seqs=max_num_seqs,
-                                               max_model_len=max_model_len)  # fmt: skip
-        profile["machine"] = machine_identity()
-        profile["load_average_start"], profile["load_average_end"] = load_start, load_average()
-        return OpProfileCostModel.from_dict(profile, "the measured op profile"), "measured now (profile-ops)" + why
-    from workbench.sim.measure import fit_engine_profile
 
-    fitted = fit_engine_profile(model, num_requests=num_requests, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, threads=threads)  # fmt: skip
-    return fitted, "fitted now (fit-profile)" + why
+def engine_attention_backend() -> str:
+    """The attention backend the fidelity check's engine runs on this CPU (``engine_config``'s, resolved by
+    ``make_backend``: ``cpu``, the paged C++ decode, where its op builds, else ``torch``). An op profile must time
+    the same: SmolLM2-135M's decode attention per layer took 0.35 ms with the torch backend's gather against 0.07 ms
+    with the C++ op at batch 4 x context 128 (5x; interleaved, AMD EPYC), so a profile of the torch backend priced
+    the engine's steps ~15% high."""
+    from workbench.engine.runner import make_backend
+
+    return make_backend(engine_config("continuous").attention_backend, "cpu").name
+
+
+def measure_op_profile(model: str, max_tokens: int = 2048) -> dict[str, Any]:
+    """Every operation of ``model`` timed now on this CPU (``workbench.sim.op_timing.profile_ops``, fp32) with the
+    attention backend the fidelity check's engine runs (``engine_attention_backend``), with the machine
+    (``machine_identity``) and the load average at the start; its ``overhead`` is still to be fitted
+    (``op_timing.measure_overhead``, or ``overhead_from_samples`` on workloads measured elsewhere), on an engine of the
+    same backend (``op_timing.overhead_engine_configs``)."""
+    from workbench.sim.measure import machine_identity
+    from workbench.sim.op_timing import profile_ops
+
+    load_start = load_average()
+    profile = profile_ops(model, "cpu", "fp32", engine_attention_backend(), max_tokens=max_tokens, progress=False)
+    profile["model"] = model
+    profile["machine"] = machine_identity()
+    profile["load_average_start"] = load_start
+    return profile
+
+
+def colocated_fidelity(
+    net: Any,
+    model: str,
+    requests: Sequence[Request],
+    policies: Sequence[str],
+    kinds: Sequence[str] = ("op-profile", "profiled"),
+    paths: Mapping[str, str | None] | None = None,
+    repeats: int = 3,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    measure_max_tokens: int = 1024,
+    measure_requests: int = 24,
+    measure_profiles: bool = False,
+    noise_seed: int = 7,
+    progress: bool = False,
+    log: Any = None,
+) -> dict[str, Any]:
+    """The colocated half of the fidelity check (``workbench fidelity`` and notebook 07 share it): each cost model
+    of ``kinds`` read (``stored_profile``: ``paths[kind]``, else this machine's committed profile, unless
+    ``measure_profiles``) or measured now, the real engine (``net``, the preset ``model``) on ``requests`` under
+    every policy, ``repeats`` times interleaved (``measure_policies``), and each model simulated on the same,
+    deterministic and with seeded noise (``noise_seed``), compared (``compare``).
+
+    A profile measured now measures its engine workloads **between the runs** (``InterleavedTraining``, one
+    workload after every run or so) and is fitted after them: the ``profiled`` fit on all its steps; the op
+    profile's operations are timed alone first (``measure_op_profile``), its overhead fitted after the runs
+    (``op_timing.overhead_from_samples``) on the training workloads replayed between them on its engine
+    (``op_timing.overhead_engine_configs``). A shared CPU's speed drifts by more than the check's 10% within
+    minutes; a model fitted to steps of the same minutes as the runs compares with them whatever the drift, where
+    one measured before them carries the speed of its own minutes into the comparison (the AMD EPYC's repeats
+    moved by 22%, a profile fitted before the runs was ~20% off).
+
+    Returns ``costs`` and ``sources`` (per kind, in ``kinds``' order), ``interleaved`` (the kinds fitted between
+    the runs), ``measured`` (``measure_policies``' result), ``rows`` (``compare``'s, the models ``kind`` and
+    ``kind noise``), ``step_errors`` (each model's per-step error on the runs' own steps, ``sim.measure.step_errors``)
+    and ``profile_s`` (seconds spent measuring profiles). ``log``: a callable given one line per profile."""
+    from workbench.config import ModelConfig
+    from workbench.errors import ConfigError
+    from workbench.sim.measure import InterleavedTraining, step_errors, training_configs
+    from workbench.sim.op_profile import OpProfileCostModel
+    from workbench.sim.op_timing import overhead_engine_configs, overhead_from_samples
+
+    kinds = list(kinds)
+    if not kinds or any(k not in ("op-profile", "profiled") for k in kinds):
+        raise ConfigError(f"cost models must be some of op-profile, profiled (--cost-model), got {kinds!r}")
+    paths = paths or {}
+    costs: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    training: dict[str, InterleavedTraining] = {}
+    op_profile: dict[str, Any] = {}
+    t0 = now()
+    for kind in kinds:
+        cost, why = (
+            (None, "") if measure_profiles and not paths.get(kind) else stored_profile(kind, model, paths.get(kind))
+        )
+        if cost is not None:
+            costs[kind], sources[kind] = cost, why
+            _tell(log, kind, cost, why)
+            continue
+        if kind == "profiled":
+            configs = training_configs(max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+            sources[kind] = "fitted now (fit-profile), its workloads measured between the runs" + why
+        else:
+            op_profile = measure_op_profile(model, measure_max_tokens)
+            configs = overhead_engine_configs(op_profile, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+            sources[kind] = "measured now (profile-ops), its overhead's workloads measured between the runs" + why
+        training[kind] = InterleavedTraining(net, configs, measure_requests, model=model)
+    profile_s = now() - t0
+
+    def between(fraction: float) -> None:
+        for t in training.values():
+            t.run_due(fraction)
+
+    measured = measure_policies(net, requests, policies, repeats, max_num_seqs, max_model_len, progress,
+                                between=between if training else None)  # fmt: skip
+    between(1.0)  # none left normally; all of them when there were no runs
+    if "profiled" in training:
+        costs["profiled"] = training["profiled"].fit()
+    if "op-profile" in training:
+        t = training["op-profile"]
+        op_profile["overhead"] = overhead_from_samples(op_profile, t.samples, t.configs, t.seed)
+        op_profile["load_average_end"] = load_average()
+        costs["op-profile"] = OpProfileCostModel.from_dict(op_profile, "the measured op profile")
+    for kind in training:
+        _tell(log, kind, costs[kind], sources[kind])
+    costs = {k: costs[k] for k in kinds}  # the table's order
+    profile_s += sum(t.seconds for t in training.values())
+    cfg = ModelConfig.resolve(model)
+    rows: list[dict] = []
+    for kind, cost in costs.items():
+        for name, seed in ((kind, None), (f"{kind} noise", noise_seed)):
+            sim = simulate_policies(requests, cfg, cost, measured, max_num_seqs, max_model_len, seed)
+            rows += compare(measured["runs"], sim, name)
+    return {"costs": costs, "sources": sources, "interleaved": list(training), "measured": measured, "rows": rows,
+            "step_errors": {k: step_errors(c.with_noise(None), measured["steps"]) for k, c in costs.items()},
+            "profile_s": profile_s}  # fmt: skip
+
+
+def _tell(log: Any, kind: str, cost: Any, source: str) -> None:
+    """One line to ``log`` (when given) on a profile read or measured: its source, machine, load and fit warnings."""
+    if log is None:
+        return
+    prov = profile_provenance(kind, cost)
+    quality = (getattr(cost, "meta", None) or {}).get("fit", {}).get("warnings") or []
+    log(f"{kind}: {source}; machine {prov['machine']}; load average while measured {prov['load_average_1min']}"
+        f"{'  LOADED: its times hold other processes' if prov['loaded'] else ''}"
+        + "".join(f"\n  FIT WARNING: {w}" for w in quality))  # fmt: skip
 
 
 def step_breakdown(cost: Any, steps: Mapping[str, Any]) -> list[dict]:
@@ -844,21 +1050,20 @@ def fidelity_report(
     log: Any = None,
 ) -> dict[str, Any]:
     """The fidelity check of ``workbench fidelity``: each cost model of ``kinds`` (``op-profile``, ``profiled``) from
-    ``paths[kind]``, else this machine's committed profile, else measured now (``profile_for_this_machine``; always
-    with ``measure_profiles``, where the ``profiled`` fit's training workloads run between the measured runs,
-    ``workbench.sim.measure.InterleavedTraining``, so that its steps see the machine of those minutes); the real
-    engine on the held-out workload under every policy, ``repeats`` times interleaved (or the real disaggregated
-    pair ``disaggregate`` "P:D", ``disaggregated_fidelity``); the simulator on the same, deterministic and with
-    seeded noise; the table (``compare``), the claims, the load averages, the machine (``machine_identity``: the
-    CPU model, its CPUs, the instruction set torch dispatches to) and wall times. ``log``: a callable given one
-    line per profile read or measured (None: quiet)."""
-    import os
+    ``paths[kind]``, else this machine's committed profile, else measured now (always with ``measure_profiles``);
+    the real engine on the held-out workload under every policy, ``repeats`` times interleaved, a profile measured
+    now measuring its engine workloads between those runs (``colocated_fidelity``, notebook 07's code), or the real
+    disaggregated pair ``disaggregate`` "P:D" (``disaggregated_fidelity``, the profiles measured first); the
+    simulator on the same, deterministic and with seeded noise; the table (``compare``), the claims
+    (``fidelity_claims``), the load averages, the machine (``machine_identity``: the CPU model, its CPUs, the
+    instruction set torch dispatches to) and wall times. ``log``: a callable given one line per profile read or
+    measured (None: quiet)."""
 
-    from workbench.config import ModelConfig, parse_disaggregate
+    from workbench.config import parse_disaggregate
     from workbench.engine.scheduler import POLICIES
     from workbench.errors import ConfigError
     from workbench.model.checkpoint import load_model
-    from workbench.sim.measure import machine_identity, step_errors
+    from workbench.sim.measure import machine_identity
 
     kinds = list(kinds)
     bad = [k for k in kinds if k not in ("op-profile", "profiled")]
@@ -874,34 +1079,20 @@ def fidelity_report(
     set_threads(threads)  # as the profile was measured (fit-profile / profile-ops --threads, 1)
     load_start = load_average()
     t_start = now()
-    costs, sources = {}, {}
-
-    def told(kind: str) -> None:
-        prov = profile_provenance(kind, costs[kind])
-        if log is not None:
-            quality = (getattr(costs[kind], "meta", None) or {}).get("fit", {}).get("warnings") or []
-            log(f"{kind}: {sources[kind]}; machine {prov['machine']}; load average while measured "
-                f"{prov['load_average_1min']}{'  LOADED: its times hold other processes' if prov['loaded'] else ''}"
-                + "".join(f"\n  FIT WARNING: {w}" for w in quality))  # fmt: skip
-
-    # a profile fitted now measures its training workloads between the measured runs (InterleavedTraining)
-    interleave = (measure_profiles and "profiled" in kinds and not disaggregate
-                  and (paths or {}).get("profiled") is None)  # fmt: skip
-    for kind in kinds:
-        if kind == "profiled" and interleave:
-            continue
-        costs[kind], sources[kind] = profile_for_this_machine(
-            kind, model, (paths or {}).get(kind), max_num_seqs, max_model_len, measure_max_tokens,
-            measure=measure_profiles,
-        )  # fmt: skip
-        told(kind)
-    profile_s = now() - t_start
     held_out = held_out_workload(num_requests, rate, seed)
     out: dict[str, Any] = {"model": model, "machine": machine_identity(), "num_requests": num_requests, "rate": rate,
                            "repeats": repeats, "threads": threads, "load_average_start": load_start}  # fmt: skip
     labels = [name for kind in kinds for name in (kind, f"{kind} noise")]
-    rows: list[dict] = []
+    interleaved: list[str] = []
     if disaggregate:
+        costs, sources = {}, {}
+        for kind in kinds:
+            costs[kind], sources[kind] = profile_for_this_machine(
+                kind, model, (paths or {}).get(kind), max_num_seqs, max_model_len, measure_max_tokens,
+                measure=measure_profiles,
+            )  # fmt: skip
+            _tell(log, kind, costs[kind], sources[kind])
+        profile_s = now() - t_start
         split = parse_disaggregate(disaggregate)
         calibration = held_out_workload(num_requests, rate, seed + 1)
         res = disaggregated_fidelity(model, list(costs.values()), held_out, split, repeats, threads, max_num_seqs,
@@ -910,40 +1101,23 @@ def fidelity_report(
         out.update(disaggregate=disaggregate, link=res["link"], handoff=res["handoff"],
                    idle_step_s=res["idle_step_s"], loads=res["loads"], ttft_parts=res["ttft_parts"])  # fmt: skip
     else:
-        net = load_model(model, seed=0)
-        training = None
-        if interleave:
-            from workbench.sim.measure import InterleavedTraining, training_configs
-
-            training = InterleavedTraining(net, training_configs(max_num_seqs=max_num_seqs,
-                                                                 max_model_len=max_model_len), model=model)  # fmt: skip
-        measured = measure_policies(net, held_out, policies, repeats, max_num_seqs, max_model_len, progress,
-                                    between=None if training is None else training.run_due)  # fmt: skip
-        if training is not None:
-            training.run_due(1.0)
-            costs["profiled"] = training.fit()
-            sources["profiled"] = "fitted now (fit-profile), its workloads measured between the runs"
-            profile_s += training.seconds
-            told("profiled")
-            costs = {k: costs[k] for k in kinds}  # the table's order
-        cfg = ModelConfig.resolve(model)
-        out["step_errors"] = {kind: step_errors(cost.with_noise(None), measured["steps"])
-                              for kind, cost in costs.items()}  # fmt: skip
-        for kind, cost in costs.items():
-            for name, noise_seed in ((kind, None), (f"{kind} noise", seed)):
-                sim = simulate_policies(held_out, cfg, cost, measured, max_num_seqs, max_model_len, noise_seed)
-                rows += compare(measured["runs"], sim, name)
-        out["loads"] = measured["loads"]
+        res = colocated_fidelity(load_model(model, seed=0), model, held_out, policies, kinds, paths, repeats,
+                                 max_num_seqs, max_model_len, measure_max_tokens, measure_profiles=measure_profiles,
+                                 noise_seed=seed, progress=progress, log=log)  # fmt: skip
+        costs, sources, rows, profile_s = res["costs"], res["sources"], res["rows"], res["profile_s"]
+        interleaved = res["interleaved"]
+        out["step_errors"] = res["step_errors"]
+        out["loads"] = res["measured"]["loads"]
     out["cost_models"] = {k: {"source": sources[k], **c.describe(), "provenance": profile_provenance(k, c)}
                           for k, c in costs.items()}  # fmt: skip
     out["rows"] = rows
-    out["claims"] = [fidelity_claim(rows, name) for name in labels] + [best_cost_model(rows)]
+    load = runs_load(out.get("loads", []))
+    out["claims"] = fidelity_claims(rows, labels, interleaved, load)
     out["max_abs_rel_error"] = {name: max(abs(r["rel_error"]) for r in rows if r["model"] == name)
                                 for name in labels}  # fmt: skip
     out["load_average_end"] = load_average()
     out["wall_s"] = {"profiles": profile_s, "total": now() - t_start}
-    loads = [x for run in out.get("loads", []) for x in (run["load_before"], run["load_after"]) if x]
-    out["measured_runs_loaded"] = bool(loads) and max(x[0] for x in loads) > (os.cpu_count() or 1)
+    out["measured_runs_loaded"] = load["loaded"]
     return out
 
 

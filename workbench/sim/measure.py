@@ -304,15 +304,16 @@ def due_items(num_items: int, fraction: float) -> int:
 
 class InterleavedTraining:
     """The training workloads of ``fit_engine_profile`` (``training_workloads`` on engines of each of ``configs``,
-    ``training_configs``, over ``net``), measured one workload at a time whenever ``run_due`` is called, then
-    fitted (``fit``). ``fit_engine_profile`` runs them all at once; the fidelity check (``workbench fidelity
-    --measure-profiles``) calls ``run_due`` between its measured runs, so that the profile's steps sample the
-    machine over the same minutes as the runs it is compared with. A shared CPU's speed drifts by more than the
-    check's 10% tolerance from one minute to the next even at a load average of 1 (noisy neighbours the guest
-    cannot see): on the 2-core AMD EPYC the repeats of one policy spread by up to 22%, and a profile measured in
-    the 2 minutes before the runs priced their steps ~20% high, which at 2 requests/s (a replica busy most of
-    the time) moved the simulated ITL median by +17..+57% and left 2 of 20 statistics within tolerance; the same
-    profile scaled by 0.8 held 19 of 20. Each policy's first workload is preceded by one unmeasured warm-up replay
+    ``training_configs``, over ``net``), measured one workload at a time whenever ``run_due`` is called, then fitted
+    (``fit``). ``fit_engine_profile`` runs them all at once; the fidelity check (``workbench fidelity`` and notebook 07,
+    ``workbench.experiments.fidelity.colocated_fidelity``) calls ``run_due`` between its measured runs, so that the
+    profile's steps sample the machine over the same minutes as the runs it is compared with (the op profile's overhead
+    workloads too, on its own engine configs: ``workbench.sim.op_timing.overhead_engine_configs``). A shared CPU's speed
+    drifts by more than the check's 10% tolerance from one minute to the next even at a load average of 1 (noisy
+    neighbours the guest cannot see): on the 2-core AMD EPYC the repeats of one policy spread by up to 22%, and a
+    profile measured in the 2 minutes before the runs priced their steps ~20% high, which at 2 requests/s (a replica
+    busy most of the time) moved the simulated ITL median by +17..+57% and left 2 of 20 statistics within tolerance; the
+    same profile scaled by 0.8 held 19 of 20. Each policy's first workload is preceded by one unmeasured warm-up replay
     of part of it and ``warm_packed_linears`` (as ``measure_training_policy``)."""
 
     def __init__(

@@ -330,6 +330,27 @@ def profile_ops(
     }
 
 
+def overhead_engine_configs(
+    profile: dict[str, Any],
+    policies: tuple[str, ...] = ("continuous", "chunked"),
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+) -> list[Any]:
+    """The engines whose steps an op profile's overhead is fitted on, one ``EngineConfig`` per policy (chunked: a
+    budget of half the context): the profile's device and dtype, its attention backend, and its linear layers packed
+    as its operations were timed (``packed_linears``; a profile without the key was timed with plain layers)."""
+    from workbench.device import resolve_device
+    from workbench.engine.config import EngineConfig
+
+    dev = resolve_device(profile["device"])
+    return [EngineConfig(policy=policy, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                         dtype=profile["dtype"], device=str(dev),
+                         token_budget=max_model_len // 2 if policy == "chunked" else None,
+                         attention_backend=profile.get("attention_backend", "torch"),
+                         packed_linears=bool(profile.get("packed_linears", False)))
+            for policy in policies]  # fmt: skip
+
+
 def measure_training_steps(
     profile: dict[str, Any],
     policies: tuple[str, ...] = ("continuous", "chunked"),
@@ -337,29 +358,20 @@ def measure_training_steps(
     max_num_seqs: int = 16,
     max_model_len: int = 256,
     seed: int = 1000,
-) -> tuple[Any, list[dict[str, Any]]]:
+) -> tuple[Any, list[Any]]:
     """(``StepSamples``, engine configs): the fit-profile training workloads of ``seed`` replayed on the real engine
-    (same model, device and dtype as ``profile``) under each policy. The engine packs its linear layers as the
-    profile's operations were timed (``packed_linears``; a profile without the key was timed with plain layers), and
-    its packed shapes are all built before the measured steps (``warm_packed_linears``), as profile-ops' warm-up
-    calls build them before the timed ones."""
+    (same model, device and dtype as ``profile``; ``overhead_engine_configs``) under each policy, its packed shapes
+    all built before the measured steps (``warm_packed_linears``), as profile-ops' warm-up calls build them before
+    the timed ones."""
     from workbench.device import resolve_device, torch_dtype
-    from workbench.engine.config import EngineConfig
     from workbench.model.checkpoint import load_model
     from workbench.sim.measure import StepSamples, measure_training_policy
 
     dev = resolve_device(profile["device"])
     net = load_model(profile["model"], dtype=torch_dtype(profile["dtype"]), device=dev, seed=0)
     samples = StepSamples()
-    configs = []
-    for policy in policies:
-        budget = max_model_len // 2 if policy == "chunked" else None
-        cfg = EngineConfig(policy=policy, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                           dtype=profile["dtype"], device=str(dev), token_budget=budget,
-                           attention_backend=profile.get("attention_backend", "torch"),
-                           packed_linears=bool(profile.get("packed_linears", False)))  # fmt: skip
-        configs.append({"policy": policy, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-                        "token_budget": budget})  # fmt: skip
+    configs = overhead_engine_configs(profile, policies, max_num_seqs, max_model_len)
+    for cfg in configs:
         samples.extend(measure_training_policy(net, cfg, num_requests, seed))  # shapes built, as profile-ops' are
     return samples, configs
 
@@ -373,12 +385,21 @@ def measure_overhead(
     seed: int = 1000,
 ) -> dict[str, Any]:
     """Replay the fit-profile training workloads on the real engine (``measure_training_steps``) and fit the
-    per-step overhead (``fit_overhead``); returns the profile's ``overhead`` section."""
-    cost = OpProfileCostModel.from_dict(profile)
+    per-step overhead (``overhead_from_samples``); returns the profile's ``overhead`` section."""
     samples, configs = measure_training_steps(profile, policies, num_requests, max_num_seqs, max_model_len, seed)
+    return overhead_from_samples(profile, samples, configs, seed)
+
+
+def overhead_from_samples(profile: dict[str, Any], samples: Any, configs: list[Any], seed: int = 1000) -> dict:
+    """The op profile's ``overhead`` section fitted (``fit_overhead``) to measured engine steps (``StepSamples`` of
+    the engines ``configs``, replaying the training workloads of ``seed``): by ``measure_overhead``, or by the
+    fidelity check from the workloads it measures between its runs (``workbench.sim.measure.InterleavedTraining``)."""
+    cost = OpProfileCostModel.from_dict(profile)
     over = fit_overhead(cost, samples.stats, samples.durations_s, samples.gaps_s, samples.after_idle,
                         samples.wakes_s)  # fmt: skip
-    over["fit"]["engine_configs"] = configs
+    over["fit"]["engine_configs"] = [{"policy": c.policy, "max_num_seqs": c.max_num_seqs,
+                                      "max_model_len": c.max_model_len, "token_budget": c.token_budget}
+                                     for c in configs]  # fmt: skip
     over["fit"]["workload_seed"] = seed
     return over
 

@@ -100,6 +100,9 @@ def test_exact_figures_are_always_decided():
     assert decide_exact(4.0, 3.7, lower) == (NOT_CONFIRMED, "equivalent")  # 0.925 > 1/1.1 = 0.909
     assert decide_exact(0.0, 0.5, higher)[0] == CONFIRMED and decide_exact(0.5, 0.0, higher)[1] == "opposite"
     assert decide_exact(0.0, 0.0, higher) == (NOT_CONFIRMED, "equivalent")
+    # exactly on the margin is not beyond it (log(1.1 / 1.0) exceeds log1p(0.1) by one rounding step)
+    assert decide_exact(1.0, 1.1, higher) == (NOT_CONFIRMED, "equivalent")
+    assert decide_exact(1.1, 1.0, lower) == (NOT_CONFIRMED, "equivalent")
     with pytest.raises(ConfigError, match="must be >= 0"):
         decide_exact(-1.0, 1.0, higher)
 

@@ -143,19 +143,22 @@ def decide(low: float, high: float, rule: DecisionRule) -> tuple[str, str]:
 
 def decide_exact(value_a: float, value_b: float, rule: DecisionRule) -> tuple[str, str]:
     """(verdict, reason) of B against A when both are exact figures (an analytic model's or a deterministic
-    simulation's: no sampling spread, so the interval is the single point log(B / A)): ``decide`` on that point.
-    Such a figure is always decided: *confirmed* beyond the margin in the claimed direction, else *not_confirmed*,
-    ``opposite`` beyond it the other way or ``equivalent`` inside it. Zero is allowed (a goodput of nothing): B > 0
-    against A = 0 is beyond any margin upwards, both 0 are equivalent."""
+    simulation's: no sampling spread, so the interval is the single point B / A): ``decide`` on that point, compared
+    in ratio space so that a figure exactly on the margin is not beyond it. Such a figure is always decided:
+    *confirmed* when B is beyond A x (1 + margin) in the claimed direction, else *not_confirmed*, ``opposite`` when
+    beyond it the other way, ``equivalent`` otherwise. Zero is allowed (a goodput of nothing): B > 0 against A = 0 is
+    beyond any margin upwards, both 0 are equivalent."""
     if value_a < 0 or value_b < 0 or math.isnan(value_a) or math.isnan(value_b):
         raise ConfigError(f"exact figures must be >= 0 to compare, got A {value_a}, B {value_b}")
-    if value_a == value_b:
-        return decide(0.0, 0.0, rule)
-    if value_a == 0 or value_b == 0:
-        x = math.inf if value_a == 0 else -math.inf
-    else:
-        x = math.log(value_b / value_a)
-    return decide(x, x, rule)
+    grow = 1.0 + rule.margin
+    up, down = value_b > value_a * grow, value_b * grow < value_a
+    if rule.direction == "lower":
+        up, down = down, up
+    if up:
+        return CONFIRMED, "beyond the margin in the claimed direction"
+    if down:
+        return NOT_CONFIRMED, "opposite"
+    return NOT_CONFIRMED, "equivalent"
 
 
 @dataclass

@@ -59,15 +59,6 @@ def order(a: tuple[float, float, float], b: tuple[float, float, float]) -> int:
     return 0
 
 
-def order_single(a: float, b: float, tolerance: float = SINGLE_RUN_TOLERANCE) -> int:
-    """+1 when ``a`` exceeds ``b`` by more than ``tolerance`` (relative), -1 when below by more, else 0."""
-    if a > b * (1 + tolerance):
-        return 1
-    if a < b * (1 - tolerance):
-        return -1
-    return 0
-
-
 def exact_comparison(
     name_a: str, value_a: float, name_b: str, value_b: float, direction: str, margin: float = SINGLE_RUN_TOLERANCE
 ) -> dict[str, Any]:
@@ -488,7 +479,6 @@ __all__ = [
     "same_rule",
     "prefill_sets_ttft",
     "order",
-    "order_single",
     "exact_comparison",
     "exact_text",
     "prefill_compute_bound",

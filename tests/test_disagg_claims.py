@@ -36,16 +36,25 @@ def _best(split: float, colocated: float) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize(
-    "tight, loose, verdict",
+    "tight, loose, verdict, reason",
     [
-        ((6.0, 4.0), (4.0, 4.1), "confirmed"),  # wins only under the tight SLOs
-        ((4.0, 6.0), (6.0, 4.0), "not_confirmed"),  # the other way round
-        ((6.0, 4.0), (6.0, 4.0), "not_confirmed"),  # wins under both: not "only under tight"
-        ((4.0, 4.1), (4.0, 4.1), "inconclusive"),  # within 10% both times
+        ((6.0, 4.0), (4.0, 4.1), "confirmed", "beyond the margin in the claimed direction"),  # only under tight
+        ((4.0, 6.0), (6.0, 4.0), "not_confirmed", "tight SLOs: opposite"),  # the other way round
+        ((6.0, 4.0), (6.0, 4.0), "not_confirmed", "it pays under the loose SLOs too"),  # not "only under tight"
+        # the simulator is exact: within 10% both times is decided, "equivalent", not left to more repeats
+        ((4.0, 4.1), (4.0, 4.1), "not_confirmed", "tight SLOs: equivalent"),
+        ((4.39, 4.0), (4.0, 4.0), "not_confirmed", "tight SLOs: equivalent"),  # 9.75%: inside the 10% margin
+        ((4.41, 4.0), (4.0, 4.0), "confirmed", "beyond the margin in the claimed direction"),  # 10.25%
+        ((0.5, 0.0), (4.0, 4.0), "confirmed", "beyond the margin in the claimed direction"),  # colocated meets none
     ],
 )
-def test_tight_slo_claim(tight, loose, verdict):
-    assert dx.pays_under_tight_slos(_best(*tight), _best(*loose))["verdict"] == verdict
+def test_tight_slo_claim(tight, loose, verdict, reason):
+    claim = dx.pays_under_tight_slos(_best(*tight), _best(*loose))
+    ev = claim["evidence"]
+    assert claim["verdict"] == verdict and ev["reason"] == reason
+    assert ev["margin"] == 0.10 and ev["direction"] == "higher" and ev["arms"] == ["colocated", "split 2:6"]
+    assert ev["ratio"] == (pytest.approx(tight[0] / tight[1]) if tight[1] else None)
+    assert "within the 10% margin" in claim["detail"] or reason != "tight SLOs: equivalent"
 
 
 def _links(goodputs: list[float], colocated: float) -> pd.DataFrame:
@@ -58,13 +67,23 @@ def _links(goodputs: list[float], colocated: float) -> pd.DataFrame:
     [
         ([0.1, 2.0, 4.0, 4.4], "confirmed", 100.0),
         ([5.0, 5.0, 5.0, 5.0], "not_confirmed", 1.0),  # even 1 Gb/s keeps up: the link does not erase it
-        ([4.2, 4.1, 4.0, 4.3], "inconclusive", 400.0),
+        ([4.2, 4.1, 4.0, 4.3], "not_confirmed", 400.0),  # within 10% at every link: equivalent, decided
     ],
 )
 def test_slow_link_claim_and_break_even(goodputs, verdict, breakeven):
-    links = _links(goodputs, 4.0 if verdict != "inconclusive" else 4.3)
-    assert dx.slow_link_erases_it(links)["verdict"] == verdict
+    links = _links(goodputs, 4.3 if breakeven == 400.0 else 4.0)
+    claim = dx.slow_link_erases_it(links)
+    assert claim["verdict"] == verdict
+    assert claim["evidence"]["ratio"] == pytest.approx(goodputs[0] / (4.3 if breakeven == 400.0 else 4.0))
+    reasons = {100.0: "beyond the margin in the claimed direction", 1.0: "slowest link: opposite",
+               400.0: "slowest link: equivalent"}  # fmt: skip
+    assert claim["evidence"]["reason"] == reasons[breakeven]
     assert dx.break_even_link_gbps(links) == breakeven
+
+
+def test_slow_link_claim_fails_when_even_the_fastest_link_loses():
+    claim = dx.slow_link_erases_it(_links([0.1, 0.2, 0.3, 1.0], 4.0))
+    assert claim["verdict"] == "not_confirmed" and claim["evidence"]["reason"] == "the fastest link loses too"
 
 
 def test_best_layouts_picks_the_best_split_per_rate():
@@ -125,14 +144,20 @@ def _best_tp(pairs: list[tuple[float, float]]) -> pd.DataFrame:
     [
         ([(1.0, 1.05), (2.0, 2.6)], "confirmed", 20.0),  # 30% more at 20 req/s
         ([(1.0, 0.5), (2.0, 2.1)], "not_confirmed", 20.0),  # never 10% above, once far below
-        ([(1.0, 1.05), (2.0, 1.95)], "inconclusive", 10.0),  # within 10% at every rate
+        ([(1.0, 1.05), (2.0, 1.95)], "not_confirmed", 10.0),  # within 10% at every rate: exact, so equivalent
+        ([(1.0, 0.8), (2.0, 1.5)], "not_confirmed", 10.0),  # below by more than 10% at every rate: opposite
     ],
 )
 def test_tp_per_phase_claim(pairs, verdict, rate):
     # the evidence is the rate most favourable to a TP per phase
     claim = dx.tp_per_phase_pays(_best_tp(pairs))
     assert claim["verdict"] == verdict
-    assert claim["evidence"]["rate"] == rate
+    ev = claim["evidence"]
+    assert ev["rate"] == rate
+    one, per = pairs[int(rate / 10) - 1]
+    assert ev["ratio"] == pytest.approx(per / one) and ev["margin"] == 0.10
+    expected = "equivalent" if 1 / 1.1 < per / one < 1.1 else "opposite" if per / one < 1 else None
+    assert ev["reason"] == (expected or "beyond the margin in the claimed direction")
 
 
 def test_a_tp2_prefill_replica_gives_a_lone_request_a_shorter_ttft_than_a_tp1_one():

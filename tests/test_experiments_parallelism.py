@@ -41,3 +41,27 @@ def test_claims_confirm_and_contradict() -> None:
     rows = pd.DataFrame({"name": ["a", "b"], "goodput_per_gpu": [2.0, 1.0]})
     assert px.plan_has_a_tradeoff(rows, rows)["verdict"] == "confirmed"
     assert px.plan_has_a_tradeoff(rows.iloc[:1], rows)["verdict"] == "not_confirmed"
+
+
+@pytest.mark.parametrize(
+    "decode_itl_8, verdict, reason",
+    [
+        (4.0, "confirmed", "beyond the margin in the claimed direction"),  # decode 2.5x < prefill 5x
+        (2.1, "not_confirmed", "equivalent"),  # decode 4.76x against prefill 5x: the roofline is exact, within 10%
+        (1.0, "not_confirmed", "opposite"),  # decode 10x: gains more than prefill
+    ],
+)
+def test_decode_gains_less_is_decided_on_the_exact_speedups(decode_itl_8, verdict, reason) -> None:
+    # the roofline model has no spread: a gap within the 10% margin is "equivalent", never left inconclusive
+    prefs = px.phase_preferences(sweep_of({1: 10.0, 8: decode_itl_8}, {1: 100.0, 8: 20.0}, {1: 0.0, 8: 0.3}))
+    claim = px.decode_gains_less_from_tp(prefs, "m")
+    ev = claim["evidence"]
+    assert claim["verdict"] == verdict and ev["reason"] == reason
+    assert ev["ratio"] == pytest.approx(5.0 / (10.0 / decode_itl_8)) and ev["margin"] == 0.10
+
+
+def test_tp_cut_within_the_margin_is_equivalent() -> None:
+    near = sweep_of({1: 10.0, 8: 9.5}, {1: 100.0, 8: 20.0}, {1: 0.0, 8: 0.3})  # ITL 5% lower: not a 10% cut
+    claim = px.tp_cuts_latency_with_growing_comm(near, "m")
+    assert claim["verdict"] == "not_confirmed" and claim["evidence"]["reason"] == "equivalent"
+    assert claim["evidence"]["ratio"] == pytest.approx(0.95)

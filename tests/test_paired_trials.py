@@ -95,7 +95,7 @@ def test_phase_and_lever_trials_run_their_arms(model):
 
 def test_rounds_settings_and_mapping_arms_are_checked():
     with pytest.raises(ConfigError, match="min_rounds"):
-        Rounds(4, 8)
+        Rounds(3, 8)
     with pytest.raises(ConfigError, match="budget_s"):
         Rounds(budget_s=0.0)
     assert Rounds(6, 10, warmup=2).max_trials == 12

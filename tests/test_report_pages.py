@@ -164,6 +164,21 @@ def test_claim_row_without_rounds_falls_back_cleanly() -> None:
     assert claim_row({"claim": "y", "verdict": "inconclusive"})["note"].startswith("the numbers overlap")
 
 
+def test_a_claim_on_exact_figures_shows_its_ratio_and_margin_without_an_interval() -> None:
+    import pandas as pd
+
+    from workbench.experiments.disaggregation import pays_under_tight_slos
+
+    def best(split: float, colocated: float) -> pd.DataFrame:
+        return pd.DataFrame([{"rate": 80.0, "colocated_goodput_per_gpu": colocated, "best_split": "4:4",
+                              "split_goodput_per_gpu": split}])  # fmt: skip
+
+    row = claim_row(pays_under_tight_slos(best(5.34, 4.97), best(5.61, 5.73)), "disaggregation")
+    assert row["verdict_text"] == "not confirmed" and row["note"] == ""  # decided: nothing left to do
+    assert row["ratio_text"] == "split 4:4 / colocated: 1.07×" and row["margin_text"] == "+10%"
+    assert row["ci_low"] is None and row["rounds"] is None
+
+
 def test_run_tables_download_as_csv(tmp_path: Path) -> None:
     write_run_index(tmp_path, _manifest("r1"))
     claims = list(csv.DictReader(io.StringIO((tmp_path / "claims.csv").read_text())))

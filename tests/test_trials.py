@@ -15,6 +15,7 @@ from workbench.experiments.trials import (
     DecisionRule,
     compare,
     decide,
+    decide_exact,
     run_rounds,
     t_quantile,
 )
@@ -42,12 +43,36 @@ class SyntheticMachine:
 
 
 # Student-t quantiles from the printed tables (e.g. NIST/SEMATECH e-Handbook, table 1.3.6.7.2)
-T_TABLE = [(0.975, 5, 2.571), (0.975, 10, 2.228), (0.975, 30, 2.042), (0.995, 10, 3.169), (0.999, 5, 5.893)]
+T_TABLE = [
+    (0.975, 5, 2.571),
+    (0.975, 10, 2.228),
+    (0.975, 30, 2.042),
+    (0.995, 10, 3.169),
+    (0.999, 5, 5.893),
+    (0.975, 3, 3.182),
+    (0.975, 4, 2.776),
+    (0.995, 3, 5.841),
+    (0.995, 4, 4.604),
+    (0.999, 3, 10.215),
+    (0.9995, 4, 8.610),
+]
 
 
 @pytest.mark.parametrize("p, df, expected", T_TABLE)
 def test_t_quantile_matches_the_tables(p, df, expected):
     assert t_quantile(p, df) == pytest.approx(expected, rel=5e-3)
+
+
+def test_t_quantile_refuses_fewer_than_three_degrees_of_freedom():
+    with pytest.raises(ConfigError, match="at least 4 rounds"):
+        t_quantile(0.975, 2)
+
+
+def test_a_large_effect_is_decided_at_a_first_look_of_four_rounds():
+    m = SyntheticMachine(3, noise=0.05)
+    c = run_rounds({"unchunked": m.arm(1.0), "chunked": m.arm(0.5)}, DecisionRule("lower", 0.1), min_rounds=4,
+                   max_rounds=12, clock=m.clock)  # fmt: skip
+    assert c.verdict == CONFIRMED and c.rounds == 4 and c.look_confidence == pytest.approx(1 - 0.05 / 3)
 
 
 def test_decide_by_hand():
@@ -63,6 +88,23 @@ def test_decide_by_hand():
     assert decide(-0.3, -L - 0.01, lower)[0] == CONFIRMED
     assert decide(L + 0.01, 0.3, lower) == (NOT_CONFIRMED, "opposite")
     assert decide(-L + 0.01, L + 0.05, lower) == (NOT_CONFIRMED, "short of the margin")
+
+
+def test_exact_figures_are_always_decided():
+    # an analytic or deterministic figure has no spread: the interval is one point, so never "inconclusive"
+    higher, lower = DecisionRule("higher", margin=0.10), DecisionRule("lower", margin=0.10)
+    assert decide_exact(4.0, 4.41, higher) == (CONFIRMED, "beyond the margin in the claimed direction")  # +10.25%
+    assert decide_exact(4.0, 4.39, higher) == (NOT_CONFIRMED, "equivalent")  # +9.75%
+    assert decide_exact(4.0, 3.0, higher) == (NOT_CONFIRMED, "opposite")
+    assert decide_exact(4.0, 3.0, lower)[0] == CONFIRMED  # 3/4 < 1/1.1
+    assert decide_exact(4.0, 3.7, lower) == (NOT_CONFIRMED, "equivalent")  # 0.925 > 1/1.1 = 0.909
+    assert decide_exact(0.0, 0.5, higher)[0] == CONFIRMED and decide_exact(0.5, 0.0, higher)[1] == "opposite"
+    assert decide_exact(0.0, 0.0, higher) == (NOT_CONFIRMED, "equivalent")
+    # exactly on the margin is not beyond it (log(1.1 / 1.0) exceeds log1p(0.1) by one rounding step)
+    assert decide_exact(1.0, 1.1, higher) == (NOT_CONFIRMED, "equivalent")
+    assert decide_exact(1.1, 1.0, lower) == (NOT_CONFIRMED, "equivalent")
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        decide_exact(-1.0, 1.0, higher)
 
 
 def test_compare_by_hand():
@@ -99,6 +141,16 @@ def test_no_effect_under_drift_is_confirmed_at_most_five_percent_of_the_time():
         c = _run(SyntheticMachine(1000 + seed), 1.0, DecisionRule("higher", margin=0.05), max_rounds=96, seed=seed)
         confirmed += c.verdict == CONFIRMED
     assert confirmed <= 10  # 5% of 200
+
+
+def test_a_first_look_at_four_rounds_keeps_the_false_verdicts_under_five_percent():
+    # the A/A case with the smallest first look: a wide t interval on 3 degrees of freedom, then 8 and 16 rounds
+    wrong = 0
+    for seed in range(200):
+        c = _run(SyntheticMachine(2000 + seed), 1.0, DecisionRule("higher", margin=0.05), min_rounds=4,
+                 max_rounds=16, seed=seed)  # fmt: skip
+        wrong += c.verdict == CONFIRMED
+    assert wrong <= 10  # 5% of 200
 
 
 def test_a_two_percent_effect_with_a_five_percent_margin_is_equivalent():

@@ -59,13 +59,33 @@ def order(a: tuple[float, float, float], b: tuple[float, float, float]) -> int:
     return 0
 
 
-def order_single(a: float, b: float, tolerance: float = SINGLE_RUN_TOLERANCE) -> int:
-    """+1 when ``a`` exceeds ``b`` by more than ``tolerance`` (relative), -1 when below by more, else 0."""
-    if a > b * (1 + tolerance):
-        return 1
-    if a < b * (1 - tolerance):
-        return -1
-    return 0
+def exact_comparison(
+    name_a: str, value_a: float, name_b: str, value_b: float, direction: str, margin: float = SINGLE_RUN_TOLERANCE
+) -> dict[str, Any]:
+    """B against A where both are exact figures (an analytic model's, a deterministic simulation's: no sampling
+    spread to average over), decided by the paired claims' rule on a zero-width interval
+    (``trials.decide_exact``): ``{"arms", "a", "b", "ratio", "margin", "direction", "verdict", "reason"}``, the
+    verdict *confirmed* beyond ``margin`` in ``direction`` (B ``higher`` or ``lower`` than A), else
+    *not_confirmed*: ``opposite`` beyond it the other way, ``equivalent`` inside it. The ``margin`` defaults to 10%,
+    about the simulator's held-out median error on GPUs: a smaller gap is not a finding."""
+    from workbench.experiments.trials import DecisionRule, decide_exact
+
+    verdict, reason = decide_exact(float(value_a), float(value_b), DecisionRule(direction, margin))
+    ratio = float(value_b) / float(value_a) if value_a else (1.0 if not value_b else None)  # None: B > 0 against 0
+    return {"arms": [name_a, name_b], "a": float(value_a), "b": float(value_b), "ratio": ratio, "margin": margin,
+            "direction": direction, "verdict": verdict, "reason": reason}  # fmt: skip
+
+
+def exact_text(comparison: Mapping[str, Any]) -> str:
+    """'1.07x, within the 10% margin (equivalent)': an ``exact_comparison``'s ratio and what decided it."""
+    m = _pct(comparison["margin"])
+    r = comparison["ratio"]
+    r = f"{r:.3g}x" if r is not None else f"{comparison['b']:.3g} against 0"
+    if comparison["verdict"] == CONFIRMED:
+        return f"{r}, beyond the {m} margin"
+    if comparison["reason"] == "equivalent":
+        return f"{r}, within the {m} margin (equivalent)"
+    return f"{r}, beyond the {m} margin the other way (opposite)"
 
 
 def _fmt_span(s: tuple[float, float, float], scale: float = 1.0, fmt: str = ".1f") -> str:
@@ -459,7 +479,8 @@ __all__ = [
     "same_rule",
     "prefill_sets_ttft",
     "order",
-    "order_single",
+    "exact_comparison",
+    "exact_text",
     "prefill_compute_bound",
     "decode_bandwidth_bound",
     "batching_raises_throughput",

@@ -32,8 +32,9 @@ from workbench.experiments.claims import (
     CONFIRMED,
     INCONCLUSIVE,
     NOT_CONFIRMED,
+    exact_comparison,
+    exact_text,
     make_claim,
-    order_single,
     paired_claim,
 )
 from workbench.experiments.serving import metrics_row, reseed_arrivals, summary_row
@@ -345,32 +346,44 @@ def removes_interference(comparison: Comparison) -> dict[str, Any]:
     return paired_claim("Disaggregation removes prefill-decode interference from ITL", comparison, what)
 
 
+def _exact_evidence(comparison: Mapping[str, Any], reason: str) -> dict[str, Any]:
+    """The top-level evidence keys of a claim decided on exact figures (``exact_comparison``): arms, ratio, margin,
+    direction and the reason of its verdict."""
+    return {k: comparison[k] for k in ("arms", "ratio", "margin", "direction")} | {"reason": reason}
+
+
 def pays_under_tight_slos(tight: pd.DataFrame, loose: pd.DataFrame) -> dict[str, Any]:
     """Disaggregation pays only under tight TTFT and TPOT SLOs: at the highest rate swept, the best split's
-    goodput per GPU beats colocation under the tight SLOs, and does not under the loose ones (``best_layouts``
-    tables of the two sweeps)."""
+    goodput per GPU beats colocation by more than 10% under the tight SLOs, and does not under the loose ones
+    (``best_layouts`` tables of the two sweeps). The simulator is deterministic, so each comparison is decided on
+    its exact figures (``exact_comparison``): not confirmed when the split does not beat colocation under the tight
+    SLOs (``equivalent`` within 10%, or ``opposite``) or beats it under the loose ones too."""
     t, lo = tight.iloc[-1], loose.iloc[-1]
-    tight_gain = order_single(t.split_goodput_per_gpu, t.colocated_goodput_per_gpu)
-    loose_gain = order_single(lo.split_goodput_per_gpu, lo.colocated_goodput_per_gpu)
-    if tight_gain > 0 and loose_gain <= 0:
-        verdict = CONFIRMED
-    elif tight_gain <= 0 and loose_gain > 0:
-        verdict = NOT_CONFIRMED
-    elif tight_gain == 0 and loose_gain == 0:
-        verdict = INCONCLUSIVE
-    else:
-        verdict = NOT_CONFIRMED
+    tight_c = exact_comparison("colocated", t.colocated_goodput_per_gpu, f"split {t.best_split}",
+                               t.split_goodput_per_gpu, "higher")  # fmt: skip
+    loose_c = exact_comparison("colocated", lo.colocated_goodput_per_gpu, f"split {lo.best_split}",
+                               lo.split_goodput_per_gpu, "higher")  # fmt: skip
+    pays_tight, pays_loose = tight_c["verdict"] == CONFIRMED, loose_c["verdict"] == CONFIRMED
+    verdict = CONFIRMED if pays_tight and not pays_loose else NOT_CONFIRMED
+    reason = (
+        "beyond the margin in the claimed direction" if verdict == CONFIRMED
+        else f"tight SLOs: {tight_c['reason']}" if not pays_tight else "it pays under the loose SLOs too"
+    )  # fmt: skip
     detail = (
         f"at {t.rate:g} req/s, goodput per GPU split {t.split_goodput_per_gpu:.2f} ({t.best_split}) vs colocated "
-        f"{t.colocated_goodput_per_gpu:.2f} under the tight SLOs; {lo.split_goodput_per_gpu:.2f} vs "
-        f"{lo.colocated_goodput_per_gpu:.2f} under the loose ones"
+        f"{t.colocated_goodput_per_gpu:.2f} under the tight SLOs ({exact_text(tight_c)}); "
+        f"{lo.split_goodput_per_gpu:.2f} vs {lo.colocated_goodput_per_gpu:.2f} under the loose ones "
+        f"({exact_text(loose_c)}); the simulator is deterministic: exact figures, no rounds"
     )
     evidence = {
+        **_exact_evidence(tight_c, reason),
         "rate": float(t.rate),
         "tight_split": float(t.split_goodput_per_gpu),
         "tight_colocated": float(t.colocated_goodput_per_gpu),
         "loose_split": float(lo.split_goodput_per_gpu),
         "loose_colocated": float(lo.colocated_goodput_per_gpu),
+        "tight": tight_c,
+        "loose": loose_c,
     }
     return make_claim("Disaggregation pays only under tight TTFT and TPOT SLOs", verdict, evidence, detail,
                       uses=("simulation",))  # fmt: skip
@@ -378,23 +391,28 @@ def pays_under_tight_slos(tight: pd.DataFrame, loose: pd.DataFrame) -> dict[str,
 
 def slow_link_erases_it(links: pd.DataFrame) -> dict[str, Any]:
     """A slow KV link erases disaggregation's gain: at the slowest link swept the split's goodput per GPU is below
-    the colocated node's, at the fastest it is not (``link_sweep``)."""
+    the colocated node's by more than 10%, at the fastest it is not (``link_sweep``; exact figures of the
+    deterministic simulator, ``exact_comparison``)."""
     links = links.sort_values("link_gbps")
     slow, fast = links.iloc[0], links.iloc[-1]
     colocated = float(slow.colocated_goodput_per_gpu)
-    slow_o = order_single(float(slow.goodput_per_gpu), colocated)
-    fast_o = order_single(float(fast.goodput_per_gpu), colocated)
-    if slow_o < 0 and fast_o >= 0:
-        verdict = CONFIRMED
-    elif slow_o == 0 and fast_o == 0:
-        verdict = INCONCLUSIVE
-    else:
-        verdict = NOT_CONFIRMED
+    slow_c = exact_comparison("colocated", colocated, f"split over {slow.link_gbps:g} Gb/s",
+                              float(slow.goodput_per_gpu), "lower")  # fmt: skip
+    fast_c = exact_comparison("colocated", colocated, f"split over {fast.link_gbps:g} Gb/s",
+                              float(fast.goodput_per_gpu), "lower")  # fmt: skip
+    erased_slow, erased_fast = slow_c["verdict"] == CONFIRMED, fast_c["verdict"] == CONFIRMED
+    verdict = CONFIRMED if erased_slow and not erased_fast else NOT_CONFIRMED
+    reason = (
+        "beyond the margin in the claimed direction" if verdict == CONFIRMED
+        else f"slowest link: {slow_c['reason']}" if not erased_slow else "the fastest link loses too"
+    )  # fmt: skip
     detail = (
-        f"goodput per GPU {slow.goodput_per_gpu:.2f} over {slow.link_gbps:g} Gb/s and {fast.goodput_per_gpu:.2f} over "
-        f"{fast.link_gbps:g} Gb/s, against {colocated:.2f} colocated"
+        f"goodput per GPU {slow.goodput_per_gpu:.2f} over {slow.link_gbps:g} Gb/s ({exact_text(slow_c)}) and "
+        f"{fast.goodput_per_gpu:.2f} over {fast.link_gbps:g} Gb/s ({exact_text(fast_c)}), against {colocated:.2f} "
+        "colocated"
     )
     evidence = {
+        **_exact_evidence(slow_c, reason),
         "slow_gbps": float(slow.link_gbps),
         "slow": float(slow.goodput_per_gpu),
         "fast_gbps": float(fast.link_gbps),
@@ -413,22 +431,29 @@ def break_even_link_gbps(links: pd.DataFrame) -> float | None:
 def tp_per_phase_pays(best: pd.DataFrame) -> dict[str, Any]:
     """Prefill and decode want different tensor-parallel sizes (DistServe): at some rate swept, the best layout
     with a TP per phase beats the best with one TP for both by more than 10% of goodput per GPU (``best_by_tp``).
-    10% is about the simulator's held-out median error on GPUs: a smaller gap is not a finding."""
+    10% is about the simulator's held-out median error on GPUs: a smaller gap is not a finding. The simulator is
+    deterministic, so each rate is decided on its exact figures (``exact_comparison``): not confirmed when no rate
+    shows the gain (``equivalent`` when the best rate is within 10%, ``opposite`` when every rate is below)."""
     best = best.dropna(subset=["one_tp_goodput_per_gpu", "tp_per_phase_goodput_per_gpu"])
     if best.empty:
         return make_claim("Prefill and decode want different tensor-parallel sizes", INCONCLUSIVE, {},
                           "no rate had both kinds of layout", uses=("simulation",))  # fmt: skip
-    orders = [order_single(r.tp_per_phase_goodput_per_gpu, r.one_tp_goodput_per_gpu) for r in best.itertuples()]
-    verdict = CONFIRMED if max(orders) > 0 else NOT_CONFIRMED if min(orders) < 0 else INCONCLUSIVE
-    base = best.one_tp_goodput_per_gpu.where(best.one_tp_goodput_per_gpu > 0)
-    gains = (best.tp_per_phase_goodput_per_gpu / base).fillna(0.0)
-    top = best.iloc[max(range(len(orders)), key=lambda i: (orders[i], gains.iloc[i]))]  # the rate that says most
+    comps = [exact_comparison(f"one TP ({r.one_tp_layout})", r.one_tp_goodput_per_gpu,
+                              f"a TP per phase ({r.tp_per_phase_layout})", r.tp_per_phase_goodput_per_gpu, "higher")
+             for r in best.itertuples()]  # fmt: skip
+    rank = {CONFIRMED: 2, "equivalent": 1, "opposite": 0}
+    score = [rank[c["verdict"]] if c["verdict"] == CONFIRMED else rank[c["reason"]] for c in comps]
+    gains = [c["ratio"] if c["ratio"] is not None else float("inf") for c in comps]
+    i = max(range(len(comps)), key=lambda j: (score[j], gains[j]))  # the rate that says most
+    top, top_c = best.iloc[i], comps[i]
+    verdict = CONFIRMED if top_c["verdict"] == CONFIRMED else NOT_CONFIRMED
     detail = (
         f"at {top.rate:g} req/s, {top.tp_per_phase_layout} gives {top.tp_per_phase_goodput_per_gpu:.2f} good "
-        f"requests/s per GPU against {top.one_tp_goodput_per_gpu:.2f} for {top.one_tp_layout}"
+        f"requests/s per GPU against {top.one_tp_goodput_per_gpu:.2f} for {top.one_tp_layout} ({exact_text(top_c)})"
         + ("" if verdict == CONFIRMED else "; no rate swept shows a gain beyond 10%")
     )
     evidence = {
+        **_exact_evidence(top_c, top_c["reason"]),
         "rate": float(top.rate),
         "tp_per_phase_layout": top.tp_per_phase_layout,
         "tp_per_phase": float(top.tp_per_phase_goodput_per_gpu),

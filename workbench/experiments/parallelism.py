@@ -23,7 +23,14 @@ from typing import Any
 import pandas as pd
 
 from workbench.errors import ConfigError
-from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED, make_claim, order_single
+from workbench.experiments.claims import (
+    CONFIRMED,
+    INCONCLUSIVE,
+    NOT_CONFIRMED,
+    exact_comparison,
+    exact_text,
+    make_claim,
+)
 from workbench.roofline import COMM_OPS, get_model
 
 
@@ -116,17 +123,21 @@ def tp_cuts_latency_with_growing_comm(sweep: pd.DataFrame, model: str) -> dict[s
         return make_claim(f"More TP cuts {model}'s ITL, with a growing communication share", INCONCLUSIVE,
                           {"tps": list(g.tp)}, "fewer than two tensor-parallel sizes fit", uses=("model",))  # fmt: skip
     lo, hi = g.iloc[0], g.iloc[-1]
-    faster = order_single(lo.itl_s, hi.itl_s)
-    comm_grows = hi.itl_comm_share > lo.itl_comm_share
-    verdict = (
-        CONFIRMED if faster > 0 and comm_grows else NOT_CONFIRMED if faster < 0 or not comm_grows else INCONCLUSIVE
-    )
-    evidence = {"tp_small": int(lo.tp), "tp_large": int(hi.tp), "itl_ms_small": lo.itl_s * 1e3,
-                "itl_ms_large": hi.itl_s * 1e3, "comm_share_small": lo.itl_comm_share,
+    faster = exact_comparison(f"TP {int(lo.tp)}", lo.itl_s, f"TP {int(hi.tp)}", hi.itl_s, "lower")
+    comm_grows = bool(hi.itl_comm_share > lo.itl_comm_share)
+    verdict = CONFIRMED if faster["verdict"] == CONFIRMED and comm_grows else NOT_CONFIRMED
+    reason = faster["reason"] if faster["verdict"] != CONFIRMED else (
+        "beyond the margin in the claimed direction" if comm_grows else "the communication share does not grow"
+    )  # fmt: skip
+    evidence = {"arms": faster["arms"], "ratio": faster["ratio"], "margin": faster["margin"],
+                "direction": faster["direction"], "reason": reason, "tp_small": int(lo.tp), "tp_large": int(hi.tp),
+                "itl_ms_small": lo.itl_s * 1e3, "itl_ms_large": hi.itl_s * 1e3, "comm_share_small": lo.itl_comm_share,
                 "comm_share_large": hi.itl_comm_share}  # fmt: skip
-    detail = (f"ITL {lo.itl_s * 1e3:.2f} ms at TP {int(lo.tp)} -> {hi.itl_s * 1e3:.2f} ms at TP {int(hi.tp)} "
-              f"({lo.itl_s / hi.itl_s:.2f}x for {hi.tp / lo.tp:.0f}x the GPUs); communication "
-              f"{100 * lo.itl_comm_share:.0f}% -> {100 * hi.itl_comm_share:.0f}% of the step")  # fmt: skip
+    detail = (
+        f"ITL {lo.itl_s * 1e3:.2f} ms at TP {int(lo.tp)} -> {hi.itl_s * 1e3:.2f} ms at TP {int(hi.tp)} "
+        f"({lo.itl_s / hi.itl_s:.2f}x for {hi.tp / lo.tp:.0f}x the GPUs; ITL ratio {exact_text(faster)}); "
+        f"communication {100 * lo.itl_comm_share:.0f}% -> {100 * hi.itl_comm_share:.0f}% of the step"
+    )
     return make_claim(f"More TP cuts {model}'s ITL, with a growing communication share", verdict, evidence, detail,
                       uses=("model",))  # fmt: skip
 
@@ -134,16 +145,21 @@ def tp_cuts_latency_with_growing_comm(sweep: pd.DataFrame, model: str) -> dict[s
 def decode_gains_less_from_tp(prefs: pd.DataFrame, model: str) -> dict[str, Any]:
     """Each phase prefers its own parallelism: from the smallest to the largest fitting TP, ``model``'s decode
     speeds up less than its prefill (beyond 10%), so a decode pool gets less from a wide group than a prefill pool
-    (the asymmetry DistServe's per-phase parallelism exploits)."""
+    (the asymmetry DistServe's per-phase parallelism exploits). The roofline model is exact (no spread), so the
+    speed-ups are compared as exact figures (``exact_comparison``, prefill's against decode's, claimed higher):
+    not confirmed ``equivalent`` within 10%, ``opposite`` when decode gains more."""
     p = prefs[prefs.model == model].set_index("phase")
     pre, dec = float(p.loc["prefill", "speedup"]), float(p.loc["decode", "speedup"])
-    o = order_single(pre, dec)
-    verdict = {1: CONFIRMED, -1: NOT_CONFIRMED, 0: INCONCLUSIVE}[o]
-    tail = {1: "", -1: ": decode gains more", 0: " (within 10%)"}[o]
+    c = exact_comparison("decode speed-up", dec, "prefill speed-up", pre, "higher")
+    verdict = c["verdict"]
+    tail = {CONFIRMED: "", "opposite": ": decode gains more", "equivalent": " (within 10%)"}[
+        CONFIRMED if verdict == CONFIRMED else c["reason"]]  # fmt: skip
     detail = (f"TP {int(p.loc['prefill', 'smallest_tp'])} -> {int(p.loc['prefill', 'largest_tp'])}: prefill "
-              f"{pre:.2f}x faster, decode {dec:.2f}x{tail}")  # fmt: skip
-    return make_claim(f"{model}'s decode gains less from tensor parallelism than its prefill", verdict,
-                      {"prefill_speedup": pre, "decode_speedup": dec}, detail, uses=("model",))  # fmt: skip
+              f"{pre:.2f}x faster, decode {dec:.2f}x{tail}; prefill/decode {exact_text(c)}")  # fmt: skip
+    evidence = {"prefill_speedup": pre, "decode_speedup": dec,
+                **{k: c[k] for k in ("arms", "ratio", "margin", "direction", "reason")}}  # fmt: skip
+    return make_claim(f"{model}'s decode gains less from tensor parallelism than its prefill", verdict, evidence,
+                      detail, uses=("model",))  # fmt: skip
 
 
 def plan_has_a_tradeoff(front: pd.DataFrame, rows: pd.DataFrame) -> dict[str, Any]:

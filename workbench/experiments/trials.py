@@ -22,9 +22,14 @@ claimed direction (B ``higher`` or ``lower`` than A), a margin delta and a confi
 - otherwise more rounds, up to ``max_rounds`` or the time budget, then *inconclusive* with the interval.
 The interval is looked at after ``min_rounds`` rounds and then each time the count doubles; each look uses
 confidence 1 - (1 - confidence) / looks (Bonferroni), so stopping early cannot raise the chance of a false verdict
-above 1 - confidence. A paired claim is voided (*inconclusive*, ``control_failed``) only when its own A/A control's
-interval lies wholly beyond +-L (the same arm "differs from itself" by more than the margin): then the rounds were
-not comparable and the machine, not the arms, could have made the difference.
+above 1 - confidence. ``min_rounds`` may be as low as ``MIN_ROUNDS`` (4: a t interval on 3 degrees of freedom,
+with exact quantiles): that first look's interval is wide (at 95% over three looks, t = 4.9 against 3.2 at 6
+rounds), so it decides only an effect far from its margin, and a claim near it goes on to 8 rounds and beyond.
+A figure with no sampling spread (an analytic model's, a deterministic simulation's) needs no rounds:
+``decide_exact`` applies the same rule to its single point. A paired claim is voided (*inconclusive*,
+``control_failed``) only when its own A/A control's interval lies wholly beyond +-L (the same arm "differs from
+itself" by more than the margin): then the rounds were not comparable and the machine, not the arms, could have
+made the difference.
 
 References: Kalibera & Jones, "Rigorous benchmarking in reasonable time" (ISMM 2013) for ratio statistics with
 intervals; Abedi & Brecht (ICPE 2017) for randomized multiple interleaved trials on cloud machines.
@@ -49,16 +54,42 @@ ORDERS = ("abba", "random")
 # (a TTFT, a p99 ITL, a stall: noisier, tail figures) by more than 10%
 THROUGHPUT_MARGIN = 0.05
 LATENCY_MARGIN = 0.10
+MIN_ROUNDS = 4  # the fewest rounds a t interval is taken on (3 degrees of freedom); the first look's is wide
+
+
+def _t_central(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with an integer ``df`` >= 1, exactly (Abramowitz & Stegun 26.7.3)."""
+    theta = math.atan(t / math.sqrt(df))
+    s, c = math.sin(theta), math.cos(theta)
+    if df % 2:
+        total, term = 0.0, c
+        for k in range(1, (df - 1) // 2 + 1):  # cos + 2/3 cos^3 + 2*4/(3*5) cos^5 + ... up to cos^(df-2)
+            total += term
+            term *= c * c * (2 * k) / (2 * k + 1)
+        return 2 / math.pi * (theta + s * total)
+    total, term = 0.0, 1.0
+    for k in range(1, df // 2 + 1):  # 1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ... up to cos^(df-2)
+        total += term
+        term *= c * c * (2 * k - 1) / (2 * k)
+    return s * total
 
 
 def t_quantile(p: float, df: int) -> float:
-    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (``df`` >= 5), by the Cornish-Fisher
-    expansion around the normal quantile (Abramowitz & Stegun 26.7.5): within 0.5% of the tables for df >= 5 up to
-    p = 0.9995 (no scipy here)."""
-    if df < 5:
-        raise ConfigError(f"a t interval needs at least 6 rounds (df >= 5), got df {df}")
+    """The ``p`` quantile of Student's t with ``df`` >= 3 degrees of freedom (no scipy here): for ``df`` < 5 the
+    exact distribution (``_t_central``) inverted by bisection; from 5 on the Cornish-Fisher expansion around the
+    normal quantile (Abramowitz & Stegun 26.7.5), within 0.5% of the tables up to p = 0.9995."""
+    if df < 3:
+        raise ConfigError(f"a t interval needs at least 4 rounds (df >= 3), got df {df}")
     if not 0.5 <= p < 1.0:
         raise ConfigError(f"t_quantile takes p in [0.5, 1), got {p}")
+    if df < 5:
+        target, lo, hi = 2 * p - 1, 0.0, 1.0
+        while _t_central(hi, df) < target:
+            hi *= 2
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _t_central(mid, df) < target else (lo, mid)
+        return (lo + hi) / 2
     z = statistics.NormalDist().inv_cdf(p)
     n = float(df)
     g1 = (z**3 + z) / 4
@@ -108,6 +139,26 @@ def decide(low: float, high: float, rule: DecisionRule) -> tuple[str, str]:
     if hi < bound:
         return NOT_CONFIRMED, "short of the margin"
     return INCONCLUSIVE, "the interval straddles the margin"
+
+
+def decide_exact(value_a: float, value_b: float, rule: DecisionRule) -> tuple[str, str]:
+    """(verdict, reason) of B against A when both are exact figures (an analytic model's or a deterministic
+    simulation's: no sampling spread, so the interval is the single point B / A): ``decide`` on that point, compared
+    in ratio space so that a figure exactly on the margin is not beyond it. Such a figure is always decided:
+    *confirmed* when B is beyond A x (1 + margin) in the claimed direction, else *not_confirmed*, ``opposite`` when
+    beyond it the other way, ``equivalent`` otherwise. Zero is allowed (a goodput of nothing): B > 0 against A = 0 is
+    beyond any margin upwards, both 0 are equivalent."""
+    if value_a < 0 or value_b < 0 or math.isnan(value_a) or math.isnan(value_b):
+        raise ConfigError(f"exact figures must be >= 0 to compare, got A {value_a}, B {value_b}")
+    grow = 1.0 + rule.margin
+    up, down = value_b > value_a * grow, value_b * grow < value_a
+    if rule.direction == "lower":
+        up, down = down, up
+    if up:
+        return CONFIRMED, "beyond the margin in the claimed direction"
+    if down:
+        return NOT_CONFIRMED, "opposite"
+    return NOT_CONFIRMED, "equivalent"
 
 
 @dataclass
@@ -171,7 +222,7 @@ class Comparison:
 
 @dataclass(frozen=True)
 class Rounds:
-    """How many paired rounds a trial may take: at least ``min_rounds`` (>= 6 for a t interval), at most
+    """How many paired rounds a trial may take: at least ``min_rounds`` (>= ``MIN_ROUNDS``), at most
     ``max_rounds``, stopping early once the rule decides (Bonferroni-corrected looks) or once ``budget_s`` wall
     seconds are spent; ``warmup`` unrecorded rounds first; an A/A ``control`` in every round unless False. A profile
     sizes these to its time budget (notebooks/pipeline.yaml)."""
@@ -185,8 +236,10 @@ class Rounds:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 6 <= self.min_rounds <= self.max_rounds:
-            raise ConfigError(f"need 6 <= min_rounds <= max_rounds, got {self.min_rounds}, {self.max_rounds}")
+        if not MIN_ROUNDS <= self.min_rounds <= self.max_rounds:
+            raise ConfigError(
+                f"need {MIN_ROUNDS} <= min_rounds <= max_rounds, got {self.min_rounds}, {self.max_rounds}"
+            )
         if self.budget_s is not None and not self.budget_s > 0:
             raise ConfigError(f"budget_s must be > 0 (or None), got {self.budget_s}")
         if self.warmup < 0:
@@ -264,8 +317,8 @@ def run_rounds(
         raise ConfigError(f"a comparison has two arms (A, B), got {len(arms)}: {list(arms)}")
     if order not in ORDERS:
         raise ConfigError(f"order must be one of {ORDERS}, got {order!r}")
-    if not 6 <= min_rounds <= max_rounds:
-        raise ConfigError(f"need 6 <= min_rounds <= max_rounds, got {min_rounds}, {max_rounds}")
+    if not MIN_ROUNDS <= min_rounds <= max_rounds:
+        raise ConfigError(f"need {MIN_ROUNDS} <= min_rounds <= max_rounds, got {min_rounds}, {max_rounds}")
     (name_a, fn_a), (name_b, fn_b) = arms.items()
     name_c = f"{name_a} (A/A)"
     fn_c = control if callable(control) else fn_a

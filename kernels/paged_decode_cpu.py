@@ -11,12 +11,14 @@ has such a kernel (``csrc/cpu``), as a C++ op of its own; this file is ours, wri
 
 The op (``kernels/csrc/paged_decode_cpu.cpp``): one task per sequence (or per (sequence, KV head) when the batch is
 smaller than four per thread), the group's query heads sharing each K/V row (GQA/MQA without expanding K/V), the
-context walked block table by block table in tiles of 32 tokens, scores 8 rows at a time with 8 accumulators, an
-online softmax in fp32 with a vectorized exp, int8 (a scale per token and head) and fp8 e4m3 (one scale) rows
-dequantized as they are loaded, bf16 widened by a shift, fp32 rows read in place. The new token's K/V can be passed
-as the last key (``k_new``/``v_new``, ``cached_lens`` then counts the keys before it), which lets a compiled decode
-step attend before the step's one write (``KVCache.write``) instead of writing a view of a graph input inside the
-graph.
+context walked block table by block table in tiles of 32 tokens, every row read in place 8 values at a time and
+converted in registers (bf16 widened by a shift, int8 and fp8 e4m3 to fp32, never a dequantized copy), each converted
+row scored against up to 3 query heads of its group at once (fp32 rows one head at a time, 8 rows at once), the next
+tile's rows prefetched while one is scored, the quantized rows' scales (int8: per token and head; fp8: one) applied to
+the dot products and folded into the softmax weights rather than to the rows, an online softmax in fp32 with a
+vectorized exp. The new token's K/V can be passed as the last key (``k_new``/``v_new``, ``cached_lens`` then
+counts the keys before it), which lets a compiled decode step attend before the step's one write (``KVCache.write``)
+instead of writing a view of a graph input inside the graph.
 
 Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under
 ``TORCH_EXTENSIONS_DIR``) and registered as ``torch.ops.workbench_cpu.paged_decode`` with a fake kernel, so

@@ -92,7 +92,7 @@ def test_quantized_decode_matches_reference(isa, kv_dtype, num_heads, block_size
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("num_heads", NUM_HEADS)
-@pytest.mark.parametrize("head_size", [20, 64])  # 20: rows padded to a multiple of 8 floats in the op
+@pytest.mark.parametrize("head_size", [20, 64])  # 20: each row ends in a partial chunk of 8 values (read padded)
 @pytest.mark.parametrize("threads", [1, 2])  # 1: a task per sequence (5 >= 4 per thread); 2: per (sequence, KV head)
 def test_decode_task_layouts_match_reference(isa, num_heads, head_size, threads):
     need_isa(isa)
@@ -106,11 +106,17 @@ def test_decode_task_layouts_match_reference(isa, num_heads, head_size, threads)
         vq, vs = quantize_kv_int8(batch.v_cache)
         args = (batch.q, kq, vq, batch.block_tables, batch.seq_lens)
         out_int8 = paged_decode_attention_cpu(*args, k_scale=ks, v_scale=vs, isa=isa)
+        fs = (torch.tensor([0.01]), torch.tensor([0.02]))  # fp8 too: the rows' partial chunks through its conversion
+        kf, vf = quantize_kv_fp8(batch.k_cache, fs[0]), quantize_kv_fp8(batch.v_cache, fs[1])
+        fp8_args = (batch.q, kf, vf, batch.block_tables, batch.seq_lens)
+        out_fp8 = paged_decode_attention_cpu(*fp8_args, k_scale=fs[0], v_scale=fs[1], isa=isa)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
     ref_int8 = paged_decode_attention_quantized_reference(*args, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(out_int8, ref_int8, **TOLERANCES[torch.float32])
+    ref_fp8 = paged_decode_attention_quantized_reference(*fp8_args, k_scale=fs[0], v_scale=fs[1])
+    torch.testing.assert_close(out_fp8, ref_fp8, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("isa", ISAS)

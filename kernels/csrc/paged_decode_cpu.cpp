@@ -3,12 +3,14 @@
 //
 // One task per sequence (all its KV heads, side by side in the pool) when the batch keeps every thread busy, else per
 // (sequence, KV head); tasks are spread over torch's OpenMP threads. The context is walked block table by block
-// table in tiles of at most TILE tokens; each tile's rows are found once, then per KV head read in place (fp32 of a
-// width of 8s) or dequantized into a small fp32 buffer (int8: one scale per token and head; fp8 e4m3: one scale for
-// the layer, by bits; bf16: a shift), the group's query heads (GQA/MQA: num_heads / num_kv_heads rows) scored against
-// them 8 rows at a time (8 accumulators over head_dim, summed by a pairwise-add tree), the scores folded into an
-// online softmax (running max, sum, exp on 8 lanes) and acc += p V with up to 8 chunks of the row in registers. The
-// new token's K/V, when given, are the last key. Nothing of the pool is copied.
+// table in tiles of at most TILE tokens; each tile's rows are found once, then per KV head read in place, 8 values
+// at a time into registers and converted there (fp32 as is, bf16 by a shift, int8 to its integers, fp8 e4m3 by bits):
+// nothing of the pool is copied or dequantized into memory, and the next tile's rows are prefetched. The group's query
+// heads (GQA/MQA: num_heads / num_kv_heads) are scored together, up to 3 heads x 4 rows of accumulators, so each
+// converted row serves every head of the block (fp32 rows: one head x 8 rows); a quantized row's scale (int8: per
+// token and head; fp8: the layer's) multiplies the dot product, not the row. The scores go into an online softmax
+// (running max, sum, exp on 8 lanes), and acc += p V the same way, the V scale folded into the weight p, the heads'
+// accumulators held in registers across the rows. The new token's K/V (fp32), when given, are the last key.
 //
 // The same body is compiled three times, for AVX-512, AVX2+FMA and the baseline x86-64 (GCC's target attribute);
 // the caller picks one per call (``isa``), and the Python side only offers what the CPU supports.
@@ -95,180 +97,317 @@ static AI v8f exp_neg8(v8f x) {
   return p * two_n;
 }
 
-// one cached row of K or V as D fp32 values (the padding to DP stays zero); OFF its offset in the pool (elements),
-// SOFF its int8 scale's
-static AI void load_row(int64_t kind, const uint8_t* pool, const float* scale, int64_t off, int64_t soff, int64_t D,
-                        float* __restrict dst) {
-  if (kind == KV_BF16) {
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(pool) + off;
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t bits = uint32_t(src[d]) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      dst[d] = f;
-    }
-  } else if (kind == KV_INT8) {
-    const int8_t* src = reinterpret_cast<const int8_t*>(pool) + off;
-    const float sc = scale[soff];
-    for (int64_t d = 0; d < D; ++d) dst[d] = float(src[d]) * sc;
-  } else if (kind == KV_FP8) {
-    // e4m3fn by bits: the 7 magnitude bits placed under fp32's exponent and mantissa give 2^-120 times the value
-    // (normals and subnormals alike, no table), the sign bit moves to bit 31; 0x7f/0xff (NaN) are never written
-    const uint8_t* src = pool + off;
-    const float sc = scale[0] * 0x1p120f;
-    for (int64_t d = 0; d < D; ++d) {
-      const uint32_t x = src[d];
-      const uint32_t bits = ((x & 0x80u) << 24) | ((x & 0x7fu) << 20);
-      float f;
-      std::memcpy(&f, &bits, 4);
-      dst[d] = f * sc;
-    }
+constexpr int64_t elem_size(int KIND) { return KIND == KV_F32 ? 4 : KIND == KV_BF16 ? 2 : 1; }
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+// 8 int8 widened to 8 int32 lanes, 8 uint16 to 8 uint32: vpmovsxbd, vpmovzxwd on AVX2 and AVX-512 (GCC's builtins,
+// not the intrinsics: these helpers are inlined into the target-attributed task functions, and only there is the ISA
+// enabled), an element loop on the baseline (GCC 12 lowers a generic vector conversion of 8 bytes to a scalar
+// conversion per lane: int8 decode at half the speed)
+template <int ISA>
+static AI v8i widen_i8(const uint8_t* p) {
+  if constexpr (ISA != ISA_DEFAULT) {
+    typedef char v16qi __attribute__((vector_size(16)));
+    typedef long long v2di __attribute__((vector_size(16)));
+    long long bytes;
+    std::memcpy(&bytes, p, 8);
+    return reinterpret_cast<v8i>(__builtin_ia32_pmovsxbd256(reinterpret_cast<v16qi>(v2di{bytes, 0})));
   } else {
-    const float* src = reinterpret_cast<const float*>(pool) + off;
-    for (int64_t d = 0; d < D; ++d) dst[d] = src[d];
+    v8i x;
+    for (int k = 0; k < 8; ++k) x[k] = int8_t(p[k]);
+    return x;
   }
 }
 
-// 8 dot products of q (NC chunks of 8) with 8 rows, each in its own accumulator, summed across lanes by a tree of
-// pairwise adds (the AVX hadd transpose): one vector of 8 scores
-static AI void scores8(const float* q, const float* const* r, int64_t NC, float* out) {
-  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
-  for (int64_t c = 0; c < NC; ++c) {
-    const v8f qv = CV8(q + 8 * c);
-    a0 += qv * CV8(r[0] + 8 * c);
-    a1 += qv * CV8(r[1] + 8 * c);
-    a2 += qv * CV8(r[2] + 8 * c);
-    a3 += qv * CV8(r[3] + 8 * c);
-    a4 += qv * CV8(r[4] + 8 * c);
-    a5 += qv * CV8(r[5] + 8 * c);
-    a6 += qv * CV8(r[6] + 8 * c);
-    a7 += qv * CV8(r[7] + 8 * c);
+template <int ISA>
+static AI v8i widen_u16(const uint8_t* p) {
+  if constexpr (ISA != ISA_DEFAULT) {
+    typedef short v8hi __attribute__((vector_size(16), aligned(1)));
+    return reinterpret_cast<v8i>(__builtin_ia32_pmovzxwd256(*reinterpret_cast<const v8hi*>(p)));
+  } else {
+    v8i x;
+    for (int k = 0; k < 8; ++k) {
+      uint16_t h;
+      std::memcpy(&h, p + 2 * k, 2);
+      x[k] = h;
+    }
+    return x;
   }
+}
+
+// chunk c (8 values) of a row of KIND as 8 fp32 lanes in a register, nothing stored: fp32 read as is, bf16 widened by a
+// shift, int8 as its integers (the per-row scale is applied to the dot product, or folded into the softmax weight),
+// fp8 e4m3fn as 2^-8 times its value (the layer's scale times 2^8 applied like int8's). fp8 by bits: the 7 magnitude
+// bits placed under fp32's exponent and mantissa give 2^-120 times the value (normals and subnormals alike, no
+// table), the sign bit moves to bit 31, and one exact multiply by 2^112 lifts it out of fp32's subnormal range;
+// 0x7f/0xff (NaN) are never written
+template <int KIND, int ISA>
+static AI v8f load8(const uint8_t* row, int64_t c) {
+  if constexpr (KIND == KV_F32) {
+    return CV8(reinterpret_cast<const float*>(row) + 8 * c);
+  } else if constexpr (KIND == KV_BF16) {
+    return reinterpret_cast<v8f>(widen_u16<ISA>(row + 16 * c) << 16);
+  } else if constexpr (KIND == KV_INT8) {
+    return __builtin_convertvector(widen_i8<ISA>(row + 8 * c), v8f);
+  } else {
+    const v8u bits = (reinterpret_cast<v8u>(widen_i8<ISA>(row + 8 * c)) << 20) & 0x87F00000u;
+    return reinterpret_cast<v8f>(bits) * 0x1p112f;
+  }
+}
+
+// the row's last, partial chunk c (its first `valid` values, the rest read as zeros)
+template <int KIND, int ISA>
+static AI v8f load8_tail(const uint8_t* row, int64_t c, int64_t valid) {
+  constexpr int64_t ES = elem_size(KIND);
+  uint8_t tmp[32] = {};
+  std::memcpy(tmp, row + 8 * c * ES, valid * ES);
+  return load8<KIND, ISA>(tmp, 0);
+}
+
+// the 4 sums across lanes of a0..a3 (a tree of pairwise adds, the AVX hadd transpose)
+static AI void sum4(v8f a0, v8f a1, v8f a2, v8f a3, float* out) {
   const v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
-  const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
   const v8f h01 = __builtin_shuffle(a0, a1, even) + __builtin_shuffle(a0, a1, odd);
   const v8f h23 = __builtin_shuffle(a2, a3, even) + __builtin_shuffle(a2, a3, odd);
-  const v8f h45 = __builtin_shuffle(a4, a5, even) + __builtin_shuffle(a4, a5, odd);
-  const v8f h67 = __builtin_shuffle(a6, a7, even) + __builtin_shuffle(a6, a7, odd);
+  const v8f h = __builtin_shuffle(h01, h23, even) + __builtin_shuffle(h01, h23, odd);  // a0..a3 low, then high
+  for (int r = 0; r < 4; ++r) out[r] = h[r] + h[r + 4];
+}
+
+// the 8 sums across lanes of a[0..7], as one vector
+static AI v8f sum8(const v8f* a) {
+  const v8i even = {0, 2, 8, 10, 4, 6, 12, 14}, odd = {1, 3, 9, 11, 5, 7, 13, 15};
+  const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
+  const v8f h01 = __builtin_shuffle(a[0], a[1], even) + __builtin_shuffle(a[0], a[1], odd);
+  const v8f h23 = __builtin_shuffle(a[2], a[3], even) + __builtin_shuffle(a[2], a[3], odd);
+  const v8f h45 = __builtin_shuffle(a[4], a[5], even) + __builtin_shuffle(a[4], a[5], odd);
+  const v8f h67 = __builtin_shuffle(a[6], a[7], even) + __builtin_shuffle(a[6], a[7], odd);
   const v8f h0123 = __builtin_shuffle(h01, h23, even) + __builtin_shuffle(h01, h23, odd);
   const v8f h4567 = __builtin_shuffle(h45, h67, even) + __builtin_shuffle(h45, h67, odd);
-  V8(out) = __builtin_shuffle(h0123, h4567, lo) + __builtin_shuffle(h0123, h4567, hi);
+  return __builtin_shuffle(h0123, h4567, lo) + __builtin_shuffle(h0123, h4567, hi);
 }
 
-// acc (NC chunks of 8) += sum_i p[i] * row_i, W chunks of acc held in registers across the rows
-template <int W>
-static AI void pv_chunks(const float* p, const float* const* r, int64_t n, int64_t c0, float* acc) {
-  v8f a[W];
+// raw dot products of GB query heads (q: GB rows of DP, padded with zeros) with R rows, one accumulator per (head,
+// row): each 8 values of a row are loaded (and converted) once for all GB heads. out[g * TILE + r]. NCF whole
+// chunks, then a partial one of `tail` values when D is not a multiple of 8
+template <int KIND, int ISA, int GB, int R>
+static AI void score_rows(const float* q, int64_t DP, const uint8_t* const* rows, int64_t NCF, int64_t tail,
+                          float* out) {
+  v8f acc[GB][R];
 #pragma GCC unroll 8
-  for (int j = 0; j < W; ++j) a[j] = CV8(acc + 8 * (c0 + j));
-  for (int64_t i = 0; i < n; ++i) {
-    const float w = p[i];
-    const float* row = r[i] + 8 * c0;
+  for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 8
-    for (int j = 0; j < W; ++j) a[j] += w * CV8(row + 8 * j);
+    for (int r = 0; r < R; ++r) acc[g][r] = v8f{};
+  for (int64_t c = 0; c < NCF; ++c) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const v8f x = load8<KIND, ISA>(rows[r], c);
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) acc[g][r] += CV8(q + g * DP + 8 * c) * x;
+    }
   }
+  if (tail) {
 #pragma GCC unroll 8
-  for (int j = 0; j < W; ++j) V8(acc + 8 * (c0 + j)) = a[j];
+    for (int r = 0; r < R; ++r) {
+      const v8f x = load8_tail<KIND, ISA>(rows[r], NCF, tail);
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) acc[g][r] += CV8(q + g * DP + 8 * NCF) * x;
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g) {
+    if constexpr (R == 8) V8(out + g * TILE) = sum8(acc[g]);
+    else sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], out + g * TILE);
+  }
 }
 
-static AI void pv(const float* p, const float* const* r, int64_t n, int64_t NC, float* acc) {
+// acc (GB heads, each DP floats) chunks [c0, c0 + W) += sum_i w[g * TILE + i] * row_i: each 8 values of a row loaded
+// (and converted) once for the GB heads, GB x W accumulators in registers across the rows; TAIL: the one partial
+// chunk (W = 1) of `tail` values
+template <int KIND, int ISA, int GB, int W, bool TAIL>
+static AI void pv_rows(const float* w, const uint8_t* const* rows, int64_t n, int64_t c0, int64_t tail, float* acc,
+                       int64_t DP) {
+  v8f a[GB][W];
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 8
+    for (int j = 0; j < W; ++j) a[g][j] = CV8(acc + g * DP + 8 * (c0 + j));
+  for (int64_t i = 0; i < n; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < W; ++j) {
+      const v8f x = TAIL ? load8_tail<KIND, ISA>(rows[i], c0 + j, tail) : load8<KIND, ISA>(rows[i], c0 + j);
+#pragma GCC unroll 4
+      for (int g = 0; g < GB; ++g) a[g][j] += w[g * TILE + i] * x;
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 8
+    for (int j = 0; j < W; ++j) V8(acc + g * DP + 8 * (c0 + j)) = a[g][j];
+}
+
+// query heads scored (and weighted) per block (GB): a converted row is shared by at most 3 (3 heads x 4 rows = 12
+// accumulators, of AVX2's 16 vector registers; 4 as 2 + 2); an fp32 row needs no conversion, and its heads go one at a
+// time, 8 rows at once (measured, batch 16 x context 2,048, 1 thread: the old per-head fp32 body 0.83x as fast at 3
+// heads x 4 rows, 1.12x at 1 head x 8 rows: more rows in flight from DRAM)
+template <int KIND>
+static AI int head_block(int64_t left) {
+  if constexpr (KIND == KV_F32) return 1;
+  return left >= 3 ? (left == 4 ? 2 : 3) : int(left);
+}
+
+// scores of the G heads (q: G rows of DP) against rows [0, n8) (n8 a multiple of 8; padding rows point at zeros)
+template <int KIND, int ISA>
+static AI void scores_tile(const float* q, int64_t G, int64_t DP, const uint8_t* const* rows, int64_t n8,
+                           int64_t NCF, int64_t tail, float* p) {
+  for (int64_t g = 0; g < G;) {
+    const int gb = head_block<KIND>(G - g);
+    const float* qb = q + g * DP;
+    float* pb = p + g * TILE;
+    if (gb == 3)
+      for (int64_t i = 0; i < n8; i += 4) score_rows<KIND, ISA, 3, 4>(qb, DP, rows + i, NCF, tail, pb + i);
+    else if (gb == 2)
+      for (int64_t i = 0; i < n8; i += 4) score_rows<KIND, ISA, 2, 4>(qb, DP, rows + i, NCF, tail, pb + i);
+    else
+      for (int64_t i = 0; i < n8; i += 8) score_rows<KIND, ISA, 1, 8>(qb, DP, rows + i, NCF, tail, pb + i);
+    g += gb;
+  }
+}
+
+// acc (the GB heads' DP floats) += the weights w (GB rows of TILE) times rows [0, n), chunk blocks of W
+template <int KIND, int ISA, int GB, int W>
+static AI void pv_heads(const float* w, const uint8_t* const* rows, int64_t n, int64_t NCF, int64_t tail, float* acc,
+                        int64_t DP) {
   int64_t c = 0;
-  for (; c + 8 <= NC; c += 8) pv_chunks<8>(p, r, n, c, acc);
-  for (; c + 4 <= NC; c += 4) pv_chunks<4>(p, r, n, c, acc);
-  for (; c < NC; ++c) pv_chunks<1>(p, r, n, c, acc);
+  for (; c + W <= NCF; c += W) pv_rows<KIND, ISA, GB, W, false>(w, rows, n, c, 0, acc, DP);
+  for (; c < NCF; ++c) pv_rows<KIND, ISA, GB, 1, false>(w, rows, n, c, 0, acc, DP);
+  if (tail) pv_rows<KIND, ISA, GB, 1, true>(w, rows, n, NCF, tail, acc, DP);
 }
 
-// Attention of sequence b's KV heads [h0, h0 + a.heads_per_task), each with its G query rows. Per tile of TILE
-// tokens: the rows' places in the pool (once for all heads), then per head its K rows (read in place when they are
-// fp32 of a width of 8s, else dequantized into a padded buffer), the G x tile scores 8 rows at a time, the
-// online-softmax update, and acc += p V. work: q and acc G * DP per head, m and l G per head, two row buffers
-// TILE * DP, a zero row DP, the weights G * TILE.
-static AI void task_body(const Args& a, int64_t b, int64_t h0, float* work) {
-  const int64_t D = a.D, DP = (D + 7) / 8 * 8, NC = DP / 8, G = a.H / a.KVH, NH = a.heads_per_task;
+template <int KIND, int ISA>
+static AI void pv_tile(const float* w, int64_t G, int64_t DP, const uint8_t* const* rows, int64_t n, int64_t NCF,
+                       int64_t tail, float* acc) {
+  for (int64_t g = 0; g < G;) {
+    const int gb = head_block<KIND>(G - g);
+    if (gb == 3) pv_heads<KIND, ISA, 3, 4>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP);
+    else if (gb == 2) pv_heads<KIND, ISA, 2, 4>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP);
+    else pv_heads<KIND, ISA, 1, 8>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP);
+    g += gb;
+  }
+}
+
+// One tile of n <= TILE keys (rows of KIND, kr padded to a multiple of 8 with zero rows) for one KV head's G query
+// heads: the G x n scores (times the rows' K scale when quantized), the online-softmax update of m, l and acc, and
+// acc += p V (p times the rows' V scale when quantized). q, acc: G rows of DP; m, l: G; p: G rows of TILE.
+template <int KIND, int ISA>
+static AI void attend_tile(const uint8_t* const* kr, const uint8_t* const* vr, const float* ksc, const float* vsc,
+                           int64_t n, int64_t G, int64_t D, const float* q, float* acc, float* m, float* l, float* p) {
+  constexpr bool SCALED = KIND == KV_INT8 || KIND == KV_FP8;
+  const int64_t DP = (D + 7) / 8 * 8, NCF = D / 8, tail = D % 8, n8 = (n + 7) / 8 * 8;
+  scores_tile<KIND, ISA>(q, G, DP, kr, n8, NCF, tail, p);
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = p + g * TILE;
+    if constexpr (SCALED)
+      for (int64_t i = 0; i < n8; i += 8) V8(pg + i) *= CV8(ksc + i);
+    for (int64_t i = n; i < n8; ++i) pg[i] = -std::numeric_limits<float>::infinity();  // weight 0
+    v8f mv = CV8(pg);
+    for (int64_t i = 8; i < n8; i += 8) mv = mv > CV8(pg + i) ? mv : CV8(pg + i);
+    float tile_max = mv[0];
+    for (int c = 1; c < 8; ++c) tile_max = std::max(tile_max, mv[c]);
+    const float m_new = std::max(m[g], tile_max);
+    const float corr = exp_neg(m[g] - m_new);
+    v8f sv = {};
+    for (int64_t i = 0; i < n8; i += 8) {
+      const v8f e = exp_neg8(CV8(pg + i) - m_new);
+      sv += e;
+      if constexpr (SCALED) V8(pg + i) = e * CV8(vsc + i);  // the weight of a V row of integers
+      else V8(pg + i) = e;
+    }
+    const float sum = ((sv[0] + sv[4]) + (sv[1] + sv[5])) + ((sv[2] + sv[6]) + (sv[3] + sv[7]));
+    l[g] = l[g] * corr + sum;
+    m[g] = m_new;
+    float* ag = acc + g * DP;
+    if (corr != 1.0f)
+      for (int64_t d = 0; d < DP; ++d) ag[d] *= corr;
+  }
+  pv_tile<KIND, ISA>(p, G, DP, vr, n, NCF, tail, acc);
+}
+
+// Attention of sequence b's KV heads [h0, h0 + a.heads_per_task), each with its G query rows, over a pool of KIND.
+// Per tile of TILE tokens: the rows' places in the pool (once for all heads), then per head attend_tile over the
+// rows in place; the new token's K/V (fp32), when given, as a last tile of one key. work: q and acc G * DP per head,
+// m and l G per head, a zero row DP, the weights G * TILE, the K and V scales of a tile TILE each.
+template <int KIND, int ISA>
+static AI void task_kind(const Args& a, int64_t b, int64_t h0, float* work) {
+  constexpr int64_t ES = elem_size(KIND);
+  const int64_t D = a.D, DP = (D + 7) / 8 * 8, G = a.H / a.KVH, NH = a.heads_per_task;
   float* qg = work;                 // (NH, G, DP)
   float* acc = qg + NH * G * DP;    // (NH, G, DP)
   float* ml = acc + NH * G * DP;    // m: (NH, G), l: (NH, G)
-  float* kbuf = ml + 2 * NH * G;    // (TILE, DP)
-  float* vbuf = kbuf + TILE * DP;   // (TILE, DP)
-  float* zero = vbuf + TILE * DP;   // (DP)
+  float* zero = ml + 2 * NH * G;    // (DP)
   float* p = zero + DP;             // (G, TILE)
-  std::fill(work, p, 0.0f);
+  float* ksc = p + G * TILE;        // (TILE)
+  float* vsc = ksc + TILE;          // (TILE)
+  std::fill(work, vsc + TILE, 0.0f);
   for (int64_t j = 0; j < NH * G; ++j) {
     const float* src = a.q + (b * a.H + h0 * G + j) * D;
     std::copy(src, src + D, qg + j * DP);
     ml[j] = -std::numeric_limits<float>::infinity();
   }
-  const bool direct = a.kind == KV_F32 && D == DP;  // fp32 rows of whole chunks: no copy
+  if constexpr (KIND == KV_FP8) {  // one scale for the layer, times 2^8 (load8 gives 2^-8 times the value)
+    std::fill(ksc, ksc + TILE, a.k_scale[0] * 256.0f);
+    std::fill(vsc, vsc + TILE, a.v_scale[0] * 256.0f);
+  }
+  const uint8_t* zrow = reinterpret_cast<const uint8_t*>(zero);
   const int64_t n_cached = a.lens[b];
-  const int64_t total = n_cached + (a.k_new ? 1 : 0);
   const int32_t* table = a.tables + b * a.max_blocks;
   int64_t off[TILE], soff[TILE];
-  const float* kr[TILE];
-  const float* vr[TILE];
-  for (int64_t start = 0; start < total; start += TILE) {
-    const int64_t n = std::min(TILE, total - start), n8 = (n + 7) / 8 * 8;
-    const int64_t n_pool = std::max<int64_t>(0, std::min(n, n_cached - start));  // the rest: the new key
+  const uint8_t* kr[TILE];
+  const uint8_t* vr[TILE];
+  for (int64_t start = 0; start < n_cached; start += TILE) {
+    const int64_t n = std::min(TILE, n_cached - start), n8 = (n + 7) / 8 * 8;
     int64_t logical = start / a.block_size, t = start % a.block_size;  // one division a tile
-    for (int64_t i = 0; i < n_pool; ++i) {  // where each row lives: walk the block table
+    for (int64_t i = 0; i < n; ++i) {  // where each row lives: walk the block table
       const int64_t blk = table[logical];
       off[i] = blk * a.s_kb + t * a.s_kt;
       soff[i] = blk * a.s_sb + t * a.s_st;
       if (++t == a.block_size) { t = 0; ++logical; }
     }
+    // the next tile's rows (this task's heads, K and V) asked of memory now, to arrive while this tile is scored:
+    // the pool is streamed from DRAM, in blocks scattered where the hardware prefetcher cannot follow
+    const int64_t next_n = std::min(TILE, n_cached - start - TILE), row_bytes = NH * a.s_kh * ES;
+    for (int64_t i = 0, nl = logical, nt = t; i < next_n; ++i) {
+      const int64_t o = (table[nl] * a.s_kb + nt * a.s_kt + h0 * a.s_kh) * ES;
+      for (int64_t x = 0; x < row_bytes; x += 64) {
+        __builtin_prefetch(a.k + o + x);
+        __builtin_prefetch(a.v + o + x);
+      }
+      if (++nt == a.block_size) { nt = 0; ++nl; }
+    }
+    for (int64_t i = n; i < n8; ++i) kr[i] = zrow;  // scored, never weighted
     for (int64_t hh = 0; hh < NH; ++hh) {
       const int64_t h = h0 + hh;
-      for (int64_t i = 0; i < n_pool; ++i) {
-        if (direct) {
-          kr[i] = reinterpret_cast<const float*>(a.k) + off[i] + h * a.s_kh;
-          vr[i] = reinterpret_cast<const float*>(a.v) + off[i] + h * a.s_kh;
-        } else {
-          load_row(a.kind, a.k, a.k_scale, off[i] + h * a.s_kh, soff[i] + h, D, kbuf + i * DP);
-          load_row(a.kind, a.v, a.v_scale, off[i] + h * a.s_kh, soff[i] + h, D, vbuf + i * DP);
-          kr[i] = kbuf + i * DP;
-          vr[i] = vbuf + i * DP;
-        }
+      for (int64_t i = 0; i < n; ++i) {
+        kr[i] = a.k + (off[i] + h * a.s_kh) * ES;
+        vr[i] = a.v + (off[i] + h * a.s_kh) * ES;
       }
-      if (n_pool < n) {  // the new token's K/V, the last key
-        const float* ks = a.k_new + (b * a.KVH + h) * D;
-        const float* vs = a.v_new + (b * a.KVH + h) * D;
-        if (D == DP) {
-          kr[n_pool] = ks;
-          vr[n_pool] = vs;
-        } else {
-          std::copy(ks, ks + D, kbuf + n_pool * DP);
-          std::copy(vs, vs + D, vbuf + n_pool * DP);
-          kr[n_pool] = kbuf + n_pool * DP;
-          vr[n_pool] = vbuf + n_pool * DP;
+      if constexpr (KIND == KV_INT8)
+        for (int64_t i = 0; i < n; ++i) {
+          ksc[i] = a.k_scale[soff[i] + h];
+          vsc[i] = a.v_scale[soff[i] + h];
         }
-      }
-      for (int64_t i = n; i < n8; ++i) kr[i] = zero;  // scored, never weighted
-      for (int64_t g = 0; g < G; ++g) {  // scores, then the online-softmax update
-        const int64_t j = hh * G + g;
-        float* pg = p + g * TILE;
-        for (int64_t i = 0; i < n; i += 8) scores8(qg + j * DP, kr + i, NC, pg + i);
-        for (int64_t i = n; i < n8; ++i) pg[i] = -std::numeric_limits<float>::infinity();  // weight 0
-        v8f mv = CV8(pg);
-        for (int64_t i = 8; i < n8; i += 8) mv = mv > CV8(pg + i) ? mv : CV8(pg + i);
-        float tile_max = mv[0];
-        for (int c = 1; c < 8; ++c) tile_max = std::max(tile_max, mv[c]);
-        float& m = ml[j];
-        float& l = ml[NH * G + j];
-        const float m_new = std::max(m, tile_max);
-        const float corr = exp_neg(m - m_new);
-        v8f sv = {};
-        for (int64_t i = 0; i < n8; i += 8) {
-          const v8f e = exp_neg8(CV8(pg + i) - m_new);
-          V8(pg + i) = e;
-          sv += e;
-        }
-        const float sum = ((sv[0] + sv[4]) + (sv[1] + sv[5])) + ((sv[2] + sv[6]) + (sv[3] + sv[7]));
-        l = l * corr + sum;
-        m = m_new;
-        float* ag = acc + j * DP;
-        if (corr != 1.0f)
-          for (int64_t d = 0; d < DP; ++d) ag[d] *= corr;
-        pv(pg, vr, n, NC, ag);
-      }
+      attend_tile<KIND, ISA>(kr, vr, ksc, vsc, n, G, D, qg + hh * G * DP, acc + hh * G * DP, ml + hh * G,
+                        ml + NH * G + hh * G, p);
+    }
+  }
+  if (a.k_new) {  // the new token's K/V, the last key
+    for (int64_t i = 1; i < 8; ++i) kr[i] = zrow;
+    for (int64_t hh = 0; hh < NH; ++hh) {
+      const int64_t h = h0 + hh;
+      kr[0] = reinterpret_cast<const uint8_t*>(a.k_new + (b * a.KVH + h) * D);
+      vr[0] = reinterpret_cast<const uint8_t*>(a.v_new + (b * a.KVH + h) * D);
+      attend_tile<KV_F32, ISA>(kr, vr, nullptr, nullptr, 1, G, D, qg + hh * G * DP, acc + hh * G * DP, ml + hh * G,
+                          ml + NH * G + hh * G, p);
     }
   }
   for (int64_t j = 0; j < NH * G; ++j) {
@@ -279,17 +418,25 @@ static AI void task_body(const Args& a, int64_t b, int64_t h0, float* work) {
   }
 }
 
+template <int ISA>
+static AI void task_body(const Args& a, int64_t b, int64_t h0, float* work) {
+  if (a.kind == KV_INT8) task_kind<KV_INT8, ISA>(a, b, h0, work);
+  else if (a.kind == KV_FP8) task_kind<KV_FP8, ISA>(a, b, h0, work);
+  else if (a.kind == KV_BF16) task_kind<KV_BF16, ISA>(a, b, h0, work);
+  else task_kind<KV_F32, ISA>(a, b, h0, work);
+}
+
 __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void task_avx512(const Args& a, int64_t b,
                                                                                    int64_t h, float* work) {
-  task_body(a, b, h, work);
+  task_body<ISA_AVX512>(a, b, h, work);
 }
 
 __attribute__((noinline, target("avx2,fma"))) void task_avx2(const Args& a, int64_t b, int64_t h, float* work) {
-  task_body(a, b, h, work);
+  task_body<ISA_AVX2>(a, b, h, work);
 }
 
 __attribute__((noinline)) void task_default(const Args& a, int64_t b, int64_t h, float* work) {
-  task_body(a, b, h, work);
+  task_body<ISA_DEFAULT>(a, b, h, work);
 }
 
 bool isa_supported(int64_t isa) {
@@ -353,7 +500,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   a.heads_per_task = B >= 4 * at::get_num_threads() ? KVH : 1;
   const int64_t NH = a.heads_per_task, tasks_per_seq = KVH / NH;
   const int64_t G = H / KVH, DP = (D + 7) / 8 * 8;
-  const int64_t work_floats = 2 * NH * G * DP + 2 * NH * G + 2 * TILE * DP + DP + G * TILE;
+  const int64_t work_floats = 2 * NH * G * DP + 2 * NH * G + DP + G * TILE + 2 * TILE;
   at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work(work_floats);
     for (int64_t i = begin; i < end; ++i) {

@@ -27,6 +27,7 @@ from workbench.pipeline.params import notebook_parameters, parse_param, parse_pa
 from workbench.pipeline.spec import choose_profile, load_spec, parse_spec
 
 DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
 TEST_SPEC = DATA / "pipeline_test.yaml"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -330,6 +331,23 @@ def test_notebook_parameters_cell_is_read() -> None:
         "seed": 0,
         "output_dir": None,
     }
+
+
+def test_a_parameter_papermill_cannot_read_is_an_error(tmp_path: Path) -> None:
+    # papermill's line parser skips "x = None  # ... (y = False)": the parameter could then not be overridden
+    source = "n = 4\nop_profile = None  # a file; None: measured now (or the stored one, measure = False)\n"
+    cell = {"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": source, "outputs": [],
+            "execution_count": None}  # fmt: skip
+    path = tmp_path / "p.ipynb"
+    meta = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    path.write_text(json.dumps({"cells": [cell], "metadata": meta, "nbformat": 4, "nbformat_minor": 5}))
+    with pytest.raises(ConfigError, match=r"cannot read the parameter\(s\) op_profile \(line 2\)"):
+        notebook_parameters(path)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")), ids=lambda p: p.name[:2])
+def test_every_parameter_of_the_experiment_notebooks_is_read(path: Path) -> None:
+    assert notebook_parameters(path)  # raises on a parameter papermill would skip
 
 
 def test_notebook_without_parameters_cell(tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ def notebook_parameters(path: str | Path) -> dict[str, NotebookParameter] | None
         return None
     index, cell = tagged[0]
     try:
-        ast.parse(_cell_source(cell))  # papermill's line parser would skip what it cannot read
+        tree = ast.parse(_cell_source(cell))  # papermill's line parser would skip what it cannot read
     except SyntaxError as exc:
         raise ConfigError(
             f"notebook {nb_path}: the parameters cell (cell {index}) is not valid Python: line {exc.lineno}: {exc.msg}"
@@ -78,6 +78,19 @@ def notebook_parameters(path: str | Path) -> dict[str, NotebookParameter] | None
             default, literal = None, False
         annotation = info.get("inferred_type_name")
         found[name] = NotebookParameter(name, default, literal, None if annotation in (None, "None") else annotation)
+    assigned = {
+        (node.targets[0] if isinstance(node, ast.Assign) else node.target).id: node.lineno
+        for node in tree.body
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name))
+        or (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name))
+    }
+    unread = sorted((line, name) for name, line in assigned.items() if name not in found)
+    if unread:  # papermill skips a line it cannot parse (e.g. an '=' in its comment): it could not be overridden
+        lines = ", ".join(f"{name} (line {line})" for line, name in unread)
+        raise ConfigError(
+            f"notebook {nb_path}: papermill cannot read the parameter(s) {lines} of the parameters cell (cell "
+            f"{index}); an '=' in a comment after the value is the usual cause: reword the comment"
+        )
     return found
 
 

@@ -209,9 +209,12 @@ def test_simulator_speed_counts_the_trace(capsys) -> None:
     out = run_json(capsys, ["bench", "simulator", "--model", "tiny-gqa", "--trace", "azure-conv", "--limit", "20",
                             "--json"])  # fmt: skip
     cfg = ModelConfig.resolve("tiny-gqa")
-    requests = load_workload("azure-conv", limit=20, max_len=SimConfig().resolved_max_model_len(cfg))
+    requests = load_workload("azure-conv", limit=20)  # the rows as they are: those too long are rejected, not clipped
     result = simulate(requests, cfg, RooflineCostModel(cfg, "h100-sxm"), SimConfig(), hardware="h100-sxm")
+    max_len = SimConfig().resolved_max_model_len(cfg)
+    too_long = sum(r.prompt_len + r.output_len > max_len for r in requests)
     assert out["num_requests"] == 20 and out["num_steps"] == result.num_steps
+    assert out["num_rejected"] == len(result.rejected) == too_long
     assert out["simulated_duration_s"] == pytest.approx(result.duration_s)
     assert out["us_per_step"] == pytest.approx(1e6 * out["wall_s"] / out["num_steps"])
     assert out["requests_per_wall_s"] == pytest.approx(20 / out["wall_s"])

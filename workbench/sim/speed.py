@@ -18,11 +18,12 @@ def simulator_speed(
 ) -> dict[str, Any]:
     """Simulate ``trace`` (its first ``limit`` requests) for ``model`` on ``hardware`` with the roofline cost model:
     ``wall_s``, ``simulate_s``, ``summary_s``, ``requests_per_wall_s``, ``num_steps``, ``us_per_step``,
-    ``bulk_step_fraction`` (steps advanced in bulk), the simulated duration, TTFT and ITL medians and preemptions.
+    ``bulk_step_fraction`` (steps advanced in bulk), the simulated duration, TTFT and ITL medians, preemptions and
+    ``num_rejected`` (rows beyond ``max_model_len``: rejected and counted as at every entry point, never clipped).
     ``profiler``: a ``cProfile.Profile`` enabled around the simulation and its summary."""
     cfg = ModelConfig.resolve(model)
     config = SimConfig(policy=policy)
-    requests = load_workload(trace, limit=limit, max_len=config.resolved_max_model_len(cfg))
+    requests = load_workload(trace, limit=limit)  # rows beyond max_model_len are rejected as they run, never clipped
     cost = RooflineCostModel(cfg, hardware)
     t0 = now()
     if profiler is not None:
@@ -41,5 +42,5 @@ def simulator_speed(
         "us_per_step": 1e6 * wall / result.num_steps, "bulk_step_fraction": bulk / result.num_steps,
         "simulated_duration_s": result.duration_s,
         "ttft_median_s": summary["metrics"]["ttft_s"]["median"], "itl_median_s": summary["metrics"]["itl_s"]["median"],
-        "num_preemptions": summary["num_preemptions"],
+        "num_preemptions": summary["num_preemptions"], "num_rejected": len(result.rejected),
     }  # fmt: skip

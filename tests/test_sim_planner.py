@@ -88,3 +88,15 @@ def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["num_candidates"] == len(out["rows"]) and out["best"] and out["pareto"]
     assert main([*argv[:-1], "--tp", "1,x"]) == 2
     assert "--tp" in capsys.readouterr().err
+
+
+def test_evaluate_says_how_many_requests_it_clipped() -> None:
+    # the library path (notebooks shape their workloads with it) caps at max_model_len and says so per row: by
+    # hand, the rows whose prompt + output exceed 128 (prompts up to 200 tokens, outputs up to 40)
+    from dataclasses import replace
+
+    work = small_workload()
+    too_long = sum(r.prompt_len + r.output_len > 128 for r in work)
+    assert 0 < too_long < len(work)
+    row = evaluate(Candidate(1, 1, 1), work, replace(SETTINGS, max_model_len=128))
+    assert row["status"] == "ok" and row["num_clipped"] == too_long

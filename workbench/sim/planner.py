@@ -179,8 +179,11 @@ def evaluate(candidate: Candidate, requests: list[Request], settings: PlanSettin
             for role in set(roles)
         }  # fmt: skip
         # workbench plan rejects (and counts) the rows beyond max_model_len before it gets here, so nothing is
-        # clipped for it; the notebooks' callers (workbench.experiments) still shape their workloads this way
+        # clipped for it; the notebooks' callers (workbench.experiments) still shape their workloads this way, and
+        # the row says how many it clipped (num_clipped)
         reqs = truncate_to_context(requests, config.resolved_max_model_len(cfg))
+        row["num_clipped"] = sum(a.prompt_len + a.output_len != b.prompt_len + b.output_len
+                                 for a, b in zip(requests, reqs))  # fmt: skip
         result = simulate(reqs, cfg, [models[r] for r in roles], config, hardware=hw, seed=settings.seed)
     except ConfigError as exc:
         row.update(status="skipped", reason=str(exc), wall_s=now() - t0)

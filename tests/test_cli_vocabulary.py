@@ -347,3 +347,9 @@ def test_readme_has_workbench_commands() -> None:
     assert len(README_COMMANDS) >= 30 and any(a[0] == "simulate" for a in README_COMMANDS)
     assert len(PERFORMANCE_COMMANDS) >= 10 and any(a[:2] == ["bench", "hf"] for a in PERFORMANCE_COMMANDS)
     assert len(DOC_COMMANDS) >= 45
+
+
+def test_serve_takes_vllms_seed_and_refuses_a_bad_one_before_loading(capsys) -> None:
+    assert (parse(["serve", "--model", "tiny-gqa", "--seed", "3"]).seed, parse(["serve", "--model", "x"]).seed) == (3, None)
+    rc = cli.main(["serve", "--model", "tiny-gqa", "--port", "0", "--seed", "-1"])
+    one_line_error(capsys, rc, "seed must be in [0, 2**64)")

@@ -118,6 +118,24 @@ def test_parser_accepts_vllm_bench_serve_payload():
     assert req.sampling.top_k == 0 and req.sampling.temperature == 0.0
 
 
+def test_serve_seed_gives_each_unseeded_request_seed_plus_its_index():
+    import json
+
+    from workbench.serve.app import ServerLimits, ServerState, _parse
+
+    # serve --seed 2**64 - 2: request i (arrival order) without a seed samples with seed + i modulo 2**64, as
+    # generate --seed does; a request's own seed is kept (and still counts as an arrival)
+    state = ServerState(None, None, "m", 64, 256, limits=ServerLimits(seed=2**64 - 2))  # type: ignore[arg-type]
+    bodies = [{"prompt": [1], "max_tokens": 2}, {"prompt": [1], "max_tokens": 2, "seed": 11},
+              {"prompt": [1], "max_tokens": 2}, {"prompt": [1], "max_tokens": 2}]  # fmt: skip
+    seeds = [_parse(state, json.dumps(b).encode(), chat=False).sampling.seed for b in bodies]
+    assert seeds == [2**64 - 2, 11, 0, 1]
+    unseeded = ServerState(None, None, "m", 64, 256)  # type: ignore[arg-type]
+    assert _parse(unseeded, json.dumps(bodies[0]).encode(), chat=False).sampling.seed is None
+    for state_ in (state, unseeded):
+        state_.parser.shutdown()
+
+
 def test_chat_needs_a_tokenizer_with_a_chat_template():
     from workbench.config import ModelConfig
     from workbench.model.tokenizer import TextCodec, train_tokenizer

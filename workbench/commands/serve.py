@@ -2,7 +2,7 @@
 
     workbench serve --model DIR_OR_PRESET [engine options] [--host 127.0.0.1] [--port 8000]
         [--served-model-name NAME] [--threads N] [--drain-timeout S] [--api-key KEY] [--api-key-all-routes]
-        [--max-body-bytes N] [--max-prompt-bytes-per-token N] [--header-timeout S] [--body-timeout S]
+        [--max-body-bytes N] [--max-prompt-bytes-per-token N] [--header-timeout S] [--body-timeout S] [--seed S]
 
 ``--port 0`` picks a free port; the first line printed is ``{"event": "listening", "host", "port"}``. A checkpoint
 directory with a ``tokenizer.json`` serves text prompts and, with a chat template, chat completions; without one
@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive before a 408 (default 30)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed in [0, 2**64) of the requests that give none: request i, in arrival "
+                        "order, samples with seed + i, modulo 2**64 (generate --seed's rule; default: none, "
+                        "unseeded)")  # fmt: skip
 
 
 def api_key_from(args: argparse.Namespace) -> str | None:
@@ -79,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from workbench.errors import ConfigError
+    from workbench.request import SamplingParams
 
     try:
         from workbench.serve.app import ServerLimits, bind, build_app, serve
@@ -109,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
     limits = ServerLimits(
         max_bytes_per_token=args.max_prompt_bytes_per_token, max_body_bytes=args.max_body_bytes,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout, api_key=api_key,
-        api_key_all_routes=args.api_key_all_routes,
+        api_key_all_routes=args.api_key_all_routes, seed=args.seed,
     )  # fmt: skip
+    if args.seed is not None:
+        SamplingParams(seed=args.seed)  # --seed itself in [0, 2**64), before the model loads
     try:  # before the model loads: a busy port or a bad host fails at once
         sock = bind(args.host, args.port)
     except OSError as exc:

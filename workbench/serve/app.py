@@ -35,12 +35,13 @@ import signal
 import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
 
 from workbench.engine.engine import Engine
+from workbench.request import SEED_LIMIT
 from workbench.serve.async_engine import AsyncEngine, Output, RequestHandle
 from workbench.serve.prom import ServerMetrics
 from workbench.serve.protocol import (
@@ -76,6 +77,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     api_key: str | None = None
     api_key_all_routes: bool = False  # also /health and /metrics
+    seed: int | None = None  # ``--seed``: request i (in arrival order) that gives no seed samples with seed + i
 
 
 @dataclass
@@ -93,6 +95,7 @@ class ServerState:
     created: int = 0
     # parsing and tokenizing, off the event loop; one thread, since a fast tokenizer is not safe to share
     parser: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="parse"))
+    num_parsed: int = 0  # requests parsed so far (on the one parser thread): the index of ``limits.seed``'s rule
 
 
 STATE = web.AppKey("state", ServerState)
@@ -127,10 +130,15 @@ def _parse(state: ServerState, raw: bytes, chat: bool) -> GenerationRequest:
     """The body -> a request (runs on ``state.parser``, off the event loop)."""
     body = _loads(raw)
     if chat:
-        return parse_chat(body, state.model_name, state.codec, state.max_model_len, state.max_bytes_per_token)
-    return parse_completion(
-        body, state.model_name, state.codec, state.vocab_size, state.max_model_len, state.max_bytes_per_token
-    )
+        req = parse_chat(body, state.model_name, state.codec, state.max_model_len, state.max_bytes_per_token)
+    else:
+        req = parse_completion(
+            body, state.model_name, state.codec, state.vocab_size, state.max_model_len, state.max_bytes_per_token
+        )
+    index, state.num_parsed = state.num_parsed, state.num_parsed + 1
+    if state.limits.seed is not None and req.sampling.seed is None:  # generate --seed's rule: seed + request index
+        req.sampling = replace(req.sampling, seed=(state.limits.seed + index) % SEED_LIMIT)
+    return req
 
 
 class _Completion:

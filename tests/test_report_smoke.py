@@ -115,7 +115,8 @@ def test_recorded_ratios_follow_their_parts(smoke: dict) -> None:
     fidelity = [x for x in v["claims"] if x["claim"].startswith("The simulator (")]
     assert len(fidelity) == 3 and all(x["evidence"]["num_statistics"] == 2 * 4 for x in fidelity)
     best = next(x["evidence"] for x in v["claims"] if x["claim"].startswith("The best cost model"))
-    counts = {k: e["num_within"] for k, e in best.items() if isinstance(e, dict)}
+    # one entry per cost model; runs_load joins them when the measured runs were loaded beyond the CPUs (a busy CI)
+    counts = {k: e["num_within"] for k, e in best.items() if isinstance(e, dict) and k != "runs_load"}
     assert len(counts) == 4 and counts[best["best"]] == max(counts.values())  # op-profile, profiled, their noise
     worst = fidelity[0]["evidence"]["worst"]["rel_error"]
     assert abs(worst) == pytest.approx(v["max_abs_rel_error_op_profile"])

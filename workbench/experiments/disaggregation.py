@@ -352,6 +352,17 @@ def _exact_evidence(comparison: Mapping[str, Any], reason: str) -> dict[str, Any
     return {k: comparison[k] for k in ("arms", "ratio", "margin", "direction")} | {"reason": reason}
 
 
+def _only_where(here: Mapping[str, Any], there: Mapping[str, Any], here_name: str, also_there: str) -> tuple[str, str]:
+    """Verdict and reason of a claim "the effect holds here and not there" from two ``exact_comparison`` results:
+    confirmed when ``here`` is and ``there`` is not; else not confirmed, saying why (``here``'s own reason, or
+    ``also_there``)."""
+    if here["verdict"] != CONFIRMED:
+        return NOT_CONFIRMED, f"{here_name}: {here['reason']}"
+    if there["verdict"] == CONFIRMED:
+        return NOT_CONFIRMED, also_there
+    return CONFIRMED, "beyond the margin in the claimed direction"
+
+
 def pays_under_tight_slos(tight: pd.DataFrame, loose: pd.DataFrame) -> dict[str, Any]:
     """Disaggregation pays only under tight TTFT and TPOT SLOs: at the highest rate swept, the best split's
     goodput per GPU beats colocation by more than 10% under the tight SLOs, and does not under the loose ones
@@ -363,12 +374,7 @@ def pays_under_tight_slos(tight: pd.DataFrame, loose: pd.DataFrame) -> dict[str,
                                t.split_goodput_per_gpu, "higher")  # fmt: skip
     loose_c = exact_comparison("colocated", lo.colocated_goodput_per_gpu, f"split {lo.best_split}",
                                lo.split_goodput_per_gpu, "higher")  # fmt: skip
-    pays_tight, pays_loose = tight_c["verdict"] == CONFIRMED, loose_c["verdict"] == CONFIRMED
-    verdict = CONFIRMED if pays_tight and not pays_loose else NOT_CONFIRMED
-    reason = (
-        "beyond the margin in the claimed direction" if verdict == CONFIRMED
-        else f"tight SLOs: {tight_c['reason']}" if not pays_tight else "it pays under the loose SLOs too"
-    )  # fmt: skip
+    verdict, reason = _only_where(tight_c, loose_c, "tight SLOs", "it pays under the loose SLOs too")
     detail = (
         f"at {t.rate:g} req/s, goodput per GPU split {t.split_goodput_per_gpu:.2f} ({t.best_split}) vs colocated "
         f"{t.colocated_goodput_per_gpu:.2f} under the tight SLOs ({exact_text(tight_c)}); "
@@ -400,12 +406,7 @@ def slow_link_erases_it(links: pd.DataFrame) -> dict[str, Any]:
                               float(slow.goodput_per_gpu), "lower")  # fmt: skip
     fast_c = exact_comparison("colocated", colocated, f"split over {fast.link_gbps:g} Gb/s",
                               float(fast.goodput_per_gpu), "lower")  # fmt: skip
-    erased_slow, erased_fast = slow_c["verdict"] == CONFIRMED, fast_c["verdict"] == CONFIRMED
-    verdict = CONFIRMED if erased_slow and not erased_fast else NOT_CONFIRMED
-    reason = (
-        "beyond the margin in the claimed direction" if verdict == CONFIRMED
-        else f"slowest link: {slow_c['reason']}" if not erased_slow else "the fastest link loses too"
-    )  # fmt: skip
+    verdict, reason = _only_where(slow_c, fast_c, "slowest link", "the fastest link loses too")
     detail = (
         f"goodput per GPU {slow.goodput_per_gpu:.2f} over {slow.link_gbps:g} Gb/s ({exact_text(slow_c)}) and "
         f"{fast.goodput_per_gpu:.2f} over {fast.link_gbps:g} Gb/s ({exact_text(fast_c)}), against {colocated:.2f} "

@@ -93,6 +93,20 @@ def test_tokens_equal_colocated_and_each_transfer_is_the_prompts_kv_bytes(checkp
     assert result.pools["prefill0"]["num_steps"] >= 1 and result.pools["decode0"]["num_steps"] >= 7
 
 
+def test_each_engine_runs_the_colocated_engines_attention_backend_on_its_threads(checkpoint, cluster):
+    """The fidelity check prices the pair's steps with cost models timed on a colocated engine: each engine process
+    must resolve the same attention backend ('auto': the C++ paged decode where it builds) on its one thread."""
+    from workbench.experiments.fidelity import check_pool_engines
+
+    result = cluster.run(offline(PROMPTS[:2]), online=False)
+    colocated_backend = Engine.from_model(checkpoint, PREFILL).backend.name
+    for pool in ("prefill0", "decode0"):
+        assert (result.pools[pool]["attention_backend"], result.pools[pool]["num_threads"]) == (colocated_backend, 1)
+    check_pool_engines(result, threads=1)
+    with pytest.raises(ConfigError, match=r"decode0 engine ran attention backend .* on 1 thread\(s\).* on 2"):
+        check_pool_engines(result, threads=2)
+
+
 def test_a_full_decode_pool_makes_requests_wait_and_none_is_lost(checkpoint, cluster):
     crowd = [[rng.randrange(3, 256) for _ in range(40)] for _ in range(12)]  # 12 x 48 tokens >> 320 slots
     result = cluster.run(offline(crowd), online=False)

@@ -41,6 +41,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -185,7 +186,7 @@ class DisaggResult:
 
     requests: list[RequestResult]
     transfers: dict[int, dict[str, Any]]  # request_id -> kv_transfer_bytes, kv_transfer_s, retries, recomputed
-    pools: dict[str, Any]
+    pools: dict[str, Any]  # 'prefill0', 'decode0', ...: steps, num_steps, busy_s, attention_backend, num_threads
     duration_s: float
     num_backpressure: int
     engines: dict[int, tuple[int, int]] = field(default_factory=dict)  # request_id -> (prefill, decode engine)
@@ -365,7 +366,13 @@ class EngineLoop:
             rows = self.engine.step_log.to_records()
             busy = sum(r["duration_s"] for r in rows)
             self.out.put(("pool", self.role, self.index, {"num_steps": len(rows), "busy_s": busy, "steps": rows,
-                                                          **stats}))  # fmt: skip
+                                                          **self.engine_facts(), **stats}))  # fmt: skip
+
+    def engine_facts(self) -> dict[str, Any]:
+        """What this engine's steps ran on: ``attention_backend`` (as resolved here: 'auto' decided) and
+        ``num_threads`` (torch's intra-op threads of this process). A cost model timed on a colocated engine prices
+        these steps only when both are the colocated engine's (``workbench.experiments.fidelity`` checks them)."""
+        return {"attention_backend": self.engine.backend.name, "num_threads": torch.get_num_threads()}
 
     def begin(self, t0: float) -> None:
         """A run starts at ``t0`` (``time.perf_counter``): fresh connectors on every rank."""

@@ -389,6 +389,7 @@ def disaggregated_fidelity(
             loads.append({"repeat": rep, "load_before": before, "load_after": load_average()})
             runs.append(summarize(result.requests, duration_s=result.duration_s)["metrics"])
             measured.append(result)
+    check_pool_engines(measured[0], threads)
     handoff = handoff_profile(cals)
 
     def sim_config(**handoff_draws: Any) -> SimConfig:
@@ -443,6 +444,22 @@ def disaggregated_fidelity(
         "repeats": repeats,
         "ttft_parts": parts,
     }
+
+
+def check_pool_engines(result: Any, threads: int) -> None:
+    """ConfigError unless every engine of a real disaggregated run (``DisaggResult.pools``) ran the attention backend
+    of the colocated engine the cost models were timed on (``engine_attention_backend``) with ``threads`` torch
+    threads: a profile of another backend or thread count does not price that pool's steps."""
+    from workbench.errors import ConfigError
+
+    backend = engine_attention_backend()
+    for name, pool in sorted(result.pools.items()):
+        ran = (pool.get("attention_backend"), pool.get("num_threads"))
+        if ran != (backend, threads):
+            raise ConfigError(
+                f"the disaggregated {name} engine ran attention backend {ran[0]!r} on {ran[1]} thread(s); the cost "
+                f"models time the colocated engine's {backend!r} on {threads}"
+            )
 
 
 def ttft_parts(result: Any, num_prefill: int = 1) -> dict[str, Any]:

@@ -66,14 +66,29 @@ def exact_comparison(
     spread to average over), decided by the paired claims' rule on a zero-width interval
     (``trials.decide_exact``): ``{"arms", "a", "b", "ratio", "margin", "direction", "verdict", "reason"}``, the
     verdict *confirmed* beyond ``margin`` in ``direction`` (B ``higher`` or ``lower`` than A), else
-    *not_confirmed*: ``opposite`` beyond it the other way, ``equivalent`` inside it. The ``margin`` defaults to 10%,
+    *not_confirmed*: ``opposite`` beyond it the other way, ``equivalent`` inside it; ``ci_low`` and ``ci_high`` are
+    the ratio itself, ``rounds`` 0 and ``confidence`` None (exact). The ``margin`` defaults to 10%,
     about the simulator's held-out median error on GPUs: a smaller gap is not a finding."""
     from workbench.experiments.trials import DecisionRule, decide_exact
 
     verdict, reason = decide_exact(float(value_a), float(value_b), DecisionRule(direction, margin))
     ratio = float(value_b) / float(value_a) if value_a else (1.0 if not value_b else None)  # None: B > 0 against 0
-    return {"arms": [name_a, name_b], "a": float(value_a), "b": float(value_b), "ratio": ratio, "margin": margin,
-            "direction": direction, "verdict": verdict, "reason": reason}  # fmt: skip
+    return {"arms": [name_a, name_b], "a": float(value_a), "b": float(value_b), "ratio": ratio, "ci_low": ratio,
+            "ci_high": ratio, "rounds": 0, "margin": margin, "confidence": None, "direction": direction,
+            "verdict": verdict, "reason": reason}  # fmt: skip
+
+
+# the evidence keys of a ratio (``exact_comparison``, ``repeat_comparison``): an exact one has a zero-width
+# interval, ``rounds`` 0 and ``confidence`` None (no sampling spread, nothing to be confident about)
+RATIO_KEYS = ("arms", "ratio", "ci_low", "ci_high", "rounds", "margin", "confidence", "direction")
+
+
+def exact_ratio(name_a: str, value_a: float, name_b: str, value_b: float, direction: str,
+                margin: float = SINGLE_RUN_TOLERANCE) -> dict[str, Any]:  # fmt: skip
+    """The ``RATIO_KEYS`` of an ``exact_comparison``: the ratio an analytic claim (decided by its own rule on exact
+    figures: bytes, counts, a deterministic model) carries in its evidence."""
+    c = exact_comparison(name_a, value_a, name_b, value_b, direction, margin)
+    return {k: c[k] for k in RATIO_KEYS}
 
 
 def exact_text(comparison: Mapping[str, Any]) -> str:
@@ -322,10 +337,12 @@ def fewer_kv_heads_fewer_bytes(variants: Mapping[str, Mapping[str, float]]) -> d
         for k, v in rows
     )
     verdict = CONFIRMED if bytes_down and seqs_up and strictly else NOT_CONFIRMED
+    (most, a), (fewest, b) = rows[0], rows[-1]
+    ratio = exact_ratio(most, a["bytes_per_token"], fewest, b["bytes_per_token"], "lower")  # bytes per token
     return make_claim(
         "Fewer KV heads mean fewer bytes per token and more sequences that fit",
         verdict,
-        {k: dict(v) for k, v in rows},
+        {**ratio, **{k: dict(v) for k, v in rows}},
         text,
         (),
     )
@@ -347,7 +364,8 @@ def paging_wastes_less(contiguous_waste: float, paged_waste: float, block_size: 
         f"{paged_waste:.1%}"
     )
     verdict = CONFIRMED if paged_waste < contiguous_waste else NOT_CONFIRMED
-    evidence = {"contiguous_waste": contiguous_waste, "paged_waste": paged_waste, "block_size": block_size}
+    evidence = {**exact_ratio("contiguous", contiguous_waste, "paged", paged_waste, "lower"),
+                "contiguous_waste": contiguous_waste, "paged_waste": paged_waste, "block_size": block_size}  # fmt: skip
     return make_claim("Paged blocks waste less KV memory than contiguous slots", verdict, evidence, text, ())
 
 
@@ -528,7 +546,8 @@ def int4_costs_more_accuracy(accuracy: Sequence[Mapping[str, Any]]) -> dict[str,
         f"top-1 agreement {i4['top1_agreement']:.1%} (random weights: see the notebook)"
     )
     verdict = CONFIRMED if i4["kl"] > i8["kl"] and i4["top1_agreement"] <= i8["top1_agreement"] else NOT_CONFIRMED
-    evidence = {a["scheme"]: {"kl": a["kl"], "top1_agreement": a["top1_agreement"]} for a in (i8, i4)}
+    evidence = {**exact_ratio("int8", i8["kl"], i4["scheme"], i4["kl"], "higher"),  # KL divergence, deterministic
+                **{a["scheme"]: {"kl": a["kl"], "top1_agreement": a["top1_agreement"]} for a in (i8, i4)}}  # fmt: skip
     return make_claim("int4 weights cost more accuracy than int8", verdict, evidence, text, ())
 
 
@@ -591,6 +610,8 @@ __all__ = [
     "order",
     "exact_comparison",
     "exact_text",
+    "exact_ratio",
+    "RATIO_KEYS",
     "repeat_comparison",
     "interval_text",
     "prefill_compute_bound",

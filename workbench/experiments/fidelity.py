@@ -1057,6 +1057,8 @@ def published_claim(summary: Mapping[str, Mapping[str, float]]) -> dict[str, Any
             f"{100 * top:.1f}% (per source, median / largest: {per})")  # fmt: skip
     ok = med <= HELD_OUT_MEDIAN_TARGET and top <= HELD_OUT_MAX_TARGET
     evidence = {k: dict(v) for k, v in summary.items()}
+    evidence["no_ratio"] = ("error summaries against two fixed bars (median and largest |error|), not a comparison "
+                            "of two figures")  # fmt: skip
     return make_claim(claim, CONFIRMED if ok else NOT_CONFIRMED, evidence, text, uses=("published",))
 
 

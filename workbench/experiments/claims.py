@@ -19,6 +19,12 @@ they contradict it, *inconclusive* within the noise, and ``apply_anomalies`` tur
 something a sanity check flagged (a drifting reference step, a moving ceiling) into *inconclusive*, marked
 unreliable, keeping what the numbers alone would have said.
 
+Every claim's ``evidence`` carries a ratio with its interval (``RATIO_KEYS``: ``ratio``, ``ci_low``, ``ci_high``,
+``rounds``, ``margin``, ``confidence``): a paired claim its rounds'; an analytic one an exact ratio
+(``exact_ratio``: a zero-width interval, ``rounds`` 0, ``confidence`` None); a claim on repeats that were not run
+as rounds (the roofline claims against the ceiling readings, 08's decode and prefill speed-ups) a
+``repeat_comparison``; or, where no ratio belongs to the claim (a count on a Pareto front), ``no_ratio`` saying why.
+
 The claims are the seed's: prefill is compute-bound and sets TTFT; decode is bandwidth-bound and sets ITL;
 batching raises decode throughput; continuous beats static under load; chunking removes generation stalls at a
 TTFT price; fewer KV heads mean fewer bytes and more sequences; fewer bytes per weight or per cached token move

@@ -98,6 +98,30 @@ def test_prefill_compute_bound_rests_on_absolute_figures() -> None:
     assert side["verdict"] == "not_confirmed" and "MFU 0.05" in side["detail"]
 
 
+def test_roofline_claims_carry_intensity_over_balance_with_the_ceiling_readings_interval() -> None:
+    # four ceiling readings (start and end settles): balance points 8, 10, 12, 10 FLOP/byte
+    rec = {"ceilings_start": {"settle": {"readings": [{"peak_flops_dtype": 80.0, "mem_bandwidth": 10.0},
+                                                      {"peak_flops_dtype": 100.0, "mem_bandwidth": 10.0}]}},
+           "ceilings_end": {"settle": {"readings": [{"peak_flops_dtype": 120.0, "mem_bandwidth": 10.0},
+                                                    {"peak_flops_dtype": 50.0, "mem_bandwidth": 5.0}]}}}  # fmt: skip
+    readings = H.balance_points(rec)
+    assert readings == pytest.approx([8.0, 10.0, 12.0, 10.0])
+    ok = C.prefill_compute_bound([_prefill(256, 0.1, intensity=50.0)], 10.0, readings)
+    ev = ok["evidence"]
+    assert ok["verdict"] == "confirmed" and ev["rounds"] == 4 and ev["margin"] == 0.10 and ev["confidence"] == 0.95
+    assert ev["ratio"] == pytest.approx(50.0 / 9600**0.25, rel=1e-9)  # the geometric mean of 50 / reading
+    assert ev["ci_low"] < 50.0 / 10.0 < ev["ci_high"] and ev["ci_high"] < 50.0 / 8.0 * 1.5
+    # an intensity at the balance point itself: the interval straddles the margin
+    assert C.prefill_compute_bound([_prefill(256, 0.1, intensity=10.0)], 10.0, readings)["verdict"] == "inconclusive"
+    dec = C.decode_bandwidth_bound([_decode(1, 0.05)], 10.0, readings)  # intensity 0.5
+    assert dec["verdict"] == "confirmed" and dec["evidence"]["ratio"] == pytest.approx(0.5 / 9600**0.25)
+    assert "[" in C.claims_markdown([dec]).split("**")[1]  # the ratio with its interval next to the verdict
+    # no readings: the one balance point, a min..max interval of one pair
+    one = C.prefill_compute_bound([_prefill(256, 0.1, intensity=50.0)], 10.0)["evidence"]
+    assert (one["ratio"], one["ci_low"], one["ci_high"], one["rounds"]) == (pytest.approx(5.0),) * 3 + (1,)
+    assert one["interval"] == "min..max" and one["confidence"] is None
+
+
 def test_decode_claim_needs_mbu_above_mfu_below_balance() -> None:
     assert C.decode_bandwidth_bound([_decode(1, 0.05)], balance_point=10.0)["verdict"] == "confirmed"
     assert C.decode_bandwidth_bound([_decode(1, 0.05, mbu=0.01, mfu=0.5)], 10.0)["verdict"] == "not_confirmed"

@@ -28,6 +28,13 @@ def test_spread_tolerance_and_error_by_hand() -> None:
     claim = fidelity_claim(rows, "m")
     assert claim["verdict"] == NOT_CONFIRMED
     assert claim["evidence"]["num_within"] == 2 and claim["evidence"]["worst"]["statistic"] == "itl median"
+    # its ratio: the worst statistic's simulated / measured, 11.5 ms against three repeats of 10 ms
+    ev = claim["evidence"]
+    assert (ev["ratio"], ev["ci_low"], ev["ci_high"]) == (pytest.approx(1.15),) * 3
+    assert ev["rounds"] == 3 and ev["margin"] == pytest.approx(0.10) and ev["direction"] == "within"
+    # the TTFT median's: 120 ms against repeats 100..120 ms (median 110)
+    t = fidelity_claim([{**ttft, "model": "n"}], "n")["evidence"]
+    assert (t["ratio"], t["ci_low"], t["ci_high"]) == (pytest.approx(12 / 11), pytest.approx(1.0), pytest.approx(1.2))
 
 
 def test_a_wide_spread_widens_the_tolerance_and_leaves_it_inconclusive() -> None:
@@ -96,7 +103,9 @@ def test_the_best_cost_model_is_the_one_with_most_statistics_within_by_hand() ->
     from workbench.experiments.fidelity import best_cost_model
 
     def row(model: str, within: bool, err: float) -> dict:
-        return {"model": model, "within": within, "rel_error": err}
+        return {"model": model, "within": within, "rel_error": err, "policy": "p", "statistic": "ttft median",
+                "measured_ms": 100.0, "measured_min_ms": 90.0, "measured_max_ms": 125.0,
+                "simulated_ms": 100.0 * (1 + err), "tolerance": 0.25, "num_repeats": 3}  # fmt: skip
 
     rows = [row("op-profile", True, 0.05), row("op-profile", False, -0.5), row("profiled", True, 0.09),
             row("profiled", True, -0.02), row("profiled noise", True, 0.2),
@@ -106,7 +115,27 @@ def test_the_best_cost_model_is_the_one_with_most_statistics_within_by_hand() ->
     assert claim["evidence"]["best"] == "profiled" and claim["verdict"] == CONFIRMED
     assert claim["evidence"]["op-profile"] == {"num_within": 1, "num_statistics": 2, "max_abs_rel_error": 0.5}
     assert "best: profiled, 2/2" in claim["detail"]
+    # the ratio is the best model's worst statistic's: 109 ms simulated against 100 (repeats 90..125)
+    ev = claim["evidence"]
+    assert (ev["ratio"], ev["ci_low"], ev["ci_high"]) == (pytest.approx(1.09), pytest.approx(109 / 125),
+                                                          pytest.approx(109 / 90))  # fmt: skip
+    assert ev["margin"] == 0.25 and ev["rounds"] == 3
     assert best_cost_model(rows[:2])["verdict"] == NOT_CONFIRMED
+
+
+def test_the_overhead_claim_carries_the_mean_ratio_with_its_t_interval() -> None:
+    from workbench.experiments.fidelity import overhead_claim
+
+    fit = {"ops_only_mean_signed_rel_error": -0.2, "ops_only_signed_rel_error_sd": 0.1, "num_steps": 20,
+           "num_idle_steps": 4, "ops_only_median_rel_error": 0.2, "median_rel_error": 0.03}  # fmt: skip
+    claim = overhead_claim({"fit": fit, "coefficients": {}})
+    ev = claim["evidence"]
+    assert claim["verdict"] == CONFIRMED and ev["rounds"] == 16 and ev["ratio"] == pytest.approx(0.8)
+    half = 2.131 * 0.1 / 4  # t(0.975, 15 df) from the tables, 16 busy steps
+    assert (ev["ci_low"], ev["ci_high"]) == (pytest.approx(0.8 - half, abs=1e-3), pytest.approx(0.8 + half, abs=1e-3))
+    old = overhead_claim({"fit": {k: v for k, v in fit.items() if k != "ops_only_signed_rel_error_sd"},
+                          "coefficients": {}})["evidence"]  # fmt: skip
+    assert old["ratio"] == pytest.approx(0.8) and old["ci_low"] is None and old["interval"].startswith("none")
 
 
 def test_the_handoff_leaves_out_announcements_that_waited_for_a_decode_step() -> None:

@@ -173,15 +173,29 @@ def test_claim_kv_quantized_long_decode_each_verdict():
 
 
 def test_claim_decode_not_prefill_each_verdict():
+    # four interleaved decode steps: int8 at 2.5x fp32's rate in every pair (step times 0.4 s against 0.16 s)
     dec = [
-        {"scheme": "fp32", "speedup": 1.0, "bytes_ratio": 1.0},
-        {"scheme": "int8", "speedup": 2.5, "bytes_ratio": 2.8},
+        {"scheme": "fp32", "speedup": 1.0, "bytes_ratio": 1.0, "time_s": 0.4, "times_s": [0.4, 0.42, 0.38, 0.4]},
+        {"scheme": "int8", "speedup": 2.5, "bytes_ratio": 2.8, "time_s": 0.16, "times_s": [0.16, 0.168, 0.152, 0.16]},
     ]
-    pre = [{"scheme": "fp32", "prompt_len": 256, "time_s": 1.0, "speedup": 1.0},
-           {"scheme": "int8", "prompt_len": 256, "time_s": 1.3, "speedup": 1 / 1.3}]  # fmt: skip
-    assert claims.fewer_bytes_move_decode_not_prefill(dec, pre)["verdict"] == "confirmed"
-    pre[1].update(time_s=0.3, speedup=1 / 0.3)  # prefill gained more than decode
+    pre = [
+        {"scheme": "fp32", "prompt_len": 256, "time_s": 1.0, "speedup": 1.0, "times_s": [1.0, 1.1, 0.9]},
+        {"scheme": "int8", "prompt_len": 256, "time_s": 1.3, "speedup": 1 / 1.3, "times_s": [1.3, 1.2, 1.4]},
+    ]
+    ok = claims.fewer_bytes_move_decode_not_prefill(dec, pre)
+    ev = ok["evidence"]
+    assert ok["verdict"] == "confirmed" and ev["decode_verdict"] == "confirmed"
+    # the same 2.5x in every pair: a zero-width t interval (4 pairs, 95%)
+    assert (ev["ratio"], ev["ci_low"], ev["ci_high"]) == (pytest.approx(2.5),) * 3
+    assert ev["rounds"] == 4 and ev["confidence"] == 0.95 and ev["margin"] == 0.10
+    # prefill: three pairs, their min..max: 1/1.3, 1.1/1.2 (0.917: inside -10%), 0.9/1.4
+    pf = ev["prefill"]
+    assert pf["interval"] == "min..max" and pf["rounds"] == 3 and pf["reason"] == "short of the margin"
+    assert (pf["ci_low"], pf["ci_high"]) == (pytest.approx(0.9 / 1.4), pytest.approx(1.1 / 1.2))
+    pre[1].update(time_s=0.3, speedup=1 / 0.3, times_s=[0.3, 0.31, 0.29])  # prefill gained too
     assert claims.fewer_bytes_move_decode_not_prefill(dec, pre)["verdict"] == "not_confirmed"
+    pre[1].update(times_s=[1.0, 0.9, 1.1])  # prefill's pairs 1.0, 1.22, 0.82: straddling the margin
+    assert claims.fewer_bytes_move_decode_not_prefill(dec, pre)["verdict"] == "inconclusive"
 
 
 def test_claim_int4_costs_more_accuracy_each_verdict():

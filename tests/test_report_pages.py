@@ -164,7 +164,7 @@ def test_claim_row_without_rounds_falls_back_cleanly() -> None:
     assert claim_row({"claim": "y", "verdict": "inconclusive"})["note"].startswith("the numbers overlap")
 
 
-def test_a_claim_on_exact_figures_shows_its_ratio_and_margin_without_an_interval() -> None:
+def test_a_claim_on_exact_figures_shows_its_ratio_as_exact_and_its_margin() -> None:
     import pandas as pd
 
     from workbench.experiments.disaggregation import pays_under_tight_slos
@@ -175,8 +175,19 @@ def test_a_claim_on_exact_figures_shows_its_ratio_and_margin_without_an_interval
 
     row = claim_row(pays_under_tight_slos(best(5.34, 4.97), best(5.61, 5.73)), "disaggregation")
     assert row["verdict_text"] == "not confirmed" and row["note"] == ""  # decided: nothing left to do
-    assert row["ratio_text"] == "split 4:4 / colocated: 1.07×" and row["margin_text"] == "+10%"
-    assert row["ci_low"] is None and row["rounds"] is None
+    assert row["ratio_text"] == "split 4:4 / colocated: 1.07× exact" and row["margin_text"] == "+10%"
+    # exact figures: a zero-width interval (the ratio itself), no rounds
+    assert row["ci_low"] == row["ci_high"] == pytest.approx(5.34 / 4.97) and row["rounds"] == 0
+
+
+def test_a_claim_with_no_natural_ratio_says_why_in_its_place() -> None:
+    import pandas as pd
+
+    from workbench.experiments.parallelism import plan_has_a_tradeoff
+
+    rows = pd.DataFrame([{"name": "a", "goodput_per_gpu": 2.0}, {"name": "b", "goodput_per_gpu": 1.0}])
+    row = claim_row(plan_has_a_tradeoff(rows, rows), "parallelism")
+    assert row["ratio"] is None and row["ratio_text"].startswith("no ratio: a count of deployments")
 
 
 def test_run_tables_download_as_csv(tmp_path: Path) -> None:

@@ -49,6 +49,14 @@ def test_claims_and_anomalies_contract(smoke: dict, name: str) -> None:
     assert m["claims"] and isinstance(m["anomalies"], list)
     for c in m["claims"]:
         assert set(c) >= {"claim", "verdict", "evidence"} and c["verdict"] in VERDICTS and c["evidence"]
+        # every claim has its ratio and interval (exact: rounds 0, a zero-width interval), or says why it has none
+        ev = c["evidence"]
+        if ev.get("no_ratio"):
+            assert isinstance(ev["no_ratio"], str) and "ratio" not in ev, c["claim"]
+        else:
+            assert set(ev) >= {"ratio", "ci_low", "ci_high", "rounds", "margin", "confidence"}, c["claim"]
+            if ev["ratio"] is not None and ev["ci_low"] is not None:
+                assert ev["ci_low"] <= ev["ratio"] * (1 + 1e-9) and ev["ratio"] <= ev["ci_high"] * (1 + 1e-9)
         # a claim resting on something an anomaly flagged is never stated as a finding
         if any(a["affects"] in c["uses"] for a in m["anomalies"]):
             assert c["verdict"] == "inconclusive" and c["unreliable"]

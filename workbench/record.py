@@ -396,9 +396,9 @@ STRUCTURED_KEYS = ("claims", "anomalies", "hygiene")
 def conclude(claims: list[Mapping[str, Any]], anomalies: list[Mapping[str, Any]] = ()) -> str:  # type: ignore[assignment]
     """Record the experiment's ``claims`` (after ``apply_anomalies``) and ``anomalies`` in metrics.json, and return
     the conclusion as Markdown: the anomalies, then each claim with its one verdict and numbers. A claim keeps
-    ``verdict`` (confirmed | not_confirmed | inconclusive); one decided in paired rounds carries ``ratio``,
-    ``ci_low``, ``ci_high``, ``rounds``, ``margin``, ``confidence`` and ``control`` in its ``evidence``, and its
-    line shows the ratio with its interval next to the verdict."""
+    ``verdict`` (confirmed | not_confirmed | inconclusive) and carries ``ratio``, ``ci_low``, ``ci_high``,
+    ``rounds``, ``margin``, ``confidence`` (and, decided in paired rounds, ``control``) in its ``evidence``, or
+    ``no_ratio`` saying why it has none; its line shows the ratio with its interval next to the verdict."""
     from workbench.experiments.claims import apply_anomalies, claims_markdown
 
     final = apply_anomalies(claims, list(anomalies))

@@ -19,6 +19,12 @@ they contradict it, *inconclusive* within the noise, and ``apply_anomalies`` tur
 something a sanity check flagged (a drifting reference step, a moving ceiling) into *inconclusive*, marked
 unreliable, keeping what the numbers alone would have said.
 
+Every claim's ``evidence`` carries a ratio with its interval (``RATIO_KEYS``: ``ratio``, ``ci_low``, ``ci_high``,
+``rounds``, ``margin``, ``confidence``): a paired claim its rounds'; an analytic one an exact ratio
+(``exact_ratio``: a zero-width interval, ``rounds`` 0, ``confidence`` None); a claim on repeats that were not run
+as rounds (the roofline claims against the ceiling readings, 08's decode and prefill speed-ups) a
+``repeat_comparison``; or, where no ratio belongs to the claim (a count on a Pareto front), ``no_ratio`` saying why.
+
 The claims are the seed's: prefill is compute-bound and sets TTFT; decode is bandwidth-bound and sets ITL;
 batching raises decode throughput; continuous beats static under load; chunking removes generation stalls at a
 TTFT price; fewer KV heads mean fewer bytes and more sequences; fewer bytes per weight or per cached token move
@@ -66,14 +72,29 @@ def exact_comparison(
     spread to average over), decided by the paired claims' rule on a zero-width interval
     (``trials.decide_exact``): ``{"arms", "a", "b", "ratio", "margin", "direction", "verdict", "reason"}``, the
     verdict *confirmed* beyond ``margin`` in ``direction`` (B ``higher`` or ``lower`` than A), else
-    *not_confirmed*: ``opposite`` beyond it the other way, ``equivalent`` inside it. The ``margin`` defaults to 10%,
+    *not_confirmed*: ``opposite`` beyond it the other way, ``equivalent`` inside it; ``ci_low`` and ``ci_high`` are
+    the ratio itself, ``rounds`` 0 and ``confidence`` None (exact). The ``margin`` defaults to 10%,
     about the simulator's held-out median error on GPUs: a smaller gap is not a finding."""
     from workbench.experiments.trials import DecisionRule, decide_exact
 
     verdict, reason = decide_exact(float(value_a), float(value_b), DecisionRule(direction, margin))
     ratio = float(value_b) / float(value_a) if value_a else (1.0 if not value_b else None)  # None: B > 0 against 0
-    return {"arms": [name_a, name_b], "a": float(value_a), "b": float(value_b), "ratio": ratio, "margin": margin,
-            "direction": direction, "verdict": verdict, "reason": reason}  # fmt: skip
+    return {"arms": [name_a, name_b], "a": float(value_a), "b": float(value_b), "ratio": ratio, "ci_low": ratio,
+            "ci_high": ratio, "rounds": 0, "margin": margin, "confidence": None, "direction": direction,
+            "verdict": verdict, "reason": reason}  # fmt: skip
+
+
+# the evidence keys of a ratio (``exact_comparison``, ``repeat_comparison``): an exact one has a zero-width
+# interval, ``rounds`` 0 and ``confidence`` None (no sampling spread, nothing to be confident about)
+RATIO_KEYS = ("arms", "ratio", "ci_low", "ci_high", "rounds", "margin", "confidence", "direction")
+
+
+def exact_ratio(name_a: str, value_a: float, name_b: str, value_b: float, direction: str,
+                margin: float = SINGLE_RUN_TOLERANCE) -> dict[str, Any]:  # fmt: skip
+    """The ``RATIO_KEYS`` of an ``exact_comparison``: the ratio an analytic claim (decided by its own rule on exact
+    figures: bytes, counts, a deterministic model) carries in its evidence."""
+    c = exact_comparison(name_a, value_a, name_b, value_b, direction, margin)
+    return {k: c[k] for k in RATIO_KEYS}
 
 
 def exact_text(comparison: Mapping[str, Any]) -> str:
@@ -159,13 +180,88 @@ def ratio_text(comparison: Any) -> str:
 # ---------------------------------------------------------------- notebook 01: the two phases
 
 
-def prefill_compute_bound(prefill_rows: Sequence[Mapping[str, Any]], balance_point: float) -> dict[str, Any]:
+def repeat_comparison(
+    name_a: str, values_a: Sequence[float], name_b: str, values_b: Sequence[float], direction: str,
+    margin: float = SINGLE_RUN_TOLERANCE, confidence: float = 0.95,
+) -> dict[str, Any]:  # fmt: skip
+    """B against A from paired repeats that were not run as a ``trials.Rounds`` comparison (interleaved repeats of a
+    sweep, the ceiling probe's readings at the start and the end): ``{"arms", "ratio", "ci_low", "ci_high", "rounds",
+    "margin", "confidence", "direction", "interval", "verdict", "reason"}``, decided by the paired claims' rule on
+    the log-ratio interval (``trials.decide``). From ``trials.MIN_ROUNDS`` pairs on, the interval is the paired
+    rounds' Student-t one (``trials.compare``, at ``confidence``); with fewer (a t interval on under 3 degrees of
+    freedom is not taken) it is the pairs' own min..max, ``confidence`` None and ``interval`` "min..max". ``ratio``
+    is the geometric mean of the pairs' B/A either way."""
+    import math
+    import statistics
+
+    from workbench.experiments.trials import MIN_ROUNDS, DecisionRule, compare, decide
+
+    if not values_a or len(values_a) != len(values_b):
+        raise ValueError(f"repeat_comparison needs as many A as B values (>= 1), got {len(values_a)}, {len(values_b)}")
+    rule = DecisionRule(direction, margin, confidence)
+    if len(values_a) >= MIN_ROUNDS:
+        ratio, low, high, verdict, reason = compare(values_a, values_b, rule)
+        interval, conf = "t", confidence
+    else:
+        if any(v <= 0 for v in (*values_a, *values_b)):
+            raise ValueError("repeat_comparison: values must be positive (times, rates) for a log-ratio")
+        logs = [math.log(b / a) for a, b in zip(values_a, values_b)]
+        verdict, reason = decide(min(logs), max(logs), rule)
+        ratio, low, high = (math.exp(x) for x in (statistics.fmean(logs), min(logs), max(logs)))
+        interval, conf = "min..max", None
+    return {"arms": [name_a, name_b], "ratio": ratio, "ci_low": low, "ci_high": high, "rounds": len(values_a),
+            "margin": margin, "confidence": conf, "direction": direction, "interval": interval, "verdict": verdict,
+            "reason": reason}  # fmt: skip
+
+
+def interval_text(evidence: Mapping[str, Any]) -> str:
+    """'28.6x [25.1, 32.4] (95%, 4 pairs)': the ratio of a ``repeat_comparison`` (or any evidence with ``ratio``,
+    ``ci_low``, ``ci_high``) with its interval and what the interval is."""
+    if evidence.get("ratio") is None:
+        return "no ratio"
+    text = f"{evidence['ratio']:.3g}x"
+    if evidence.get("ci_low") is not None and evidence.get("ci_high") is not None:
+        text += f" [{evidence['ci_low']:.3g}, {evidence['ci_high']:.3g}]"
+    rounds = evidence.get("rounds")
+    if evidence.get("interval") == "min..max":
+        text += f" (min..max of {rounds} pair{'s' if rounds != 1 else ''})"
+    elif evidence.get("confidence") is not None and rounds:
+        text += f" ({evidence['confidence']:.0%}, {rounds} pairs)"
+    elif rounds == 0:
+        text += " (exact)"
+    return text
+
+
+def _against_ceilings(intensity: float, balance_point: float, balance_points: Sequence[float], direction: str,
+                      margin: float) -> dict[str, Any]:  # fmt: skip
+    """A step's arithmetic intensity over the balance point, the interval from the ceiling probe's readings (each
+    reading's peak / bandwidth: ``hygiene.balance_points``), or from the one ``balance_point`` when none."""
+    readings = [float(b) for b in balance_points] or [float(balance_point)]
+    return repeat_comparison("balance point", readings, "intensity", [float(intensity)] * len(readings), direction,
+                             margin)  # fmt: skip
+
+
+def _with_side(comparison: Mapping[str, Any], side: bool) -> str:
+    """A roofline claim's verdict: the intensity's side of the balance point (``comparison``) and the utilisation's
+    (``side``: MFU above MBU for prefill, MBU above MFU for decode) must both agree."""
+    if comparison["verdict"] == NOT_CONFIRMED or not side:
+        return NOT_CONFIRMED
+    return comparison["verdict"]
+
+
+def prefill_compute_bound(
+    prefill_rows: Sequence[Mapping[str, Any]], balance_point: float, balance_points: Sequence[float] = (),
+    margin: float = SINGLE_RUN_TOLERANCE,
+) -> dict[str, Any]:  # fmt: skip
     """Prefill is compute-bound: the longest prompt's step runs above the balance point, MFU above MBU (absolute
-    figures: voided by a flagged ceiling or drift)."""
+    figures: voided by a flagged ceiling or drift). The ratio is the step's intensity over the balance point, its
+    interval from the ceiling probe's readings (``balance_points``, start and end: ``hygiene.balance_points``),
+    decided higher by more than ``margin`` by the paired claims' rule (``repeat_comparison``)."""
     long = max(prefill_rows, key=lambda r: r["prompt_len"])
-    above = long["intensity"] > balance_point
+    cmp = _against_ceilings(long["intensity"], balance_point, balance_points, "higher", margin)
     compute_side = long["mfu"] > long["mbu"]
     evidence = {
+        **{k: v for k, v in cmp.items() if k != "verdict"},
         "prompt_len": long["prompt_len"],
         "intensity": long["intensity"],
         "balance_point": balance_point,
@@ -174,10 +270,10 @@ def prefill_compute_bound(prefill_rows: Sequence[Mapping[str, Any]], balance_poi
     }
     text = (
         f"a {long['prompt_len']}-token prefill ran at {long['intensity']:.1f} FLOP/byte against a balance point of "
-        f"{balance_point:.1f}, MFU {long['mfu']:.2f} against MBU {long['mbu']:.2f}"
+        f"{balance_point:.1f} ({interval_text(cmp)} of the ceiling readings' balance points, claimed higher by more "
+        f"than {_pct(margin)}), MFU {long['mfu']:.2f} against MBU {long['mbu']:.2f}"
     )
-    verdict = CONFIRMED if above and compute_side else NOT_CONFIRMED
-    return make_claim("Prefill is compute-bound", verdict, evidence, text, ("timing", "ceilings"))
+    return make_claim("Prefill is compute-bound", _with_side(cmp, compute_side), evidence, text, ("timing", "ceilings"))
 
 
 def prefill_sets_ttft(comparison: Any, short_len: int, long_len: int) -> dict[str, Any]:
@@ -188,16 +284,22 @@ def prefill_sets_ttft(comparison: Any, short_len: int, long_len: int) -> dict[st
                         short_len=short_len, long_len=long_len)  # fmt: skip
 
 
-def decode_bandwidth_bound(decode_rows: Sequence[Mapping[str, Any]], balance_point: float) -> dict[str, Any]:
-    """Decode is memory-bandwidth-bound (batch 1: intensity below the balance point, MBU above MFU) and sets ITL."""
+def decode_bandwidth_bound(
+    decode_rows: Sequence[Mapping[str, Any]], balance_point: float, balance_points: Sequence[float] = (),
+    margin: float = SINGLE_RUN_TOLERANCE,
+) -> dict[str, Any]:  # fmt: skip
+    """Decode is memory-bandwidth-bound (batch 1: intensity below the balance point, MBU above MFU) and sets ITL.
+    The ratio is the highest batch-1 intensity over the balance point, its interval from the ceiling probe's
+    readings (``balance_points``), decided lower by more than ``margin`` (``repeat_comparison``)."""
     b1 = sorted((r for r in decode_rows if r["batch"] == 1), key=lambda r: r["context_len"])
     if not b1:
         b1 = sorted(decode_rows, key=lambda r: (r["batch"], r["context_len"]))[:1]
     worst = max(b1, key=lambda r: r["intensity"])
-    below = all(r["intensity"] < balance_point for r in b1)
+    cmp = _against_ceilings(worst["intensity"], balance_point, balance_points, "lower", margin)
     bytes_side = all(r["mbu"] > r["mfu"] for r in b1)
     t = _row_span(b1[0])
     evidence = {
+        **{k: v for k, v in cmp.items() if k != "verdict"},
         "batch": b1[0]["batch"],
         "max_intensity": worst["intensity"],
         "balance_point": balance_point,
@@ -209,9 +311,10 @@ def decode_bandwidth_bound(decode_rows: Sequence[Mapping[str, Any]], balance_poi
     mfus = ", ".join(f"{r['mfu']:.3f}" for r in b1)
     text = (
         f"batch-{b1[0]['batch']} decode steps ran at up to {worst['intensity']:.2f} FLOP/byte against a balance point "
-        f"of {balance_point:.1f}, MBU {mbus} against MFU {mfus}; a step (the ITL) took {_fmt_span(t, 1e3)} ms"
+        f"of {balance_point:.1f} ({interval_text(cmp)} of the ceiling readings' balance points, claimed lower by more "
+        f"than {_pct(margin)}), MBU {mbus} against MFU {mfus}; a step (the ITL) took {_fmt_span(t, 1e3)} ms"
     )
-    verdict = CONFIRMED if below and bytes_side else NOT_CONFIRMED
+    verdict = _with_side(cmp, bytes_side)
     return make_claim("Decode is memory-bandwidth-bound and sets ITL", verdict, evidence, text, ("timing", "ceilings"))
 
 
@@ -240,10 +343,12 @@ def fewer_kv_heads_fewer_bytes(variants: Mapping[str, Mapping[str, float]]) -> d
         for k, v in rows
     )
     verdict = CONFIRMED if bytes_down and seqs_up and strictly else NOT_CONFIRMED
+    (most, a), (fewest, b) = rows[0], rows[-1]
+    ratio = exact_ratio(most, a["bytes_per_token"], fewest, b["bytes_per_token"], "lower")  # bytes per token
     return make_claim(
         "Fewer KV heads mean fewer bytes per token and more sequences that fit",
         verdict,
-        {k: dict(v) for k, v in rows},
+        {**ratio, **{k: dict(v) for k, v in rows}},
         text,
         (),
     )
@@ -265,7 +370,8 @@ def paging_wastes_less(contiguous_waste: float, paged_waste: float, block_size: 
         f"{paged_waste:.1%}"
     )
     verdict = CONFIRMED if paged_waste < contiguous_waste else NOT_CONFIRMED
-    evidence = {"contiguous_waste": contiguous_waste, "paged_waste": paged_waste, "block_size": block_size}
+    evidence = {**exact_ratio("contiguous", contiguous_waste, "paged", paged_waste, "lower"),
+                "contiguous_waste": contiguous_waste, "paged_waste": paged_waste, "block_size": block_size}  # fmt: skip
     return make_claim("Paged blocks waste less KV memory than contiguous slots", verdict, evidence, text, ())
 
 
@@ -391,25 +497,48 @@ def fewer_bytes_move_decode_not_prefill(
 ) -> dict[str, Any]:  # fmt: skip
     """The seed's contrast: the scheme that speeds batch-1 decode most does not speed prefill the same way.
 
-    Both lists are per scheme, the unquantized first, with ``speedup`` over it (and time spreads for prefill).
-    Confirmed when that scheme's decode speed-up exceeds 1 + ``tolerance`` while its prefill speed-up stays
-    below it; not confirmed when prefill gains as much as decode."""
+    Both lists are per scheme, the unquantized first, with ``speedup`` over it and ``times_s``, the interleaved
+    steps (decode) or repeats (prefill) in order, each paired across schemes (``levers.decode_schemes``,
+    ``levers.prefill_schemes``). Each phase's speed-up of that scheme over the first is a ``repeat_comparison`` of
+    those pairs (rate = 1 / time, claimed higher by more than ``tolerance``): the evidence's top-level ratio and
+    interval are decode's, ``prefill`` holds prefill's. Confirmed when decode's is confirmed and prefill's is not
+    (its interval excludes a gain beyond the margin); not confirmed when decode's is not confirmed or prefill's is
+    (prefill gains too); else inconclusive."""
     pre = {r["scheme"]: r for r in prefill_rows}
     best = max((r for r in decode_rows[1:] if r["scheme"] in pre), key=lambda r: r["speedup"])
-    p, b0 = pre[best["scheme"]], pre[decode_rows[0]["scheme"]]
+    base = decode_rows[0]
+    p, b0 = pre[best["scheme"]], pre[base["scheme"]]
+
+    def rates(row: Mapping[str, Any]) -> list[float]:
+        return [1.0 / t for t in row.get("times_s") or [row["time_s"]]]
+
+    def phase(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+        ra, rb = rates(a), rates(b)
+        n = min(len(ra), len(rb))
+        return repeat_comparison(a["scheme"], ra[:n], b["scheme"], rb[:n], "higher", tolerance)
+
+    dec, pf = phase(base, best), phase(b0, p)
     t_p, t_0 = _row_span(p), _row_span(b0)
     text = (
-        f"{best['scheme']} against {decode_rows[0]['scheme']}: decode {best['speedup']:.2f}x the tokens/s "
+        f"{best['scheme']} against {base['scheme']}: decode {interval_text(dec)} the tokens/s "
         f"({best['bytes_ratio']:.2f}x fewer bytes per step); prefill of {p['prompt_len']} tokens "
-        f"{_fmt_span(t_p, 1e3)} ms against {_fmt_span(t_0, 1e3)} ms ({p['speedup']:.2f}x)"
+        f"{_fmt_span(t_p, 1e3)} ms against {_fmt_span(t_0, 1e3)} ms ({interval_text(pf)} the speed; claimed: decode "
+        f"higher by more than {_pct(tolerance)}, prefill not)"
     )
-    if best["speedup"] > 1 + tolerance and p["speedup"] < 1 + tolerance:
+    if dec["verdict"] == CONFIRMED and pf["verdict"] == NOT_CONFIRMED:
         verdict = CONFIRMED
-    elif p["speedup"] >= best["speedup"]:
+    elif dec["verdict"] == NOT_CONFIRMED or pf["verdict"] == CONFIRMED:
         verdict = NOT_CONFIRMED
     else:
         verdict = INCONCLUSIVE
-    evidence = {"scheme": best["scheme"], "decode_speedup": best["speedup"], "prefill_speedup": p["speedup"]}
+    evidence = {
+        **{k: v for k, v in dec.items() if k != "verdict"},
+        "decode_verdict": dec["verdict"],
+        "prefill": pf,
+        "scheme": best["scheme"],
+        "decode_speedup": best["speedup"],
+        "prefill_speedup": p["speedup"],
+    }
     return make_claim("Fewer bytes move decode, not prefill", verdict, evidence, text, ("timing",))
 
 
@@ -423,7 +552,8 @@ def int4_costs_more_accuracy(accuracy: Sequence[Mapping[str, Any]]) -> dict[str,
         f"top-1 agreement {i4['top1_agreement']:.1%} (random weights: see the notebook)"
     )
     verdict = CONFIRMED if i4["kl"] > i8["kl"] and i4["top1_agreement"] <= i8["top1_agreement"] else NOT_CONFIRMED
-    evidence = {a["scheme"]: {"kl": a["kl"], "top1_agreement": a["top1_agreement"]} for a in (i8, i4)}
+    evidence = {**exact_ratio("int8", i8["kl"], i4["scheme"], i4["kl"], "higher"),  # KL divergence, deterministic
+                **{a["scheme"]: {"kl": a["kl"], "top1_agreement": a["top1_agreement"]} for a in (i8, i4)}}  # fmt: skip
     return make_claim("int4 weights cost more accuracy than int8", verdict, evidence, text, ())
 
 
@@ -453,7 +583,8 @@ VERDICT_TEXT = {CONFIRMED: "confirmed", NOT_CONFIRMED: "not confirmed", INCONCLU
 
 def claims_markdown(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Mapping[str, Any]] = ()) -> str:
     """The conclusion of a notebook: the anomalies first (the run is unreliable where they say), then each claim
-    with its verdict and the numbers behind it."""
+    with its verdict, its ratio with the interval (``interval_text``; a claim with no ratio says why: its evidence's
+    ``no_ratio``) and the numbers behind it."""
     lines = []
     if anomalies:
         lines.append(f"**Unreliable results**: the sanity checks flagged {len(anomalies)} problem(s):")
@@ -464,6 +595,10 @@ def claims_markdown(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Map
         ev = c.get("evidence", {})
         if PAIRED in c.get("uses", ()) and "ratio" in ev:
             verdict += f" · {ev['ratio']:.3g}x [{ev['ci_low']:.3g}, {ev['ci_high']:.3g}], {ev['rounds']} rounds"
+        elif ev.get("ratio") is not None:
+            verdict += f" · {interval_text(ev)}"
+        elif ev.get("no_ratio"):
+            verdict += f" · no ratio: {ev['no_ratio']}"
         if c.get("unreliable"):
             verdict += f" (unreliable; the numbers alone say {VERDICT_TEXT[c['verdict_from_numbers']]})"
         lines.append(f"- **{verdict}**: {c['claim']}. {c['detail'][:1].upper()}{c['detail'][1:]}.")
@@ -481,6 +616,10 @@ __all__ = [
     "order",
     "exact_comparison",
     "exact_text",
+    "exact_ratio",
+    "RATIO_KEYS",
+    "repeat_comparison",
+    "interval_text",
     "prefill_compute_bound",
     "decode_bandwidth_bound",
     "batching_raises_throughput",

@@ -32,6 +32,7 @@ from workbench.experiments.claims import (
     CONFIRMED,
     INCONCLUSIVE,
     NOT_CONFIRMED,
+    RATIO_KEYS,
     exact_comparison,
     exact_text,
     make_claim,
@@ -347,9 +348,10 @@ def removes_interference(comparison: Comparison) -> dict[str, Any]:
 
 
 def _exact_evidence(comparison: Mapping[str, Any], reason: str) -> dict[str, Any]:
-    """The top-level evidence keys of a claim decided on exact figures (``exact_comparison``): arms, ratio, margin,
-    direction and the reason of its verdict."""
-    return {k: comparison[k] for k in ("arms", "ratio", "margin", "direction")} | {"reason": reason}
+    """The top-level evidence keys of a claim decided on exact figures (``exact_comparison``): its ``RATIO_KEYS``
+    (arms, ratio, the zero-width interval, rounds 0, margin, confidence None, direction) and the reason of its
+    verdict."""
+    return {k: comparison[k] for k in RATIO_KEYS} | {"reason": reason}
 
 
 def _only_where(here: Mapping[str, Any], there: Mapping[str, Any], here_name: str, also_there: str) -> tuple[str, str]:
@@ -437,7 +439,8 @@ def tp_per_phase_pays(best: pd.DataFrame) -> dict[str, Any]:
     shows the gain (``equivalent`` when the best rate is within 10%, ``opposite`` when every rate is below)."""
     best = best.dropna(subset=["one_tp_goodput_per_gpu", "tp_per_phase_goodput_per_gpu"])
     if best.empty:
-        return make_claim("Prefill and decode want different tensor-parallel sizes", INCONCLUSIVE, {},
+        return make_claim("Prefill and decode want different tensor-parallel sizes", INCONCLUSIVE,
+                          {"no_ratio": "no rate had both kinds of layout to compare"},
                           "no rate had both kinds of layout", uses=("simulation",))  # fmt: skip
     comps = [exact_comparison(f"one TP ({r.one_tp_layout})", r.one_tp_goodput_per_gpu,
                               f"a TP per phase ({r.tp_per_phase_layout})", r.tp_per_phase_goodput_per_gpu, "higher")

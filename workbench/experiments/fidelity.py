@@ -189,7 +189,8 @@ def bimodal_split(values: Sequence[float]) -> dict[str, Any] | None:
 
 def compare(runs: Mapping[str, Sequence[Mapping]], simulated: Mapping[str, Mapping], label: str) -> list[dict]:
     """One row per policy and statistic: the measured repeats' min, median, max and ``spread``, the simulated
-    value, its ``rel_error`` against the median, the ``tolerance`` and whether it is ``within`` it; ``bimodal``:
+    value, its ``rel_error`` against the median, the ``tolerance``, whether it is ``within`` it and ``num_repeats``;
+    ``bimodal``:
     whether the repeats fall in two modes (``bimodal_split``), and then ``modes_ms``, ``typical_ms`` (the larger
     mode's median, None on a tie) and ``rel_error_typical`` (the simulated value against it, None on a tie)."""
     rows = []
@@ -204,7 +205,7 @@ def compare(runs: Mapping[str, Sequence[Mapping]], simulated: Mapping[str, Mappi
             row = {"model": label, "policy": policy, "statistic": f"{metric.removesuffix('_s')} {stat}",
                    "measured_min_ms": lo * 1e3, "measured_ms": mid * 1e3, "measured_max_ms": hi * 1e3,
                    "spread": spread, "simulated_ms": s * 1e3, "rel_error": err, "tolerance": tol,
-                   "within": abs(err) <= tol, "bimodal": False}  # fmt: skip
+                   "within": abs(err) <= tol, "bimodal": False, "num_repeats": len(values)}  # fmt: skip
             split = bimodal_split(values)
             if split is not None:
                 typical = split["typical"]
@@ -230,6 +231,18 @@ def runs_load(loads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"peak": peak, "cpus": cpus, "loaded": peak is not None and peak > cpus}
 
 
+def worst_ratio(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A compared statistic (a ``compare`` row) as a claim's ratio: simulated / measured median (1 + its
+    ``rel_error``), its interval the simulated value against the measured repeats' max and min (the ratio any one
+    repeat would have given), ``rounds`` the repeats, ``margin`` the statistic's tolerance, ``direction`` "within"
+    (the claim is that the ratio stays inside 1 +- margin); the verdict is ``fidelity_claim``'s, not decided here."""
+    sim, mid, lo, hi = (row[k] for k in ("simulated_ms", "measured_ms", "measured_min_ms", "measured_max_ms"))
+    return {"arms": ["measured", "simulated"], "ratio": sim / mid if mid > 0 else None,
+            "ci_low": sim / hi if hi > 0 else None, "ci_high": sim / lo if lo > 0 else None,
+            "rounds": row.get("num_repeats"), "margin": row["tolerance"], "confidence": None, "direction": "within",
+            "interval": "min..max", "of": f"{row['model']}: {row['policy']} {row['statistic']}"}  # fmt: skip
+
+
 def _loaded_miss(load: Mapping[str, Any] | None) -> str:
     return (f"; the measured runs shared the CPUs with other processes (load average up to {load['peak']:.2f} on "
             f"{load['cpus']} CPUs): a miss there is the machine's, not the cost model's to answer for, so it "
@@ -251,13 +264,14 @@ def fidelity_claim(
     a model measured before the runs or read from a file rests on the absolute step times of another time
     (``uses`` "timing"), which a drifting reference step does void. ``load`` (``runs_load``): when the runs were
     loaded beyond the machine's CPUs, a statistic outside its tolerance makes the claim inconclusive, not "not
-    confirmed" (a check of the machine, its load average, shows the runs were not the machine the models priced)."""
+    confirmed" (a check of the machine, its load average, shows the runs were not the machine the models priced).
+    The evidence's ratio and interval are the worst statistic's (``worst_ratio``)."""
     mine = [r for r in rows if r["model"] == label]
     worst = max(mine, key=lambda r: abs(r["rel_error"]))
     outside = [r for r in mine if not r["within"]]
     noisy = [r for r in mine if abs(r["rel_error"]) > FIDELITY_TOLERANCE and r["spread"] > NOISY_SPREAD]
     fitted_between = label.removesuffix(" noise") in interleaved
-    evidence = {"num_statistics": len(mine), "num_within": len(mine) - len(outside),
+    evidence = {**worst_ratio(worst), "num_statistics": len(mine), "num_within": len(mine) - len(outside),
                 "worst": {k: worst[k] for k in ("policy", "statistic", "rel_error", "tolerance")},
                 "max_spread": max(r["spread"] for r in mine), "num_noisy": len(noisy),
                 "fitted_between_runs": fitted_between,
@@ -302,7 +316,8 @@ def best_cost_model(
     tolerance, ties broken by the smaller worst error; confirmed when it holds all of them, not confirmed otherwise.
     The detail names it and every model's count, so the claim says which cost model was best. It ``uses`` what the
     best model's own claim uses (``fidelity_claim``: ``INTERLEAVED`` when fitted between the runs); with ``load``
-    (``runs_load``) loaded beyond the CPUs, a best model short of every statistic leaves it inconclusive."""
+    (``runs_load``) loaded beyond the CPUs, a best model short of every statistic leaves it inconclusive. The
+    evidence's ratio and interval are the best model's worst statistic's (``worst_ratio``)."""
     labels = list(dict.fromkeys(r["model"] for r in rows))
     if not labels:
         raise ValueError("best_cost_model needs compared rows")
@@ -315,8 +330,10 @@ def best_cost_model(
     counts = ", ".join(f"{k} {w}/{n}" for k, (w, n, _t) in scores.items())
     text = f"best: {best}, {within}/{total} statistics within (worst |error| {100 * worst:.1f}%); {counts}"
     claim = "The best cost model of this machine reproduces every policy's TTFT and ITL within 10% or the spread"
-    evidence = {"best": best, **{k: {"num_within": w, "num_statistics": n, "max_abs_rel_error": t}
-                                 for k, (w, n, t) in scores.items()}}  # fmt: skip
+    worst_row = max((r for r in rows if r["model"] == best), key=lambda r: abs(r["rel_error"]))
+    evidence = {**worst_ratio(worst_row), "best": best,
+                **{k: {"num_within": w, "num_statistics": n, "max_abs_rel_error": t}
+                   for k, (w, n, t) in scores.items()}}  # fmt: skip
     uses = (INTERLEAVED,) if best.removesuffix(" noise") in interleaved else ("timing",)
     if within < total and load is not None and load["loaded"]:
         return make_claim(claim, INCONCLUSIVE, {**evidence, "runs_load": dict(load)}, text + _loaded_miss(load), uses)
@@ -959,12 +976,25 @@ def step_breakdown(cost: Any, steps: Mapping[str, Any]) -> list[dict]:
 def overhead_claim(overhead: Mapping[str, Any]) -> dict[str, Any]:
     """ "The isolated operations alone underestimate an engine step here": from the op profile's overhead fit,
     confirmed when the summed operations are more than 10% below the measured steps on average, not confirmed
-    when they are more than 10% above, inconclusive within 10%."""
+    when they are more than 10% above, inconclusive within 10%. The evidence's ratio is the operations' sum over the
+    measured step on average (1 + the mean signed relative error), its interval the mean's Student-t one over the
+    steps (from the fit's ``ops_only_signed_rel_error_sd``; none from a profile fitted before it was kept)."""
+    import math
+
     from workbench.experiments.claims import SINGLE_RUN_TOLERANCE
+    from workbench.experiments.trials import t_quantile
 
     fit = overhead["fit"]
     bias = fit["ops_only_mean_signed_rel_error"]
-    evidence = {"ops_only_mean_signed_rel_error": bias, "ops_only_median_rel_error": fit["ops_only_median_rel_error"],
+    n, sd = fit["num_steps"] - fit.get("num_idle_steps", 0), fit.get("ops_only_signed_rel_error_sd")  # busy steps
+    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n) if sd is not None and n >= 4 else None
+    interval = "t" if half is not None else "none: a profile fitted without the errors' sd"
+    ratio = {"arms": ["engine step", "operations alone"], "ratio": 1 + bias,
+             "ci_low": None if half is None else 1 + bias - half, "ci_high": None if half is None else 1 + bias + half,
+             "rounds": n, "margin": SINGLE_RUN_TOLERANCE, "confidence": 0.95 if half is not None else None,
+             "direction": "lower", "interval": interval}  # fmt: skip
+    evidence = {**ratio, "ops_only_mean_signed_rel_error": bias,
+                "ops_only_median_rel_error": fit["ops_only_median_rel_error"],
                 "with_overhead_median_rel_error": fit["median_rel_error"], "num_steps": fit["num_steps"],
                 "coefficients": dict(overhead["coefficients"])}  # fmt: skip
     text = (f"over {fit['num_steps']} engine steps the summed operations are {100 * bias:+.1f}% off on average "
@@ -1044,6 +1074,8 @@ def published_claim(summary: Mapping[str, Mapping[str, float]]) -> dict[str, Any
             f"{100 * top:.1f}% (per source, median / largest: {per})")  # fmt: skip
     ok = med <= HELD_OUT_MEDIAN_TARGET and top <= HELD_OUT_MAX_TARGET
     evidence = {k: dict(v) for k, v in summary.items()}
+    evidence["no_ratio"] = ("error summaries against two fixed bars (median and largest |error|), not a comparison "
+                            "of two figures")  # fmt: skip
     return make_claim(claim, CONFIRMED if ok else NOT_CONFIRMED, evidence, text, uses=("published",))
 
 

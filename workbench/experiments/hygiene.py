@@ -159,6 +159,17 @@ def ceilings_summary(hw: Any, dtype: str = "fp32") -> dict[str, Any]:
     }
 
 
+def balance_points(record: Mapping[str, Any]) -> list[float]:
+    """The balance point (peak / bandwidth, FLOP/byte) of every ceiling reading of a hygiene ``record``
+    (``end_checks``'s, or ``start_checks``'s): each settled probe's readings, the start's then the end's; the
+    spread of the balance point a roofline claim is divided by (``claims.prefill_compute_bound``)."""
+    out = []
+    for key in ("ceilings_start", "ceilings_end"):
+        settle = (record.get(key) or {}).get("settle") or {}
+        out += [r["peak_flops_dtype"] / r["mem_bandwidth"] for r in settle.get("readings") or ()]
+    return out
+
+
 # ---------------------------------------------------------------- the reference step
 
 
@@ -387,6 +398,7 @@ __all__ = [
     "machine_state",
     "measure_ceilings_now",
     "settled_ceilings",
+    "balance_points",
     "reference_step",
     "start_checks",
     "end_checks",

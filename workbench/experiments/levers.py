@@ -7,9 +7,11 @@ the activation dtype, int8, fp8), timed against each other in one run, with what
   decode steps taken in turn (scheme A, B, C, A, B, C, ...: a shared machine's drift hits every scheme alike);
   per scheme the median step (with min and max), tokens/s, the bytes a step moves in that format
   (``workbench.bench.decode_step_bytes``), bytes/s, MBU against the measured read bandwidth, arithmetic intensity
-  and achieved FLOP/s (for the roofline), and the speed-up over the first scheme;
+  and achieved FLOP/s (for the roofline), the speed-up over the first scheme, and ``times_s``, the timed steps in
+  order (step i of every scheme ran in the same turn: paired repeats, ``claims.repeat_comparison``);
 - ``prefill_schemes``: the step that prefills one fresh prompt (the TTFT of a request that waits for nothing), in
-  the same interleaved way; fewer bytes per weight do not make a compute-bound step faster;
+  the same interleaved way (``times_s`` the repeats in order, paired across schemes); fewer bytes per weight do
+  not make a compute-bound step faster;
 - ``accuracy_schemes``: logits against the unquantized model (``workbench.model.accuracy``);
 - ``kv_capacity``: sequences of a context length that fit in a KV budget under each KV dtype (the one planner,
   ``workbench.kv.sizing.plan_num_blocks``, which counts int8's scales);
@@ -167,7 +169,7 @@ def decode_schemes(
                 "bytes_per_token": moved["bytes"] / batch, "achieved_bytes_per_s": moved["bytes"] / t["time_s"],
                 "mbu": memory_bandwidth_utilization(moved["bytes"], t["time_s"], hw), "flops": flops,
                 "intensity": flops / moved["bytes"], "achieved_flops_per_s": flops / t["time_s"], "steps": steps,
-                "compiled_decode": compile_decode,
+                "compiled_decode": compile_decode, "times_s": list(times[s]),
             }  # fmt: skip
             base = base or row
             row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -283,7 +285,8 @@ def prefill_schemes(
             cfg = models[s.weights_key].config
             flops = step_work(cfg, s.dtype, prefill_chunks=[(n, 0)]).flops
             t = spread_row(times[s])
-            row = {"scheme": s.label, "prompt_len": n, **t, "flops": flops, "achieved_flops_per_s": flops / t["time_s"]}
+            row = {"scheme": s.label, "prompt_len": n, **t, "flops": flops, "achieved_flops_per_s": flops / t["time_s"],
+                   "times_s": list(times[s])}  # fmt: skip
             base = base or row
             row["speedup"] = base["time_s"] / row["time_s"]
             rows.append(row)

@@ -19,7 +19,7 @@ import torch
 
 from workbench.config import ModelConfig, dtype_bytes
 from workbench.errors import ConfigError
-from workbench.experiments.claims import CONFIRMED, NOT_CONFIRMED, make_claim
+from workbench.experiments.claims import CONFIRMED, NOT_CONFIRMED, exact_ratio, make_claim
 from workbench.hardware import HardwareSpec
 from workbench.kv.sizing import attention_variants
 from workbench.roofline import expected_distinct_experts, moe_decode_cost
@@ -135,7 +135,10 @@ def mla_caches_less_than_gqa(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return make_claim(
         "MLA caches fewer bytes per token than MHA and GQA",
         CONFIRMED if ok else NOT_CONFIRMED,
-        {r["kind"]: dict(r) for r in rows},
+        {
+            **exact_ratio("GQA", by["GQA"]["bytes_per_token"], "MLA", mla["bytes_per_token"], "lower"),
+            **{r["kind"]: dict(r) for r in rows},
+        },  # fmt: skip
         text,
         (),
     )
@@ -154,10 +157,28 @@ def moe_bytes_per_seq_fall_with_batch(rows: Sequence[dict[str, Any]]) -> dict[st
     return make_claim(
         "MoE decode reads more experts as the batch grows, fewer bytes per sequence",
         CONFIRMED if grow and fall else NOT_CONFIRMED,
-        {"rows": [dict(r) for r in rows]},
+        {  # the ratio: bytes per sequence, the largest batch against the smallest
+            **exact_ratio(
+                f"batch {first['batch']}",
+                first["bytes_per_seq"],
+                f"batch {last['batch']}",
+                last["bytes_per_seq"],
+                "lower",
+            ),
+            "rows": [dict(r) for r in rows],
+        },  # fmt: skip
         text,
         (),
     )
+
+
+def _worst_expert_ratio(rows: Sequence[dict[str, Any]], errors: Sequence[float], tolerance: float) -> dict[str, Any]:
+    """The worst row's measured / expected distinct experts as the claim's ratio: exact (the routers' counts of
+    seeded inputs), ``direction`` "within" 1 +- ``tolerance``."""
+    r = rows[max(range(len(errors)), key=errors.__getitem__)]
+    ratio = r["measured_experts"] / r["expected_experts"]
+    return {"arms": ["expected", "measured"], "ratio": ratio, "ci_low": ratio, "ci_high": ratio, "rounds": 0,
+            "margin": tolerance, "confidence": None, "direction": "within", "of": f"B={r['batch']}"}  # fmt: skip
 
 
 def distinct_experts_as_predicted(rows: Sequence[dict[str, Any]], tolerance: float = 0.25) -> dict[str, Any]:
@@ -171,7 +192,7 @@ def distinct_experts_as_predicted(rows: Sequence[dict[str, Any]], tolerance: flo
     return make_claim(
         "Distinct experts per decode step follow E(1-(1-k/E)^B)",
         CONFIRMED if worst <= tolerance else NOT_CONFIRMED,
-        {"relative_errors": errors},
+        {**_worst_expert_ratio(rows, errors, tolerance), "relative_errors": errors},
         text,
         (),
     )

@@ -27,6 +27,7 @@ from workbench.experiments.claims import (
     CONFIRMED,
     INCONCLUSIVE,
     NOT_CONFIRMED,
+    RATIO_KEYS,
     exact_comparison,
     exact_text,
     make_claim,
@@ -121,7 +122,8 @@ def tp_cuts_latency_with_growing_comm(sweep: pd.DataFrame, model: str) -> dict[s
     g = sweep[(sweep.model == model) & sweep.fits].sort_values("tp")
     if len(g) < 2:
         return make_claim(f"More TP cuts {model}'s ITL, with a growing communication share", INCONCLUSIVE,
-                          {"tps": list(g.tp)}, "fewer than two tensor-parallel sizes fit", uses=("model",))  # fmt: skip
+                          {"tps": list(g.tp), "no_ratio": "fewer than two tensor-parallel sizes fit"},
+                          "fewer than two tensor-parallel sizes fit", uses=("model",))  # fmt: skip
     lo, hi = g.iloc[0], g.iloc[-1]
     faster = exact_comparison(f"TP {int(lo.tp)}", lo.itl_s, f"TP {int(hi.tp)}", hi.itl_s, "lower")
     comm_grows = bool(hi.itl_comm_share > lo.itl_comm_share)
@@ -129,8 +131,7 @@ def tp_cuts_latency_with_growing_comm(sweep: pd.DataFrame, model: str) -> dict[s
     reason = faster["reason"] if faster["verdict"] != CONFIRMED else (
         "beyond the margin in the claimed direction" if comm_grows else "the communication share does not grow"
     )  # fmt: skip
-    evidence = {"arms": faster["arms"], "ratio": faster["ratio"], "margin": faster["margin"],
-                "direction": faster["direction"], "reason": reason, "tp_small": int(lo.tp), "tp_large": int(hi.tp),
+    evidence = {**{k: faster[k] for k in RATIO_KEYS}, "reason": reason, "tp_small": int(lo.tp), "tp_large": int(hi.tp),
                 "itl_ms_small": lo.itl_s * 1e3, "itl_ms_large": hi.itl_s * 1e3, "comm_share_small": lo.itl_comm_share,
                 "comm_share_large": hi.itl_comm_share}  # fmt: skip
     detail = (
@@ -157,7 +158,7 @@ def decode_gains_less_from_tp(prefs: pd.DataFrame, model: str) -> dict[str, Any]
     detail = (f"TP {int(p.loc['prefill', 'smallest_tp'])} -> {int(p.loc['prefill', 'largest_tp'])}: prefill "
               f"{pre:.2f}x faster, decode {dec:.2f}x{tail}; prefill/decode {exact_text(c)}")  # fmt: skip
     evidence = {"prefill_speedup": pre, "decode_speedup": dec,
-                **{k: c[k] for k in ("arms", "ratio", "margin", "direction", "reason")}}  # fmt: skip
+                **{k: c[k] for k in (*RATIO_KEYS, "reason")}}  # fmt: skip
     return make_claim(f"{model}'s decode gains less from tensor parallelism than its prefill", verdict, evidence,
                       detail, uses=("model",))  # fmt: skip
 
@@ -171,8 +172,10 @@ def plan_has_a_tradeoff(front: pd.DataFrame, rows: pd.DataFrame) -> dict[str, An
     detail = (f"{n} of {len(rows)} simulated deployments on the Pareto front"
               + (f"; most goodput per GPU: {best['name']} ({best.goodput_per_gpu:.2f} req/s/GPU)" if best is not None
                  else ""))  # fmt: skip
+    no_ratio = "a count of deployments on a four-axis Pareto front, not a comparison of two figures"
     return make_claim("No single deployment wins on every axis of the capacity plan", verdict,
-                      {"pareto_size": n, "num_deployments": len(rows)}, detail, uses=("simulation",))  # fmt: skip
+                      {"pareto_size": n, "num_deployments": len(rows), "no_ratio": no_ratio}, detail,
+                      uses=("simulation",))  # fmt: skip
 
 
 __all__ = ["capacity_plan", "decode_gains_less_from_tp", "phase_preferences", "plan_has_a_tradeoff",

@@ -2,10 +2,11 @@
 
 A claim row has one verdict label (confirmed | not confirmed | inconclusive) beside the numbers that decided it:
 for a claim decided by paired rounds, its ``evidence``'s ``ratio`` with the interval ``ci_low``..``ci_high``, the
-``rounds``, the ``margin`` and ``confidence`` of its rule and its A/A ``control``; an analytic claim has none of
-these and shows its detail alone. An inconclusive claim says what would decide it (more rounds, a quieter
-machine), and a claim voided by the sanity checks (``unreliable``) says why in its note, with the verdict its
-numbers alone gave, rather than in a second label.
+``rounds``, the ``margin`` and ``confidence`` of its rule and its A/A ``control``; a ratio of exact figures (an
+analytic or simulated claim: ``rounds`` 0) is marked "exact", one whose interval is its repeats' min..max says so,
+and a claim with no natural ratio shows its evidence's ``no_ratio`` (why) in the ratio's place. An inconclusive
+claim says what would decide it (more rounds, a quieter machine), and a claim voided by the sanity checks
+(``unreliable``) says why in its note, with the verdict its numbers alone gave, rather than in a second label.
 
 A key result row is ``workbench.record.result_row``'s: a bare value with the unit its name gives it, or a structured
 one (``record.result``) with its unit, its spread and the conditions it was measured at.
@@ -46,7 +47,7 @@ def claim_row(claim: Mapping[str, Any], experiment: str = "") -> dict[str, Any]:
     """One claim as a table row: ``verdict`` (its one label) and ``verdict_text``, the ``ratio`` and interval of
     its paired rounds when its evidence has them (``ratio_text`` 'B/A 5.87× [5.2, 6.6]'), ``rounds``,
     ``margin_text``, ``control_text``, a ``note`` (why it is unreliable, what would decide it) and its
-    ``detail``; numbers are None where the evidence has none (an analytic claim)."""
+    ``detail``; numbers are None where the evidence has none (a claim with ``no_ratio``: ``ratio_text`` says why)."""
     evidence = claim.get("evidence") if isinstance(claim.get("evidence"), Mapping) else {}
     verdict = str(claim.get("verdict", "?"))
     ratio, lo, hi = (number(evidence.get(k)) for k in ("ratio", "ci_low", "ci_high"))
@@ -58,10 +59,16 @@ def claim_row(claim: Mapping[str, Any], experiment: str = "") -> dict[str, Any]:
     ratio_text = ""
     if ratio is not None:
         ratio_text = f"{ratio:.3g}×"
-        if lo is not None and hi is not None:
+        if rounds == 0:
+            ratio_text += " exact"  # a zero-width interval: the ratio itself
+        elif lo is not None and hi is not None:
             ratio_text += f" [{lo:.3g}, {hi:.3g}]"
+        if rounds != 0 and evidence.get("interval") == "min..max":
+            ratio_text += f" min..max of {rounds}" if rounds else " min..max"
         if isinstance(arms, Sequence) and not isinstance(arms, str) and len(arms) == 2:
             ratio_text = f"{arms[1]} / {arms[0]}: {ratio_text}"
+    elif evidence.get("no_ratio"):
+        ratio_text = f"no ratio: {evidence['no_ratio']}"
     margin_text = ""
     if margin is not None:
         direction = evidence.get("direction")

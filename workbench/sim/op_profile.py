@@ -394,6 +394,9 @@ def fit_overhead(
             "num_outliers": int(busy.sum() - keep.sum()),
             "ops_only_median_rel_error": float(np.median(rel_ops)),
             "ops_only_mean_signed_rel_error": float(np.mean((ops_s[busy] - y[busy]) / y[busy])),
+            "ops_only_signed_rel_error_sd": float(np.std((ops_s[busy] - y[busy]) / y[busy], ddof=1))
+            if busy.sum() > 1
+            else None,
             "median_rel_error": float(np.median(rel_fit)),
             "p90_rel_error": float(np.percentile(rel_fit, 90)),
         },  # fmt: skip

@@ -36,6 +36,16 @@ def test_reseed_arrivals_keeps_the_requests_and_draws_new_arrivals():
     assert reseed_arrivals(offline, 7) == offline
 
 
+def test_reseed_arrivals_at_a_given_rate_spreads_the_same_draws():
+    reqs = [Request(i, 1.0 + 0.5 * i, 10 + i, 3 + i) for i in range(5)]  # the slice's own rate: 2 requests/s
+    own, slower = reseed_arrivals(reqs, 3), reseed_arrivals(reqs, 3, rate=0.5)
+    # the same exponential draws divided by a rate 4x lower: every gap from the first arrival is 4x longer
+    for a, b in zip(own[1:], slower[1:]):
+        assert b.arrival_time_s - 1.0 == pytest.approx(4 * (a.arrival_time_s - 1.0))
+    with pytest.raises(ConfigError, match="rate must be > 0"):
+        reseed_arrivals(reqs, 3, rate=0.0)
+
+
 def test_policy_trial_replays_one_slice_per_round_under_both_policies(model):
     reqs = [Request(i, 0.002 * i, 6 + i, 3) for i in range(3)]
     cfgs = {p: EngineConfig(policy=p, max_model_len=64, max_num_seqs=2) for p in ("static", "continuous")}
@@ -63,6 +73,9 @@ def test_long_prompt_trial_gives_stall_and_ttft_from_the_same_rounds(model):
     assert all(set(r) == {"stall_ms", "long_ttft_ms", "itl_p99_ms"} for recs in cmp.records.values() for r in recs)
     ttft = cmp.on("long_ttft_ms", DecisionRule("higher", 0.10))
     assert ttft.rule.direction == "higher" and len(ttft.values["chunked"]) == 6
+    by_ttft = long_prompt_trial(model, cfgs, ROUNDS, metric="long_ttft_ms", direction="higher", seed=5, **kw)
+    assert by_ttft.rule == DecisionRule("higher", 0.10)
+    assert by_ttft.values["chunked"] == [r["long_ttft_ms"] for r in by_ttft.records["chunked"]]
 
 
 def test_phase_and_lever_trials_run_their_arms(model):

@@ -20,6 +20,7 @@ import pandas as pd
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine, RunResult
 from workbench.engine.metrics import requests_to_dataframe
+from workbench.errors import ConfigError
 from workbench.experiments.trials import LATENCY_MARGIN, Comparison, DecisionRule, Rounds
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
@@ -188,14 +189,17 @@ def budget_sweep(
 # ---------------------------------------------------------------- paired rounds
 
 
-def reseed_arrivals(requests: Sequence[Request], seed: int) -> list[Request]:
-    """The same requests (lengths, ids, order) with Poisson arrivals drawn from ``seed`` at the slice's own mean
-    rate, starting at its first arrival: one round's workload of a serving trial. A slice whose requests all arrive
-    at once (an offline batch) is returned unchanged."""
+def reseed_arrivals(requests: Sequence[Request], seed: int, rate: float | None = None) -> list[Request]:
+    """The same requests (lengths, ids, order) with Poisson arrivals drawn from ``seed`` at ``rate`` requests/s
+    (default: the slice's own mean rate), starting at its first arrival: one round's workload of a serving trial. A
+    slice whose requests all arrive at once (an offline batch) is returned unchanged."""
+    if rate is not None and not rate > 0:
+        raise ConfigError(f"arrival rate must be > 0 requests/s (or None: the slice's own), got {rate}")
     reqs = sorted(requests, key=lambda r: r.arrival_time_s)
     if len(reqs) < 2 or reqs[-1].arrival_time_s <= reqs[0].arrival_time_s:
         return list(reqs)
-    rate = (len(reqs) - 1) / (reqs[-1].arrival_time_s - reqs[0].arrival_time_s)
+    if rate is None:
+        rate = (len(reqs) - 1) / (reqs[-1].arrival_time_s - reqs[0].arrival_time_s)
     gaps = gamma_arrivals(len(reqs) - 1, rate, 1.0, np.random.default_rng([abs(seed), 1 if seed < 0 else 0]))
     times = [reqs[0].arrival_time_s] + [reqs[0].arrival_time_s + g for g in gaps]
     return [replace(r, arrival_time_s=t) for r, t in zip(reqs, times)]
@@ -207,14 +211,16 @@ def serving_arm(
     requests: Sequence[Request],
     slos: Mapping[str, float | None] | None = None,
     seed: int = 0,
+    rate: float | None = None,
 ) -> Callable[[int], dict[str, float]]:
     """An arm of paired rounds: one trial replays ``requests`` with the round's arrivals (``reseed_arrivals`` with
-    ``seed`` + round) on a fresh engine of ``config`` and returns ``summary_row``'s numbers (ms, tokens/s)."""
+    ``seed`` + round, at ``rate``) on a fresh engine of ``config`` and returns ``summary_row``'s numbers (ms,
+    tokens/s)."""
 
     def trial(index: int) -> dict[str, float]:
         engine = engine_for(model, config)
         try:
-            result = engine.replay(reseed_arrivals(requests, seed + index))
+            result = engine.replay(reseed_arrivals(requests, seed + index, rate))
         finally:
             engine.shutdown()
         row = summary_row("", result, **(slos or {}))
@@ -232,11 +238,17 @@ def policy_trial(
     direction: str = "lower",
     margin: float = LATENCY_MARGIN,
     slos: Mapping[str, float | None] | None = None,
+    rate: float | None = None,
 ) -> Comparison:
     """Two configurations (A, B: ``configs`` in order) serving the same slice of ``requests``, paired rounds with
-    fresh arrivals per round, decided on ``metric`` (a ``summary_row`` key) being ``direction`` for B by more than
-    ``margin``; ``Comparison.on`` reads the rounds' other figures."""
-    arms = {label: serving_arm(model, cfg, requests, slos, rounds.seed) for label, cfg in configs.items()}
+    fresh arrivals per round (at ``rate`` requests/s; default the slice's own mean rate), decided on ``metric`` (a
+    ``summary_row`` key) being ``direction`` for B by more than ``margin``; ``Comparison.on`` reads the rounds'
+    other figures.
+
+    A slice whose arrivals are dense against the engine's speed arrives whole before the first step ends on a slow
+    (busy) machine, and the policies then serve the same single batch: give a ``rate`` at which the requests arrive
+    while earlier ones are still being served."""
+    arms = {label: serving_arm(model, cfg, requests, slos, rounds.seed, rate) for label, cfg in configs.items()}
     return rounds.run(arms, DecisionRule(direction, margin), metric=metric)
 
 
@@ -259,13 +271,14 @@ def long_prompt_arm(model: Transformer, config: EngineConfig, **scenario: Any) -
 
 def long_prompt_trial(
     model: Transformer, configs: Mapping[str, EngineConfig], rounds: Rounds, margin: float = LATENCY_MARGIN,
-    **scenario: Any,
+    metric: str = "stall_ms", direction: str = "lower", **scenario: Any,
 ) -> Comparison:  # fmt: skip
     """The long-prompt scenario under two configurations (A: one-step prefill, B: chunked), paired rounds,
-    decided on the stall (B lower by more than ``margin``); ``.on("long_ttft_ms", ...)`` decides the TTFT price
-    from the same rounds."""
+    decided on ``metric`` (default the stall: B lower by more than ``margin``; or ``long_ttft_ms``, "higher": the
+    TTFT price, the smaller effect, so that the rounds go on until it is decided too); ``.on(...)`` decides the
+    other figures from the same rounds."""
     arms = {label: long_prompt_arm(model, cfg, **scenario) for label, cfg in configs.items()}
-    return rounds.run(arms, DecisionRule("lower", margin), metric="stall_ms")
+    return rounds.run(arms, DecisionRule(direction, margin), metric=metric)
 
 
 def round_medians(comparison: Comparison, control: bool = False) -> list[dict[str, Any]]:

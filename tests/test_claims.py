@@ -257,8 +257,39 @@ def test_index_shows_the_running_experiment_verdicts_and_anomalies() -> None:
     page = render_run_index(manifest, {})
     assert "running second" in page and ">running<" in page and ">pending<" in page and "Not run" not in page
     assert "1 confirmed" in page and "Unreliable" in page and "+60%" in page
-    timed = C.apply_anomalies([C.prefill_compute_bound([_prefill(256, 0.1)], 10.0)], flagged)
+    # a claim on a time and a ceiling, both flagged (a drift alone leaves this 25x effect decided: drift_bound)
+    moved = flagged + H.check_ceilings({"peak_flops": 0.35})
+    timed = C.apply_anomalies([C.prefill_compute_bound([_prefill(256, 0.1)], 10.0)], moved)
     manifest["experiments"][0]["metrics"]["claims"] = timed
     assert "numbers alone: confirmed" in render_run_index(manifest, {})
     assert "1,235" in page and "12,000" in page  # one number format per column
     assert 'src="first/figures/a.png"' in page
+
+
+def test_a_drift_voids_only_the_claims_it_could_have_turned() -> None:
+    """A claim on times measured at different moments, flagged by a reference step that got 59% slower: its
+    interval widened by x1.59 (lows divided, highs multiplied) still decides an effect far beyond its margin, so it
+    keeps its verdict; an effect the drift could have made or hidden goes inconclusive; any other anomaly voids."""
+    drift = H.check_drift({"prefill": 0.59})
+    far = C.make_claim("far", "confirmed", {"ratio": 0.365, "ci_low": 0.36, "ci_high": 0.37, "margin": 0.1,
+                                            "direction": "lower"}, "ops 0.365x of a step")  # fmt: skip
+    near = C.make_claim("near", "confirmed", {"ratio": 0.82, "ci_low": 0.80, "ci_high": 0.85, "margin": 0.1,
+                                              "direction": "lower"}, "0.82x")  # fmt: skip
+    within = C.make_claim("within", "confirmed", {"ratio": 0.95, "ci_low": 0.9, "ci_high": 1.05, "margin": 0.1,
+                                                  "direction": "within"}, "a fidelity claim")  # fmt: skip
+    held, voided, fidelity = C.apply_anomalies([far, near, within], drift)
+    # by hand: 0.37 * 1.59 = 0.5883 < 1 / 1.1 = 0.909 -> still lower by more than 10%
+    assert held["verdict"] == "confirmed" and not held.get("unreliable")
+    bound = held["evidence"]["drift_bound"]
+    assert bound["factor"] == pytest.approx(1.59) and bound["ci_high"] == pytest.approx(0.5883)
+    assert bound["ci_low"] == pytest.approx(0.36 / 1.59) and "widened by the machine's drift" in held["detail"]
+    # 0.85 * 1.59 = 1.35 straddles the margin: the drift could have made this effect
+    assert voided["verdict"] == "inconclusive" and voided["verdict_from_numbers"] == "confirmed"
+    assert fidelity["verdict"] == "inconclusive"  # a 'within' claim has no direction to widen against
+    # a machine that got faster by 40% bounds the bias at 1 / 0.6
+    faster = C.drift_bound(far, H.check_drift({"decode": -0.4}))
+    assert faster["factor"] == pytest.approx(1 / 0.6) and faster["verdict"] == "confirmed"
+    # a moving ceiling is not a drift of the machine's speed: on a claim divided by a ceiling the veto stays
+    on_ceiling = {**far, "uses": ["timing", "ceilings"]}
+    flagged = C.apply_anomalies([on_ceiling], drift + H.check_ceilings({"peak_flops": 0.35}))[0]
+    assert flagged["verdict"] == "inconclusive" and flagged["unreliable"]

@@ -17,7 +17,8 @@ machine's ("timing": a measured time; "ceilings": a figure divided by a measured
 *confirmed* when the numbers support the claim beyond their spread (min..max of the repeats), *not confirmed* when
 they contradict it, *inconclusive* within the noise, and ``apply_anomalies`` turns every such claim resting on
 something a sanity check flagged (a drifting reference step, a moving ceiling) into *inconclusive*, marked
-unreliable, keeping what the numbers alone would have said.
+unreliable, keeping what the numbers alone would have said; a claim flagged only by the drift whose interval,
+widened by the drift's factor, still gives its verdict keeps it (``drift_bound``).
 
 Every claim's ``evidence`` carries a ratio with its interval (``RATIO_KEYS``: ``ratio``, ``ci_low``, ``ci_high``,
 ``rounds``, ``margin``, ``confidence``): a paired claim its rounds'; an analytic one an exact ratio
@@ -557,19 +558,71 @@ def int4_costs_more_accuracy(accuracy: Sequence[Mapping[str, Any]]) -> dict[str,
     return make_claim("int4 weights cost more accuracy than int8", verdict, evidence, text, ())
 
 
+def drift_bound(claim: Mapping[str, Any], anomalies: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """A claim's interval widened by the machine's own drift, and the verdict of the claim's rule on it; None
+    unless every one of ``anomalies`` is a reference step's drift (``hygiene.check_drift``: ``value``, the relative
+    change of the step's median from start to end) and the claim has a ratio interval with a direction.
+
+    Two times measured at different moments (operations timed before the runs, a pair run after the profiles) can
+    be biased by as much as the machine's speed moved between them: by the factor ``1 + value`` for a step that got
+    slower, ``1 / (1 + value)`` for one that got faster, the largest over ``anomalies``. Dividing the interval's low
+    end and multiplying its high end by that factor bounds what the drift could have done, as far as the reference
+    steps at the start and the end see it. ``{"factor", "ci_low", "ci_high", "verdict", "reason"}``."""
+    import math
+
+    from workbench.experiments.trials import DIRECTIONS, DecisionRule, decide
+
+    evidence = claim.get("evidence") or {}
+    low, high, margin = (evidence.get(k) for k in ("ci_low", "ci_high", "margin"))
+    numbers = (low, high, margin)
+    if (
+        not anomalies
+        or evidence.get("direction") not in DIRECTIONS
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in numbers)
+    ):
+        return None
+    factors = []
+    for a in anomalies:
+        value = a.get("value")
+        if a.get("check") != "reference_drift" or not isinstance(value, (int, float)) or not 1 + value > 0:
+            return None
+        factors.append(1 + value if value >= 0 else 1 / (1 + value))
+    if not 0 < margin < 1:
+        return None
+    factor = max(factors)
+    low, high = low / factor, high * factor
+    verdict, reason = decide(math.log(low), math.log(high), DecisionRule(evidence["direction"], margin))
+    return {"factor": factor, "ci_low": low, "ci_high": high, "verdict": verdict, "reason": reason}
+
+
 def apply_anomalies(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """Claims with every one that rests on a flagged quantity turned *inconclusive* and marked ``unreliable``.
+    """Claims with every one that rests on a flagged quantity turned *inconclusive* and marked ``unreliable``,
+    unless the flag is the machine's drift alone and the claim's verdict survives it (``drift_bound``).
 
     The verdict the numbers alone gave stays in ``verdict_from_numbers``; ``unreliable_because`` lists the
     anomalies' messages. A paired claim (``uses`` ("paired",)) is never touched: its own A/A control decides
-    whether its rounds were comparable.
+    whether its rounds were comparable. A claim flagged only by a drifting reference step whose interval, widened
+    by that drift, still gives its decided verdict keeps it: the evidence's ``drift_bound`` holds the widened
+    interval and ``held_despite`` the anomalies' messages (an effect larger than anything the drift could make).
     """
     out = []
     for c in claims:
         c = dict(c)
         uses = [u for u in c.get("uses", ()) if u != PAIRED]
-        hits = [a["message"] for a in anomalies if a.get("affects") in uses]
-        if hits:
+        flagged = [a for a in anomalies if a.get("affects") in uses]
+        if not flagged:
+            out.append(c)
+            continue
+        hits = [a["message"] for a in flagged]
+        bound = drift_bound(c, flagged) if c["verdict"] != INCONCLUSIVE else None
+        if bound is not None and bound["verdict"] == c["verdict"]:
+            c["evidence"] = {**c.get("evidence", {}), "drift_bound": bound}
+            c["held_despite"] = hits
+            c["detail"] = (
+                f"{c.get('detail', '')}; holds with its interval widened by the machine's drift "
+                f"(x{bound['factor']:.2f}: [{bound['ci_low']:.3g}, {bound['ci_high']:.3g}])"
+            )
+        else:
             c["verdict_from_numbers"] = c["verdict"]
             c["verdict"] = INCONCLUSIVE
             c["unreliable"] = True
@@ -634,6 +687,7 @@ __all__ = [
     "fewer_kv_bytes_faster_long_decode",
     "fewer_bytes_move_decode_not_prefill",
     "int4_costs_more_accuracy",
+    "drift_bound",
     "apply_anomalies",
     "claims_markdown",
 ]

@@ -574,22 +574,16 @@ def drift_bound(claim: Mapping[str, Any], anomalies: Sequence[Mapping[str, Any]]
 
     evidence = claim.get("evidence") or {}
     low, high, margin = (evidence.get(k) for k in ("ci_low", "ci_high", "margin"))
-    numbers = (low, high, margin)
-    if (
-        not anomalies
-        or evidence.get("direction") not in DIRECTIONS
-        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in numbers)
+    if not anomalies or evidence.get("direction") not in DIRECTIONS:
+        return None
+    if not all(isinstance(x, (int, float)) and x > 0 for x in (low, high, margin)) or margin >= 1:
+        return None
+    values = [a.get("value") for a in anomalies]
+    if any(a.get("check") != "reference_drift" for a in anomalies) or not all(
+        isinstance(v, (int, float)) and v > -1 for v in values
     ):
         return None
-    factors = []
-    for a in anomalies:
-        value = a.get("value")
-        if a.get("check") != "reference_drift" or not isinstance(value, (int, float)) or not 1 + value > 0:
-            return None
-        factors.append(1 + value if value >= 0 else 1 / (1 + value))
-    if not 0 < margin < 1:
-        return None
-    factor = max(factors)
+    factor = max(1 + v if v >= 0 else 1 / (1 + v) for v in values)
     low, high = low / factor, high * factor
     verdict, reason = decide(math.log(low), math.log(high), DecisionRule(evidence["direction"], margin))
     return {"factor": factor, "ci_low": low, "ci_high": high, "verdict": verdict, "reason": reason}

@@ -378,7 +378,8 @@ def fit_overhead(
         keep = busy
     pred = np.maximum(pred, 0.1 * ops_s)
     idle_step_s = float(np.median(y[idle] - pred[idle])) if idle.any() else 0.0
-    rel_ops = np.abs(ops_s[busy] - y[busy]) / y[busy]
+    signed_ops = (ops_s[busy] - y[busy]) / y[busy]  # the summed operations against each busy step
+    rel_ops = np.abs(signed_ops)
     rel_fit = np.abs(pred[busy] - y[busy]) / y[busy]
     return {
         "coefficients": {f: float(c) for f, c in zip(OVERHEAD_FEATURES, coef)},
@@ -393,10 +394,8 @@ def fit_overhead(
             "num_idle_steps": int(idle.sum()),
             "num_outliers": int(busy.sum() - keep.sum()),
             "ops_only_median_rel_error": float(np.median(rel_ops)),
-            "ops_only_mean_signed_rel_error": float(np.mean((ops_s[busy] - y[busy]) / y[busy])),
-            "ops_only_signed_rel_error_sd": float(np.std((ops_s[busy] - y[busy]) / y[busy], ddof=1))
-            if busy.sum() > 1
-            else None,
+            "ops_only_mean_signed_rel_error": float(np.mean(signed_ops)),
+            "ops_only_signed_rel_error_sd": float(np.std(signed_ops, ddof=1)) if len(signed_ops) > 1 else None,
             "median_rel_error": float(np.median(rel_fit)),
             "p90_rel_error": float(np.percentile(rel_fit, 90)),
         },  # fmt: skip

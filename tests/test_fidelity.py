@@ -429,6 +429,15 @@ def test_the_notebook_and_the_command_fit_both_profiles_between_the_runs(monkeyp
     assert over["fit"]["num_steps"] > 0 and res["costs"]["op-profile"].source["load_average_end"] is not None
     # 2 policies x 4 statistics x (each model, its noise variant)
     assert len(res["rows"]) == 32 and set(res["step_errors"]) == {"op-profile", "profiled"}
+    # the steps the profile was fitted on come along (fidelity_report writes them into its JSON) and, through JSON
+    # (durations kept to 0.1 us), re-fit to the same prices
+    from workbench.sim.measure import StepSamples, refit_steps
+
+    steps = json.loads(json.dumps(res["fitted_steps"]))
+    assert len(steps["stats"]) == fitted["fit"]["num_steps"] and steps["kernel_breaks"]
+    again = refit_steps(steps, fitted)
+    for s in StepSamples.from_dict(steps).stats:
+        assert again.step_time(s) == pytest.approx(res["costs"]["profiled"].step_time(s), rel=1e-3)
 
 
 def test_a_committed_op_profile_of_another_attention_backend_is_not_used(tmp_path, monkeypatch) -> None:

@@ -232,3 +232,73 @@ def test_the_zen4_fits_falling_curve_falls_at_the_packed_kernel_break() -> None:
     assert projected[i] == pytest.approx(sum(1 / a for a in pool) / sum(1 / a**2 for a in pool), rel=1e-6)
     rising = fit_profile(stats, seconds, knots=tokens, bootstrap=0).token_curve[1]
     assert max(abs(p / s - 1) for p, s in zip(rising, seconds)) > 0.3
+
+
+def _known_steps() -> tuple[object, dict[str, float]]:
+    """Decode-only steps of 1-6 sequences at 5 contexts each: 10, 20, 30 ms of dense layers at 1-3 rows (the plain
+    kernel), 12, 14, 16 ms at 4-6 (packed), plus 10 us a key read; two steps after an idle wait 5 ms longer; busy
+    gaps 1, 2, 4 ms (median 2 ms); wake-ups 0.3 and 0.5 ms (median 0.4 ms)."""
+    from workbench.sim.measure import StepSamples
+
+    dense = {1: 0.010, 2: 0.020, 3: 0.030, 4: 0.012, 5: 0.014, 6: 0.016}
+    stats = [StepStats(0, 0, 0, 0, n, n * ctx, ctx) for n in dense for ctx in (8, 16, 24, 32, 40)]
+    durations = [dense[s.decode_seqs] + 1e-5 * s.decode_context for s in stats]
+    idle = [i in (3, 17) for i in range(len(stats))]
+    durations = [t + 0.005 * after for t, after in zip(durations, idle)]
+    samples = StepSamples(stats, durations, [0.001, 0.002, 0.004], idle, [0.0003, 0.0005])
+    truth = {"decode_context": 1e-5, "host_gap_s": 0.002, "idle_step_s": 0.005, "wake_s": 0.0004}
+    return samples, truth
+
+
+def test_recorded_steps_round_trip_through_json_and_refit_to_the_known_answer(tmp_path, capsys) -> None:
+    """``steps_record`` (what ``workbench fidelity --measure-profiles`` writes) through JSON and back
+    (``refit_steps``, ``workbench fit-profile --from-steps``) fits what ``fit_samples`` fits in memory, and that is
+    the answer by hand (``_known_steps``): every busy step priced exactly, 10 us a key, the fall at the recorded
+    kernel break, the gap, the idle steps' extra time and the wake-up delay."""
+    from workbench.cli import main
+    from workbench.sim.costmodel import ProfiledCostModel
+    from workbench.sim.measure import fit_samples, refit_steps, steps_record
+
+    samples, truth = _known_steps()
+    record = json.loads(json.dumps(steps_record(samples, (1, 65536), (4, 257))))
+    assert record["fields"][-1] == "decode_max_context" and len(record["stats"]) == 30  # no speculative fields
+    direct = fit_samples(samples, {"model": "tiny-gqa"}, (1, 65536), (4, 257))
+    again = refit_steps(record, {"model": "tiny-gqa"})
+    assert again.coefficients == pytest.approx(direct.coefficients, rel=1e-9, abs=1e-12)
+    assert again.token_curve[1] == pytest.approx(direct.token_curve[1], rel=1e-9)
+    for s, t, idle in zip(samples.stats, samples.durations_s, samples.after_idle):
+        if not idle:
+            assert again.step_time(s) == pytest.approx(t, rel=1e-6)
+    assert again.coefficients["decode_context"] == pytest.approx(truth["decode_context"], rel=1e-6)
+    tokens, seconds = again.token_curve
+    assert tokens == [1, 2, 3, 4, 5, 6] and seconds[3] < seconds[2]  # 4 rows packed, cheaper than 3 plain
+    assert again.host_gap_s == pytest.approx(truth["host_gap_s"])
+    assert again.idle_step_s == pytest.approx(truth["idle_step_s"], rel=1e-6)
+    assert again.wake_s == pytest.approx(truth["wake_s"])
+    # the command: from a fidelity JSON's profiled model, its meta kept and the source named
+    fidelity_json = tmp_path / "fidelity.json"
+    meta = {"model": "SmolLM2-135M", "machine": "AMD EPYC", "fit": {"stale": True}}
+    fidelity_json.write_text(json.dumps({"cost_models": {"profiled": {"meta": meta, "steps": record}}}))
+    out = tmp_path / "refit.json"
+    assert main(["fit-profile", "--from-steps", str(fidelity_json), "--out", str(out), "--json"]) == 0
+    written = ProfiledCostModel.load(out)
+    assert written.coefficients == pytest.approx(again.coefficients, rel=1e-9, abs=1e-12)
+    assert written.meta["model"] == "SmolLM2-135M" and written.meta["refitted_from"] == str(fidelity_json)
+    assert "stale" not in written.meta["fit"] and written.meta["fit"]["num_steps"] == 30
+    capsys.readouterr()
+
+
+def test_fit_profile_from_steps_refuses_a_file_without_steps_and_a_missing_out(tmp_path, capsys) -> None:
+    from workbench.cli import main
+
+    no_steps = tmp_path / "old.json"
+    no_steps.write_text(json.dumps({"cost_models": {"profiled": {"meta": {}}}}))
+    assert main(["fit-profile", "--from-steps", str(no_steps), "--out", str(tmp_path / "p.json")]) == 2
+    assert "holds no recorded steps" in capsys.readouterr().err
+    assert main(["fit-profile", "--from-steps", str(no_steps)]) == 2
+    assert "--from-steps needs --out" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "workbench-steps-v1", "fields": ["prefill_tokens"], "stats": [[1, 2]],
+                               "durations_s": [0.1], "gaps_s": [], "after_idle": [0], "wakes_s": []}))  # fmt: skip
+    assert main(["fit-profile", "--from-steps", str(bad), "--out", str(tmp_path / "p.json")]) == 2
+    assert "step 0 has 2 values for 1 fields" in capsys.readouterr().err

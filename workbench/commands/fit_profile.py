@@ -2,6 +2,7 @@
 
     workbench fit-profile --model PRESET [--out data/profiles/NAME.json] [--policies continuous,chunked]
         [--num-requests N] [--max-num-seqs S] [--max-model-len L] [--json]
+    workbench fit-profile --from-steps FIDELITY.json --out PROFILE.json [--json]
 
 Replays synthetic workloads (a light and a heavy Poisson load and a burst) on the engine under each policy, pairs
 every step with what it computed (its tokens, prefill sequences, prefill attention pairs, decode context tokens read,
@@ -11,12 +12,18 @@ a step after an idle wait, the wake-up delay and the median busy host gap betwee
 kernel's range of rows (``fit_profile``'s ``kernel_breaks``), every coefficient gets a bootstrap interval, and the fit's
 quality warnings (a kind of step priced more than 10% off, a coefficient at its bound) go to stderr. Written as
 JSON for ``workbench simulate --cost-model profiled --profile FILE``.
+
+``--from-steps FILE`` measures nothing: it repeats the fit on steps recorded elsewhere, the
+``cost_models.profiled.steps`` of a ``workbench fidelity --measure-profiles --out FILE`` JSON (or a bare steps record,
+``workbench.sim.measure.steps_record``), with the engine facts recorded there (its kernel breaks and batched-decode
+rule, not this machine's), and keeps the recorded profile's meta (model, machine, loads); ``--out`` is then required.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +38,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1000, help="seed of the measured workloads")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads while measuring (default 1)")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.add_argument("--from-steps", default=None, metavar="FILE",
+                   help="re-fit the steps recorded in FILE (a `workbench fidelity --measure-profiles` JSON) instead "
+                        "of measuring (default: measure now)")  # fmt: skip
+
+
+def steps_from_file(path: str) -> tuple[dict, dict]:
+    """(steps record, meta) from ``path``: a fidelity JSON's ``cost_models.profiled`` (its ``steps`` and ``meta``)
+    or a bare steps record (its own ``meta``, if any). ConfigError when the file holds neither."""
+    from workbench.errors import ConfigError, read_json_file
+
+    data = read_json_file(path, "steps file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object (a `workbench fidelity` result or a steps record)")
+    if "cost_models" in data:
+        profiled = (data.get("cost_models") or {}).get("profiled") or {}
+        if "steps" not in profiled:
+            raise ConfigError(f"{path}: its profiled cost model holds no recorded steps (only a `workbench fidelity "
+                              "--measure-profiles` run that fitted it records them)")  # fmt: skip
+        return profiled["steps"], dict(profiled.get("meta") or {})
+    return data, dict(data.get("meta") or {})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,6 +73,15 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.from_steps is not None:
+        from workbench.sim.measure import refit_steps
+
+        if args.out is None:
+            raise ConfigError("--from-steps needs --out PROFILE.json (the steps may be another machine's: no default)")
+        check_output_file(args.out, "--out")
+        record, meta = steps_from_file(args.from_steps)
+        profile = refit_steps(record, {**meta, "refitted_from": str(args.from_steps)}, args.from_steps)
+        return _report(profile, profile.save(args.out), args.json)
     out = args.out or default_profile_path(args.model)
     check_output_file(out, "--out")
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -59,12 +95,16 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, seed=args.seed, device=args.device, dtype=args.dtype,
             threads=args.threads, progress=bar,
         )  # fmt: skip
-    path = profile.save(out)
+    return _report(profile, profile.save(out), args.json)
+
+
+def _report(profile: Any, path: Any, as_json: bool) -> int:
+    """Print a fitted profile (its warnings on stderr): as JSON with ``as_json``, else as lines."""
     import sys
 
     for warning in profile.meta["fit"].get("warnings") or []:  # the fit's quality checks (fit.fit_quality)
         print(f"workbench fit-profile: warning: {warning}", file=sys.stderr)
-    if args.json:
+    if as_json:
         print(json.dumps({**profile.to_dict(), "path": str(path)}))
         return 0
     fit = profile.meta["fit"]

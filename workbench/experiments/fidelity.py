@@ -884,9 +884,11 @@ def colocated_fidelity(
     moved by 22%, a profile fitted before the runs was ~20% off).
 
     Returns ``costs`` and ``sources`` (per kind, in ``kinds``' order), ``interleaved`` (the kinds fitted between
-    the runs), ``measured`` (``measure_policies``' result), ``rows`` (``compare``'s, the models ``kind`` and
-    ``kind noise``), ``step_errors`` (each model's per-step error on the runs' own steps, ``sim.measure.step_errors``)
-    and ``profile_s`` (seconds spent measuring profiles). ``log``: a callable given one line per profile."""
+    the runs), ``fitted_steps`` (the ``profiled`` fit's steps when fitted now, ``InterleavedTraining.steps_record``:
+    what ``workbench fit-profile --from-steps`` re-fits; else absent), ``measured`` (``measure_policies``' result),
+    ``rows`` (``compare``'s, the models ``kind`` and ``kind noise``), ``step_errors`` (each model's per-step error on
+    the runs' own steps, ``sim.measure.step_errors``) and ``profile_s`` (seconds spent measuring profiles).
+    ``log``: a callable given one line per profile."""
     from workbench.config import ModelConfig
     from workbench.errors import ConfigError
     from workbench.sim.measure import InterleavedTraining, step_errors, training_configs
@@ -944,9 +946,10 @@ def colocated_fidelity(
         for name, seed in ((kind, None), (f"{kind} noise", noise_seed)):
             sim = simulate_policies(requests, cfg, cost, measured, max_num_seqs, max_model_len, seed)
             rows += compare(measured["runs"], sim, name)
+    fitted_steps = {"fitted_steps": training["profiled"].steps_record()} if "profiled" in training else {}
     return {"costs": costs, "sources": sources, "interleaved": list(training), "measured": measured, "rows": rows,
             "step_errors": {k: step_errors(c.with_noise(None), measured["steps"]) for k, c in costs.items()},
-            "profile_s": profile_s}  # fmt: skip
+            "profile_s": profile_s, **fitted_steps}  # fmt: skip
 
 
 def _tell(log: Any, kind: str, cost: Any, source: str) -> None:
@@ -1105,8 +1108,10 @@ def fidelity_report(
     disaggregated pair ``disaggregate`` "P:D" (``disaggregated_fidelity``, the profiles measured first); the
     simulator on the same, deterministic and with seeded noise; the table (``compare``), the claims
     (``fidelity_claims``), the load averages, the machine (``machine_identity``: the CPU model, its CPUs, the
-    instruction set torch dispatches to) and wall times. ``log``: a callable given one line per profile read or
-    measured (None: quiet)."""
+    instruction set torch dispatches to) and wall times. A ``profiled`` model fitted now (colocated) keeps the steps
+    it was fitted on in ``cost_models.profiled.steps`` (``workbench.sim.measure.steps_record``, ~40 bytes a step),
+    which ``workbench fit-profile --from-steps FILE`` re-fits on any machine. ``log``: a callable given one line per
+    profile read or measured (None: quiet)."""
 
     from workbench.config import parse_disaggregate
     from workbench.engine.scheduler import POLICIES
@@ -1159,6 +1164,8 @@ def fidelity_report(
         out["loads"] = res["measured"]["loads"]
     out["cost_models"] = {k: {"source": sources[k], **c.describe(), "provenance": profile_provenance(k, c)}
                           for k, c in costs.items()}  # fmt: skip
+    if not disaggregate and "fitted_steps" in res:  # the steps the profile was fitted on: re-fittable elsewhere
+        out["cost_models"]["profiled"]["steps"] = res["fitted_steps"]
     out["rows"] = rows
     load = runs_load(out.get("loads", []))
     out["claims"] = fidelity_claims(rows, labels, interleaved, load)

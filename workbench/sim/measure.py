@@ -38,6 +38,46 @@ class StepSamples:
         self.after_idle += other.after_idle
         self.wakes_s += other.wakes_s
 
+    def to_dict(self) -> dict[str, Any]:
+        """The samples as compact JSON: ``fields`` (the ``StepStats`` fields, the speculative ones only when a step
+        has them) and one row of them per step in ``stats``; ``durations_s``, ``gaps_s`` and ``wakes_s`` rounded to
+        0.1 us; ``after_idle`` as 0/1. ``from_dict`` reads it back."""
+        width = STEP_FIELDS_PLAIN if all(not any(s[STEP_FIELDS_PLAIN:]) for s in self.stats) else len(StepStats._fields)
+        return {"fields": list(StepStats._fields[:width]), "stats": [list(s[:width]) for s in self.stats],
+                "durations_s": _rounded(self.durations_s), "gaps_s": _rounded(self.gaps_s),
+                "after_idle": [int(x) for x in self.after_idle], "wakes_s": _rounded(self.wakes_s)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "steps") -> StepSamples:
+        """Samples written by ``to_dict`` (ConfigError naming ``where`` and what is wrong otherwise)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected an object with fields, stats, durations_s, ..., got {type(data)}")
+        missing = [k for k in ("fields", "stats", "durations_s", "gaps_s", "after_idle", "wakes_s") if k not in data]
+        if missing:
+            raise ConfigError(f"{where}: missing {', '.join(missing)} (written by StepSamples.to_dict)")
+        names = list(data["fields"])
+        unknown = [n for n in names if n not in StepStats._fields]
+        if unknown:
+            raise ConfigError(f"{where}: unknown step fields {unknown}; expected some of {list(StepStats._fields)}")
+        stats = data["stats"]
+        n = len(stats)
+        if len(data["durations_s"]) != n or len(data["after_idle"]) != n:
+            raise ConfigError(f"{where}: {n} steps but {len(data['durations_s'])} durations_s and "
+                              f"{len(data['after_idle'])} after_idle")  # fmt: skip
+        bad = [i for i, row in enumerate(stats) if len(row) != len(names)]
+        if bad:
+            raise ConfigError(f"{where}: step {bad[0]} has {len(stats[bad[0]])} values for {len(names)} fields")
+        return cls([StepStats(**dict(zip(names, (int(v) for v in row)))) for row in stats],
+                   [float(x) for x in data["durations_s"]], [float(x) for x in data["gaps_s"]],
+                   [bool(x) for x in data["after_idle"]], [float(x) for x in data["wakes_s"]])  # fmt: skip
+
+
+STEP_FIELDS_PLAIN = 7  # StepStats' fields before the speculative ones (spec_tokens, verify_*)
+
+
+def _rounded(seconds: list[float]) -> list[float]:
+    return [round(float(x), 7) for x in seconds]
+
 
 def measure_engine_steps(
     engine_factory: Any, workloads: list[list[Request]], seed: int = 0, progress: Any = None
@@ -383,11 +423,60 @@ class InterleavedTraining:
             "load_average_1min": [loads[0], loads[-1]] if loads else [None, None],
             "workloads_measured": f"{self.done} of {len(self.items)}",
         }
-        s = self.samples
-        knots = token_knots([x.prefill_tokens + x.decode_seqs for x in s.stats])
-        return fit_profile(s.stats, s.durations_s, s.gaps_s, meta, knots=knots,
-                           batched_decode=engine_batched_decode(dev), after_idle=s.after_idle,
-                           wakes_s=s.wakes_s, kernel_breaks=engine_kernel_breaks(dev, dtype))  # fmt: skip
+        return fit_samples(self.samples, meta, engine_batched_decode(dev), engine_kernel_breaks(dev, dtype))
+
+    def steps_record(self) -> dict[str, Any]:
+        """The steps measured so far and the engine facts the fit takes beside them (``steps_record``): what a
+        re-fit elsewhere needs (``refit_steps``)."""
+        from workbench.device import resolve_device
+
+        dev = resolve_device(self.configs[0].device)
+        return steps_record(self.samples, engine_batched_decode(dev), engine_kernel_breaks(dev, self.configs[0].dtype))
+
+
+STEPS_FORMAT = "workbench-steps-v1"
+
+
+def fit_samples(
+    samples: StepSamples,
+    meta: dict | None,
+    batched_decode: tuple[int, int] | None,
+    kernel_breaks: tuple[int, ...],
+) -> ProfiledCostModel:
+    """``fit_profile`` on measured engine steps, as ``fit-profile`` and the fidelity check fit them: a token curve
+    with knots at the steps' token counts (``token_knots``), the steps after an idle wait and the wake-up delays
+    apart, ``batched_decode`` and ``kernel_breaks`` the engine's (``engine_batched_decode``,
+    ``engine_kernel_breaks``)."""
+    s = samples
+    knots = token_knots([x.num_tokens for x in s.stats])
+    return fit_profile(s.stats, s.durations_s, s.gaps_s, meta, knots=knots, batched_decode=batched_decode,
+                       after_idle=s.after_idle, wakes_s=s.wakes_s, kernel_breaks=tuple(kernel_breaks))  # fmt: skip
+
+
+def steps_record(samples: StepSamples, batched_decode: tuple[int, int] | None, kernel_breaks: tuple[int, ...]) -> dict:
+    """``samples`` as JSON (``StepSamples.to_dict``) with ``format`` (``STEPS_FORMAT``) and the engine facts
+    ``fit_samples`` takes: ``batched_decode`` ([min_seqs, max_key_slots] or None) and ``kernel_breaks``, so that
+    ``refit_steps`` repeats the fit on another machine whatever its own engine would do."""
+    bd = None if batched_decode is None else [int(x) for x in batched_decode]
+    return {"format": STEPS_FORMAT, "batched_decode": bd, "kernel_breaks": [int(b) for b in kernel_breaks],
+            **samples.to_dict()}  # fmt: skip
+
+
+def refit_steps(record: Any, meta: dict | None = None, where: str = "steps") -> ProfiledCostModel:
+    """The ``profiled`` fit repeated on a ``steps_record`` (``fit_samples``; ``meta`` becomes the profile's meta
+    beside the new ``fit``). ConfigError naming ``where`` when ``record`` is not one."""
+    if not isinstance(record, dict) or record.get("format") != STEPS_FORMAT:
+        got = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(f'{where}: not a steps record (expected "format": "{STEPS_FORMAT}", got {got!r})')
+    samples = StepSamples.from_dict(record, where)
+    if not samples.stats:
+        raise ConfigError(f"{where}: no steps to fit")
+    bd = record.get("batched_decode")
+    if bd is not None and (not isinstance(bd, list) or len(bd) != 2):
+        raise ConfigError(f"{where}: batched_decode must be null or [min_seqs, max_key_slots], got {bd!r}")
+    breaks = record.get("kernel_breaks") or []
+    meta = {k: v for k, v in (meta or {}).items() if k != "fit"}
+    return fit_samples(samples, meta, None if bd is None else (int(bd[0]), int(bd[1])), tuple(int(b) for b in breaks))
 
 
 def engine_kernel_breaks(device: Any, dtype: str = "fp32") -> tuple[int, ...]:

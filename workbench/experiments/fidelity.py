@@ -752,6 +752,22 @@ def packed_mismatch(kind: str, data: Mapping[str, Any]) -> bool:
                for c in configs)  # fmt: skip
 
 
+def timed_attention_backend(kind: str, data: Mapping[str, Any]) -> str:
+    """The attention backend a profile (``data``: its file's content) timed: an op profile's ``attention_backend``;
+    a fitted profile's ``meta.attention_backend`` (the name its engines resolved, recorded since issue 33), else its
+    engine configs' when not "auto" ("auto, unresolved" when only that: which backend ran is unknown); "torch" for a
+    file from before either (the engine's only CPU backend then)."""
+    if kind == "op-profile":
+        return str(data.get("attention_backend", "torch"))
+    meta = data.get("meta") or {}
+    if meta.get("attention_backend"):
+        return str(meta["attention_backend"])
+    named = [str(c["attention_backend"]) for c in meta.get("engine_configs") or [] if c.get("attention_backend")]
+    if not named:
+        return "torch"
+    return next((b for b in named if b != "auto"), "auto, unresolved")
+
+
 def profile_for_this_machine(
     kind: str,
     model: str,
@@ -791,8 +807,9 @@ def stored_profile(kind: str, model: str, path: str | None = None) -> tuple[Any,
     profile of this machine (``data/profiles/``, named after the CPU model as ``workbench profile-ops`` and ``workbench
     fit-profile`` name them) when there is one, it records this machine (the CPU model, the number of CPUs and torch's
     instruction set, ``workbench.sim.measure.machine_identity``: a VM's CPU name can cover parts of several kinds), it
-    ran the linear layers as the engine does (``packed_mismatch``) and, an op profile, timed the attention backend the
-    engine runs (``engine_attention_backend``). Otherwise (None, why not: "" when there is no such file, else a
+    ran the linear layers as the engine does (``packed_mismatch``) and timed the attention backend the engine runs
+    (``timed_attention_backend`` against ``engine_attention_backend``; a fitted profile too, since the engine's steps
+    it timed attend through that backend). Otherwise (None, why not: "" when there is no such file, else a
     parenthesis to append to the source of a profile measured now)."""
     from pathlib import Path
 
@@ -817,8 +834,8 @@ def stored_profile(kind: str, model: str, path: str | None = None) -> tuple[Any,
     if packed_mismatch(kind, cost.to_dict()):
         return None, (f" (the committed {found} timed plain linear layers; the engine packs them: "
                       "EngineConfig.packed_linears)")  # fmt: skip
-    timed, runs = cost.to_dict().get("attention_backend", "torch"), engine_attention_backend()
-    if kind == "op-profile" and timed != runs:
+    timed, runs = timed_attention_backend(kind, cost.to_dict()), engine_attention_backend()
+    if timed != runs:
         return None, f" (the committed {found} timed the {timed} attention backend; the engine runs {runs})"
     return cost, found
 
@@ -1109,7 +1126,7 @@ def fidelity_report(
     simulator on the same, deterministic and with seeded noise; the table (``compare``), the claims
     (``fidelity_claims``), the load averages, the machine (``machine_identity``: the CPU model, its CPUs, the
     instruction set torch dispatches to) and wall times. A ``profiled`` model fitted now (colocated) keeps the steps
-    it was fitted on in ``cost_models.profiled.steps`` (``workbench.sim.measure.steps_record``, ~40 bytes a step),
+    it was fitted on in ``cost_models.profiled.steps`` (``workbench.sim.measure.steps_record``, ~60 bytes a step),
     which ``workbench fit-profile --from-steps FILE`` re-fits on any machine. ``log``: a callable given one line per
     profile read or measured (None: quiet)."""
 

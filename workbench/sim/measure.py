@@ -40,12 +40,14 @@ class StepSamples:
 
     def to_dict(self) -> dict[str, Any]:
         """The samples as compact JSON: ``fields`` (the ``StepStats`` fields, the speculative ones only when a step
-        has them) and one row of them per step in ``stats``; ``durations_s``, ``gaps_s`` and ``wakes_s`` rounded to
-        0.1 us; ``after_idle`` as 0/1. ``from_dict`` reads it back."""
+        has them) and one row of them per step in ``stats``; ``durations_s``, ``gaps_s`` and ``wakes_s`` as measured
+        (unrounded: a re-fit reproduces the fit exactly, its outlier cut and active set included); ``after_idle`` as
+        0/1. ``from_dict`` reads it back."""
         width = STEP_FIELDS_PLAIN if all(not any(s[STEP_FIELDS_PLAIN:]) for s in self.stats) else len(StepStats._fields)
         return {"fields": list(StepStats._fields[:width]), "stats": [list(s[:width]) for s in self.stats],
-                "durations_s": _rounded(self.durations_s), "gaps_s": _rounded(self.gaps_s),
-                "after_idle": [int(x) for x in self.after_idle], "wakes_s": _rounded(self.wakes_s)}  # fmt: skip
+                "durations_s": [float(x) for x in self.durations_s], "gaps_s": [float(x) for x in self.gaps_s],
+                "after_idle": [int(x) for x in self.after_idle],
+                "wakes_s": [float(x) for x in self.wakes_s]}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "steps") -> StepSamples:
@@ -73,10 +75,6 @@ class StepSamples:
 
 
 STEP_FIELDS_PLAIN = 7  # StepStats' fields before the speculative ones (spec_tokens, verify_*)
-
-
-def _rounded(seconds: list[float]) -> list[float]:
-    return [round(float(x), 7) for x in seconds]
 
 
 def measure_engine_steps(
@@ -403,6 +401,7 @@ class InterleavedTraining:
         import torch
 
         from workbench.device import resolve_device
+        from workbench.engine.runner import make_backend
         from workbench.hardware import cpu_model_name
 
         if not self.samples.stats:
@@ -422,6 +421,7 @@ class InterleavedTraining:
             **{k: v for k, v in machine_identity().items() if k != "cpu"},
             "load_average_1min": [loads[0], loads[-1]] if loads else [None, None],
             "workloads_measured": f"{self.done} of {len(self.items)}",
+            "attention_backend": make_backend(self.configs[0].attention_backend, dev.type).name,  # as resolved
         }
         return fit_samples(self.samples, meta, engine_batched_decode(dev), engine_kernel_breaks(dev, dtype))
 

@@ -113,6 +113,19 @@ def test_a_decode_too_long_to_gather_is_attended_alone() -> None:
     assert ops["kv_write"] == pytest.approx(2 * 2 * US) and "decode_kv_write" not in ops
 
 
+def test_a_profile_of_a_backend_that_does_not_gather_prices_every_pure_decode_batched() -> None:
+    """The paged C++ decode (attention backend 'cpu') attends a pure decode in place, whatever its key slots:
+    profile-ops records no gather bound for it (2**62), so a batch of 2 x 20 keys, past a torch backend's bound of
+    30, is still priced from the batched table, as the engine runs it."""
+    cost = OpProfileCostModel.from_dict(synthetic_profile(max_key_slots=2**62))
+    stats = StepStats(decode_seqs=2, decode_context=30, decode_max_context=20)
+    assert cost.is_batched_decode(stats)
+    ops = cost.op_times(stats)
+    # batch 2 at context 20: 2 + (202 - 2) * 19 / 100 = 40 us a layer, 2 layers
+    assert ops["attention_decode"] == pytest.approx(2 * 40 * US) and "attention_decode_looped" not in ops
+    assert ops["decode_kv_write"] == pytest.approx(4 * US) and "kv_write" not in ops
+
+
 def test_fit_overhead_recovers_the_terms_that_made_the_steps() -> None:
     cost = OpProfileCostModel.from_dict(synthetic_profile())
     stats, durations = [], []

@@ -68,7 +68,7 @@ def profile_ops(
     model: str = "tiny-gqa",
     device: str = "cpu",
     dtype: str = "fp32",
-    attention_backend: str = "torch",
+    attention_backend: str = "auto",
     grids: dict[str, list[int]] | None = None,
     max_tokens: int = 2048,
     warmup: int = 2,
@@ -85,7 +85,10 @@ def profile_ops(
     point once per pass); a point's median is the median of its passes' medians. ``packed_linears``: time the linear
     layers (projections and LM head) as an engine with ``EngineConfig.packed_linears`` runs them (oneDNN-packed
     weights from 4 to 256 rows, ``workbench.model.packed``, where the device and dtype allow it); the profile records
-    whether they were packed, and ``measure_overhead`` runs its engine the same way."""
+    whether they were packed, and ``measure_overhead`` runs its engine the same way. ``attention_backend``: an
+    ``EngineConfig.attention_backend`` name, resolved as the engine resolves it (``make_backend``: 'auto' is the
+    paged C++ decode on a CPU where its op builds, else torch); the profile records the backend timed (its
+    ``name``: 'cpu', 'torch' or 'triton'), which its overhead fit's engine then runs."""
     import torch
     import torch.nn.functional as F
 
@@ -108,7 +111,7 @@ def profile_ops(
     for axis, values in g.items():
         if not values or any(not isinstance(v, int) or v < 1 for v in values) or sorted(set(values)) != list(values):
             raise ConfigError(f"profile-ops: the {axis} grid must be increasing integers >= 1, got {values!r}")
-    backend = make_backend(attention_backend)
+    backend = make_backend(attention_backend, dev.type)
     nl, nh, nkv, d = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers = list(net.layers)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -310,7 +313,7 @@ def profile_ops(
         "model_shape": cfg.summary(),
         "device": str(dev),
         "dtype": dtype,
-        "attention_backend": attention_backend,
+        "attention_backend": backend.name,
         "packed_linears": packed,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -106,6 +106,9 @@ def test_linears_are_timed_and_replayed_as_the_engine_runs_them(packed: bool, mo
     profile = profile_ops("tiny-gqa", "cpu", "fp32", grids=grids, warmup=0, max_repeats=3, progress=False, passes=1,
                           packed_linears=packed)  # fmt: skip
     assert profile["packed_linears"] is packed
+    # tiny-gqa's layer has 4 linears (QKV, O, gate/up, down) and an untied LM head: all packed, or none
+    expected = {"min_rows": 4, "max_rows": 256, "per_layer": 4, "head": True} if packed else None
+    assert profile["packed_products"] == expected
     assert (4 in rows_seen) is packed and (1 in rows_seen) is packed  # 1 row: PackedLinear falls back to the plain
     configs: list[bool] = []
     init = Engine.__init__

@@ -38,7 +38,9 @@ costs more inside a forward pass than timed alone, by more than a plain one: on 
 117 us (+39 us), against +12 us with the plain product at 3 rows; fitted to the engine's steps the term came out
 at 40 us a product, and the steps of 4 to 6 decodes, priced 15-19% low without it, 12-13% low with it (the
 projections switch to the packed product at ``PACKED_MIN_ROWS`` rows, so every step of 4 or more tokens pays it
-on all of them). The gap between steps, the extra
+on all of them). Most of that extra comes with other processes on the cores: the same machine at load 1.1-1.5
+fitted 1.4 us a product (the steps of 4 decodes then 0.53 ms above those of 3, the summed operations 0.42 ms).
+The gap between steps, the extra
 time of a step after an idle wait and the wake-up delay are measured from the same run, as ``ProfiledCostModel``
 models them (this class extends it). Every term is non-negative: an engine step does at least the work of its
 operations (on a loaded machine a fit with free signs found a negative total share of the operations, which no

@@ -113,6 +113,67 @@ def test_a_decode_too_long_to_gather_is_attended_alone() -> None:
     assert ops["kv_write"] == pytest.approx(2 * 2 * US) and "decode_kv_write" not in ops
 
 
+def test_a_profile_of_a_backend_that_does_not_gather_prices_every_pure_decode_batched() -> None:
+    """The paged C++ decode (attention backend 'cpu') attends a pure decode in place, whatever its key slots:
+    profile-ops records no gather bound for it (2**62), so a batch of 2 x 20 keys, past a torch backend's bound of
+    30, is still priced from the batched table, as the engine runs it."""
+    cost = OpProfileCostModel.from_dict(synthetic_profile(max_key_slots=2**62))
+    stats = StepStats(decode_seqs=2, decode_context=30, decode_max_context=20)
+    assert cost.is_batched_decode(stats)
+    ops = cost.op_times(stats)
+    # batch 2 at context 20: 2 + (202 - 2) * 19 / 100 = 40 us a layer, 2 layers
+    assert ops["attention_decode"] == pytest.approx(2 * 40 * US) and "attention_decode_looped" not in ops
+    assert ops["decode_kv_write"] == pytest.approx(4 * US) and "kv_write" not in ops
+
+
+PACKED = {"min_rows": 4, "max_rows": 256, "per_layer": 4, "head": True}  # as profile-ops records tiny-gqa's
+
+
+def test_a_step_pays_each_packed_product_it_runs() -> None:
+    """With packed linears (4 to 256 rows; 4 products a layer, 2 layers, and the LM head) a step of 3 decodes runs
+    none, one of 4 decodes all 2 x 4 + 1 = 9, a ragged step of 10 prompt tokens and 2 decodes (12 tokens, 3 rows
+    sampled) the 8 of the layers and not the head; each costs ``packed_call_s`` on top of the rest."""
+    over = {"coefficients": {"ops_scale": 0.5, "decode_step_s": 10 * US, "packed_call_s": 40 * US}}
+    cost = OpProfileCostModel.from_dict({**synthetic_profile(overhead=over), "packed_products": PACKED})
+    plain = OpProfileCostModel.from_dict(synthetic_profile(overhead=over))  # a profile of plain linears
+    three = StepStats(decode_seqs=3, decode_context=60, decode_max_context=20)
+    four = StepStats(decode_seqs=4, decode_context=80, decode_max_context=20)
+    ragged = StepStats(10, 1, 55, 10, 2, 40, 20)
+    assert [cost.packed_calls(s) for s in (three, four, ragged)] == [0, 9, 8]
+    assert [plain.packed_calls(s) for s in (three, four, ragged)] == [0, 0, 0]
+    assert cost.step_time(three) == pytest.approx(plain.step_time(three))
+    assert cost.step_time(four) - plain.step_time(four) == pytest.approx(9 * 40 * US)
+    assert cost.step_time(ragged) - plain.step_time(ragged) == pytest.approx(8 * 40 * US)
+    # the 4 decodes by hand: 10 ops of 4 us a layer x 2 + the final norm 4 + attention 2 layers x 80 (batch 4 at
+    # context 20: 4 + (404 - 4) * 19 / 100) + decode_kv_write, lm_head and sample 8 each + embedding and rotary
+    # table 4 each = 80 + 4 + 160 + 24 + 8 = 276 us; x 1.5, + 10 us, + 9 x 40 us
+    assert cost.step_time(four) == pytest.approx((1.5 * 276 + 10 + 9 * 40) * US)
+
+
+def test_fit_overhead_recovers_the_packed_product_term() -> None:
+    """Steps made with 30 us a packed product (and the other terms) give back 30 us, and the profile of plain
+    linears has no such term to fit (0)."""
+    cost = OpProfileCostModel.from_dict({**synthetic_profile(), "packed_products": PACKED})
+    stats, durations = [], []
+    for b in (1, 2, 3, 4, 6, 8):
+        for ctx in (10, 40, 90):
+            s = StepStats(decode_seqs=b, decode_context=b * ctx, decode_max_context=ctx)
+            stats.append(s)
+            durations.append(
+                1.2 * sum(cost.op_times(s).values()) + 50 * US + b * 5 * US + cost.packed_calls(s) * 30 * US
+            )
+    for n in (2, 10, 30, 60):
+        for d in (0, 1, 3):
+            s = StepStats(n, 1, n * (n + 1) // 2, n, d, 20 * d, 20 if d else 0)
+            stats.append(s)
+            durations.append(1.2 * sum(cost.op_times(s).values()) + 80 * US + cost.packed_calls(s) * 30 * US)
+    coef = fit_overhead(cost, stats, durations)["coefficients"]
+    assert coef["packed_call_s"] == pytest.approx(30 * US, rel=1e-6)
+    assert coef["ops_scale"] == pytest.approx(0.2, rel=1e-6) and coef["decode_seq_s"] == pytest.approx(5 * US)
+    assert fit_overhead(OpProfileCostModel.from_dict(synthetic_profile()), stats, durations)["coefficients"][
+        "packed_call_s"] == 0.0  # fmt: skip
+
+
 def test_fit_overhead_recovers_the_terms_that_made_the_steps() -> None:
     cost = OpProfileCostModel.from_dict(synthetic_profile())
     stats, durations = [], []
@@ -177,6 +238,10 @@ BAD_PROFILES = [
     (lambda d: d.update(overhead={"coefficients": {"per_moon_s": 1.0}}), "unknown overhead term"),
     (lambda d: d.update(overhead={"host_gap_s": -1}), "overhead.host_gap_s"),
     (lambda d: d.update(ops=[]), '"ops" must be an object'),
+    (lambda d: d.update(packed_products={"min_rows": 4}), '"packed_products" must be null or an object'),
+    (lambda d: d.update(packed_products={**PACKED, "min_rows": 0}), "1 <= min_rows <= max_rows"),
+    (lambda d: d.update(packed_products={**PACKED, "max_rows": 2}), "1 <= min_rows <= max_rows"),
+    (lambda d: d.update(packed_products={**PACKED, "head": 1}), "packed_products.head"),
 ]
 
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from workbench import cli
+from workbench.kernels import paged_decode_cpu
+from workbench.model.attention import MAX_GATHER_KEY_SLOTS
 from workbench.model.packed import packing_available
 from workbench.sim.op_profile import OPS_1D, OPS_2D, OpProfileCostModel
 
@@ -45,6 +47,40 @@ def test_the_profile_holds_every_operation_at_the_requested_sizes(profile_file: 
     assert isinstance(OpProfileCostModel.load(profile_file), OpProfileCostModel)
     # the linears were timed as the engine runs them (EngineConfig.packed_linears' default)
     assert data["packed_linears"] is packing_available(torch.device("cpu"), torch.float32)
+    # and attention through the engine's default backend: the paged C++ decode where its op builds, else torch
+    assert data["attention_backend"] == ("cpu" if paged_decode_cpu.available() else "torch")
+    assert data["max_key_slots"] == (2**62 if paged_decode_cpu.available() else MAX_GATHER_KEY_SLOTS)
+
+
+@pytest.mark.parametrize("name", ["auto", "cpu", "torch"])
+def test_attention_is_timed_through_the_backend_the_engine_resolves(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--attention-backend`` takes the engine's names; every attention point of the profile goes through the
+    backend an engine of that name runs ('auto' on a CPU: the paged C++ decode where it builds), the profile records
+    that backend, and its overhead fit's engine is configured with it."""
+    from workbench.model import cpu_backend
+    from workbench.model.attention import TorchAttentionBackend
+    from workbench.sim.op_timing import overhead_engine_configs, profile_ops
+
+    built = paged_decode_cpu.available()
+    if name == "cpu" and not built:
+        pytest.skip("the C++ paged decode op does not build here")
+    expected = "cpu" if name == "cpu" or (name == "auto" and built) else "torch"
+    calls: list[str] = []
+    for cls, label in ((cpu_backend.CpuAttentionBackend, "cpu"), (TorchAttentionBackend, "torch")):
+        for method in ("forward", "decode"):
+            original = getattr(cls, method)
+
+            def spy(self, *a, original=original, label=label, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+                calls.append(label)
+                return original(self, *a, **k)
+
+            monkeypatch.setattr(cls, method, spy)
+    grids = {"tokens": [1], "rows": [1], "prompt_lens": [4], "contexts": [4], "batch_sizes": [2]}
+    profile = profile_ops("tiny-gqa", "cpu", "fp32", name, grids=grids, warmup=0, max_repeats=3, progress=False,
+                          passes=1)  # fmt: skip
+    assert calls and set(calls) == {expected}
+    assert profile["attention_backend"] == expected
+    assert overhead_engine_configs(profile)[0].attention_backend == expected
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -70,6 +106,9 @@ def test_linears_are_timed_and_replayed_as_the_engine_runs_them(packed: bool, mo
     profile = profile_ops("tiny-gqa", "cpu", "fp32", grids=grids, warmup=0, max_repeats=3, progress=False, passes=1,
                           packed_linears=packed)  # fmt: skip
     assert profile["packed_linears"] is packed
+    # tiny-gqa's layer has 4 linears (QKV, O, gate/up, down) and an untied LM head: all packed, or none
+    expected = {"min_rows": 4, "max_rows": 256, "per_layer": 4, "head": True} if packed else None
+    assert profile["packed_products"] == expected
     assert (4 in rows_seen) is packed and (1 in rows_seen) is packed  # 1 row: PackedLinear falls back to the plain
     configs: list[bool] = []
     init = Engine.__init__
@@ -110,6 +149,15 @@ def test_simulate_reads_it_back(profile_file: str, capsys: pytest.CaptureFixture
 def test_bad_arguments_are_clear(extra: list, message: str, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["profile-ops", "--model", "tiny-gqa", "--no-overhead", "--no-progress", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_attention_backend_the_engine_does_not_know_is_refused(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["profile-ops", "--model", "tiny-gqa", "--no-overhead", "--no-progress", "--attention-backend",
+                  "flash"])  # fmt: skip
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'flash'" in err and "'auto', 'torch', 'triton', 'cpu'" in err
 
 
 def test_warm_packed_linears_calls_each_shape_once_at_every_packed_row_count(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,21 +1,24 @@
 """``workbench profile-ops``: time every operation of a model on this machine into an op profile.
 
     workbench profile-ops --model PRESET [--out data/profiles/op-MODEL-MACHINE.json] [--device auto|cpu|cuda]
-        [--dtype fp32] [--threads N] [--max-tokens N] [--tokens ...] [--prompt-lens ...] [--contexts ...]
-        [--batch-sizes ...] [--max-repeats N] [--no-packed-linears] [--no-overhead] [--overhead-requests N] [--json]
+        [--dtype fp32] [--attention-backend auto|cpu|torch|triton] [--threads N] [--max-tokens N] [--tokens ...]
+        [--prompt-lens ...] [--contexts ...] [--batch-sizes ...] [--max-repeats N] [--no-packed-linears]
+        [--no-overhead] [--overhead-requests N] [--json]
 
 Times the model's own layers (``workbench.sim.op_timing.profile_ops``): the QKV, O, gate/up and down projections,
 RMSNorm, rotary, the SiLU * up activation, the residual add and the KV write over the step's tokens; embedding and
-the rotary table once a step; the LM head, the sampler and a pure decode's KV write over the sampled rows;
-attention over prompt length (prefill), over context (a decode attended alone) and over batch x context (a pure
-decode in one gather). Each point is a median over repeats after warm-up, with min and max, in each of ``--passes``
-sweeps over all points; the profile keeps the median of the passes' medians (a burst of load from another process
-moves one pass, not the profile). The linear layers are timed as the engine runs them: with oneDNN-packed weights
-(``EngineConfig.packed_linears``, the default; ``--no-packed-linears`` for an engine without them). Then, unless
-``--no-overhead``, it replays short workloads on the real engine and fits the per-step overhead the summed
-operations miss (``workbench.sim.op_profile``). The file records the machine (``workbench.hardware``), torch's thread
-count and the load average at the start and the end. Use it with ``workbench simulate --cost-model op-profile
---profile FILE``.
+the rotary table once a step; the LM head, the sampler and a pure decode's KV write over the sampled rows; attention
+over prompt length (prefill), over context (a decode attended alone) and over batch x context (a pure decode in one
+gather), through the attention backend the engine runs (``--attention-backend``, the engine's
+``EngineConfig.attention_backend`` names; ``auto``, the default, resolved as the engine resolves it: the paged C++
+decode on a CPU where its op builds, else torch; the profile records the backend it timed). Each point is a median
+over repeats after warm-up, with min and max, in each of ``--passes`` sweeps over all points; the profile keeps the
+median of the passes' medians (a burst of load from another process moves one pass, not the profile). The linear
+layers are timed as the engine runs them: with oneDNN-packed weights (``EngineConfig.packed_linears``, the default;
+``--no-packed-linears`` for an engine without them). Then, unless ``--no-overhead``, it replays short workloads on
+the real engine and fits the per-step overhead the summed operations miss (``workbench.sim.op_profile``). The file
+records the machine (``workbench.hardware``), torch's thread count and the load average at the start and the end.
+Use it with ``workbench simulate --cost-model op-profile --profile FILE``.
 """
 
 from __future__ import annotations
@@ -27,11 +30,15 @@ from workbench.timing import set_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from workbench.engine.config import ATTENTION_BACKENDS
+
     p.add_argument("--model", default="tiny-gqa", help="preset or config.json, random weights (default tiny-gqa)")
     p.add_argument("--out", default=None, help="profile file (default data/profiles/op-<model>-<machine>.json)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16")
-    p.add_argument("--attention-backend", default="torch", choices=("torch", "triton"))
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="the engine's attention backend to time (default auto: as the engine resolves it, the paged "
+                   "C++ decode on a CPU where it builds, else torch)")  # fmt: skip
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as fit-profile)")
     p.add_argument("--max-tokens", type=int, default=2048, help="largest token count, prompt and context measured")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts of the dense operations")
@@ -115,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**profile, "path": out}))
         return 0
     print(f"op profile written to {out}: {cfg.name} on {machine['name']} ({dev}, {args.dtype}, "
-          f"{profile['threads']} thread(s)), load average {load_start} -> {profile['load_average_end']}")  # fmt: skip
+          f"{profile['attention_backend']} attention, {profile['threads']} thread(s)), load average {load_start} -> "
+          f"{profile['load_average_end']}")  # fmt: skip
     for name, entry in profile["ops"].items():
         if "values" in entry:
             first, last = entry["median_s"][0], entry["median_s"][-1]

@@ -31,7 +31,16 @@ least squares against real engine steps (``workbench.sim.op_timing.fit_overhead`
 operations (``ops_scale``: the same operations run slower inside a forward pass, whose weight streams evict the
 caches the isolated timings keep warm), a constant per step and per sequence for each kind of step (the
 scheduler, the metadata tensors, the Python between layers; ``decode_step_s``, ``decode_seq_s`` for a pure
-decode, ``ragged_step_s``, ``ragged_seq_s`` otherwise) and a per-token term. The gap between steps, the extra
+decode, ``ragged_step_s``, ``ragged_seq_s`` otherwise), a per-token term, and a time per oneDNN-packed product
+the step runs (``packed_call_s``, for a profile whose linears were packed: ``packed_products``). A packed product
+costs more inside a forward pass than timed alone, by more than a plain one: on the 2-core AMD EPYC (AVX2, torch
+2.13, tiny-gqa, load 5) a packed QKV projection at 4 rows took 47 us alone, an RMSNorm 31 us, the two in a row
+117 us (+39 us), against +12 us with the plain product at 3 rows; fitted to the engine's steps the term came out
+at 40 us a product, and the steps of 4 to 6 decodes, priced 15-19% low without it, 12-13% low with it (the
+projections switch to the packed product at ``PACKED_MIN_ROWS`` rows, so every step of 4 or more tokens pays it
+on all of them). Most of that extra comes with other processes on the cores: the same machine at load 1.1-1.5
+fitted 1.4 us a product (the steps of 4 decodes then 0.53 ms above those of 3, the summed operations 0.42 ms).
+The gap between steps, the extra
 time of a step after an idle wait and the wake-up delay are measured from the same run, as ``ProfiledCostModel``
 models them (this class extends it). Every term is non-negative: an engine step does at least the work of its
 operations (on a loaded machine a fit with free signs found a negative total share of the operations, which no
@@ -62,7 +71,8 @@ OPS_1D = (*TOKEN_OPS, *ROW_OPS, *LENGTH_OPS)
 OPS_2D = ("attention_decode",)  # x: (batch, context)
 OP_X = {**{op: "tokens" for op in TOKEN_OPS}, **{op: "rows" for op in ROW_OPS}, "attention_prefill": "prompt_len",
         "attention_decode_looped": "context", "attention_decode": "batch,context"}  # fmt: skip
-OVERHEAD_FEATURES = ("ops_scale", "decode_step_s", "ragged_step_s", "decode_seq_s", "ragged_seq_s", "token_s")
+OVERHEAD_FEATURES = ("ops_scale", "decode_step_s", "ragged_step_s", "decode_seq_s", "ragged_seq_s", "token_s",
+                     "packed_call_s")  # fmt: skip
 NUM_FREE_OVERHEAD = 0  # no term may be negative (see the module docstring)
 
 
@@ -164,19 +174,41 @@ def parse_op(name: str, entry: Any, where: str) -> OpTable:
     return OpTable(xs, medians)
 
 
+def parse_packed_products(value: Any, where: str) -> tuple[int, int, int, bool] | None:
+    """A profile's ``packed_products`` (``{"min_rows", "max_rows", "per_layer", "head"}``, written by profile-ops
+    when it timed packed linears; absent or null: none) as ``OpProfileCostModel.packed_products``; ConfigError
+    naming ``where`` if malformed."""
+    if value is None:
+        return None
+    keys = ("min_rows", "max_rows", "per_layer", "head")
+    if not isinstance(value, dict) or set(value) != set(keys):
+        raise ConfigError(f'{where}: "packed_products" must be null or an object of {", ".join(keys)}, got {value!r}')
+    lo, hi, per_layer, head = (value[k] for k in keys)
+    counts = (lo, hi, per_layer)
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in counts) or not 1 <= lo <= hi:
+        raise ConfigError(f'{where}: "packed_products" needs integers 1 <= min_rows <= max_rows and per_layer >= 0, '
+                          f"got {value!r}")  # fmt: skip
+    if not isinstance(head, bool):
+        raise ConfigError(f'{where}: "packed_products.head" must be true or false, got {head!r}')
+    return lo, hi, per_layer, head
+
+
 @dataclass
 class OpProfileCostModel(ProfiledCostModel):
     """Step time = the sum of the step's operations (``op_times``) + the fitted overhead (``overhead_time``).
 
     ``ops``: one ``OpTable`` per operation of ``OPS_1D`` and ``OPS_2D``; ``num_layers``: the profiled model's;
     ``max_key_slots``: the engine's padded-gather limit for a pure decode (batch x longest context);
-    ``overhead``: coefficients of ``OVERHEAD_FEATURES`` (missing ones 0). The clock's host gap, idle-step excess and
-    wake-up delay are ``ProfiledCostModel``'s; its linear coefficients stay empty.
+    ``overhead``: coefficients of ``OVERHEAD_FEATURES`` (missing ones 0); ``packed_products``: where the profiled
+    model's linears were oneDNN-packed, ``(min_rows, max_rows, per_layer, head)``: the row range the engine packs, the
+    packed products of a layer and whether the LM head is one (None: no packed products). The clock's host gap,
+    idle-step excess and wake-up delay are ``ProfiledCostModel``'s; its linear coefficients stay empty.
     """
 
     ops: dict[str, OpTable] = field(default_factory=dict)
     num_layers: int = 1
     max_key_slots: int = 1 << 16
+    packed_products: tuple[int, int, int, bool] | None = None
     overhead: dict[str, float] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)  # the profile file's content, for to_dict
     name = "op-profile"
@@ -229,13 +261,25 @@ class OpProfileCostModel(ProfiledCostModel):
             out["attention_decode_looped"] = nl * ds * ops["attention_decode_looped"].at(stats.decode_context / ds)
         return out
 
+    def packed_calls(self, stats: StepStats) -> int:
+        """The oneDNN-packed products this step runs (``packed_products``): every layer's packed projections when
+        its token count is in the packed row range, the LM head when its sampled rows are; 0 for a profile of
+        plain linears."""
+        if self.packed_products is None:
+            return 0
+        lo, hi, per_layer, head = self.packed_products
+        t = stats.prefill_tokens + stats.decode_seqs
+        rows = stats.prefill_seqs + stats.decode_seqs + stats.spec_tokens  # the LM head's rows, as in op_times
+        return (per_layer * self.num_layers if lo <= t <= hi else 0) + (1 if head and lo <= rows <= hi else 0)
+
     def overhead_features(self, stats: StepStats, ops_s: float) -> tuple[float, ...]:
         """The ``OVERHEAD_FEATURES`` of a step whose summed operations take ``ops_s``."""
         t = stats.prefill_tokens + stats.decode_seqs
         seqs = stats.prefill_seqs + stats.decode_seqs
+        packed = float(self.packed_calls(stats))
         if self.is_batched_decode(stats):
-            return (ops_s, 1.0, 0.0, float(seqs), 0.0, float(t))
-        return (ops_s, 0.0, 1.0, 0.0, float(seqs), float(t))
+            return (ops_s, 1.0, 0.0, float(seqs), 0.0, float(t), packed)
+        return (ops_s, 0.0, 1.0, 0.0, float(seqs), float(t), packed)
 
     def overhead_time(self, stats: StepStats, ops_s: float) -> float:
         return sum(c * f for c, f in zip(self._over, self.overhead_features(stats, ops_s)))
@@ -310,10 +354,11 @@ class OpProfileCostModel(ProfiledCostModel):
         meta = {"model": data["model"], "machine": machine.get("cpu") or machine.get("name") or "unknown machine",
                 "cpu_count": machine.get("cpu_count"), "cpu_capability": machine.get("cpu_capability"),
                 "device": data.get("device"), "dtype": data.get("dtype"), "threads": data.get("threads")}  # fmt: skip
+        packed = parse_packed_products(data.get("packed_products"), where)
         try:
             return cls({}, float(gaps["host_gap_s"]), meta, list(residuals), idle_step_s=float(gaps["idle_step_s"]),
                        wake_s=gaps["wake_s"], ops=ops, num_layers=nl, overhead=dict(coef), source=data,
-                       max_key_slots=int(data.get("max_key_slots", 1 << 16)))  # fmt: skip
+                       max_key_slots=int(data.get("max_key_slots", 1 << 16)), packed_products=packed)  # fmt: skip
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
 
@@ -349,7 +394,8 @@ def fit_overhead(
     if len(stats) != len(durations_s) or not stats:
         raise ConfigError(f"fit_overhead needs as many step stats as durations, and some: {len(stats)} vs "
                           f"{len(durations_s)}")  # fmt: skip
-    base = OpProfileCostModel({}, ops=cost.ops, num_layers=cost.num_layers, max_key_slots=cost.max_key_slots)
+    base = OpProfileCostModel({}, ops=cost.ops, num_layers=cost.num_layers, max_key_slots=cost.max_key_slots,
+                              packed_products=cost.packed_products)  # fmt: skip
     ops_s = np.array([sum(base.op_times(s).values()) for s in stats])
     x = np.array([base.overhead_features(s, o) for s, o in zip(stats, ops_s)])
     y = np.asarray(durations_s, dtype=np.float64)

@@ -68,7 +68,7 @@ def profile_ops(
     model: str = "tiny-gqa",
     device: str = "cpu",
     dtype: str = "fp32",
-    attention_backend: str = "torch",
+    attention_backend: str = "auto",
     grids: dict[str, list[int]] | None = None,
     max_tokens: int = 2048,
     warmup: int = 2,
@@ -80,12 +80,16 @@ def profile_ops(
     packed_linears: bool = True,
 ) -> dict[str, Any]:
     """Time every operation of ``model`` (a preset or config.json; random weights) on ``device``: the content of an
-    op profile file (``OP_PROFILE_FORMAT``) without its overhead and machine facts (``workbench profile-ops``
-    adds them). ``grids``: sizes per axis (``default_grids``). ``passes``: sweeps over every point, interleaved (each
+    op profile file (``OP_PROFILE_FORMAT``) without its overhead and machine facts (``workbench profile-ops`` adds
+    them). ``grids``: sizes per axis (``default_grids``). ``passes``: sweeps over every point, interleaved (each
     point once per pass); a point's median is the median of its passes' medians. ``packed_linears``: time the linear
     layers (projections and LM head) as an engine with ``EngineConfig.packed_linears`` runs them (oneDNN-packed
-    weights from 4 to 256 rows, ``workbench.model.packed``, where the device and dtype allow it); the profile records
-    whether they were packed, and ``measure_overhead`` runs its engine the same way."""
+    weights from 4 to 256 rows, ``workbench.model.packed``, where the device and dtype allow it); the profile
+    records whether they were packed (and, if so, ``packed_products``: the row range and the packed products of a
+    layer and of the LM head, which the overhead fit prices per product), and ``measure_overhead`` runs its engine
+    the same way. ``attention_backend``: an ``EngineConfig.attention_backend`` name, resolved as the engine resolves
+    it (``make_backend``: 'auto' is the paged C++ decode on a CPU where its op builds, else torch); the profile
+    records the backend timed (its ``name``: 'cpu', 'torch' or 'triton'), which its overhead fit's engine then runs."""
     import torch
     import torch.nn.functional as F
 
@@ -95,7 +99,7 @@ def profile_ops(
     from workbench.model.attention import MAX_GATHER_KEY_SLOTS, build_decode_metadata, build_metadata
     from workbench.model.checkpoint import load_model
     from workbench.model.layers import apply_rotary_rolled, signed_sin
-    from workbench.model.packed import pack_linears
+    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, pack_linears
     from workbench.model.sampler import Sampler
     from workbench.request import SamplingParams
 
@@ -103,12 +107,18 @@ def profile_ops(
     tdtype = torch_dtype(dtype)
     net = load_model(model, dtype=tdtype, device=dev, seed=seed)
     packed = pack_linears(net) > 0 if packed_linears else False  # as the engine runs them (Engine.__init__)
+    packed_products = None
+    if packed:  # what OpProfileCostModel.packed_calls counts: the packed products of a layer, and the LM head
+        per_layer = sum(isinstance(m, PackedLinear) for m in net.layers[0].modules())
+        head = isinstance(getattr(net, "lm_head", None), PackedLinear)
+        packed_products = {"min_rows": PACKED_MIN_ROWS, "max_rows": PACKED_MAX_ROWS, "per_layer": per_layer,
+                           "head": head}  # fmt: skip
     cfg = net.config
     g = {**default_grids(cfg, max_tokens), **(grids or {})}
     for axis, values in g.items():
         if not values or any(not isinstance(v, int) or v < 1 for v in values) or sorted(set(values)) != list(values):
             raise ConfigError(f"profile-ops: the {axis} grid must be increasing integers >= 1, got {values!r}")
-    backend = make_backend(attention_backend)
+    backend = make_backend(attention_backend, dev.type)
     nl, nh, nkv, d = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     layers = list(net.layers)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -310,8 +320,9 @@ def profile_ops(
         "model_shape": cfg.summary(),
         "device": str(dev),
         "dtype": dtype,
-        "attention_backend": attention_backend,
+        "attention_backend": backend.name,
         "packed_linears": packed,
+        "packed_products": packed_products,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "platform": platform.platform(),

@@ -95,3 +95,12 @@ def one_line_error(capsys, rc: int, *needles: str, warnings_too: bool = False) -
     for needle in needles:
         assert needle in lines[0], lines[0]
     return lines[0]
+
+
+@pytest.fixture
+def pack_every_linear(monkeypatch):
+    """Engines (and profile-ops) pack every linear layer, however small (``PACKED_MIN_WEIGHT`` 0): the tiny
+    presets' matrices are all below the threshold, and the tests of the packed path run on them."""
+    from workbench.model import packed
+
+    monkeypatch.setattr(packed, "PACKED_MIN_WEIGHT", 0)

@@ -247,15 +247,25 @@ def test_ttft_parts_of_a_real_and_a_simulated_run_by_hand() -> None:
     assert sim["after"] == pytest.approx(3.0) and sim["ttft"] == pytest.approx(8.0) and "wire" not in sim
 
 
+SMOL, TINY = {"model": "SmolLM2-135M"}, {"model": "tiny-gqa"}  # matrices of 331,776+ elements; of 20,480 at most
+
+
 @pytest.mark.parametrize(
     "kind, data, stale",
     [
-        ("op-profile", {"device": "cpu"}, True),  # from before packed linears: timed plain layers
-        ("op-profile", {"device": "cpu", "packed_linears": True}, False),
-        ("op-profile", {"device": "cpu", "packed_linears": False}, True),  # for an engine run without them
-        ("op-profile", {"device": "cuda"}, False),  # the engine packs on a CPU only
-        ("profiled", {"meta": {"engine_configs": [{"device": "cpu"}, {"device": "cpu"}]}}, True),
-        ("profiled", {"meta": {"engine_configs": [{"device": "cpu", "packed_linears": True}] * 2}}, False),
+        ("op-profile", {**SMOL, "device": "cpu"}, True),  # from before packed linears: timed plain layers
+        ("op-profile", {**SMOL, "device": "cpu", "packed_linears": True}, False),
+        ("op-profile", {**SMOL, "device": "cpu", "packed_linears": False}, True),  # for an engine run without them
+        ("op-profile", {**SMOL, "device": "cuda"}, False),  # the engine packs on a CPU only
+        # tiny-gqa's weights are all below PACKED_MIN_WEIGHT: the engine keeps them plain, as its profile records
+        ("op-profile", {**TINY, "device": "cpu", "packed_linears": False}, False),
+        ("op-profile", {**TINY, "device": "cpu", "packed_linears": True}, True),  # from before the threshold
+        ("profiled", {"meta": {**SMOL, "engine_configs": [{"device": "cpu"}, {"device": "cpu"}]}}, True),
+        ("profiled", {"meta": {**SMOL, "engine_configs": [{"device": "cpu", "packed_linears": True}] * 2}}, False),
+        ("profiled", {"meta": {**SMOL, "packed_layers": 121, "engine_configs": [{"device": "cpu"}]}}, False),
+        # flag on, nothing packed (recorded since the threshold), or flag on before it (every layer packed)
+        ("profiled", {"meta": {**TINY, "packed_layers": 0, "engine_configs": [{"packed_linears": True}]}}, False),
+        ("profiled", {"meta": {**TINY, "engine_configs": [{"device": "cpu", "packed_linears": True}]}}, True),
     ],
 )
 def test_a_committed_profile_timed_with_plain_linears_is_not_used_for_a_packing_engine(kind, data, stale):
@@ -438,7 +448,9 @@ def test_the_notebook_and_the_command_fit_both_profiles_between_the_runs(monkeyp
     from workbench.sim.measure import refit_steps
 
     steps = json.loads(json.dumps(res["fitted_steps"]))
-    assert len(steps["stats"]) == fitted["fit"]["num_steps"] and steps["kernel_breaks"]
+    # tiny-gqa's matrices are too small to pack (PACKED_MIN_WEIGHT): no kernel break, nothing packed
+    assert len(steps["stats"]) == fitted["fit"]["num_steps"] and steps["kernel_breaks"] == []
+    assert fitted["packed_layers"] == 0
     again = refit_steps(steps, fitted)
     assert again.coefficients == res["costs"]["profiled"].coefficients
     assert again.token_curve == res["costs"]["profiled"].token_curve
@@ -455,7 +467,8 @@ def test_a_committed_op_profile_of_another_attention_backend_is_not_used(tmp_pat
     from workbench.sim import measure
 
     source = next((Path(__file__).parents[1] / "data" / "profiles").glob("op-tiny-gqa-*.json"))
-    data = {**json.loads(source.read_text()), "machine": measure.machine_identity(), "packed_linears": True}
+    # tiny-gqa: nothing packed (PACKED_MIN_WEIGHT), as the engine runs it
+    data = {**json.loads(source.read_text()), "machine": measure.machine_identity(), "packed_linears": False}
     path = tmp_path / "op.json"
     monkeypatch.setattr(measure, "default_op_profile_path", lambda model, machine: str(path))
     for timed, runs, read in (("torch", "cpu", False), ("cpu", "cpu", True), ("torch", "torch", True)):

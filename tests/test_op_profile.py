@@ -150,6 +150,24 @@ def test_a_step_pays_each_packed_product_it_runs() -> None:
     assert cost.step_time(four) == pytest.approx((1.5 * 276 + 10 + 9 * 40) * US)
 
 
+def test_a_profile_with_only_the_lm_head_packed_pays_one_product_per_step_in_range() -> None:
+    """``per_layer`` 0 (no layer's matrix large enough to pack, PACKED_MIN_WEIGHT) and the head packed: a step of 4
+    decodes runs 1 packed product (the head's 4 rows), 3 decodes none, the ragged step of 12 tokens and 3 sampled
+    rows none; nothing packed at all (``per_layer`` 0, no head) is a profile of plain linears."""
+    over = {"coefficients": {"decode_step_s": 10 * US, "packed_call_s": 40 * US}}
+    head_only = OpProfileCostModel.from_dict(
+        {**synthetic_profile(overhead=over), "packed_products": {**PACKED, "per_layer": 0}}
+    )
+    nothing = OpProfileCostModel.from_dict(
+        {**synthetic_profile(overhead=over), "packed_products": {**PACKED, "per_layer": 0, "head": False}}
+    )
+    three = StepStats(decode_seqs=3, decode_context=60, decode_max_context=20)
+    four = StepStats(decode_seqs=4, decode_context=80, decode_max_context=20)
+    ragged = StepStats(10, 1, 55, 10, 2, 40, 20)
+    assert [head_only.packed_calls(s) for s in (three, four, ragged)] == [0, 1, 0]
+    assert [nothing.packed_calls(s) for s in (three, four, ragged)] == [0, 0, 0]
+
+
 def test_fit_overhead_recovers_the_packed_product_term() -> None:
     """Steps made with 30 us a packed product (and the other terms) give back 30 us, and the profile of plain
     linears has no such term to fit (0)."""

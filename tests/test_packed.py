@@ -1,5 +1,7 @@
 """oneDNN-packed linear layers (``workbench.model.packed``): the same products as a float64 matrix product, the
-same weights (tied ones stay tied), only plain linears packed, and the engine's tokens with and without them."""
+same weights (tied ones stay tied), only plain linears of ``PACKED_MIN_WEIGHT`` elements or more packed (the tiny
+presets' matrices are all smaller: tests of the packed path pack them with a threshold of 0), what depends on
+packing following what was packed, and the engine's tokens with and without them."""
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from workbench.model.packed import (
     PACKED_MAX_ROWS,
     PACKED_MIN_ROWS,
     PackedLinear,
+    count_packed,
     pack_linears,
     packed_rows,
     packing_available,
@@ -56,12 +59,12 @@ def test_pack_linears_shares_weights_keeps_tie_and_skips_quantized():
     attn.o_proj = quant.quantize_linear(attn.o_proj, "int8")
     weight = model.layers[0].mlp.down_proj.weight
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    assert pack_linears(model) == n_linear  # every plain linear (the LM head too), not the int8 one
+    assert pack_linears(model, 0) == n_linear  # every plain linear (the LM head too), not the int8 one
     assert isinstance(model.layers[0].mlp.down_proj, PackedLinear)
     assert model.layers[0].mlp.down_proj.weight is weight  # the same parameter, not a copy
     assert isinstance(attn.o_proj, quant.Int8Linear)
     assert model.lm_head.weight is model.embed_tokens.weight  # a tied head stays tied
-    assert pack_linears(model) == 0  # idempotent
+    assert pack_linears(model, 0) == 0  # idempotent
     assert unpack_linears(model) == n_linear and type(model.layers[0].mlp.down_proj) is nn.Linear
     assert model.layers[0].mlp.down_proj.weight is weight and model.lm_head.weight is model.embed_tokens.weight
     assert not packing_available(torch.device("cpu"), torch.float16)
@@ -71,7 +74,7 @@ def test_pack_linears_shares_weights_keeps_tie_and_skips_quantized():
 @needs_onednn
 def test_plain_linears_runs_plain_products_and_puts_the_same_packed_layers_back():
     model = load_model("tiny-gqa", dtype=torch.float32, device="cpu", seed=0)
-    pack_linears(model)
+    pack_linears(model, 0)
     before = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
     calls = []
     hook = PackedLinear.forward
@@ -90,7 +93,7 @@ def test_plain_linears_runs_plain_products_and_puts_the_same_packed_layers_back(
 
 
 @needs_onednn
-def test_engine_tokens_with_and_without_packed_linears():
+def test_engine_tokens_with_and_without_packed_linears(pack_every_linear):
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [42] * 11, [5] * 3]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     tokens = {}
@@ -100,6 +103,47 @@ def test_engine_tokens_with_and_without_packed_linears():
         tokens[packed] = [r.tokens for r in engine.generate(prompts, params).requests]
         assert any(isinstance(m, PackedLinear) for m in model.modules()) is packed
     assert tokens[True] == tokens[False]
+
+
+class _TwoLinears(nn.Module):
+    """A stand-in for a Transformer (``pack_linears`` reads ``device`` and ``dtype``): linears of given sizes."""
+
+    device, dtype = torch.device("cpu"), torch.float32
+
+    def __init__(self, *shapes: tuple[int, int]) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(i, o, bias=False) for i, o in shapes)
+
+
+@needs_onednn
+def test_a_small_weight_stays_plain_and_a_large_one_is_packed_by_default():
+    """PACKED_MIN_WEIGHT is 300,000 elements: tiny-gqa's largest matrix, 64 x 320 = 20,480, stays plain; SmolLM2's
+    smallest, 576 x 576 = 331,776, is packed; 600 x 500 = 300,000 exactly is packed, 599 x 500 = 299,500 is not."""
+    model = _TwoLinears((64, 320), (576, 576), (600, 500), (599, 500))
+    assert pack_linears(model) == 2
+    assert [type(m) for m in model.linears] == [nn.Linear, PackedLinear, PackedLinear, nn.Linear]
+    assert count_packed(model) == 2
+    assert pack_linears(model, 0) == 2 and count_packed(model) == 4  # a threshold of 0 packs the rest
+    small = _TwoLinears((64, 320))
+    assert pack_linears(small, 20_480) == 1 and pack_linears(_TwoLinears((64, 320)), 20_481) == 0
+    with pytest.raises(ConfigError, match="min_weight must be a non-negative integer"):
+        pack_linears(small, -1)
+
+
+@needs_onednn
+def test_an_engine_over_a_model_of_small_matrices_packs_nothing_and_the_fit_has_no_kernel_break():
+    """tiny-gqa's matrices are all below PACKED_MIN_WEIGHT: an engine with ``packed_linears`` on leaves every linear
+    plain, so the fitted profile's kernel breaks are none (with every linear packed: 4 and 257, the row range)."""
+    from workbench.engine.prefill_step import warmup_token_counts
+    from workbench.sim.measure import engine_kernel_breaks
+
+    model = load_model("tiny-gqa", dtype=torch.float32, device="cpu", seed=0)
+    Engine(model, EngineConfig(max_num_seqs=2, max_model_len=32, packed_linears=True))
+    assert count_packed(model) == 0
+    assert engine_kernel_breaks(model) == () and warmup_token_counts(model) == (1, 2)
+    pack_linears(model, 0)
+    assert engine_kernel_breaks(model) == (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1) == (4, 257)
+    assert warmup_token_counts(model) == (1, 2, 4, 257)
 
 
 def test_packed_rows_are_few_and_pad_at_most_an_eighth():

@@ -45,8 +45,9 @@ def test_the_profile_holds_every_operation_at_the_requested_sizes(profile_file: 
     assert over["fit"]["num_steps"] > 0 and over["host_gap_s"] >= 0
     assert {c["policy"] for c in over["fit"]["engine_configs"]} == {"continuous", "chunked"}
     assert isinstance(OpProfileCostModel.load(profile_file), OpProfileCostModel)
-    # the linears were timed as the engine runs them (EngineConfig.packed_linears' default)
-    assert data["packed_linears"] is packing_available(torch.device("cpu"), torch.float32)
+    # the linears were timed as the engine runs them (EngineConfig.packed_linears' default): tiny-gqa's matrices
+    # are all below PACKED_MIN_WEIGHT, so none was packed
+    assert data["packed_linears"] is False and data["packed_products"] is None
     # and attention through the engine's default backend: the paged C++ decode where its op builds, else torch
     assert data["attention_backend"] == ("cpu" if paged_decode_cpu.available() else "torch")
     assert data["max_key_slots"] == (2**62 if paged_decode_cpu.available() else MAX_GATHER_KEY_SLOTS)
@@ -84,7 +85,9 @@ def test_attention_is_timed_through_the_backend_the_engine_resolves(name: str, m
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_linears_are_timed_and_replayed_as_the_engine_runs_them(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linears_are_timed_and_replayed_as_the_engine_runs_them(
+    packed: bool, monkeypatch: pytest.MonkeyPatch, pack_every_linear: None
+) -> None:
     """With packed linears (the engine's default) the projections and the LM head are timed through
     ``PackedLinear`` at the row counts it packs (4 here), and the overhead fit's engine packs its linears too;
     without, neither does (an op profile of plain layers against a packed engine over-predicted its steps)."""
@@ -120,6 +123,35 @@ def test_linears_are_timed_and_replayed_as_the_engine_runs_them(packed: bool, mo
     monkeypatch.setattr(Engine, "__init__", engine_spy)
     samples, _ = measure_training_steps(profile, policies=("continuous",), num_requests=2, max_model_len=64)
     assert samples.stats and configs and set(configs) == {packed}
+
+
+@pytest.mark.parametrize(
+    "min_weight, expected",
+    [
+        (None, None),  # the default threshold: every matrix of tiny-gqa (20,480 elements at most) stays plain
+        # 16,385: only gate/up (64 x 320 = 20,480) packs, not the LM head (64 x 256 = 16,384)
+        (16_385, {"min_rows": 4, "max_rows": 256, "per_layer": 1, "head": False}),
+        (16_384, {"min_rows": 4, "max_rows": 256, "per_layer": 1, "head": True}),  # the LM head too
+    ],
+)
+def test_the_profile_records_the_linears_really_packed(min_weight, expected, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``packed_products`` counts the layers ``pack_linears`` packed (PACKED_MIN_WEIGHT), not every linear; with
+    none packed the profile says so and its steps pay no packed product."""
+    from workbench.model import packed as packed_mod
+    from workbench.sim.op_timing import profile_ops
+    from workbench.sim.stats import StepStats
+
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    if min_weight is not None:
+        monkeypatch.setattr(packed_mod, "PACKED_MIN_WEIGHT", min_weight)
+    grids = {"tokens": [1, 4], "rows": [4], "prompt_lens": [4], "contexts": [4], "batch_sizes": [1]}
+    profile = profile_ops("tiny-gqa", "cpu", "fp32", grids=grids, warmup=0, max_repeats=3, progress=False, passes=1)
+    assert profile["packed_linears"] is (expected is not None) and profile["packed_products"] == expected
+    cost = OpProfileCostModel.from_dict(profile)
+    four = StepStats(decode_seqs=4, decode_context=80, decode_max_context=20)
+    # 4 decodes: 1 packed product a layer x 2 layers, + the LM head's 4 rows when it is packed
+    assert cost.packed_calls(four) == (0 if expected is None else 2 + expected["head"])
 
 
 def test_simulate_reads_it_back(profile_file: str, capsys: pytest.CaptureFixture) -> None:
@@ -172,6 +204,8 @@ def test_warm_packed_linears_calls_each_shape_once_at_every_packed_row_count(mon
     net = load_model("tiny-gqa", seed=0)
     assert warm_packed_linears(net, 10, 6) == 0  # nothing packed yet
     packed_mod.pack_linears(net)
+    assert warm_packed_linears(net, 10, 6) == 0  # nor by default: every matrix is below PACKED_MIN_WEIGHT
+    packed_mod.pack_linears(net, 0)
     seen: list[tuple[int, int, int]] = []
     forward = packed_mod.PackedLinear.forward
 

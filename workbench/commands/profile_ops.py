@@ -14,8 +14,9 @@ gather), through the attention backend the engine runs (``--attention-backend``,
 decode on a CPU where its op builds, else torch; the profile records the backend it timed). Each point is a median
 over repeats after warm-up, with min and max, in each of ``--passes`` sweeps over all points; the profile keeps the
 median of the passes' medians (a burst of load from another process moves one pass, not the profile). The linear
-layers are timed as the engine runs them: with oneDNN-packed weights (``EngineConfig.packed_linears``, the default;
-``--no-packed-linears`` for an engine without them). Then, unless ``--no-overhead``, it replays short workloads on
+layers are timed as the engine runs them: with oneDNN-packed weights where they are large enough to pay
+(``EngineConfig.packed_linears``, the default, and ``PACKED_MIN_WEIGHT``; ``--no-packed-linears`` for an engine
+without them). Then, unless ``--no-overhead``, it replays short workloads on
 the real engine and fits the per-step overhead the summed operations miss (``workbench.sim.op_profile``). The file
 records the machine (``workbench.hardware``), torch's thread count and the load average at the start and the end.
 Use it with ``workbench simulate --cost-model op-profile --profile FILE``.

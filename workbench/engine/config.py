@@ -152,9 +152,10 @@ class EngineConfig(ServingConfig):
     CUDA, pure-decode steps replay CUDA graphs; otherwise they run eagerly (``decode_mode``). ``compile_prefill``
     (CPU, one process): ragged steps run each layer's work around its attention compiled
     (``workbench.engine.prefill_step``). ``quantization`` / ``group_size`` are applied by ``Engine.from_model`` at
-    load time. ``packed_linears`` (CPU, fp32 or bf16, every rank): the plain linear layers also hold oneDNN's packed
-    copy of their weights, used for products of 4 to 256 rows (``workbench.model.packed``); the engine applies it to
-    the model it is given. ``speculative_config``: a ``SpeculativeConfig``, its dict or JSON text; None: off.
+    load time. ``packed_linears`` (CPU, fp32 or bf16, every rank): the plain linear layers whose weight has at least
+    ``PACKED_MIN_WEIGHT`` elements also hold oneDNN's packed copy of it, used for products of 4 to 256 rows
+    (``workbench.model.packed``; smaller matrices lose by it and stay plain); the engine applies it to the model it
+    is given. ``speculative_config``: a ``SpeculativeConfig``, its dict or JSON text; None: off.
     """
 
     cache: str = "paged"
@@ -162,7 +163,7 @@ class EngineConfig(ServingConfig):
     device: str = "auto"
     compile_decode: bool = False
     compile_prefill: bool = False  # CPU: each layer's parts around attention compiled (engine.prefill_step)
-    packed_linears: bool = True  # CPU fp32/bf16: oneDNN-packed copies of the weights for 4-256 rows (model.packed)
+    packed_linears: bool = True  # CPU fp32/bf16: oneDNN-packed copies of the large weights, 4-256 rows (model.packed)
     speculative_config: SpeculativeConfig | dict | str | None = None  # speculative decoding (engine.speculative)
 
     def __post_init__(self) -> None:

@@ -11,11 +11,12 @@ inside a graph makes inductor copy the pool.
 
 The token count is a dynamic dimension and the layer is an argument (dynamo inlines the module, so its weights are
 graph inputs): one pair of graphs serves every layer and every token count of a range. The ranges are what the
-graphs are guarded on: dynamo specialises a count of 1, and a packed linear's row range (``PACKED_MIN_ROWS`` to
-``PACKED_MAX_ROWS``) splits the rest, so at most four pairs: 1, 2-3, 4-256 and 257 or more tokens
-(``WARMUP_TOKEN_COUNTS`` holds one count of each). A range compiles at its first step, or all of them in
-``warmup`` (on a scratch cache: the engine's pool is not written); ``compile_s`` keeps the seconds of each step
-that compiled. Inductor caches compiled code on disk (``workbench.engine.compile_cache``).
+graphs are guarded on: dynamo specialises a count of 1, and, in a model with a packed linear (``count_packed``:
+only weights of ``PACKED_MIN_WEIGHT`` elements or more are), its row range (``PACKED_MIN_ROWS`` to
+``PACKED_MAX_ROWS``) splits the rest, so at most four pairs: 1, 2-3, 4-256 and 257 or more tokens, two (1, 2 or
+more) without one (``warmup_token_counts`` holds one count of each). A range compiles at its first step, or all
+of them in ``warmup`` (on a scratch cache: the engine's pool is not written); ``compile_s`` keeps the seconds of
+each step that compiled. Inductor caches compiled code on disk (``workbench.engine.compile_cache``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ from workbench.config import ceil_div
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, build_metadata
-from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS
+from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, count_packed
 from workbench.model.transformer import DecoderLayer, LayerParts, Transformer
 from workbench.timing import now
 
-WARMUP_TOKEN_COUNTS = (1, 2, PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)  # one token count of each range of the graphs
+
+def warmup_token_counts(model: Transformer) -> tuple[int, ...]:
+    """One token count of each range the compiled graphs of ``model`` are guarded on: 1 and 2, and the packed row
+    range's two ends (``PACKED_MIN_ROWS``, ``PACKED_MAX_ROWS + 1``) when ``model`` holds a packed linear."""
+    return (1, 2, PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1) if count_packed(model) else (1, 2)
 
 
 def num_compiled_graphs() -> int:
@@ -88,12 +93,12 @@ class PrefillStep:
 
     def warmup(self, max_tokens: int | None = None) -> dict[int, float]:
         """Compile the graphs of every range (compile mode; nothing to do eagerly): one step of each of
-        ``WARMUP_TOKEN_COUNTS`` tokens (those up to ``max_tokens``, the most a step schedules), one sequence on a
+        ``warmup_token_counts(model)`` tokens (those up to ``max_tokens``, the most a step schedules), one sequence on a
         scratch cache of its own. Returns ``compile_s``."""
         if self.parts is None:
             return {}
         cfg, bs, dev = self.model.config, self.cache.block_size, self.model.device
-        for n in WARMUP_TOKEN_COUNTS:
+        for n in warmup_token_counts(self.model):
             if max_tokens is not None and n > max_tokens:
                 continue
             blocks = ceil_div(n, bs)

@@ -54,7 +54,8 @@ def warmup_workload(max_model_len: int = 256, max_num_seqs: int = 16, gap_s: flo
     apart (each prefilled alone when a prefill takes less: every token count a prefill step packs), then a burst of
     ``max_num_seqs`` requests with 2 to ``max_num_seqs + 1`` output tokens (decode batches of every size from
     ``max_num_seqs`` down to 1 as they finish). The first product of a (matrix, rows) shape in a process builds
-    oneDNN's primitive for it, a cost a steady-state server has long paid (``warm_packed_linears``)."""
+    oneDNN's primitive for it, a cost a steady-state server has long paid (``warm_packed_linears``); for a model
+    with nothing packed (``PACKED_MIN_WEIGHT``) it only costs the run some time."""
     from workbench.model.packed import PACKED_MAX_ROWS
 
     top = max(1, min(PACKED_MAX_ROWS, max_model_len - 2))
@@ -739,16 +740,39 @@ def profile_provenance(kind: str, cost: Any) -> dict[str, Any]:
             "loaded": None if peak is None or not cpus else peak > cpus}  # fmt: skip
 
 
+def engine_packs(model: str | None) -> bool:
+    """Whether today's default engine (``EngineConfig.packed_linears``) packs any linear layer of ``model`` on a CPU
+    in fp32/bf16: some weight of the model (``workbench.bench.linear_shapes``) is ``worth_packing``. A profile
+    without a model name: the flag alone."""
+    from workbench.bench import linear_shapes
+    from workbench.config import ModelConfig
+    from workbench.model.packed import worth_packing
+
+    if not EngineConfig().packed_linears:
+        return False
+    if not model:
+        return True
+    return any(worth_packing(i, o) for i, o in linear_shapes(ModelConfig.resolve(model)))
+
+
 def packed_mismatch(kind: str, data: Mapping[str, Any]) -> bool:
     """Whether a profile (``data``: its file's content, ``to_dict()`` of the loaded cost model) timed its linear
-    layers otherwise than today's default engine runs them (``EngineConfig.packed_linears``): an op profile records
-    ``packed_linears``, a fitted profile the engine configs it ran; a file from before the option existed has
-    neither and was timed with plain layers."""
-    engine_packs = EngineConfig().packed_linears  # on a CPU in fp32/bf16, which is what these profiles time
+    layers otherwise than today's default engine runs them on its model (``engine_packs``): an op profile records
+    ``packed_linears``, whether any layer was packed; a fitted profile ``meta.packed_layers``, how many its engines
+    packed, and before that only the engine configs it ran, whose ``packed_linears`` then packed every layer; a
+    file from before the option existed has none of them and was timed with plain layers."""
     if kind == "op-profile":
-        return data.get("device", "cpu") == "cpu" and bool(data.get("packed_linears", False)) != engine_packs
-    configs = (data.get("meta") or {}).get("engine_configs") or [{}]
-    return any(c.get("device", "cpu") == "cpu" and bool(c.get("packed_linears", False)) != engine_packs
+        if data.get("device", "cpu") != "cpu":
+            return False
+        return bool(data.get("packed_linears", False)) != engine_packs(data.get("model"))
+    meta = data.get("meta") or {}
+    configs = meta.get("engine_configs") or [{}]
+    if all(c.get("device", "cpu") != "cpu" for c in configs):
+        return False
+    packs = engine_packs(meta.get("model"))
+    if "packed_layers" in meta:
+        return (int(meta["packed_layers"]) > 0) != packs
+    return any(c.get("device", "cpu") == "cpu" and bool(c.get("packed_linears", False)) != packs
                for c in configs)  # fmt: skip
 
 
@@ -832,8 +856,8 @@ def stored_profile(kind: str, model: str, path: str | None = None) -> tuple[Any,
     if differ:
         return None, f" (the committed {found} is of another machine: {'; '.join(differ)})"
     if packed_mismatch(kind, cost.to_dict()):
-        return None, (f" (the committed {found} timed plain linear layers; the engine packs them: "
-                      "EngineConfig.packed_linears)")  # fmt: skip
+        return None, (f" (the committed {found} timed its linear layers otherwise than the engine runs them on "
+                      f"{model}: EngineConfig.packed_linears, PACKED_MIN_WEIGHT)")  # fmt: skip
     timed, runs = timed_attention_backend(kind, cost.to_dict()), engine_attention_backend()
     if timed != runs:
         return None, f" (the committed {found} timed the {timed} attention backend; the engine runs {runs})"

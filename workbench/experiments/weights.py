@@ -4,7 +4,8 @@ CPU, timed interleaved (``workbench bench linear`` and ``bench quant-ops``).
 - ``linear_layouts``: plain ``F.linear`` against oneDNN-packed weights (``workbench.model.packed``) per row count,
   one step's worth of matrices (each distinct shape of ``workbench.bench.linear_shapes`` once), ABAB, best of
   ``repeats``: where ``packed_speedup`` is above 1 the packed layout pays, which is what ``PACKED_MIN_ROWS`` /
-  ``PACKED_MAX_ROWS`` should bracket on the machine at hand.
+  ``PACKED_MAX_ROWS`` should bracket on the machine at hand; matrices that lose at every row count should lie below
+  ``PACKED_MIN_WEIGHT`` elements (they stay plain).
 - ``gemm_peak``: the faster of the two at 512 rows, in FLOP/s: the fp32 compute ceiling of a prefill on this CPU that
   ``workbench bench vllm`` divides the offline set's FLOPs by.
 - ``quant_sweep``: one sweep of every matrix of the model (qkv, o, gate_up, down per layer, and the LM head) in each

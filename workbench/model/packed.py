@@ -10,6 +10,14 @@ Xeon of this project (AVX-512, torch 2.13, fp32, the model's matrices, same run)
 at 8 rows, 1.26x at 32, 1.13x at 128, even at 256 and more, slower at 1 and 2 rows (0.90x, 0.82x);
 ``workbench bench linear`` measures the crossover on the machine at hand.
 
+A small matrix loses by it at every row count: its plain weight stays in cache and the re-layout is cheap, while
+the packed call's fixed cost is not (AMD EPYC Zen 3, AVX2, 1 thread: tiny-gqa's matrices, at most 64 x 320, run
+at 0.21-0.79x of ``F.linear`` from 1 to 256 rows, SmolLM2-135M's, at least 576 x 576, at 1.1-2.3x). So
+``pack_linears`` packs only a weight of at least ``PACKED_MIN_WEIGHT`` elements (``worth_packing``): a model of
+small matrices keeps every linear plain, and everything that depends on packing (the fitted profile's kernel
+breaks, the op profile's packed products, the warm-up of packed shapes, the compiled ragged step's row ranges)
+follows the layers actually packed (``count_packed``), not ``EngineConfig.packed_linears`` alone.
+
 ``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
 quantization code are unchanged) and adds the packed copy, used for ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``
 rows. The price is a second copy of every packed weight in memory; the bytes a product reads are one copy's.
@@ -40,11 +48,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.errors import ConfigError
+
 # workbench bench linear on the project's 2-core Intel Xeon (bench-300m's matrices, fp32, 2026-12-01, load
 # 1.3-3.3): packed / plain speed 0.90x at 1 row, 0.82x at 2, 1.37x at 4, 1.85x at 8, 1.26x at 32, 1.13x at 128,
 # 1.03x at 256 and 512, 1.03x at 1024
 PACKED_MIN_ROWS = 4
 PACKED_MAX_ROWS = 256
+# one (in x out) matrix at a time, plain and packed alternated, best of 5 (AMD EPYC Zen 3, AVX2, 1 thread, torch
+# 2.13, fp32, 2026-12-04, load 1.5-1.8): packed / plain speed at 4 / 8 / 16 / 64 / 256 rows: 64x320 (20,480
+# elements) 0.24 / 0.30 / 0.38 / 0.60 / 0.82x; 384x384 (147,456) 0.78 / 0.83 / 0.83 / 0.86 / 0.93x; 448x448
+# (200,704) 0.88 / 0.96 / 0.88 / 0.85 / 0.89x; 512x512 and 256x1024 (262,144) 0.98-1.00 / 1.06-1.11 / 0.99 /
+# 0.94-0.98 / 0.94-0.97x; 576x576 (331,776) 1.14 / 1.10 / 1.02 / 0.91 / 0.87x; 576x3072 1.45 / 1.38 / 1.11 / 0.88 /
+# 0.94x. Whole models (workbench bench linear --threads 1, same load): tiny-gqa 0.31-0.79x at 4-256 rows,
+# SmolLM2-135M 1.28-2.13x. Break-even near 262,144 elements: pack from 300,000 on.
+PACKED_MIN_WEIGHT = 300_000  # elements (in x out) a weight needs for pack_linears to pack it
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 PACKED_EXACT_ROWS = 16  # up to this many rows a product runs at its own row count; above it, at a padded one
 
@@ -128,19 +146,35 @@ class PackedLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: Any) -> int:
-    """Replace the plain ``nn.Linear`` layers of ``model`` (a ``workbench.model.transformer.Transformer``) by
-    ``PackedLinear`` in place, where ``packing_available``; quantized layers and layers already packed are left as
-    they are. Returns how many layers were packed."""
+def worth_packing(in_features: int, out_features: int, min_weight: int | None = None) -> bool:
+    """Whether ``pack_linears`` packs a weight of ``in_features`` x ``out_features``: at least ``min_weight``
+    elements (None: ``PACKED_MIN_WEIGHT``, read at the call, so a test may lower it for every engine it builds)."""
+    threshold = PACKED_MIN_WEIGHT if min_weight is None else min_weight
+    return in_features * out_features >= threshold
+
+
+def pack_linears(model: Any, min_weight: int | None = None) -> int:
+    """Replace the plain ``nn.Linear`` layers of ``model`` (a ``workbench.model.transformer.Transformer``) whose
+    weight has at least ``min_weight`` elements (``worth_packing``; None: ``PACKED_MIN_WEIGHT``) by ``PackedLinear``
+    in place, where ``packing_available``; smaller, quantized and already packed layers are left as they are.
+    Returns how many layers were packed by this call (0 for a model of small matrices)."""
+    if min_weight is not None and (not isinstance(min_weight, int) or min_weight < 0):
+        raise ConfigError(f"min_weight must be a non-negative integer or None, got {min_weight!r}")
     if not packing_available(model.device, model.dtype):
         return 0
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and worth_packing(child.in_features, child.out_features, min_weight):
                 setattr(module, name, PackedLinear.wrap(child))
                 count += 1
     return count
+
+
+def count_packed(model: Any) -> int:
+    """How many layers of ``model`` are ``PackedLinear`` now: what every consumer of packing follows (0: every
+    product is plain, whatever ``EngineConfig.packed_linears`` says)."""
+    return sum(isinstance(m, PackedLinear) for m in model.modules())
 
 
 def unpack_linears(model: Any) -> int:

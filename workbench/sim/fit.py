@@ -176,8 +176,9 @@ def fit_profile(
     function of its tokens (prefill + decode), one value per knot (``token_knots``), since a CPU BLAS library is
     not linear in the batch. The curve may only rise (more rows never compute faster on one kernel: the fit solves
     for a non-negative first value and non-negative increments) except at ``kernel_breaks``, the token counts where
-    the engine switches to another kernel (the CPU engine's packed linears from ``PACKED_MIN_ROWS`` rows on: on an
-    EPYC 3 rows on the plain path take 3x as long as 4 packed ones); each break starts a new rising segment.
+    the engine switches to another kernel (the CPU engine's packed linears from ``PACKED_MIN_ROWS`` rows on, in a
+    model with weights large enough to pack: on an EPYC 3 rows on the plain path took 3x as long as 4 packed ones
+    when every weight was packed); each break starts a new rising segment.
     The attention and per-sequence terms ``CURVE_FEATURES`` stay linear.
 
     ``bootstrap``: refits on that many resamples (with replacement, ``seed``) of the fitted steps; ``fit`` in the

@@ -403,11 +403,11 @@ class InterleavedTraining:
         from workbench.device import resolve_device
         from workbench.engine.runner import make_backend
         from workbench.hardware import cpu_model_name
+        from workbench.model.packed import count_packed
 
         if not self.samples.stats:
             raise ConfigError("no training steps measured yet (call run_due first)")
         dev = resolve_device(self.configs[0].device)
-        dtype = self.configs[0].dtype
         loads = [x for x in self._loads if x is not None]
         meta = {
             "model": self.model,
@@ -422,8 +422,9 @@ class InterleavedTraining:
             "load_average_1min": [loads[0], loads[-1]] if loads else [None, None],
             "workloads_measured": f"{self.done} of {len(self.items)}",
             "attention_backend": make_backend(self.configs[0].attention_backend, dev.type).name,  # as resolved
+            "packed_layers": count_packed(self.net),  # what the engines packed (workbench.model.packed), not the flag
         }
-        return fit_samples(self.samples, meta, engine_batched_decode(dev), engine_kernel_breaks(dev, dtype))
+        return fit_samples(self.samples, meta, engine_batched_decode(dev), engine_kernel_breaks(self.net))
 
     def steps_record(self) -> dict[str, Any]:
         """The steps measured so far and the engine facts the fit takes beside them (``steps_record``): what a
@@ -431,7 +432,7 @@ class InterleavedTraining:
         from workbench.device import resolve_device
 
         dev = resolve_device(self.configs[0].device)
-        return steps_record(self.samples, engine_batched_decode(dev), engine_kernel_breaks(dev, self.configs[0].dtype))
+        return steps_record(self.samples, engine_batched_decode(dev), engine_kernel_breaks(self.net))
 
 
 STEPS_FORMAT = "workbench-steps-v1"
@@ -479,16 +480,15 @@ def refit_steps(record: Any, meta: dict | None = None, where: str = "steps") -> 
     return fit_samples(samples, meta, None if bd is None else (int(bd[0]), int(bd[1])), tuple(int(b) for b in breaks))
 
 
-def engine_kernel_breaks(device: Any, dtype: str = "fp32") -> tuple[int, ...]:
-    """The token counts where the engine's dense layers switch kernels (``fit_profile``'s ``kernel_breaks``): on a
-    CPU whose engine packs its linears (``workbench.model.packed``), products of ``PACKED_MIN_ROWS`` to
-    ``PACKED_MAX_ROWS`` rows run oneDNN's packed kernel, the others the plain one; none elsewhere."""
-    import torch
+def engine_kernel_breaks(model: Any) -> tuple[int, ...]:
+    """The token counts where the engine's dense layers switch kernels (``fit_profile``'s ``kernel_breaks``), from
+    what ``model`` (the net the measured engines ran) holds: with any oneDNN-packed layer (``workbench.model.packed``,
+    ``count_packed``), products of ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS`` rows run the packed kernel and the
+    others the plain one; none when nothing was packed (another device or dtype, packing off, or a model of small
+    matrices: ``PACKED_MIN_WEIGHT``)."""
+    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, count_packed
 
-    from workbench.device import torch_dtype
-    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, packing_available
-
-    if not packing_available(torch.device(str(device)), torch_dtype(dtype)):
+    if not count_packed(model):
         return ()
     return (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)
 

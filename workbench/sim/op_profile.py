@@ -32,8 +32,9 @@ operations (``ops_scale``: the same operations run slower inside a forward pass,
 caches the isolated timings keep warm), a constant per step and per sequence for each kind of step (the
 scheduler, the metadata tensors, the Python between layers; ``decode_step_s``, ``decode_seq_s`` for a pure
 decode, ``ragged_step_s``, ``ragged_seq_s`` otherwise), a per-token term, and a time per oneDNN-packed product
-the step runs (``packed_call_s``, for a profile whose linears were packed: ``packed_products``). A packed product
-costs more inside a forward pass than timed alone, by more than a plain one: on the 2-core AMD EPYC (AVX2, torch
+the step runs (``packed_call_s``, for a profile with packed linears: ``packed_products``, which records the layers
+really packed; a model whose weights are all below ``PACKED_MIN_WEIGHT`` has none, and no such term). A packed
+product costs more inside a forward pass than timed alone, by more than a plain one: on the 2-core AMD EPYC (AVX2, torch
 2.13, tiny-gqa, load 5) a packed QKV projection at 4 rows took 47 us alone, an RMSNorm 31 us, the two in a row
 117 us (+39 us), against +12 us with the plain product at 3 rows; fitted to the engine's steps the term came out
 at 40 us a product, and the steps of 4 to 6 decodes, priced 15-19% low without it, 12-13% low with it (the

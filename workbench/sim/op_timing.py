@@ -84,9 +84,10 @@ def profile_ops(
     them). ``grids``: sizes per axis (``default_grids``). ``passes``: sweeps over every point, interleaved (each
     point once per pass); a point's median is the median of its passes' medians. ``packed_linears``: time the linear
     layers (projections and LM head) as an engine with ``EngineConfig.packed_linears`` runs them (oneDNN-packed
-    weights from 4 to 256 rows, ``workbench.model.packed``, where the device and dtype allow it); the profile
-    records whether they were packed (and, if so, ``packed_products``: the row range and the packed products of a
-    layer and of the LM head, which the overhead fit prices per product), and ``measure_overhead`` runs its engine
+    weights from 4 to 256 rows, ``workbench.model.packed``, where the device and dtype allow it and for the weights
+    of at least ``PACKED_MIN_WEIGHT`` elements only); the profile records whether any was packed (and, if so,
+    ``packed_products``: the row range and the packed products of a layer and of the LM head, as packed, which the
+    overhead fit prices per product; none for a model of small matrices), and ``measure_overhead`` runs its engine
     the same way. ``attention_backend``: an ``EngineConfig.attention_backend`` name, resolved as the engine resolves
     it (``make_backend``: 'auto' is the paged C++ decode on a CPU where its op builds, else torch); the profile
     records the backend timed (its ``name``: 'cpu', 'torch' or 'triton'), which its overhead fit's engine then runs."""
@@ -99,17 +100,20 @@ def profile_ops(
     from workbench.model.attention import MAX_GATHER_KEY_SLOTS, build_decode_metadata, build_metadata
     from workbench.model.checkpoint import load_model
     from workbench.model.layers import apply_rotary_rolled, signed_sin
-    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, pack_linears
+    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, count_packed, pack_linears
     from workbench.model.sampler import Sampler
     from workbench.request import SamplingParams
 
     dev = resolve_device(device)
     tdtype = torch_dtype(dtype)
     net = load_model(model, dtype=tdtype, device=dev, seed=seed)
-    packed = pack_linears(net) > 0 if packed_linears else False  # as the engine runs them (Engine.__init__)
+    if packed_linears:  # as the engine runs them (Engine.__init__): only the weights worth packing
+        pack_linears(net)
+    packed = count_packed(net) > 0
     packed_products = None
-    if packed:  # what OpProfileCostModel.packed_calls counts: the packed products of a layer, and the LM head
-        per_layer = sum(isinstance(m, PackedLinear) for m in net.layers[0].modules())
+    if packed:  # what OpProfileCostModel.packed_calls counts: the packed products of a layer (0 when only the LM
+        # head is), and the LM head
+        per_layer = count_packed(net.layers[0])
         head = isinstance(getattr(net, "lm_head", None), PackedLinear)
         packed_products = {"min_rows": PACKED_MIN_ROWS, "max_rows": PACKED_MAX_ROWS, "per_layer": per_layer,
                            "head": head}  # fmt: skip

@@ -508,8 +508,9 @@ def test_a_committed_fitted_profile_of_another_attention_backend_is_not_used(tmp
     source = next((Path(__file__).parents[1] / "data" / "profiles").glob("tiny-gqa-*.json"))
     data = json.loads(source.read_text())
     ident = measure.machine_identity()
+    # packed_layers 0: tiny-gqa's engine packs nothing (PACKED_MIN_WEIGHT), as a profile fitted now records
     meta = {**data["meta"], "machine": ident["cpu"], "cpu_count": ident["cpu_count"],
-            "cpu_capability": ident["cpu_capability"]}  # fmt: skip
+            "cpu_capability": ident["cpu_capability"], "packed_layers": 0}  # fmt: skip
     path = tmp_path / "p.json"
     monkeypatch.setattr(measure, "default_profile_path", lambda model: str(path))
     for timed, runs, read in (("torch", "cpu", False), ("cpu", "cpu", True), ("torch", "torch", True)):

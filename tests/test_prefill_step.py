@@ -27,13 +27,19 @@ NEW = [6, 9, 4, 7]
 
 @pytest.fixture(scope="module")
 def compiled(tiny_checkpoint):
-    """One engine with compiled ragged steps (tiny-gqa, packed linears on), warmed up: (engine, graphs the warm-up
+    """One engine with compiled ragged steps (tiny-gqa, every linear packed: its matrices are below
+    ``PACKED_MIN_WEIGHT``, so the threshold is 0 while the engine packs them), warmed up: (engine, graphs the warm-up
     compiled)."""
+    from workbench.model import packed
+
     # dynamo keeps compiled graphs on the compiled function's code, across engines: an earlier test in this process
     # that compiled the same layer parts (reports/PERFORMANCE.md's `bench compiled`, run by
     # tests/test_readme_commands.py) would leave this warm-up nothing to compile
     torch._dynamo.reset()
-    engine = Engine(load_checkpoint(tiny_checkpoint("tiny-gqa")), EngineConfig(**CONFIG, compile_prefill=True))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(packed, "PACKED_MIN_WEIGHT", 0)
+        engine = Engine(load_checkpoint(tiny_checkpoint("tiny-gqa")), EngineConfig(**CONFIG, compile_prefill=True))
+    assert packed.count_packed(engine.model) == 2 * 4 + 1
     before = num_compiled_graphs()
     engine.prefill.warmup(engine.scheduler.config.token_budget)
     return engine, num_compiled_graphs() - before

@@ -196,10 +196,11 @@ def reseed_arrivals(
     """The same requests (lengths, ids) with Poisson arrivals drawn from ``seed`` at ``rate`` requests/s (default:
     the slice's own mean rate), starting at its first arrival: one round's workload of a serving trial. The requests
     take the drawn arrival times in the slice's order, or, with ``shortest_first``, in order of prompt length
-    (shortest first, ties in the slice's order): every prompt then arrives after all the shorter ones, so a long
-    prompt lands while they decode in every round rather than by the draw's chance (the interference a chunked
-    scheduler removes; the gaps are the same draws either way). A slice whose requests all arrive at once (an
-    offline batch) is returned unchanged."""
+    (shortest first, ties in the slice's order): every prompt then arrives after all the shorter ones, so in every
+    round a long prompt comes while the most requests are decoding (the interference a chunked scheduler removes),
+    not only when the draw happens to put it there; the gaps are the same draws either way (the wall clock decides
+    how many are still decoding, so this makes the overlap likely, not certain). A slice whose requests all arrive
+    at once (an offline batch) is returned unchanged."""
     if rate is not None and not rate > 0:
         raise ConfigError(f"arrival rate must be > 0 requests/s (or None: the slice's own), got {rate}")
     reqs = sorted(requests, key=lambda r: r.arrival_time_s)
@@ -258,7 +259,7 @@ def policy_trial(
     A slice whose arrivals are dense against the engine's speed arrives whole before the first step ends on a slow
     (busy) machine, and the policies then serve the same single batch: give a ``rate`` at which the requests arrive
     while earlier ones are still being served. A claim about what a long prompt does to running decodes (a p99 ITL
-    under chunked prefill) needs it to land among them in every round: ``shortest_first``."""
+    under chunked prefill) needs it to arrive among them in every round: ``shortest_first``."""
     arms = {
         label: serving_arm(model, cfg, requests, slos, rounds.seed, rate, shortest_first)
         for label, cfg in configs.items()

@@ -51,7 +51,20 @@ def test_a_paired_claim_carries_ratio_interval_rounds_margin_and_control() -> No
     assert ev["control"]["failed"] is False and ev["control"]["ratio"] == pytest.approx(1.0, abs=0.01)
     assert "batch 8/batch 1 = 2" in c["detail"] and "A/A 1" in c["detail"]
     text = C.claims_markdown([c])
-    assert "**confirmed · 2x [" in text and "6 rounds" in text
+    assert "**confirmed · 2x [" in text and "(95%, 6 rounds)" in text  # interval_text's, counting rounds
+
+
+def test_interval_text_says_what_its_interval_is_and_what_it_counts() -> None:
+    ev = {"ratio": 1.05, "ci_low": 0.95, "ci_high": 1.2, "rounds": 3, "interval": "min..max"}
+    assert C.interval_text(ev) == "1.05x [0.95, 1.2] (min..max of 3 pairs)"  # a repeat_comparison's pairs
+    assert C.interval_text({**ev, "rounds_unit": "repeats"}) == "1.05x [0.95, 1.2] (min..max of 3 repeats)"
+    assert C.interval_text({**ev, "rounds": 1, "rounds_unit": "repeats"}).endswith("(min..max of 1 repeat)")
+    assert C.interval_text({**ev, "rounds": None}).endswith("[0.95, 1.2] (min..max)")
+    t = {"ratio": 2.0, "ci_low": 1.8, "ci_high": 2.2, "rounds": 6, "confidence": 0.95}
+    assert C.interval_text(t) == "2x [1.8, 2.2] (95%, 6 pairs)"
+    assert C.interval_text(t, "rounds") == "2x [1.8, 2.2] (95%, 6 rounds)"  # the unit given wins
+    assert C.interval_text({**t, "ci_low": 2.0, "ci_high": 2.0, "rounds": 0, "confidence": None}) == "2x [2, 2] (exact)"
+    assert C.interval_text({"ratio": None}) == "no ratio"
 
 
 def test_paired_claims_say_opposite_equivalent_and_failed_control() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED
+from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED, claims_markdown
 from workbench.experiments.fidelity import compare, fidelity_claim
 
 
@@ -32,6 +32,8 @@ def test_spread_tolerance_and_error_by_hand() -> None:
     ev = claim["evidence"]
     assert (ev["ratio"], ev["ci_low"], ev["ci_high"]) == (pytest.approx(1.15),) * 3
     assert ev["rounds"] == 3 and ev["margin"] == pytest.approx(0.10) and ev["direction"] == "within"
+    # three measured repeats against one simulated value: repeats, not pairs, in the conclusion's text
+    assert "1.15x [1.15, 1.15] (min..max of 3 repeats)" in claims_markdown([claim])
     # the TTFT median's: 120 ms against repeats 100..120 ms (median 110)
     t = fidelity_claim([{**ttft, "model": "n"}], "n")["evidence"]
     assert (t["ratio"], t["ci_low"], t["ci_high"]) == (pytest.approx(12 / 11), pytest.approx(1.0), pytest.approx(1.2))
@@ -133,6 +135,7 @@ def test_the_overhead_claim_carries_the_mean_ratio_with_its_t_interval() -> None
     assert claim["verdict"] == CONFIRMED and ev["rounds"] == 16 and ev["ratio"] == pytest.approx(0.8)
     half = 2.131 * 0.1 / 4  # t(0.975, 15 df) from the tables, 16 busy steps
     assert (ev["ci_low"], ev["ci_high"]) == (pytest.approx(0.8 - half, abs=1e-3), pytest.approx(0.8 + half, abs=1e-3))
+    assert "0.8x [0.747, 0.853] (95%, 16 steps)" in claims_markdown([claim])  # 0.8 -+ 0.0533
     old = overhead_claim({"fit": {k: v for k, v in fit.items() if k != "ops_only_signed_rel_error_sd"},
                           "coefficients": {}})["evidence"]  # fmt: skip
     assert old["ratio"] == pytest.approx(0.8) and old["ci_low"] is None and old["interval"].startswith("none")

@@ -36,6 +36,17 @@ def test_reseed_arrivals_keeps_the_requests_and_draws_new_arrivals():
     assert reseed_arrivals(offline, 7) == offline
 
 
+def test_reseed_arrivals_shortest_first_gives_the_same_times_in_order_of_prompt_length():
+    reqs = [Request(i, 1.0 + 0.5 * i, n, 3) for i, n in enumerate((50, 10, 40, 10, 30))]
+    drawn, ordered = reseed_arrivals(reqs, 3), reseed_arrivals(reqs, 3, shortest_first=True)
+    # the same five times, taken by prompt length: 10 (id 1), 10 (id 3: ties in the slice's order), 30, 40, 50
+    assert [r.arrival_time_s for r in ordered] == [r.arrival_time_s for r in drawn]
+    assert [(r.request_id, r.prompt_len) for r in ordered] == [(1, 10), (3, 10), (4, 30), (2, 40), (0, 50)]
+    assert [r.request_id for r in drawn] == [0, 1, 2, 3, 4]
+    offline = [Request(i, 0.0, 4 - i, 2) for i in range(3)]
+    assert reseed_arrivals(offline, 7, shortest_first=True) == offline  # all at once: nothing to order
+
+
 def test_reseed_arrivals_at_a_given_rate_spreads_the_same_draws():
     reqs = [Request(i, 1.0 + 0.5 * i, 10 + i, 3 + i) for i in range(5)]  # the slice's own rate: 2 requests/s
     own, slower = reseed_arrivals(reqs, 3), reseed_arrivals(reqs, 3, rate=0.5)

@@ -215,19 +215,25 @@ def repeat_comparison(
             "reason": reason}  # fmt: skip
 
 
-def interval_text(evidence: Mapping[str, Any]) -> str:
+def interval_text(evidence: Mapping[str, Any], unit: str | None = None) -> str:
     """'28.6x [25.1, 32.4] (95%, 4 pairs)': the ratio of a ``repeat_comparison`` (or any evidence with ``ratio``,
-    ``ci_low``, ``ci_high``) with its interval and what the interval is."""
+    ``ci_low``, ``ci_high``) with its interval and what the interval is: a t interval at its ``confidence`` over
+    ``rounds``, the ``rounds``' own min..max (``interval`` "min..max"), or exact (``rounds`` 0). ``unit`` (plural)
+    names what ``rounds`` counts: given, else the evidence's ``rounds_unit`` ("repeats" for a fidelity claim's
+    measured repeats, "steps" for engine steps), else "pairs" (a ``repeat_comparison``'s pairs of repeats); a claim
+    decided by paired rounds passes "rounds"."""
     if evidence.get("ratio") is None:
         return "no ratio"
     text = f"{evidence['ratio']:.3g}x"
     if evidence.get("ci_low") is not None and evidence.get("ci_high") is not None:
         text += f" [{evidence['ci_low']:.3g}, {evidence['ci_high']:.3g}]"
     rounds = evidence.get("rounds")
+    unit = unit or evidence.get("rounds_unit") or "pairs"
+    counted = f"{rounds} {unit.removesuffix('s') if rounds == 1 else unit}"
     if evidence.get("interval") == "min..max":
-        text += f" (min..max of {rounds} pair{'s' if rounds != 1 else ''})"
+        text += f" (min..max of {counted})" if rounds else " (min..max)"
     elif evidence.get("confidence") is not None and rounds:
-        text += f" ({evidence['confidence']:.0%}, {rounds} pairs)"
+        text += f" ({evidence['confidence']:.0%}, {counted})"
     elif rounds == 0:
         text += " (exact)"
     return text
@@ -640,10 +646,8 @@ def claims_markdown(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Map
     for c in claims:
         verdict = VERDICT_TEXT[c["verdict"]]
         ev = c.get("evidence", {})
-        if PAIRED in c.get("uses", ()) and "ratio" in ev:
-            verdict += f" · {ev['ratio']:.3g}x [{ev['ci_low']:.3g}, {ev['ci_high']:.3g}], {ev['rounds']} rounds"
-        elif ev.get("ratio") is not None:
-            verdict += f" · {interval_text(ev)}"
+        if ev.get("ratio") is not None:
+            verdict += f" · {interval_text(ev, 'rounds' if PAIRED in c.get('uses', ()) else None)}"
         elif ev.get("no_ratio"):
             verdict += f" · no ratio: {ev['no_ratio']}"
         if c.get("unreliable"):

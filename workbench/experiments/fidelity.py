@@ -235,13 +235,15 @@ def runs_load(loads: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def worst_ratio(row: Mapping[str, Any]) -> dict[str, Any]:
     """A compared statistic (a ``compare`` row) as a claim's ratio: simulated / measured median (1 + its
     ``rel_error``), its interval the simulated value against the measured repeats' max and min (the ratio any one
-    repeat would have given), ``rounds`` the repeats, ``margin`` the statistic's tolerance, ``direction`` "within"
+    repeat would have given), ``rounds`` the repeats (``rounds_unit`` "repeats": no pairs here, each repeat is one
+    measured run against the one simulated value), ``margin`` the statistic's tolerance, ``direction`` "within"
     (the claim is that the ratio stays inside 1 +- margin); the verdict is ``fidelity_claim``'s, not decided here."""
     sim, mid, lo, hi = (row[k] for k in ("simulated_ms", "measured_ms", "measured_min_ms", "measured_max_ms"))
     return {"arms": ["measured", "simulated"], "ratio": sim / mid if mid > 0 else None,
             "ci_low": sim / hi if hi > 0 else None, "ci_high": sim / lo if lo > 0 else None,
-            "rounds": row.get("num_repeats"), "margin": row["tolerance"], "confidence": None, "direction": "within",
-            "interval": "min..max", "of": f"{row['model']}: {row['policy']} {row['statistic']}"}  # fmt: skip
+            "rounds": row.get("num_repeats"), "rounds_unit": "repeats", "margin": row["tolerance"],
+            "confidence": None, "direction": "within", "interval": "min..max",
+            "of": f"{row['model']}: {row['policy']} {row['statistic']}"}  # fmt: skip
 
 
 def _loaded_miss(load: Mapping[str, Any] | None) -> str:
@@ -1022,7 +1024,8 @@ def overhead_claim(overhead: Mapping[str, Any]) -> dict[str, Any]:
     confirmed when the summed operations are more than 10% below the measured steps on average, not confirmed
     when they are more than 10% above, inconclusive within 10%. The evidence's ratio is the operations' sum over the
     measured step on average (1 + the mean signed relative error), its interval the mean's Student-t one over the
-    steps (from the fit's ``ops_only_signed_rel_error_sd``; none from a profile fitted before it was kept)."""
+    busy steps (``rounds``, ``rounds_unit`` "steps"; from the fit's ``ops_only_signed_rel_error_sd``; none from a
+    profile fitted before it was kept)."""
     import math
 
     from workbench.experiments.claims import SINGLE_RUN_TOLERANCE
@@ -1035,7 +1038,8 @@ def overhead_claim(overhead: Mapping[str, Any]) -> dict[str, Any]:
     interval = "t" if half is not None else "none: a profile fitted without the errors' sd"
     ratio = {"arms": ["engine step", "operations alone"], "ratio": 1 + bias,
              "ci_low": None if half is None else 1 + bias - half, "ci_high": None if half is None else 1 + bias + half,
-             "rounds": n, "margin": SINGLE_RUN_TOLERANCE, "confidence": 0.95 if half is not None else None,
+             "rounds": n, "rounds_unit": "steps", "margin": SINGLE_RUN_TOLERANCE,
+             "confidence": 0.95 if half is not None else None,
              "direction": "lower", "interval": interval}  # fmt: skip
     evidence = {**ratio, "ops_only_mean_signed_rel_error": bias,
                 "ops_only_median_rel_error": fit["ops_only_median_rel_error"],

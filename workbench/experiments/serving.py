@@ -4,8 +4,9 @@ Every function builds fresh engines over one loaded model (weights are shared; e
 the policies being compared see identical requests and identical weights.
 
 The claims compare them in paired rounds (``workbench.experiments.trials``): ``policy_trial`` replays, each round,
-the same slice of requests with arrivals drawn afresh from the round's seed (``reseed_arrivals``) under two
-configurations; ``long_prompt_trial`` runs the long-prompt scenario under two configurations with the round's seed.
+the same slice of requests with arrivals drawn afresh from the round's seed (``reseed_arrivals``; in order of prompt
+length when a long prompt must land among running decodes) under two configurations; ``long_prompt_trial`` runs
+the long-prompt scenario under two configurations with the round's seed.
 """
 
 from __future__ import annotations
@@ -189,10 +190,17 @@ def budget_sweep(
 # ---------------------------------------------------------------- paired rounds
 
 
-def reseed_arrivals(requests: Sequence[Request], seed: int, rate: float | None = None) -> list[Request]:
-    """The same requests (lengths, ids, order) with Poisson arrivals drawn from ``seed`` at ``rate`` requests/s
-    (default: the slice's own mean rate), starting at its first arrival: one round's workload of a serving trial. A
-    slice whose requests all arrive at once (an offline batch) is returned unchanged."""
+def reseed_arrivals(
+    requests: Sequence[Request], seed: int, rate: float | None = None, shortest_first: bool = False
+) -> list[Request]:
+    """The same requests (lengths, ids) with Poisson arrivals drawn from ``seed`` at ``rate`` requests/s (default:
+    the slice's own mean rate), starting at its first arrival: one round's workload of a serving trial. The requests
+    take the drawn arrival times in the slice's order, or, with ``shortest_first``, in order of prompt length
+    (shortest first, ties in the slice's order): every prompt then arrives after all the shorter ones, so in every
+    round a long prompt comes while the most requests are decoding (the interference a chunked scheduler removes),
+    not only when the draw happens to put it there; the gaps are the same draws either way (the wall clock decides
+    how many are still decoding, so this makes the overlap likely, not certain). A slice whose requests all arrive
+    at once (an offline batch) is returned unchanged."""
     if rate is not None and not rate > 0:
         raise ConfigError(f"arrival rate must be > 0 requests/s (or None: the slice's own), got {rate}")
     reqs = sorted(requests, key=lambda r: r.arrival_time_s)
@@ -202,7 +210,8 @@ def reseed_arrivals(requests: Sequence[Request], seed: int, rate: float | None =
         rate = (len(reqs) - 1) / (reqs[-1].arrival_time_s - reqs[0].arrival_time_s)
     gaps = gamma_arrivals(len(reqs) - 1, rate, 1.0, np.random.default_rng([abs(seed), 1 if seed < 0 else 0]))
     times = [reqs[0].arrival_time_s] + [reqs[0].arrival_time_s + g for g in gaps]
-    return [replace(r, arrival_time_s=t) for r, t in zip(reqs, times)]
+    order = sorted(reqs, key=lambda r: r.prompt_len) if shortest_first else reqs
+    return [replace(r, arrival_time_s=t) for r, t in zip(order, times)]
 
 
 def serving_arm(
@@ -212,15 +221,16 @@ def serving_arm(
     slos: Mapping[str, float | None] | None = None,
     seed: int = 0,
     rate: float | None = None,
+    shortest_first: bool = False,
 ) -> Callable[[int], dict[str, float]]:
     """An arm of paired rounds: one trial replays ``requests`` with the round's arrivals (``reseed_arrivals`` with
-    ``seed`` + round, at ``rate``) on a fresh engine of ``config`` and returns ``summary_row``'s numbers (ms,
-    tokens/s)."""
+    ``seed`` + round, at ``rate``, ``shortest_first``) on a fresh engine of ``config`` and returns ``summary_row``'s
+    numbers (ms, tokens/s)."""
 
     def trial(index: int) -> dict[str, float]:
         engine = engine_for(model, config)
         try:
-            result = engine.replay(reseed_arrivals(requests, seed + index, rate))
+            result = engine.replay(reseed_arrivals(requests, seed + index, rate, shortest_first))
         finally:
             engine.shutdown()
         row = summary_row("", result, **(slos or {}))
@@ -239,16 +249,21 @@ def policy_trial(
     margin: float = LATENCY_MARGIN,
     slos: Mapping[str, float | None] | None = None,
     rate: float | None = None,
+    shortest_first: bool = False,
 ) -> Comparison:
     """Two configurations (A, B: ``configs`` in order) serving the same slice of ``requests``, paired rounds with
-    fresh arrivals per round (at ``rate`` requests/s; default the slice's own mean rate), decided on ``metric`` (a
-    ``summary_row`` key) being ``direction`` for B by more than ``margin``; ``Comparison.on`` reads the rounds'
-    other figures.
+    fresh arrivals per round (at ``rate`` requests/s, default the slice's own mean rate; in order of prompt length
+    with ``shortest_first``: ``reseed_arrivals``), decided on ``metric`` (a ``summary_row`` key) being ``direction``
+    for B by more than ``margin``; ``Comparison.on`` reads the rounds' other figures.
 
     A slice whose arrivals are dense against the engine's speed arrives whole before the first step ends on a slow
     (busy) machine, and the policies then serve the same single batch: give a ``rate`` at which the requests arrive
-    while earlier ones are still being served."""
-    arms = {label: serving_arm(model, cfg, requests, slos, rounds.seed, rate) for label, cfg in configs.items()}
+    while earlier ones are still being served. A claim about what a long prompt does to running decodes (a p99 ITL
+    under chunked prefill) needs it to arrive among them in every round: ``shortest_first``."""
+    arms = {
+        label: serving_arm(model, cfg, requests, slos, rounds.seed, rate, shortest_first)
+        for label, cfg in configs.items()
+    }
     return rounds.run(arms, DecisionRule(direction, margin), metric=metric)
 
 

@@ -20,19 +20,21 @@ vectorized exp. The new token's K/V can be passed as the last key (``k_new``/``v
 counts the keys before it), which lets a compiled decode step attend before the step's one write (``KVCache.write``)
 instead of writing a view of a graph input inside the graph.
 
-Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under
-``TORCH_EXTENSIONS_DIR``) and registered as ``torch.ops.workbench_cpu.paged_decode`` with a fake kernel, so
-``torch.compile`` keeps it as one opaque call. The C++ body is compiled three times (AVX-512, AVX2+FMA, baseline
-x86-64, GCC target attributes); ``isa`` picks one per call, by default the best that both the CPU and torch's
-dispatch (``torch.backends.cpu.get_cpu_capability()``) support, so an AVX-512 path is never chosen on an AVX2
-machine. ``available()`` is False when no compiler is present (or the build fails); callers then use the
-plain-PyTorch path (the torch backend; ``workbench.kernels.reference`` is the fp32 reference the tests compare with).
+Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``,
+one directory per version of the source: ``CppOp``) and registered as ``torch.ops.workbench_cpu.paged_decode`` with a
+fake kernel, so ``torch.compile`` keeps it as one opaque call. The C++ body is compiled three times (AVX-512, AVX2+FMA,
+baseline x86-64, GCC target attributes); ``isa`` picks one per call, by default the best that both the CPU and torch's
+dispatch (``torch.backends.cpu.get_cpu_capability()``) support, so an AVX-512 path is never chosen on an AVX2 machine.
+``available()`` is False when no compiler is present (or the build fails); callers then use the plain-PyTorch path (the
+torch backend; ``workbench.kernels.reference`` is the fp32 reference the tests compare with).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -51,29 +53,59 @@ class CpuKernelError(ValueError):
 class CppOp:
     """A C++ op (``torch.utils.cpp_extension``) compiled on first use, its build cached on disk across processes, and
     loaded once per process; ``register_fakes`` then registers its fake kernels (for ``torch.compile``). A failed
-    build (no compiler, no headers) is remembered with its reason, and the caller falls back to plain PyTorch."""
+    build (no compiler, no headers) is remembered with its reason, and the caller falls back to plain PyTorch.
+
+    The build lives in a directory named by a hash of what the library depends on (``build_key``: the source text,
+    the flags, torch's version, the Python ABI) under torch's extension root (``TORCH_EXTENSIONS_DIR``), and a
+    process that finds the library built there loads it without calling the build at all. Torch's own cache keys the
+    build by the op's name only, so two checkouts (or versions) of the source took turns rebuilding one directory, a
+    minute of g++ each time, and even an unchanged one re-ran ninja; here each version keeps its build."""
 
     def __init__(self, name: str, source: Path, cflags: list[str], register_fakes: Callable[[], None]) -> None:
         self.name, self.source, self.cflags, self.register_fakes = name, source, cflags, register_fakes
         self._lock = threading.Lock()
         self._error: str | None = None
         self._built = False
+        self.loaded_from_cache: bool | None = None  # after the first use: whether the library was already built
+
+    def build_key(self) -> str:
+        """16 hex digits of a hash of the source text, the flags, torch's version and the Python ABI."""
+        digest = hashlib.sha256()
+        for part in (self.source.read_bytes(), " ".join(self.cflags).encode(), torch.__version__.encode(),
+                     sys.implementation.cache_tag.encode()):  # fmt: skip
+            digest.update(part + b"\0")
+        return digest.hexdigest()[:16]
+
+    def build_dir(self) -> Path:
+        """Where this version of the op is built: ``<torch's extension root>/<name>-<build_key>``."""
+        from torch.utils.cpp_extension import get_default_build_root
+
+        return Path(get_default_build_root()) / f"{self.name}-{self.build_key()}"
 
     def _build(self) -> None:
         with self._lock:
             if self._built:
                 return
             try:
-                from torch.utils.cpp_extension import load
+                build_dir = self.build_dir()
+                library = build_dir / f"{self.name}.so"
+                # built before (and no build under way: torch's lock file is gone): load it as it is
+                self.loaded_from_cache = library.exists() and not (build_dir / "lock").exists()
+                if self.loaded_from_cache:
+                    torch.ops.load_library(str(library))
+                else:
+                    from torch.utils.cpp_extension import load
 
-                load(
-                    name=self.name,
-                    sources=[str(self.source)],
-                    extra_cflags=[*self.cflags, "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    is_python_module=False,
-                    verbose=os.environ.get("WORKBENCH_VERBOSE_BUILD") == "1",
-                )
+                    build_dir.mkdir(parents=True, exist_ok=True)
+                    load(
+                        name=self.name,
+                        sources=[str(self.source)],
+                        extra_cflags=[*self.cflags, "-fopenmp"],
+                        extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir),
+                        is_python_module=False,
+                        verbose=os.environ.get("WORKBENCH_VERBOSE_BUILD") == "1",
+                    )
                 self.register_fakes()
             except Exception as exc:  # no compiler, no headers: the caller falls back
                 self._error = f"{type(exc).__name__}: {exc}"

@@ -9,8 +9,11 @@ from workbench.kernels.testing import TOLERANCES
 from workbench import bench
 from workbench.cli import main
 from workbench.config import ModelConfig
+from workbench.errors import ConfigError
 from workbench.hardware import HardwareSpec
 from workbench.model import load_checkpoint
+from workbench.request import SamplingParams
+from workbench.timing import random_prompts
 
 # tiny-gqa: hidden 64, 4 heads of 16 (q 64), 2 KV heads (kv 32), intermediate 160, 2 layers, vocab 256, untied
 H, Q, KV, INTER, L, V, NH = 64, 64, 32, 160, 2, 256, 4
@@ -191,3 +194,20 @@ def test_fast_layer_paths_equal_their_references():
         with torch.inference_mode():
             # the fused kernel reduces in its own order (vector width depends on the CPU): the dtype's tolerance
             torch.testing.assert_close(norm(h), reference, **TOLERANCES[dtype])
+
+
+def test_decode_requests_that_finish_before_all_decode_name_the_budget_and_pool(tiny):
+    """An engine that does not take every prompt before the first run out of tokens (here decode-first with a budget
+    of 18 tokens a step: one 16-token prompt, then one decode and one prompt; the first request has its 2 tokens
+    while two prompts wait) is a clear ConfigError naming the policy, the token budget and the pool, not a bare
+    'finished early'."""
+    engine = bench.bench_engine(tiny, 4, 18, policy="decode-first", token_budget=18)
+    for prompt in random_prompts(4, 16, tiny.config.vocab_size, 0):
+        engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    expected = r"finished \(length\) while 2 of 4 had no first token .*'decode-first' with a token budget of 18 tokens"
+    with pytest.raises(ConfigError, match=expected + r" a step and a pool of \d+ blocks of 16"):
+        bench.prefill_until_decoding(engine, 4)
+    sized = bench.bench_engine(tiny, 4, 18)  # the default policy and budget take all four first
+    for prompt in random_prompts(4, 16, tiny.config.vocab_size, 0):
+        sized.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert sorted(bench.prefill_until_decoding(sized, 4).values()) == [17] * 4  # 16 prompt tokens + the first one

@@ -102,6 +102,28 @@ def test_decode_step_equals_forward_with_a_write(preset):
     torch.testing.assert_close(v_new, flat_v[:, meta.slot_mapping], **FP32)
 
 
+def test_the_compiled_decode_graph_is_one_aot_autograds_cache_keeps():
+    """The step's graph, traced as ``DecodeStep`` compiles it (under inference mode, ``write=False``), passes AOT
+    autograd's own cacheability check: a graph that enters inference mode itself (the decorated ``compute_logits``
+    called inside the step did) is one its on-disk cache bypasses, so every new process traced and lowered each
+    decode bucket again (the 4 bypasses of a second ``bench offline``'s warm-up)."""
+    from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+
+    graphs = []
+
+    def keep(gm, example_inputs):  # a dynamo backend that only keeps the graph
+        graphs.append(gm)
+        return gm.forward
+
+    model = Transformer.from_config(ModelConfig.resolve("tiny-gqa"), seed=1)
+    _, cache = _random_cache("tiny-gqa", num_blocks=10, block_size=4, seed=2)
+    step = torch.compile(model.decode_step, backend=keep, fullgraph=True, dynamic=False)
+    with torch.inference_mode():
+        step(torch.tensor([17, 200]), build_decode_metadata([11, 5], [[3, 8, 1], [6, 0]], 4), cache, write=False)
+    assert len(graphs) == 1
+    check_cacheable(graphs[0])  # raises BypassAOTAutogradCache with the reason
+
+
 # tiny-gqa at block size 4 with padded buckets: test_warmup_compiles_every_bucket_and_padded_batches_give_eager_tokens
 @pytest.mark.parametrize(("preset", "block_size"), [("tiny-gqa", 1), ("tiny-mqa", 16)])
 def test_compiled_engine_gives_hfs_greedy_tokens(tiny_checkpoint, preset, block_size):

@@ -274,3 +274,23 @@ def test_auto_is_cpu_on_the_cpu():
     engine = Engine(Transformer.from_config(ModelConfig.from_name("tiny-gqa"), device="cpu", seed=0),
                     EngineConfig(block_size=16, num_blocks=8, max_num_seqs=2, dtype="fp32", device="cpu"))  # fmt: skip
     assert engine.backend.name == "cpu"
+
+
+def test_a_built_op_is_loaded_from_its_versions_directory_without_building(tmp_path, monkeypatch):
+    """The build lives in a directory named by the source's version: a later process (here a fresh ``CppOp`` of the
+    same source) loads the library found there and never calls the build; another version of the source gets a
+    directory of its own, so two checkouts no longer take turns rebuilding one (a minute of g++ each)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from workbench.kernels import paged_decode_cpu as module
+
+    op = module._OP
+    assert (op.build_dir() / f"{op.name}.so").exists()  # available() built it there
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("a built op was built again"))
+    again = module.CppOp(op.name, op.source, op.cflags, lambda: None)
+    assert again.available() and again.loaded_from_cache is True
+    changed = tmp_path / op.source.name
+    changed.write_text(op.source.read_text() + "\n// another version\n")
+    other = module.CppOp(op.name, changed, op.cflags, lambda: None)
+    assert other.build_dir().parent == op.build_dir().parent and other.build_dir() != op.build_dir()
+    assert module.CppOp(op.name, op.source, [*op.cflags, "-g"], lambda: None).build_dir() != op.build_dir()

@@ -178,15 +178,28 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def prefill_until_decoding(engine: Engine, num_requests: int) -> dict[int, int]:
     """Step an engine holding ``num_requests`` new requests until each has its first token, so that its next step is
     a pure decode of all; returns each request's ``num_tokens`` (the keys its next decode attends to), which
-    ``track_contexts`` keeps current. ConfigError when one is rejected or finishes before decoding."""
+    ``track_contexts`` keeps current. ConfigError when one is rejected or finishes before all decode: then the engine
+    did not take every prompt before the first ones ran out of tokens (a token budget or a pool too small for all the
+    prompts at once, or a policy that decodes while it prefills); the message gives its budget and pool."""
     contexts: dict[int, int] = {}
     while len(contexts) < num_requests:
         outputs = engine.step()
+        track_contexts(contexts, outputs)
         done = [o for o in outputs if o.finished]
         if done or not engine.has_unfinished():
-            reason = done[0].reject_reason or f"finished early ({done[0].finish_reason})" if done else "finished early"
-            raise ConfigError(f"decode benchmark requests were not served: {reason}")
-        track_contexts(contexts, outputs)
+            first = done[0] if done else None
+            if first is not None and first.reject_reason:
+                raise ConfigError(f"decode benchmark requests were not served: {first.reject_reason}")
+            s = engine.stats()
+            early = f"request {first.request_id} finished ({first.finish_reason})" if first else "the engine stopped"
+            raise ConfigError(
+                f"decode benchmark requests were not served: {early} while {num_requests - len(contexts)} of "
+                f"{num_requests} had no first token yet ({s['num_waiting']} waiting): the engine must take all "
+                f"{num_requests} prompts before the first ones run out of tokens, but its policy "
+                f"{engine.config.policy!r} with a token budget of {engine.token_budget} tokens a step and a pool of "
+                f"{s['num_blocks']} blocks of {s['block_size']} ({s['num_used_blocks']} in use) did not; size the "
+                f"engine as bench_engine does (the default policy, a pool over the admission watermark)"
+            )
     return contexts
 
 

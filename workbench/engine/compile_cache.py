@@ -6,7 +6,9 @@ its compiled library, keyed by the graph, its inputs' metadata and the config; `
 both under ``TORCHINDUCTOR_CACHE_DIR`` (by default ``torchinductor_<user>`` in the system's temporary directory). A
 second process still traces each graph with dynamo; on a hit it skips AOT autograd's tracing, inductor's lowering
 and the C++ compiler. ``bench offline`` reports these counts beside its warm-up seconds, so a slow warm-up says
-whether it compiled (misses, bypasses) or only traced (hits).
+whether it compiled (misses, bypasses) or only traced (hits). A graph that enters inference mode itself is one the AOT
+autograd cache bypasses (the compiled decode step therefore calls the LM head through ``Transformer._logits``, not the
+decorated ``compute_logits``; ``tests/test_decode_step.py`` checks the step's graph with the cache's own check).
 """
 
 from __future__ import annotations

@@ -240,11 +240,16 @@ class Transformer(nn.Module):
         k_new, v_new = torch.stack(ks), torch.stack(vs)
         if write and not backend.decode_writes_cache:
             cache.write(meta.slot_mapping, k_new, v_new)
-        return self.compute_logits(hidden), k_new, v_new
+        return self._logits(hidden), k_new, v_new  # the caller holds inference mode (compiled: outside the graph)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head, returned in fp32. hidden: (N, hidden) -> (N, vocab)."""
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` without entering inference mode: what a compiled step traces (a graph that enters
+        inference mode is one AOT autograd's cache bypasses, so every new process would trace it again)."""
         return self.lm_head(hidden).float()
 
     # ---- the two phases over a contiguous cache ---------------------------------------------------------------

@@ -157,7 +157,8 @@ def test_kv_head_claims() -> None:
 
 
 def test_drift_voids_absolute_claims_not_paired_ones(tmp_path) -> None:
-    absolute = C.prefill_compute_bound([_prefill(16, 0.010), _prefill(256, 0.100)], balance_point=10.0)
+    # 1.25x the balance point (exact): widened by the drift's x1.6 it is [0.78, 2.0], which the drift could have made
+    absolute = C.prefill_compute_bound([_prefill(16, 0.010), _prefill(256, 0.100)], balance_point=40.0)
     paired = C.batching_raises_throughput(_cmp(A6, B6, control=AA), 128, 1, 8)
     analytic = C.paging_wastes_less(0.8, 0.02, 16)
     flagged = H.check_drift({"decode": 0.6, "prefill": 0.01}) + H.check_ceilings({"peak_flops": 0.35})
@@ -180,9 +181,10 @@ def test_drift_voids_absolute_claims_not_paired_ones(tmp_path) -> None:
 
 def test_a_moving_ceiling_voids_only_the_claims_divided_by_it() -> None:
     # a simulator-against-engine claim (notebook 07) compares times measured in one notebook: the reference step's
-    # drift voids it, a ceiling that moved does not; an MFU claim rests on both
+    # drift voids it, a ceiling that moved does not; an MFU claim rests on both (1.25x its balance point: the
+    # ceilings' x1.35 move could have made that, [0.93, 1.69])
     sim = C.make_claim("The simulator reproduces TTFT", "confirmed", {}, "within 10%")
-    mfu = C.prefill_compute_bound([_prefill(256, 0.1)], 10.0)
+    mfu = C.prefill_compute_bound([_prefill(256, 0.1)], 40.0)
     moved = H.check_ceilings({"peak_flops": 0.35, "mem_bandwidth": 0.30})
     final = C.apply_anomalies([sim, mfu], moved)
     assert final[0]["verdict"] == "confirmed" and "unreliable" not in final[0]
@@ -270,8 +272,8 @@ def test_index_shows_the_running_experiment_verdicts_and_anomalies() -> None:
     page = render_run_index(manifest, {})
     assert "running second" in page and ">running<" in page and ">pending<" in page and "Not run" not in page
     assert "1 confirmed" in page and "Unreliable" in page and "+60%" in page
-    # a claim on a time and a ceiling, both flagged (a drift alone leaves this 25x effect decided: drift_bound)
-    moved = flagged + H.check_ceilings({"peak_flops": 0.35})
+    # a claim on a time and a ceiling, voided by an MBU above 1 (a drift alone leaves this 25x effect decided)
+    moved = flagged + H.check_utilization([{"mbu": 1.5, "batch": 1}])
     timed = C.apply_anomalies([C.prefill_compute_bound([_prefill(256, 0.1)], 10.0)], moved)
     manifest["experiments"][0]["metrics"]["claims"] = timed
     assert "numbers alone: confirmed" in render_run_index(manifest, {})
@@ -302,7 +304,27 @@ def test_a_drift_voids_only_the_claims_it_could_have_turned() -> None:
     # a machine that got faster by 40% bounds the bias at 1 / 0.6
     faster = C.drift_bound(far, H.check_drift({"decode": -0.4}))
     assert faster["factor"] == pytest.approx(1 / 0.6) and faster["verdict"] == "confirmed"
-    # a moving ceiling is not a drift of the machine's speed: on a claim divided by a ceiling the veto stays
+    # any other anomaly beside the drift voids: an MBU above 1 says the count or the ceiling is wrong
     on_ceiling = {**far, "uses": ["timing", "ceilings"]}
-    flagged = C.apply_anomalies([on_ceiling], drift + H.check_ceilings({"peak_flops": 0.35}))[0]
+    flagged = C.apply_anomalies([on_ceiling], drift + H.check_utilization([{"mbu": 1.5, "batch": 1}]))[0]
     assert flagged["verdict"] == "inconclusive" and flagged["unreliable"]
+
+
+def test_a_moving_ceiling_bounds_a_balance_point_claim_instead_of_voiding_it() -> None:
+    """A quiet report's prefill claim: intensity / balance point 16.46 [14.59, 18.56], claimed higher by 10%, while
+    the bandwidth probe read +32% at the end. A balance point (peak / bandwidth) moves by at most x1.32 with it:
+    [14.59 / 1.32, 18.56 * 1.32] = [11.05, 24.50], all above 1.1, so the claim stays confirmed. A 1.3x [1.2, 1.4]
+    effect widened the same way is [0.91, 1.85]: the ceiling's move could have made it, so it goes inconclusive."""
+    moved = H.check_ceilings({"mem_bandwidth": 0.32, "peak_flops": 0.05})  # only the bandwidth is beyond 25%
+    assert [a["ceiling"] for a in moved] == ["mem_bandwidth"]
+    far = C.make_claim("far", "confirmed", {"ratio": 16.46, "ci_low": 14.59, "ci_high": 18.56, "margin": 0.1,
+                                            "direction": "higher"}, "16.5x", uses=("timing", "ceilings"))  # fmt: skip
+    near = C.make_claim("near", "confirmed", {"ratio": 1.3, "ci_low": 1.2, "ci_high": 1.4, "margin": 0.1,
+                                              "direction": "higher"}, "1.3x", uses=("timing", "ceilings"))  # fmt: skip
+    held, voided = C.apply_anomalies([far, near], moved)
+    assert held["verdict"] == "confirmed" and not held.get("unreliable") and held["held_despite"]
+    bound = held["evidence"]["drift_bound"]
+    assert bound["factor"] == pytest.approx(1.32)
+    assert bound["ci_low"] == pytest.approx(11.053, abs=1e-3) and bound["ci_high"] == pytest.approx(24.499, abs=1e-3)
+    assert voided["verdict"] == "inconclusive" and voided["verdict_from_numbers"] == "confirmed"
+    assert voided["evidence"].get("drift_bound") is None and voided["unreliable"]

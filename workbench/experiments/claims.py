@@ -17,8 +17,9 @@ machine's ("timing": a measured time; "ceilings": a figure divided by a measured
 *confirmed* when the numbers support the claim beyond their spread (min..max of the repeats), *not confirmed* when
 they contradict it, *inconclusive* within the noise, and ``apply_anomalies`` turns every such claim resting on
 something a sanity check flagged (a drifting reference step, a moving ceiling) into *inconclusive*, marked
-unreliable, keeping what the numbers alone would have said; a claim flagged only by the drift whose interval,
-widened by the drift's factor, still gives its verdict keeps it (``drift_bound``).
+unreliable, keeping what the numbers alone would have said; a claim flagged only by the machine's drift (a
+reference step's or a ceiling's) whose interval, widened by the drift's factor, still gives its verdict keeps it
+(``drift_bound``).
 
 Every claim's ``evidence`` carries a ratio with its interval (``RATIO_KEYS``: ``ratio``, ``ci_low``, ``ci_high``,
 ``rounds``, ``margin``, ``confidence``): a paired claim its rounds'; an analytic one an exact ratio
@@ -564,16 +565,22 @@ def int4_costs_more_accuracy(accuracy: Sequence[Mapping[str, Any]]) -> dict[str,
     return make_claim("int4 weights cost more accuracy than int8", verdict, evidence, text, ())
 
 
+DRIFT_CHECKS = ("reference_drift", "ceiling_moved")  # the anomalies that say the machine moved (drift_bound)
+
+
 def drift_bound(claim: Mapping[str, Any], anomalies: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     """A claim's interval widened by the machine's own drift, and the verdict of the claim's rule on it; None
-    unless every one of ``anomalies`` is a reference step's drift (``hygiene.check_drift``: ``value``, the relative
-    change of the step's median from start to end) and the claim has a ratio interval with a direction.
+    unless every one of ``anomalies`` is a drift of the machine (``DRIFT_CHECKS``: a reference step's,
+    ``hygiene.check_drift``, or a ceiling's, ``hygiene.check_ceilings``; ``value``, the relative change from start
+    to end) and the claim has a ratio interval with a direction.
 
     Two times measured at different moments (operations timed before the runs, a pair run after the profiles) can
     be biased by as much as the machine's speed moved between them: by the factor ``1 + value`` for a step that got
-    slower, ``1 / (1 + value)`` for one that got faster, the largest over ``anomalies``. Dividing the interval's low
-    end and multiplying its high end by that factor bounds what the drift could have done, as far as the reference
-    steps at the start and the end see it. ``{"factor", "ci_low", "ci_high", "verdict", "reason"}``."""
+    slower, ``1 / (1 + value)`` for one that got faster, the largest over ``anomalies``. A figure divided by a
+    ceiling (a balance point: peak / bandwidth) moves by at most the factor its ceilings moved by, ``1 + value``
+    (a ceiling is flagged only when its end reading is higher). Dividing the interval's low end and multiplying its
+    high end by that factor bounds what the drift could have done, as far as the reference steps and the ceiling
+    probes at the start and the end see it. ``{"factor", "ci_low", "ci_high", "verdict", "reason"}``."""
     import math
 
     from workbench.experiments.trials import DIRECTIONS, DecisionRule, decide
@@ -585,7 +592,7 @@ def drift_bound(claim: Mapping[str, Any], anomalies: Sequence[Mapping[str, Any]]
     if not all(isinstance(x, (int, float)) and x > 0 for x in (low, high, margin)) or margin >= 1:
         return None
     values = [a.get("value") for a in anomalies]
-    if any(a.get("check") != "reference_drift" for a in anomalies) or not all(
+    if any(a.get("check") not in DRIFT_CHECKS for a in anomalies) or not all(
         isinstance(v, (int, float)) and v > -1 for v in values
     ):
         return None
@@ -601,9 +608,10 @@ def apply_anomalies(claims: Sequence[Mapping[str, Any]], anomalies: Sequence[Map
 
     The verdict the numbers alone gave stays in ``verdict_from_numbers``; ``unreliable_because`` lists the
     anomalies' messages. A paired claim (``uses`` ("paired",)) is never touched: its own A/A control decides
-    whether its rounds were comparable. A claim flagged only by a drifting reference step whose interval, widened
-    by that drift, still gives its decided verdict keeps it: the evidence's ``drift_bound`` holds the widened
-    interval and ``held_despite`` the anomalies' messages (an effect larger than anything the drift could make).
+    whether its rounds were comparable. A claim flagged only by the machine's drift (a reference step or a ceiling
+    that moved) whose interval, widened by that drift, still gives its decided verdict keeps it: the evidence's
+    ``drift_bound`` holds the widened interval and ``held_despite`` the anomalies' messages (an effect larger than
+    anything the drift could make).
     """
     out = []
     for c in claims:

@@ -259,7 +259,7 @@ class TorchAttentionBackend:
                 # 4-D inputs select SDPA's fused CPU kernel (3-D ones take the slower math path)
                 qg = q[start].view(1, n_kv, group, d)  # (1, kv_heads, group, d)
                 o = F.scaled_dot_product_attention(qg, kt[None], vt[None], scale=scale)  # (1, kv_heads, group, d)
-                out[start] = o.view(n_kv * group, dv)
+                out[start] = o.reshape(n_kv * group, dv)  # CUDA SDPA may return a non-contiguous layout
                 start += 1
                 continue
             if group > 1:  # expanded K/V keep SDPA on its fused kernel (enable_gqa falls back to the math path)

@@ -20,6 +20,8 @@ from workbench.sim.costmodel import ProfiledCostModel, StepStats, fit_profile, p
 from workbench.timing import set_threads
 from workbench.workloads import Request, synthetic_workload
 
+STEP_FIELDS_PLAIN = StepStats._fields.index("spec_tokens")  # the fields before the speculative ones
+
 
 @dataclass
 class StepSamples:
@@ -72,9 +74,6 @@ class StepSamples:
         return cls([StepStats(**dict(zip(names, (int(v) for v in row)))) for row in stats],
                    [float(x) for x in data["durations_s"]], [float(x) for x in data["gaps_s"]],
                    [bool(x) for x in data["after_idle"]], [float(x) for x in data["wakes_s"]])  # fmt: skip
-
-
-STEP_FIELDS_PLAIN = 7  # StepStats' fields before the speculative ones (spec_tokens, verify_*)
 
 
 def measure_engine_steps(

@@ -72,3 +72,27 @@ def test_help_runs_without_a_gpu():
 def test_refuses_without_a_gpu(capsys):
     assert main([]) == 2
     assert "TRITON_INTERPRET" in capsys.readouterr().err  # the test session runs under the interpreter
+
+
+def test_gpu_check_counts_a_killed_pytest_run_from_its_verbose_log(tmp_path):
+    # scripts/gpu_check.py: pytest killed at its time limit writes no JUnit XML; the counts come from its -v lines
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.junit_counts(tmp_path / "absent.xml") is None
+    log = tmp_path / "tests.log"
+    log.write_text(
+        "============ test session starts ============\n"
+        "tests/test_kernels_decode.py::test_a[bf16] PASSED                      [  1%]\n"
+        "tests/test_kernels_decode.py::test_a[fp32] PASSED                      [  2%]\n"
+        "tests/test_kernels_decode.py::test_b FAILED                            [  3%]\n"
+        "tests/test_kernels_prefill.py::test_c SKIPPED (needs a GPU)            [  4%]\n"
+        "tests/test_kernels_prefill.py::test_d ERROR                            [  5%]\n"
+        "FAILED tests/test_kernels_decode.py::test_b - AssertionError\n"
+    )
+    counts = gpu_check.log_counts(log)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == (2, 1, 1, 1)
+    assert counts["failures"] == ["tests/test_kernels_decode.py::test_b", "tests/test_kernels_prefill.py::test_d"]

@@ -96,3 +96,12 @@ def test_gpu_check_counts_a_killed_pytest_run_from_its_verbose_log(tmp_path):
     counts = gpu_check.log_counts(log)
     assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == (2, 1, 1, 1)
     assert counts["failures"] == ["tests/test_kernels_decode.py::test_b", "tests/test_kernels_prefill.py::test_d"]
+    log.write_text(  # pytest-xdist's progress lines; the -rfE summary line is not counted again
+        "[gw0] [ 33%] PASSED tests/test_kernels_decode.py::test_a[bf16] \n"
+        "[gw1] [ 66%] FAILED tests/test_kernels_decode.py::test_b \n"
+        "[gw0] [100%] SKIPPED tests/test_kernels_prefill.py::test_c \n"
+        "FAILED tests/test_kernels_decode.py::test_b - AssertionError\n"
+    )
+    counts = gpu_check.log_counts(log)
+    assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == (1, 1, 1, 0)
+    assert counts["failures"] == ["tests/test_kernels_decode.py::test_b"]

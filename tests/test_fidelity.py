@@ -546,3 +546,33 @@ def test_a_miss_on_runs_loaded_beyond_the_cpus_decides_nothing() -> None:
     assert "load average up to" in loaded[1]["detail"] and loaded[1]["evidence"]["runs_load"]["loaded"]
     assert [c["verdict"] for c in fidelity_claims(rows, ["op-profile"], load=quiet)] == [NOT_CONFIRMED, CONFIRMED]
     assert fidelity_claims(rows[4:], ["op-profile"], load=runs_load(loads))[1]["verdict"] == INCONCLUSIVE
+
+
+def test_five_repeats_or_more_decide_the_best_model_on_their_min_max_by_hand() -> None:
+    from workbench.experiments.fidelity import best_cost_model, interval_position
+
+    def row(model: str, sim: float, lo: float, mid: float, hi: float) -> dict:
+        err = sim / mid - 1
+        return {"model": model, "within": abs(err) <= 0.1, "rel_error": err, "policy": "p", "statistic": "ttft p90",
+                "measured_ms": mid, "measured_min_ms": lo, "measured_max_ms": hi, "simulated_ms": sim,
+                "tolerance": 0.1, "num_repeats": 5}  # fmt: skip
+
+    # 100 ms simulated against repeats of 95..105 ms: 100/105 = 0.952 and 100/95 = 1.053, both within 1 +- 0.1
+    assert interval_position(row("a", 100.0, 95.0, 100.0, 105.0)) == "inside"
+    # against 120..130: 100/130 = 0.77 and 100/120 = 0.83, below 0.9 for every repeat
+    assert interval_position(row("a", 100.0, 120.0, 125.0, 130.0)) == "outside"
+    # against 105..130 (a spread of 24%): 0.77 .. 0.95 straddles 0.9, although the median's error is -20%
+    straddling = row("a", 100.0, 105.0, 125.0, 130.0)
+    assert interval_position(straddling) == "straddles" and not straddling["within"]
+
+    def model(name: str, first: dict) -> list[dict]:  # a model's two statistics: the given one and one inside
+        return [{**first, "model": name}, row(name, 50.0, 49.0, 50.0, 51.0)]
+
+    inside, outside = row("x", 100.0, 95.0, 100.0, 105.0), row("x", 100.0, 120.0, 125.0, 130.0)
+    claim = best_cost_model(model("a", straddling) + model("b", outside))
+    assert claim["verdict"] == INCONCLUSIVE and claim["evidence"]["best"] == "a"  # a: 1 inside, none outside
+    assert best_cost_model(model("a", straddling) + model("b", inside))["verdict"] == CONFIRMED  # b: both inside
+    refuted = best_cost_model(model("a", outside) + model("b", outside))
+    assert refuted["verdict"] == NOT_CONFIRMED and refuted["evidence"]["margin"] == 0.1
+    # with 3 repeats the spread-widened tolerance decides, as before: the straddling row is a miss
+    assert best_cost_model([{**straddling, "num_repeats": 3}])["verdict"] == NOT_CONFIRMED

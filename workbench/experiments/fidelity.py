@@ -311,12 +311,34 @@ def fidelity_claims(rows: Sequence[Mapping[str, Any]], labels: Sequence[str], in
     ]
 
 
+INTERVAL_MIN_REPEATS = 5  # min..max of n repeats holds their median with probability 1 - 2 / 2**n: 94% at 5
+
+
+def interval_position(row: Mapping[str, Any], tolerance: float = FIDELITY_TOLERANCE) -> str:
+    """Where a compared statistic's interval (``worst_ratio``'s: the simulated value against each of the measured
+    repeats' extremes) lies against 1 +- ``tolerance``: "inside", "outside" (every repeat puts the simulated value
+    beyond it, on one side) or "straddles"."""
+    ev = worst_ratio(row)
+    lo, hi = ev["ci_low"], ev["ci_high"]
+    if lo is None or hi is None:
+        return "straddles"
+    if 1 - tolerance <= lo and hi <= 1 + tolerance:
+        return "inside"
+    return "outside" if hi < 1 - tolerance or lo > 1 + tolerance else "straddles"
+
+
 def best_cost_model(
     rows: Sequence[Mapping[str, Any]], interleaved: Sequence[str] = (), load: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """ "The best cost model of this machine reproduces every policy within 10% or the run-to-run spread": the model
     (``rows``' ``model``: op-profile, profiled, each with its noise variant) with the most statistics within their
     tolerance, ties broken by the smaller worst error; confirmed when it holds all of them, not confirmed otherwise.
+    With ``INTERVAL_MIN_REPEATS`` measured repeats or more behind every statistic, the claim is decided as an
+    equivalence test on the repeats' min..max instead (a 94% interval for their median at 5 repeats): "within 10%"
+    (``FIDELITY_TOLERANCE``); confirmed when one model has every statistic's interval inside 1 +- 10%
+    (``interval_position``), not confirmed when every model has one interval wholly outside it, inconclusive
+    otherwise (the repeats cannot tell: a statistic's spread alone is then wider than the margin). The best model is
+    then the one with the most intervals inside, then the fewest outside, then the smaller worst error.
     The detail names it and every model's count, so the claim says which cost model was best. It ``uses`` what the
     best model's own claim uses (``fidelity_claim``: ``INTERLEAVED`` when fitted between the runs); with ``load``
     (``runs_load``) loaded beyond the CPUs, a best model short of every statistic leaves it inconclusive. The
@@ -324,11 +346,16 @@ def best_cost_model(
     labels = list(dict.fromkeys(r["model"] for r in rows))
     if not labels:
         raise ValueError("best_cost_model needs compared rows")
-    scores = {}
+    by_interval = all((r.get("num_repeats") or 0) >= INTERVAL_MIN_REPEATS for r in rows)
+    scores, places = {}, {}
     for label in labels:
         mine = [r for r in rows if r["model"] == label]
         scores[label] = (sum(1 for r in mine if r["within"]), len(mine), max(abs(r["rel_error"]) for r in mine))
-    best = max(labels, key=lambda k: (scores[k][0], -scores[k][2]))
+        places[label] = [interval_position(r) for r in mine]
+    if by_interval:
+        best = max(labels, key=lambda k: (places[k].count("inside"), -places[k].count("outside"), -scores[k][2]))
+    else:
+        best = max(labels, key=lambda k: (scores[k][0], -scores[k][2]))
     within, total, worst = scores[best]
     counts = ", ".join(f"{k} {w}/{n}" for k, (w, n, _t) in scores.items())
     text = f"best: {best}, {within}/{total} statistics within (worst |error| {100 * worst:.1f}%); {counts}"
@@ -338,6 +365,27 @@ def best_cost_model(
                 **{k: {"num_within": w, "num_statistics": n, "max_abs_rel_error": t}
                    for k, (w, n, t) in scores.items()}}  # fmt: skip
     uses = (INTERLEAVED,) if best.removesuffix(" noise") in interleaved else ("timing",)
+    if by_interval:
+        claim = (f"The best cost model of this machine reproduces every policy's TTFT and ITL within "
+                 f"{100 * FIDELITY_TOLERANCE:.0f}% of each of the measured repeats")  # fmt: skip
+        inside = places[best].count("inside")
+        text = (f"best: {best}, {inside}/{total} statistics inside 1 +- {FIDELITY_TOLERANCE:.2f} against every "
+                f"measured repeat (min..max of {worst_row['num_repeats']}); per model inside/outside: "
+                + ", ".join(f"{k} {p.count('inside')}/{p.count('outside')}" for k, p in places.items())
+                + f"; against the repeats' median: {counts}")  # fmt: skip
+        evidence["margin"] = FIDELITY_TOLERANCE
+        evidence["decided_by"] = "interval"
+        if inside == total:
+            verdict = CONFIRMED
+        elif all("outside" in p for p in places.values()):
+            verdict = NOT_CONFIRMED
+        else:
+            verdict = INCONCLUSIVE
+            text += ": no model is beyond the margin for every repeat, none inside it for all, the repeats cannot tell"
+        if verdict != CONFIRMED and load is not None and load["loaded"]:
+            return make_claim(claim, INCONCLUSIVE, {**evidence, "runs_load": dict(load)}, text + _loaded_miss(load),
+                              uses)  # fmt: skip
+        return make_claim(claim, verdict, evidence, text, uses)
     if within < total and load is not None and load["loaded"]:
         return make_claim(claim, INCONCLUSIVE, {**evidence, "runs_load": dict(load)}, text + _loaded_miss(load), uses)
     return make_claim(claim, CONFIRMED if within == total else NOT_CONFIRMED, evidence, text, uses)

@@ -61,8 +61,9 @@ def test_decode_matches_torch_backend(preset):
     tables = random_block_tables(seq_lens, bs, num_blocks, gen)
     meta = build_decode_metadata(seq_lens, tables, bs, DEVICE)
     caches = [KVCache(cfg, num_blocks, bs, device=DEVICE) for _ in range(2)]
-    caches[0].k.normal_(generator=gen)
-    caches[0].v.normal_(generator=gen)
+    # drawn on the CPU and copied: a CUDA tensor's normal_ refuses a CPU generator (the H200 run of gpu_check)
+    caches[0].k.copy_(torch.randn(caches[0].k.shape, generator=gen))
+    caches[0].v.copy_(torch.randn(caches[0].v.shape, generator=gen))
     caches[1].k.copy_(caches[0].k)
     caches[1].v.copy_(caches[0].v)
     b, n_kv, d = len(seq_lens), cfg.num_kv_heads, cfg.head_dim

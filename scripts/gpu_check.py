@@ -40,13 +40,13 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 from workbench.parsing import make_parser
+from workbench.timing import now
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_GLOB = "tests/test_kernels_*.py"
@@ -67,7 +67,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def run_logged(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> tuple[int, float]:
     """Run cmd with stdout+stderr to log (and echoed); return (exit status, seconds); 124 when killed at timeout_s."""
-    start = time.monotonic()
+    start = now()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         watchdog = threading.Timer(timeout_s, proc.kill)
@@ -81,10 +81,10 @@ def run_logged(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str])
             rc = proc.wait()
         finally:
             watchdog.cancel()
-        if time.monotonic() - start >= timeout_s and rc != 0:
+        if now() - start >= timeout_s and rc != 0:
             f.write(f"\n[gpu_check] killed after {timeout_s:.0f} s\n")
             rc = 124
-    return rc, time.monotonic() - start
+    return rc, now() - start
 
 
 def junit_counts(path: Path) -> dict[str, Any] | None:
@@ -372,9 +372,9 @@ def dist_check(outdir: Path, device: str, preset: str = "SmolLM2-135M", steps: i
         ids = [engine.add_request(p, greedy) for p in PROMPTS]
         times, done = [], {}
         while engine.has_unfinished():
-            t0 = time.perf_counter()
+            t0 = now()
             outputs = engine.step()
-            times.append(time.perf_counter() - t0)
+            times.append(now() - t0)
             done.update((o.request_id, o.result.tokens) for o in outputs if o.finished)
         tokens = [done[i] for i in ids]
         return tokens, median(times[2:] or times)
@@ -514,7 +514,7 @@ def engine_bench_commands(ckpt: Path) -> list[tuple[str, float, list[str]]]:
 
 def engine_bench(outdir: Path, budget_s: float) -> dict[str, Any]:
     """Run ``engine_bench_commands`` within ``budget_s`` (a step that does not fit is skipped, and says so)."""
-    start = time.monotonic()
+    start = now()
     ckpt = outdir / "engine-ckpt"
     make = [sys.executable, "-c", f"from workbench.model import save_random_checkpoint; "
             f"save_random_checkpoint({ENGINE_MODEL!r}, {str(ckpt)!r}, seed=0, dtype='bf16')"]  # fmt: skip
@@ -523,7 +523,7 @@ def engine_bench(outdir: Path, budget_s: float) -> dict[str, Any]:
     if rc != 0:
         return {"returncode": rc, "error": "checkpoint failed; see engine-ckpt.log"}
     for name, limit, args in engine_bench_commands(ckpt):
-        left = budget_s - (time.monotonic() - start)
+        left = budget_s - (now() - start)
         if left < 10:
             steps[name] = {"skipped": "out of time"}
             continue
@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-budget-s", type=float, default=25.0, help="at most this for step 6")
     parser.add_argument("--dry-run", action="store_true", help="CPU: the decode check on a tiny model; list the rest")
     args = parser.parse_args(argv)
-    start = time.monotonic()
+    start = now()
     outdir = args.outdir.resolve()
     outdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     print(f"[gpu_check] {summary['device']}: torch {summary['torch']}, triton {summary['triton']}", flush=True)
-    t0 = time.monotonic()
+    t0 = now()
     # in a child process, so that a hang is bounded and the GPU memory is returned
     cmd = [sys.executable, str(Path(__file__).resolve()), str(outdir), "--decode-only"]
     rc, secs = run_logged(cmd, outdir / "decode_check.log", args.decode_budget_s, child_env())
@@ -636,13 +636,13 @@ def main(argv: list[str] | None = None) -> int:
         summary["decode"] = json.loads((outdir / "decode_check.json").read_text())
     except (OSError, ValueError):
         summary["decode"] = {"ok": False, "error": f"no result (exit {rc}); see decode_check.log"}
-    summary["decode"]["seconds"] = time.monotonic() - t0
+    summary["decode"]["seconds"] = now() - t0
     if importlib.util.find_spec("pytest") is not None:
         summary["tests"] = run_pytest(outdir, args.tests_budget_s)
     else:
-        t0 = time.monotonic()
+        t0 = now()
         summary["tests"] = builtin_checks(outdir)
-        summary["tests"]["seconds"] = time.monotonic() - t0
+        summary["tests"]["seconds"] = now() - t0
     tests = summary["tests"]
     print(
         f"[gpu_check] tests ({tests['runner']}): {tests['passed']} passed, {tests['failed']} failed, "
@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    left = args.budget_s - (time.monotonic() - start)
+    left = args.budget_s - (now() - start)
     bench_cmd = [sys.executable, "-m", "workbench.kernels.bench", "--out", str(outdir / "bench.json")]
     if min(left, args.kernel_bench_budget_s) < FULL_BENCH_MIN_S:
         bench_cmd.append("--quick")
@@ -663,26 +663,26 @@ def main(argv: list[str] | None = None) -> int:
         summary["bench"]["copy_bandwidth_gbps"] = bench.get("copy_bandwidth_gbps")
         summary["bench"]["targets"] = bench.get("targets")
     reserved = 5 + args.dist_budget_s + args.spec_budget_s  # steps 5 and 6 come after the benchmarks
-    summary["engine_bench"] = engine_bench(outdir, args.budget_s - (time.monotonic() - start) - reserved)
-    t0 = time.monotonic()
+    summary["engine_bench"] = engine_bench(outdir, args.budget_s - (now() - start) - reserved)
+    t0 = now()
     cmd = [sys.executable, str(Path(__file__).resolve()), str(outdir), "--dist-only"]
-    left = args.budget_s - (time.monotonic() - start) - 3 - args.spec_budget_s
+    left = args.budget_s - (now() - start) - 3 - args.spec_budget_s
     rc_dist, _ = run_logged(cmd, outdir / "dist_check.log", max(10.0, min(left, args.dist_budget_s)), child_env())
     try:
         summary["dist"] = json.loads((outdir / "dist_check.json").read_text())
     except (OSError, ValueError):
         summary["dist"] = {"ok": False, "error": f"no result (exit {rc_dist}); see dist_check.log"}
-    summary["dist"]["seconds"] = time.monotonic() - t0
-    t0 = time.monotonic()
+    summary["dist"]["seconds"] = now() - t0
+    t0 = now()
     cmd = [sys.executable, str(Path(__file__).resolve()), str(outdir), "--spec-only"]
-    left = args.budget_s - (time.monotonic() - start) - 3
+    left = args.budget_s - (now() - start) - 3
     rc_spec, _ = run_logged(cmd, outdir / "spec_check.log", max(10.0, min(left, args.spec_budget_s)), child_env())
     try:
         summary["spec"] = json.loads((outdir / "spec_check.json").read_text())
     except (OSError, ValueError):
         summary["spec"] = {"ok": False, "error": f"no result (exit {rc_spec}); see spec_check.log"}
-    summary["spec"]["seconds"] = time.monotonic() - t0
-    summary["seconds"] = time.monotonic() - start
+    summary["spec"]["seconds"] = now() - t0
+    summary["seconds"] = now() - start
     (outdir / "gpu_check.json").write_text(json.dumps(summary, indent=2))
     print((outdir / "summary.txt").read_text() if (outdir / "summary.txt").exists() else "", flush=True)
     ok = tests["returncode"] == 0 and tests["failed"] == 0 and tests["errors"] == 0 and rc == 0

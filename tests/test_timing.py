@@ -1,9 +1,9 @@
 """One measurement layer: ``workbench.timing`` is the only module that reads a clock (or records CUDA events),
 and its spread is what a hand computation gives.
 
-The scan walks the syntax tree of every module of workbench/ and kernels/, as tests/test_import_layers.py does for
-imports: a ``time.perf_counter()`` (or any other clock of the ``time`` module, under any alias, or imported by name)
-a ``torch.cuda.Event``, or a raw ``torch.set_num_threads`` anywhere but workbench/timing.py fails it.
+The scan walks the syntax tree of every module of workbench/, kernels/ and scripts/, as tests/test_import_layers.py
+does for imports: a ``time.perf_counter()`` (or any other clock of the ``time`` module, under any alias, or imported
+by name), a ``torch.cuda.Event``, or a raw ``torch.set_num_threads`` anywhere but workbench/timing.py fails it.
 """
 
 import ast
@@ -59,7 +59,7 @@ def test_the_scan_finds_every_kind_of_raw_clock() -> None:
 
 def test_no_module_but_timing_reads_a_clock() -> None:
     offenders = []
-    for path in sorted([*(ROOT / "workbench").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]):
+    for path in sorted(p for d in ("workbench", "kernels", "scripts") for p in (ROOT / d).rglob("*.py")):
         if path == TIMER:
             continue
         offenders += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in raw_clocks(path.read_text())]

@@ -106,7 +106,7 @@ def test_the_best_cost_model_is_the_one_with_most_statistics_within_by_hand() ->
 
     def row(model: str, within: bool, err: float) -> dict:
         return {"model": model, "within": within, "rel_error": err, "policy": "p", "statistic": "ttft median",
-                "measured_ms": 100.0, "measured_min_ms": 90.0, "measured_max_ms": 125.0,
+                "measured_ms": 100.0, "measured_min_ms": 90.0, "measured_max_ms": 125.0, "spread": 0.25,
                 "simulated_ms": 100.0 * (1 + err), "tolerance": 0.25, "num_repeats": 3}  # fmt: skip
 
     rows = [row("op-profile", True, 0.05), row("op-profile", False, -0.5), row("profiled", True, 0.09),
@@ -123,6 +123,11 @@ def test_the_best_cost_model_is_the_one_with_most_statistics_within_by_hand() ->
                                                           pytest.approx(109 / 90))  # fmt: skip
     assert ev["margin"] == 0.25 and ev["rounds"] == 3
     assert best_cost_model(rows[:2])["verdict"] == NOT_CONFIRMED
+    # profiled's 9% is inside 10%; at 20% off, within only because its repeats spread 35% (> NOISY_SPREAD): no verdict
+    noisy = [{**r, "spread": 0.35} for r in (row("profiled", True, 0.2), row("profiled", True, -0.02))]
+    claim = best_cost_model(noisy)
+    assert claim["verdict"] == INCONCLUSIVE and "only thanks to a spread > 25%" in claim["detail"]
+    assert best_cost_model([{**r, "spread": 0.2} for r in noisy])["verdict"] == CONFIRMED  # a spread below 25%
 
 
 def test_the_overhead_claim_carries_the_mean_ratio_with_its_t_interval() -> None:
@@ -555,7 +560,7 @@ def test_five_repeats_or_more_decide_the_best_model_on_their_min_max_by_hand() -
         err = sim / mid - 1
         return {"model": model, "within": abs(err) <= 0.1, "rel_error": err, "policy": "p", "statistic": "ttft p90",
                 "measured_ms": mid, "measured_min_ms": lo, "measured_max_ms": hi, "simulated_ms": sim,
-                "tolerance": 0.1, "num_repeats": 5}  # fmt: skip
+                "spread": max(hi - mid, mid - lo) / mid, "tolerance": 0.1, "num_repeats": 5}  # fmt: skip
 
     # 100 ms simulated against repeats of 95..105 ms: 100/105 = 0.952 and 100/95 = 1.053, both within 1 +- 0.1
     assert interval_position(row("a", 100.0, 95.0, 100.0, 105.0)) == "inside"

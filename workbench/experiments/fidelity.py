@@ -332,8 +332,9 @@ def best_cost_model(
 ) -> dict[str, Any]:
     """ "The best cost model of this machine reproduces every policy within 10% or the run-to-run spread": the model
     (``rows``' ``model``: op-profile, profiled, each with its noise variant) with the most statistics within their
-    tolerance, ties broken by the smaller worst error; confirmed when it holds all of them, not confirmed otherwise.
-    With ``INTERVAL_MIN_REPEATS`` measured repeats or more behind every statistic, the claim is decided as an
+    tolerance, ties broken by the smaller worst error; confirmed when it holds all of them, not confirmed otherwise,
+    inconclusive when it holds them all but one only thanks to a spread beyond ``NOISY_SPREAD`` (``fidelity_claim``'s
+    control). With ``INTERVAL_MIN_REPEATS`` measured repeats or more behind every statistic, the claim is decided as an
     equivalence test on the repeats' min..max instead (a 94% interval for their median at 5 repeats): "within 10%"
     (``FIDELITY_TOLERANCE``); confirmed when one model has every statistic's interval inside 1 +- 10%
     (``interval_position``), not confirmed when every model has one interval wholly outside it, inconclusive
@@ -388,6 +389,14 @@ def best_cost_model(
         return make_claim(claim, verdict, evidence, text, uses)
     if within < total and load is not None and load["loaded"]:
         return make_claim(claim, INCONCLUSIVE, {**evidence, "runs_load": dict(load)}, text + _loaded_miss(load), uses)
+    # as fidelity_claim: a model "within" only because a spread beyond NOISY_SPREAD widened the tolerance confirms
+    # nothing (noisier runs would otherwise make a confirmation easier)
+    noisy = [r for r in rows if r["model"] == best and abs(r["rel_error"]) > FIDELITY_TOLERANCE
+             and r["spread"] > NOISY_SPREAD]  # fmt: skip
+    if within == total and noisy:
+        evidence["num_noisy"] = len(noisy)
+        return make_claim(claim, INCONCLUSIVE, evidence, text + f"; but {len(noisy)} only thanks to a spread > "
+                          f"{100 * NOISY_SPREAD:.0f}%", uses)  # fmt: skip
     return make_claim(claim, CONFIRMED if within == total else NOT_CONFIRMED, evidence, text, uses)
 
 

@@ -84,24 +84,24 @@ def test_gpu_check_counts_a_killed_pytest_run_from_its_verbose_log(tmp_path):
     spec.loader.exec_module(gpu_check)
     assert gpu_check.junit_counts(tmp_path / "absent.xml") is None
     log = tmp_path / "tests.log"
-    log.write_text(
+    plain = (
         "============ test session starts ============\n"
         "tests/test_kernels_decode.py::test_a[bf16] PASSED                      [  1%]\n"
         "tests/test_kernels_decode.py::test_a[fp32] PASSED                      [  2%]\n"
         "tests/test_kernels_decode.py::test_b FAILED                            [  3%]\n"
         "tests/test_kernels_prefill.py::test_c SKIPPED (needs a GPU)            [  4%]\n"
         "tests/test_kernels_prefill.py::test_d ERROR                            [  5%]\n"
-        "FAILED tests/test_kernels_decode.py::test_b - AssertionError\n"
     )
-    counts = gpu_check.log_counts(log)
-    assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == (2, 1, 1, 1)
-    assert counts["failures"] == ["tests/test_kernels_decode.py::test_b", "tests/test_kernels_prefill.py::test_d"]
-    log.write_text(  # pytest-xdist's progress lines; the -rfE summary line is not counted again
+    xdist = (  # pytest-xdist's progress lines
         "[gw0] [ 33%] PASSED tests/test_kernels_decode.py::test_a[bf16] \n"
         "[gw1] [ 66%] FAILED tests/test_kernels_decode.py::test_b \n"
         "[gw0] [100%] SKIPPED tests/test_kernels_prefill.py::test_c \n"
-        "FAILED tests/test_kernels_decode.py::test_b - AssertionError\n"
     )
-    counts = gpu_check.log_counts(log)
-    assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == (1, 1, 1, 0)
-    assert counts["failures"] == ["tests/test_kernels_decode.py::test_b"]
+    summary = "FAILED tests/test_kernels_decode.py::test_b - AssertionError\n"  # -rfE's line: not counted again
+    b, d = "tests/test_kernels_decode.py::test_b", "tests/test_kernels_prefill.py::test_d"
+    expected = {plain: ((2, 1, 1, 1), [b, d]), xdist: ((1, 1, 1, 0), [b])}
+    for text, (outcomes, failures) in expected.items():
+        log.write_text(text + summary)
+        counts = gpu_check.log_counts(log)
+        assert (counts["passed"], counts["failed"], counts["skipped"], counts["errors"]) == outcomes
+        assert counts["failures"] == failures

@@ -252,6 +252,12 @@ def _loaded_miss(load: Mapping[str, Any] | None) -> str:
             f"decides nothing")  # fmt: skip
 
 
+def noisy_rows(rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The statistics beyond 10% that count as within only because a spread beyond ``NOISY_SPREAD`` set their
+    tolerance: the runs themselves vary too much to say (the fidelity claims' own control)."""
+    return [r for r in rows if abs(r["rel_error"]) > FIDELITY_TOLERANCE and r["spread"] > NOISY_SPREAD]
+
+
 def fidelity_claim(
     rows: Sequence[Mapping[str, Any]],
     label: str,
@@ -272,7 +278,7 @@ def fidelity_claim(
     mine = [r for r in rows if r["model"] == label]
     worst = max(mine, key=lambda r: abs(r["rel_error"]))
     outside = [r for r in mine if not r["within"]]
-    noisy = [r for r in mine if abs(r["rel_error"]) > FIDELITY_TOLERANCE and r["spread"] > NOISY_SPREAD]
+    noisy = noisy_rows(mine)
     fitted_between = label.removesuffix(" noise") in interleaved
     evidence = {**worst_ratio(worst), "num_statistics": len(mine), "num_within": len(mine) - len(outside),
                 "worst": {k: worst[k] for k in ("policy", "statistic", "rel_error", "tolerance")},
@@ -383,21 +389,17 @@ def best_cost_model(
         else:
             verdict = INCONCLUSIVE
             text += ": no model is beyond the margin for every repeat, none inside it for all, the repeats cannot tell"
-        if verdict != CONFIRMED and load is not None and load["loaded"]:
-            return make_claim(claim, INCONCLUSIVE, {**evidence, "runs_load": dict(load)}, text + _loaded_miss(load),
-                              uses)  # fmt: skip
-        return make_claim(claim, verdict, evidence, text, uses)
-    if within < total and load is not None and load["loaded"]:
+    else:
+        # as fidelity_claim: a model "within" only because a spread beyond NOISY_SPREAD widened the tolerance
+        # confirms nothing (noisier runs would otherwise make a confirmation easier)
+        noisy = noisy_rows([r for r in rows if r["model"] == best])
+        verdict = NOT_CONFIRMED if within < total else INCONCLUSIVE if noisy else CONFIRMED
+        if verdict == INCONCLUSIVE:
+            evidence["num_noisy"] = len(noisy)
+            text += f"; but {len(noisy)} only thanks to a spread > {100 * NOISY_SPREAD:.0f}%"
+    if verdict != CONFIRMED and load is not None and load["loaded"]:
         return make_claim(claim, INCONCLUSIVE, {**evidence, "runs_load": dict(load)}, text + _loaded_miss(load), uses)
-    # as fidelity_claim: a model "within" only because a spread beyond NOISY_SPREAD widened the tolerance confirms
-    # nothing (noisier runs would otherwise make a confirmation easier)
-    noisy = [r for r in rows if r["model"] == best and abs(r["rel_error"]) > FIDELITY_TOLERANCE
-             and r["spread"] > NOISY_SPREAD]  # fmt: skip
-    if within == total and noisy:
-        evidence["num_noisy"] = len(noisy)
-        return make_claim(claim, INCONCLUSIVE, evidence, text + f"; but {len(noisy)} only thanks to a spread > "
-                          f"{100 * NOISY_SPREAD:.0f}%", uses)  # fmt: skip
-    return make_claim(claim, CONFIRMED if within == total else NOT_CONFIRMED, evidence, text, uses)
+    return make_claim(claim, verdict, evidence, text, uses)
 
 
 def disaggregated_fidelity(

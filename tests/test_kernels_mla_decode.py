@@ -70,9 +70,11 @@ def test_mla_decode_equals_naive_attention_of_the_model():
     pool = torch.zeros(6, block, 1, k.shape[-1])
     for pos in range(n):
         pool[table[pos // block], pos % block] = k[pos]
-    o = paged_mla_decode_attention(q[-1:].contiguous(), pool, torch.tensor([table], dtype=torch.int32),
-                                   torch.tensor([n]), cfg.kv_lora_rank, attn.scale)  # fmt: skip
-    torch.testing.assert_close(attn.output(o), expected, **TOLERANCES[torch.float32])
+    # the module runs on the CPU; the kernel's inputs go where Triton runs (a CUDA launch refuses CPU tensors)
+    o = paged_mla_decode_attention(q[-1:].contiguous().to(DEVICE), pool.to(DEVICE),
+                                   torch.tensor([table], dtype=torch.int32, device=DEVICE),
+                                   torch.tensor([n], device=DEVICE), cfg.kv_lora_rank, attn.scale)  # fmt: skip
+    torch.testing.assert_close(attn.output(o.cpu()), expected, **TOLERANCES[torch.float32])
 
 
 def test_mla_decode_rejects_bad_inputs():
@@ -91,7 +93,7 @@ def test_triton_backend_decodes_mla_like_the_torch_backend():
     from workbench.model import Transformer
     from workbench.model.triton_backend import TritonAttentionBackend
 
-    model = Transformer.from_config(ModelConfig.from_name("tiny-deepseek-v3"), seed=1, init_std=0.1)
+    model = Transformer.from_config(ModelConfig.from_name("tiny-deepseek-v3"), device=DEVICE, seed=1, init_std=0.1)
     prompts, slots = [[5, 9, 200, 3, 17, 40, 41], [8, 8]], [0, 1]
     caches = {name: model.new_cache(2, 32) for name in ("torch", "triton")}
     triton = TritonAttentionBackend(num_splits=2)

@@ -6,7 +6,7 @@ from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.errors import TraceError
 from workbench.experiments.phases import add_roofline, measure_decode, measure_decode_paged, measure_prefill
-from workbench.experiments.serving import compare_policies, long_prompt_among_decodes, scale_lengths
+from workbench.experiments.serving import compare_policies, long_prompt_among_decodes, pool_for, scale_lengths
 from workbench.hardware import get_hardware
 from workbench.model import Transformer
 from workbench.workloads import Request
@@ -61,6 +61,36 @@ def test_long_prompt_scenario_one_shot_vs_chunked(model):
     for run in (one_shot, chunked):
         assert run["long_ttft_s"] > 0 and len(run["requests"]) == 4
         assert run["stall_itl_max_s"] <= run["steps"].duration_s.sum()
+
+
+def test_pool_for_sizes_the_pool_by_hand(model):
+    cfg = EngineConfig(max_model_len=256)  # default pool: 32 x 256 tokens = 512 blocks of 16 (tiny-gqa fits it)
+    assert cfg.cache_shape(model.config) == (512, 16)
+    # 20 and 40 tokens: at most 3 blocks each; 2 x 3 blocks over the 1% watermark: ceil(6 / 0.99) + 1 = 8
+    assert pool_for(cfg, model, [20, 40]).num_blocks == 8
+    assert pool_for(cfg, model, [17] * 5).num_blocks == 12  # 5 x 2 = 10: ceil(10 / 0.99) + 1
+    for kept in (
+        EngineConfig(max_model_len=256, num_blocks=100),  # the caller's pool
+        EngineConfig(max_model_len=256, kv_cache_bytes=1 << 20),
+        EngineConfig(max_model_len=256, cache="contiguous"),
+        EngineConfig(max_model_len=256, max_num_seqs=1),  # the default (16 blocks) is smaller than 32 x 256 needs
+    ):
+        assert pool_for(kept, model, [256] * 32) is kept
+    assert pool_for(cfg, model, []) is cfg
+
+
+def test_long_prompt_scenario_schedules_alike_in_its_sized_pool(model):
+    """The scenario's engine gets the pool its requests need (``pool_for``), not the default: the same steps as in a
+    pool of 512 blocks, token for token."""
+    kw = dict(num_decodes=3, decode_prompt_len=4, decode_output_len=12, long_prompt_len=100, inject_after_steps=3)
+    for policy, extra in (("continuous", {}), ("chunked", {"token_budget": 24, "chunk_size": 24})):
+        sized = long_prompt_among_decodes(model, EngineConfig(policy=policy, max_model_len=256, **extra), **kw)
+        large = EngineConfig(policy=policy, max_model_len=256, num_blocks=512, **extra)
+        big = long_prompt_among_decodes(model, large, **kw)
+        cols = ["num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_preempted"]
+        assert sized["steps"][cols].values.tolist() == big["steps"][cols].values.tolist()
+        # 3 x ceil(16 / 16) + ceil(104 / 16) = 3 + 7 blocks at most in use, of ceil(4 x 7 / 0.99) + 1 = 30
+        assert sized["steps"].num_blocks_used.max() <= 10 < 30
 
 
 def test_compare_policies_same_requests(model):

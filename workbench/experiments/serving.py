@@ -1,7 +1,7 @@
 """Serving experiments on the real engine: policies on the same workload, and a long prompt among running decodes.
 
-Every function builds fresh engines over one loaded model (weights are shared; each engine has its own KV pool), so
-the policies being compared see identical requests and identical weights.
+Every function builds fresh engines over one loaded model (weights are shared; each engine has its own KV pool, sized
+to the requests it serves: ``pool_for``), so the policies being compared see identical requests and identical weights.
 
 The claims compare them in paired rounds (``workbench.experiments.trials``): ``policy_trial`` replays, each round,
 the same slice of requests with arrivals drawn afresh from the round's seed (``reseed_arrivals``; in order of prompt
@@ -28,6 +28,7 @@ from workbench.request import SamplingParams
 from workbench.workloads import Request, gamma_arrivals
 
 SUMMARY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2el_s")
+LONG_PROMPT_TOKENS = 4  # output tokens of the long prompt of ``long_prompt_among_decodes``
 
 
 def metrics_row(label: str, summary: Mapping[str, Any], num_steps: int) -> dict[str, Any]:
@@ -57,6 +58,26 @@ def summary_row(label: str, result: RunResult, **slos: float | None) -> dict[str
     return metrics_row(label, result.summary(**slos), len(result.step_log))
 
 
+def pool_for(config: EngineConfig, model: Transformer, token_counts: Sequence[int]) -> EngineConfig:
+    """``config`` with a KV pool of the blocks that requests of ``token_counts`` tokens each (prompt + output) need
+    all at once, over the admission watermark (``blocks_over_watermark``), when ``config`` leaves the pool to its
+    default (paged, no ``num_blocks``, no ``kv_cache_bytes``) and that default is larger; else ``config`` itself.
+    Every request is admitted and runs as in the default pool (none waits for blocks, none is preempted), while an
+    engine zero-fills its pool when built: the default (``max_num_seqs`` x ``max_model_len`` tokens, up to
+    ``DEFAULT_KV_BUDGET_BYTES``) is GiBs for a model of SmolLM2-135M's KV at a context of 2,048, filled again by
+    every trial of a paired round for scenarios that hold a few MiB."""
+    from workbench.engine.scheduler import blocks_over_watermark
+
+    if config.cache != "paged" or config.num_blocks is not None or config.kv_cache_bytes is not None:
+        return config
+    if not token_counts:
+        return config
+    per_seq = max(-(-int(n) // config.block_size) for n in token_counts)
+    needed = blocks_over_watermark(len(token_counts), per_seq)
+    default, _ = config.cache_shape(model.config)
+    return replace(config, num_blocks=needed) if needed < default else config
+
+
 def engine_for(model: Transformer, config: EngineConfig, source: str | None = None, seed: int = 0) -> Engine:
     """An engine with ``config`` on ``model``; with ``config.tensor_parallel_size > 1``, an engine on that many ranks,
     each loading its shard of ``source`` (the checkpoint directory or preset ``model`` was loaded from; default: the
@@ -78,7 +99,7 @@ def compare_policies(
     with ``tensor_parallel_size > 1`` runs on that many ranks (``engine_for``: ``source`` and ``seed``)."""
     rows, results = [], {}
     for label, cfg in configs.items():
-        engine = engine_for(model, cfg, source, seed)
+        engine = engine_for(model, pool_for(cfg, model, [r.prompt_len + r.output_len for r in requests]), source, seed)
         try:
             result = engine.replay(list(requests))
         finally:
@@ -107,7 +128,8 @@ def long_prompt_among_decodes(
     """
     import torch
 
-    engine = engine_for(model, config, source)
+    tokens = [decode_prompt_len + decode_output_len] * num_decodes + [long_prompt_len + LONG_PROMPT_TOKENS]
+    engine = engine_for(model, pool_for(config, model, tokens), source)
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     decode_params = SamplingParams(max_tokens=decode_output_len, ignore_eos=True)
@@ -119,7 +141,8 @@ def long_prompt_among_decodes(
     for _ in range(inject_after_steps):
         finished.update((o.request_id, o.result) for o in engine.step() if o.finished)
     long_id = engine.add_request(
-        torch.randint(0, vocab, (long_prompt_len,), generator=g).tolist(), SamplingParams(max_tokens=4, ignore_eos=True)
+        torch.randint(0, vocab, (long_prompt_len,), generator=g).tolist(),
+        SamplingParams(max_tokens=LONG_PROMPT_TOKENS, ignore_eos=True),
     )
     while engine.has_unfinished():
         finished.update((o.request_id, o.result) for o in engine.step() if o.finished)
@@ -226,6 +249,8 @@ def serving_arm(
     """An arm of paired rounds: one trial replays ``requests`` with the round's arrivals (``reseed_arrivals`` with
     ``seed`` + round, at ``rate``, ``shortest_first``) on a fresh engine of ``config`` and returns ``summary_row``'s
     numbers (ms, tokens/s)."""
+
+    config = pool_for(config, model, [r.prompt_len + r.output_len for r in requests])
 
     def trial(index: int) -> dict[str, float]:
         engine = engine_for(model, config)

@@ -66,13 +66,17 @@ def pool_for(config: EngineConfig, model: Transformer, token_counts: Sequence[in
     engine zero-fills its pool when built: the default (``max_num_seqs`` x ``max_model_len`` tokens, up to
     ``DEFAULT_KV_BUDGET_BYTES``) is GiBs for a model of SmolLM2-135M's KV at a context of 2,048, filled again by
     every trial of a paired round for scenarios that hold a few MiB."""
+    from workbench.config import ceil_div
     from workbench.engine.scheduler import blocks_over_watermark
 
-    if config.cache != "paged" or config.num_blocks is not None or config.kv_cache_bytes is not None:
+    if (
+        config.cache != "paged"
+        or config.num_blocks is not None
+        or config.kv_cache_bytes is not None
+        or not token_counts
+    ):
         return config
-    if not token_counts:
-        return config
-    per_seq = max(-(-int(n) // config.block_size) for n in token_counts)
+    per_seq = max(ceil_div(int(n), config.block_size) for n in token_counts)
     needed = blocks_over_watermark(len(token_counts), per_seq)
     default, _ = config.cache_shape(model.config)
     return replace(config, num_blocks=needed) if needed < default else config

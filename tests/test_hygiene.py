@@ -52,3 +52,18 @@ def test_end_checks_time_the_start_reference_calls(model, monkeypatch):
     assert seen == [{"prefill": 5, "decode": 9}]
     assert end["reference_drift"] == {"prefill": 0.0, "decode": -0.5}
     assert [a["phase"] for a in end["anomalies"] if a["check"] == "reference_drift"] == ["decode"]
+
+
+def test_ceiling_readings_warm_the_probes_up_once(monkeypatch):
+    import workbench.hardware
+
+    seen = []
+    monkeypatch.setattr(workbench.hardware, "measured_spec", lambda **kw: seen.append(kw) or len(seen))
+    read = hygiene.ceiling_readings("cpu")
+    assert [read(), read(), read()] == [1, 2, 3]
+    fresh = {"device": "cpu", "refresh": True, "cache_dir": None}  # measured now, never a file cache
+    assert seen == [fresh, {**fresh, "warmup_s": 0.0}, {**fresh, "warmup_s": 0.0}]  # the time warm-up once
+    seen.clear()
+    read = hygiene.ceiling_readings("cuda")  # measure_cuda warms up by calls only
+    read(), read()
+    assert seen == [{**fresh, "device": "cuda"}] * 2

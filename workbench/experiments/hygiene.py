@@ -57,7 +57,7 @@ DRIFT_THRESHOLD = 0.25  # reference step median changed by more than 25% between
 CEILING_THRESHOLD = 0.25  # the end's settled ceiling above the start's by more than 25%
 SETTLE_TOLERANCE = 0.10  # two consecutive ceiling readings within 10% (or the probes' repeatability) agree
 SETTLE_TRIES = 4  # at most this many ceiling readings (a CPU probe takes ~1-2 s)
-REFERENCE_PREFILL_TOKENS = 64
+REFERENCE_PREFILL_TOKENS = 32  # fp32: 16 FLOP/byte, compute-bound above a CPU's balance point (~3-5)
 REFERENCE_DECODE_CONTEXT = 128
 REFERENCE_SAMPLE_S = 0.1  # a timed sample of the reference step runs steps back to back for at least this long
 REFERENCE_MAX_CALLS = 200  # ... but at most this many steps
@@ -96,11 +96,26 @@ def machine_state() -> dict[str, Any]:
     return {"load_average": load_average(), "cpu_times": cpu_times(), "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def measure_ceilings_now(device: str = "cpu") -> Any:
-    """The ceilings measured now, in this process (no file cache read or written): a ``HardwareSpec``."""
+def measure_ceilings_now(device: str = "cpu", warm: bool = False) -> Any:
+    """The ceilings measured now, in this process (no file cache read or written): a ``HardwareSpec``. ``warm``:
+    the probes ran just before (the previous reading of ``settled_ceilings``), so a CPU probe skips its warm-up
+    by time (``hardware.WARMUP_S``) and keeps its one warm-up call."""
     from workbench.hardware import measured_spec
 
-    return measured_spec(device=device, refresh=True, cache_dir=None)
+    warmup = {"warmup_s": 0.0} if warm and device == "cpu" else {}
+    return measured_spec(device=device, refresh=True, cache_dir=None, **warmup)
+
+
+def ceiling_readings(device: str = "cpu") -> Callable[[], Any]:
+    """The ``measure`` of ``settled_ceilings`` for ``device``: its first reading warms every probe up, the readings
+    that follow it at once do not again (about 1 s of warm-up less per reading on a CPU)."""
+    done = [0]
+
+    def read() -> Any:
+        done[0] += 1
+        return measure_ceilings_now(device, warm=done[0] > 1)
+
+    return read
 
 
 def _agree(a: Any, b: Any, dtype: str, tolerance: float) -> bool:
@@ -212,9 +227,11 @@ def reference_step(model: Any, repeats: int = 5, calls: Mapping[str, int] | None
     out = {}
     with plain_linears(model):  # an engine packs the model it runs (Engine.__init__): time the same products
         for name, fn in (("prefill", prefill), ("decode", decode)):
+            warmup = 1  # the end of an experiment: the model may have run other shapes since
             if calls is not None and name in calls:
                 k = int(calls[name])
             else:
+                warmup = 0  # the four steps below warmed it up
                 fn()  # warm-up: the first step of a shape builds what later ones reuse
                 one = min(timed(fn, sync=sync)[0] for _ in range(3))  # a step when nothing interrupts it
                 k = max(1, min(REFERENCE_MAX_CALLS, math.ceil(REFERENCE_SAMPLE_S / max(one, 1e-9))))
@@ -223,7 +240,7 @@ def reference_step(model: Any, repeats: int = 5, calls: Mapping[str, int] | None
                 for _ in range(k):
                     fn()
 
-            stats = time_stats(sample, warmup=1, repeats=repeats, sync=sync)
+            stats = time_stats(sample, warmup=warmup, repeats=repeats, sync=sync)
             stats.pop("times_s")
             out[name] = {**{key: (v / k if key.endswith("_s") else v) for key, v in stats.items()}, "calls": k}
     return out
@@ -240,7 +257,7 @@ def start_checks(model: Any, device: str = "cpu", dtype: str = "fp32", num_threa
     """
     threads = set_threads(num_threads, otherwise="keep")  # else $WORKBENCH_NUM_THREADS, else as they are
     state = machine_state()
-    hw = settled_ceilings(lambda: measure_ceilings_now(device), dtype)
+    hw = settled_ceilings(ceiling_readings(device), dtype)
     return {
         "num_threads": threads,
         "state_start": state,
@@ -262,7 +279,7 @@ def end_checks(start: Mapping[str, Any], model: Any, device: str = "cpu") -> dic
     calls = {phase: stats["calls"] for phase, stats in start["reference_start"].items() if "calls" in stats}
     reference_end = reference_step(model, calls=calls)  # the same steps per sample as at the start
     dtype = start.get("dtype", "fp32")
-    ceilings_end = ceilings_summary(settled_ceilings(lambda: measure_ceilings_now(device), dtype), dtype)
+    ceilings_end = ceilings_summary(settled_ceilings(ceiling_readings(device), dtype), dtype)
     state_end = machine_state()
     drift = {
         phase: reference_end[phase]["median_s"] / start["reference_start"][phase]["median_s"] - 1.0
@@ -396,6 +413,7 @@ def check_ceilings(change: Mapping[str, float], threshold: float = CEILING_THRES
 
 __all__ = [
     "machine_state",
+    "ceiling_readings",
     "measure_ceilings_now",
     "settled_ceilings",
     "balance_points",

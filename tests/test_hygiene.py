@@ -64,6 +64,10 @@ def test_ceiling_readings_warm_the_probes_up_once(monkeypatch):
     fresh = {"device": "cpu", "refresh": True, "cache_dir": None}  # measured now, never a file cache
     assert seen == [fresh, {**fresh, "warmup_s": 0.0}, {**fresh, "warmup_s": 0.0}]  # the time warm-up once
     seen.clear()
+    read = hygiene.ceiling_readings("cpu", warm=True)  # the end of an experiment: the machine computed until now
+    read()
+    assert seen == [{**fresh, "warmup_s": 0.0}]
+    seen.clear()
     read = hygiene.ceiling_readings("cuda")  # measure_cuda warms up by calls only
     read(), read()
     assert seen == [{**fresh, "device": "cuda"}] * 2

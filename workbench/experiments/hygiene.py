@@ -106,14 +106,15 @@ def measure_ceilings_now(device: str = "cpu", warm: bool = False) -> Any:
     return measured_spec(device=device, refresh=True, cache_dir=None, **warmup)
 
 
-def ceiling_readings(device: str = "cpu") -> Callable[[], Any]:
-    """The ``measure`` of ``settled_ceilings`` for ``device``: its first reading warms every probe up, the readings
-    that follow it at once do not again (about 1 s of warm-up less per reading on a CPU)."""
+def ceiling_readings(device: str = "cpu", warm: bool = False) -> Callable[[], Any]:
+    """The ``measure`` of ``settled_ceilings`` for ``device``: its first reading warms every probe up unless the
+    machine is ``warm`` already (the end of an experiment, which computed until then), the readings that follow it at
+    once do not again (about 1 s of warm-up less per reading on a CPU)."""
     done = [0]
 
     def read() -> Any:
         done[0] += 1
-        return measure_ceilings_now(device, warm=done[0] > 1)
+        return measure_ceilings_now(device, warm=warm or done[0] > 1)
 
     return read
 
@@ -279,7 +280,7 @@ def end_checks(start: Mapping[str, Any], model: Any, device: str = "cpu") -> dic
     calls = {phase: stats["calls"] for phase, stats in start["reference_start"].items() if "calls" in stats}
     reference_end = reference_step(model, calls=calls)  # the same steps per sample as at the start
     dtype = start.get("dtype", "fp32")
-    ceilings_end = ceilings_summary(settled_ceilings(ceiling_readings(device), dtype), dtype)
+    ceilings_end = ceilings_summary(settled_ceilings(ceiling_readings(device, warm=True), dtype), dtype)
     state_end = machine_state()
     drift = {
         phase: reference_end[phase]["median_s"] / start["reference_start"][phase]["median_s"] - 1.0

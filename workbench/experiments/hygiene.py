@@ -98,8 +98,8 @@ def machine_state() -> dict[str, Any]:
 
 def measure_ceilings_now(device: str = "cpu", warm: bool = False) -> Any:
     """The ceilings measured now, in this process (no file cache read or written): a ``HardwareSpec``. ``warm``:
-    the probes ran just before (the previous reading of ``settled_ceilings``), so a CPU probe skips its warm-up
-    by time (``hardware.WARMUP_S``) and keeps its one warm-up call."""
+    the machine computed just before (a previous reading, an experiment), so a CPU probe skips its warm-up by time
+    (``hardware.WARMUP_S``) and keeps its one warm-up call."""
     from workbench.hardware import measured_spec
 
     warmup = {"warmup_s": 0.0} if warm and device == "cpu" else {}
@@ -110,11 +110,11 @@ def ceiling_readings(device: str = "cpu", warm: bool = False) -> Callable[[], An
     """The ``measure`` of ``settled_ceilings`` for ``device``: its first reading warms every probe up unless the
     machine is ``warm`` already (the end of an experiment, which computed until then), the readings that follow it at
     once do not again (about 1 s of warm-up less per reading on a CPU)."""
-    done = [0]
 
     def read() -> Any:
-        done[0] += 1
-        return measure_ceilings_now(device, warm=warm or done[0] > 1)
+        nonlocal warm
+        spec, warm = measure_ceilings_now(device, warm=warm), True
+        return spec
 
     return read
 
@@ -228,11 +228,10 @@ def reference_step(model: Any, repeats: int = 5, calls: Mapping[str, int] | None
     out = {}
     with plain_linears(model):  # an engine packs the model it runs (Engine.__init__): time the same products
         for name, fn in (("prefill", prefill), ("decode", decode)):
-            warmup = 1  # the end of an experiment: the model may have run other shapes since
-            if calls is not None and name in calls:
+            given = calls is not None and name in calls  # the end of an experiment: the start's counts
+            if given:
                 k = int(calls[name])
             else:
-                warmup = 0  # the four steps below warmed it up
                 fn()  # warm-up: the first step of a shape builds what later ones reuse
                 one = min(timed(fn, sync=sync)[0] for _ in range(3))  # a step when nothing interrupts it
                 k = max(1, min(REFERENCE_MAX_CALLS, math.ceil(REFERENCE_SAMPLE_S / max(one, 1e-9))))
@@ -241,7 +240,8 @@ def reference_step(model: Any, repeats: int = 5, calls: Mapping[str, int] | None
                 for _ in range(k):
                     fn()
 
-            stats = time_stats(sample, warmup=warmup, repeats=repeats, sync=sync)
+            # a given count warms up once (the model ran other shapes since); else the four steps above did
+            stats = time_stats(sample, warmup=1 if given else 0, repeats=repeats, sync=sync)
             stats.pop("times_s")
             out[name] = {**{key: (v / k if key.endswith("_s") else v) for key, v in stats.items()}, "calls": k}
     return out

@@ -1,6 +1,6 @@
 """The trial harness (workbench/experiments/trials.py) on a synthetic machine with a virtual clock: a true effect
 under drift and noise is confirmed, no effect is (almost) never confirmed, a small effect is called equivalent, and a
-failed A/A control voids the verdict. Pure Python: no engine, no wall time."""
+failed A/A control voids a verdict it could account for. Pure Python: no engine, no wall time."""
 
 import math
 import random
@@ -12,8 +12,10 @@ from workbench.experiments.trials import (
     CONFIRMED,
     INCONCLUSIVE,
     NOT_CONFIRMED,
+    Comparison,
     DecisionRule,
     compare,
+    contrast,
     decide,
     decide_exact,
     run_rounds,
@@ -166,12 +168,48 @@ def test_a_lower_claim_on_times():
     assert len(c.values["unchunked"]) == len(c.values["chunked"]) == len(c.values["unchunked (A/A)"]) == 6
 
 
-def test_a_failed_control_voids_the_verdict():
+def test_a_failed_control_voids_an_effect_it_could_account_for():
     m = SyntheticMachine(5, noise=0.02, drift=0.0)
-    # the second instance of A is 30% slower: A and A were not comparable, so B against A means nothing
-    c = run_rounds({"A": m.arm(1.0), "B": m.arm(0.5)}, DecisionRule("lower", 0.05), control=m.arm(1.3), clock=m.clock)
+    # the second instance of A is 30% slower: A and A were not comparable to within 30%, and B is only 20% faster
+    c = run_rounds({"A": m.arm(1.0), "B": m.arm(0.8)}, DecisionRule("lower", 0.05), control=m.arm(1.3), clock=m.clock)
     assert c.control["failed"] and c.control["ratio"] == pytest.approx(1.3, rel=0.05)
     assert c.verdict == INCONCLUSIVE and c.reason.startswith("control_failed")
+
+
+def test_a_failed_control_keeps_an_effect_beyond_the_margin_plus_its_deviation():
+    m = SyntheticMachine(5, noise=0.02, drift=0.0)
+    # the same 30% A/A offset, and B takes half A's time: log 2 = 0.69 > log 1.05 + log 1.3 + noise = 0.32
+    c = run_rounds({"A": m.arm(1.0), "B": m.arm(0.5)}, DecisionRule("lower", 0.05), control=m.arm(1.3), clock=m.clock)
+    assert c.control["failed"] and c.control["deviation"] == pytest.approx(0.3, abs=0.05)
+    assert c.verdict == CONFIRMED and c.ratio == pytest.approx(0.5, rel=0.05)
+    # an "equivalent" verdict rests on a noise floor below the margin, which the failed control denies
+    c = run_rounds({"A": m.arm(1.0), "B": m.arm(1.0)}, DecisionRule("lower", 0.05), control=m.arm(1.3), clock=m.clock)
+    assert c.verdict == INCONCLUSIVE and c.reason.startswith("control_failed")
+
+
+def _comparison(log_ratios, control=None):
+    """A finished comparison whose rounds have the given B/A log-ratios (A = 1 in every round)."""
+    values = {"A": [1.0] * len(log_ratios), "B": [math.exp(x) for x in log_ratios]}
+    ratio = math.exp(sum(log_ratios) / len(log_ratios))
+    rule = DecisionRule("higher", 0.05)
+    return Comparison(("A", "B"), rule, ratio, 0.0, 0.0, len(log_ratios), CONFIRMED, "", values, control, 0.95)
+
+
+def test_contrast_of_two_effects_by_hand():
+    # log-ratios 0.5, 0.6, 0.4, 0.5 against 0.1, 0.2, 0.0, 0.1: difference 0.4, each variance 0.02/3, standard error
+    # sqrt(2 x 0.02/3/4) = 0.05774, Welch-Satterthwaite df = 6 exactly, t(0.975, 6) = 2.447 (tables): 0.4 +- 0.1413
+    first, second = _comparison([0.5, 0.6, 0.4, 0.5]), _comparison([0.1, 0.2, 0.0, 0.1])
+    ratio, low, high, verdict, reason = contrast(first, second, DecisionRule("higher", 0.05))
+    assert ratio == pytest.approx(math.exp(0.4))
+    assert math.log(low) == pytest.approx(0.2587, abs=0.002) and math.log(high) == pytest.approx(0.5413, abs=0.002)
+    assert verdict == CONFIRMED
+    assert contrast(second, first, DecisionRule("higher", 0.05))[3:] == (NOT_CONFIRMED, "opposite")
+    # a failed A/A control of 1.2-1.3 widens the margin to log 1.05 + log 1.3 = 0.311, above the lower end 0.259
+    failed = {"ratio": 1.25, "ci_low": 1.2, "ci_high": 1.3, "failed": True}
+    out = contrast(_comparison([0.5, 0.6, 0.4, 0.5], failed), second, DecisionRule("higher", 0.05))
+    assert out[3] == INCONCLUSIVE and out[4].startswith("control_failed")
+    with pytest.raises(ConfigError, match="at least 4 paired rounds"):
+        contrast(_comparison([0.5, 0.6, 0.4]), second, DecisionRule("higher", 0.05))
 
 
 def test_the_budget_stops_the_rounds():

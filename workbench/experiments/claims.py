@@ -139,7 +139,9 @@ def paired_claim(claim: str, comparison: Any, what: str, **evidence: Any) -> dic
     control = comparison.control
     aa = "no A/A control" if control is None else (
         f"A/A {control['ratio']:.3g} [{control['ci_low']:.3g}, {control['ci_high']:.3g}]"
-        + (" (failed: the rounds were not comparable)" if control["failed"] else "")
+        + ("" if not control["failed"] else " (failed: the rounds were not comparable)"
+           if comparison.verdict == INCONCLUSIVE else f" (failed, by up to {_pct(control['deviation'])}: the "
+           "effect clears the margin plus that deviation)")
     )  # fmt: skip
     rule = comparison.rule
     detail = (

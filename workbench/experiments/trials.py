@@ -26,10 +26,14 @@ above 1 - confidence. ``min_rounds`` may be as low as ``MIN_ROUNDS`` (4: a t int
 with exact quantiles): that first look's interval is wide (at 95% over three looks, t = 4.9 against 3.2 at 6
 rounds), so it decides only an effect far from its margin, and a claim near it goes on to 8 rounds and beyond.
 A figure with no sampling spread (an analytic model's, a deterministic simulation's) needs no rounds:
-``decide_exact`` applies the same rule to its single point. A paired claim is voided (*inconclusive*,
-``control_failed``) only when its own A/A control's interval lies wholly beyond +-L (the same arm "differs from
-itself" by more than the margin): then the rounds were not comparable and the machine, not the arms, could have
-made the difference.
+``decide_exact`` applies the same rule to its single point. The A/A control *fails* when its interval lies wholly
+beyond +-L (the same arm "differs from itself" by more than the margin): the rounds were not comparable to within
+the margin. A failed control voids a paired claim (*inconclusive*, ``control_failed``) unless the claim is decided
+even with its margin widened by the control's deviation (the far end of the A/A interval, D = max |log A/A|):
+an interval beyond L + D in the claimed direction stays *confirmed* (or beyond it the other way, ``opposite``),
+since a difference as large as the same arm's against itself cannot account for it (a 7x batching gain is not
+voided by a 12% A/A offset); an ``equivalent`` or ``short of the margin`` verdict is always voided (the arms'
+noise floor exceeds the margin it would rest on).
 
 References: Kalibera & Jones, "Rigorous benchmarking in reasonable time" (ISMM 2013) for ratio statistics with
 intervals; Abedi & Brecht (ICPE 2017) for randomized multiple interleaved trials on cloud machines.
@@ -127,8 +131,12 @@ def log_ratio_interval(log_ratios: Sequence[float], confidence: float) -> tuple[
 
 def decide(low: float, high: float, rule: DecisionRule) -> tuple[str, str]:
     """(verdict, reason) of a log-ratio interval [low, high] under ``rule`` (the module docstring's table)."""
-    bound = math.log1p(rule.margin)
-    sign = 1.0 if rule.direction == "higher" else -1.0
+    return _decide_at(low, high, rule.direction, math.log1p(rule.margin))
+
+
+def _decide_at(low: float, high: float, direction: str, bound: float) -> tuple[str, str]:
+    """``decide`` with the margin given as its log-ratio bound L."""
+    sign = 1.0 if direction == "higher" else -1.0
     lo, hi = sorted((sign * low, sign * high))  # the claimed direction made positive
     if lo > bound:
         return CONFIRMED, "beyond the margin in the claimed direction"
@@ -295,6 +303,38 @@ def compare(
     return math.exp(mean), math.exp(low), math.exp(high), verdict, reason
 
 
+def contrast(first: Comparison, second: Comparison, rule: DecisionRule) -> tuple[float, float, float, str, str]:
+    """(ratio, ci_low, ci_high, verdict, reason) of ``first``'s effect against ``second``'s: the ratio of their B/A
+    ratios (e.g. speculation's speed-up at batch 1 over its speed-up at batch 8), with a Welch t interval over the
+    two sets of per-round log-ratios (each set paired within its own rounds; the two comparisons ran at different
+    times, so their rounds are not paired with each other; Welch-Satterthwaite degrees of freedom, rounded down), at
+    the higher of the two comparisons' look confidences, decided under ``rule``. A failed A/A control of either
+    widens the margin by its deviation, as in ``run_rounds``: only a directional verdict beyond that stands."""
+    logs = []
+    for c in (first, second):
+        (a, b) = c.arms
+        if len(c.values.get(a, ())) < MIN_ROUNDS or len(c.values[a]) != len(c.values.get(b, ())):
+            raise ConfigError(f"contrast needs at least {MIN_ROUNDS} paired rounds of each comparison, got "
+                              f"{ {k: len(v) for k, v in c.values.items()} }")  # fmt: skip
+        logs.append([math.log(vb / va) for va, vb in zip(c.values[a], c.values[b])])
+    (m1, m2), (n1, n2) = (statistics.fmean(x) for x in logs), (len(x) for x in logs)
+    w1, w2 = statistics.variance(logs[0]) / n1, statistics.variance(logs[1]) / n2
+    se = math.sqrt(w1 + w2)
+    df = n1 + n2 - 2
+    if se > 0:  # Welch-Satterthwaite, rounded down (the 1e-9 keeps an exact integer from rounding below itself)
+        df = max(MIN_ROUNDS - 1, int((w1 + w2) ** 2 / (w1**2 / (n1 - 1) + w2**2 / (n2 - 1)) + 1e-9))
+    confidence = max(c.look_confidence or rule.confidence for c in (first, second))
+    half = t_quantile(0.5 + confidence / 2, df) * se
+    mean = m1 - m2
+    bound = math.log1p(rule.margin)
+    failed = [c.control for c in (first, second) if c.control and c.control["failed"]]
+    deviation = max((max(abs(math.log(c["ci_low"])), abs(math.log(c["ci_high"]))) for c in failed), default=0.0)
+    verdict, reason = _decide_at(mean - half, mean + half, rule.direction, bound + deviation)
+    if failed and not (verdict == CONFIRMED or reason == "opposite"):
+        verdict, reason = INCONCLUSIVE, "control_failed: an A/A interval lies beyond the margin"
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half), verdict, reason
+
+
 def run_rounds(
     arms: Mapping[str, Callable[[int], Any]],
     rule: DecisionRule,
@@ -371,8 +411,15 @@ def _conclude(
         bound = math.log1p(rule.margin)
         failed = math.log(c_low) > bound or math.log(c_high) < -bound
         control_record = {"ratio": c_ratio, "ci_low": c_low, "ci_high": c_high, "failed": failed}
+        deviation = max(abs(math.log(c_low)), abs(math.log(c_high)))
+        if failed:
+            control_record["deviation"] = math.expm1(deviation)
         if failed and verdict != INCONCLUSIVE:
-            verdict, reason = INCONCLUSIVE, "control_failed: the A/A interval lies beyond the margin"
+            clear, why = _decide_at(math.log(low), math.log(high), rule.direction, bound + deviation)
+            if clear == CONFIRMED or why == "opposite":
+                verdict, reason = clear, why
+            else:
+                verdict, reason = INCONCLUSIVE, "control_failed: the A/A interval lies beyond the margin"
     return Comparison(
         arms=(name_a, name_b),
         rule=rule,

@@ -180,23 +180,37 @@ def test_predicted_speedup_by_hand() -> None:
     assert out["speedup"] == pytest.approx(4.2) and out["tokens_per_verify"] == 5.0
 
 
-def test_gain_falls_claim_reads_the_two_intervals() -> None:
+def test_gain_falls_claim_contrasts_the_two_speedups() -> None:
+    import math
+
     from workbench.experiments.speculative import speculation_gain_falls
     from workbench.experiments.trials import Comparison, DecisionRule
 
     rule = DecisionRule("higher", 0.05)
 
-    def cmp(ratio: float, lo: float, hi: float, failed: bool = False) -> Comparison:
-        control = {"ratio": 1.0, "ci_low": 0.98, "ci_high": 1.02, "failed": failed}
-        return Comparison(("base", "spec"), rule, ratio, lo, hi, 6, "confirmed", "", {}, control)
+    def cmp(speedups: list[float], failed: bool = False) -> Comparison:
+        control = {"ratio": 1.0, "ci_low": 0.98, "ci_high": 1.02, "failed": False}
+        if failed:
+            control = {"ratio": 1.4, "ci_low": 1.3, "ci_high": 1.5, "failed": True}
+        values = {"base": [10.0] * len(speedups), "spec": [10.0 * s for s in speedups]}
+        return Comparison(("base", "spec"), rule, 1.0, 0.0, 0.0, len(speedups), "confirmed", "", values, control, 0.95)
 
-    small, large = cmp(1.9, 1.7, 2.1), cmp(0.8, 0.7, 0.9)
+    small, large = cmp([1.9, 2.0, 1.8, 1.9]), cmp([0.8, 0.85, 0.75, 0.8])
     claim = speculation_gain_falls(small, large, 1, 8, 16, 8)
-    assert claim["verdict"] == "confirmed" and claim["evidence"]["ratio"] == 0.8
-    assert claim["evidence"]["predicted_crossover_batch"] == 16
+    ev = claim["evidence"]
+    # the speed-ups' geometric means over their four rounds, by hand
+    expected = math.prod([1.9, 2.0, 1.8, 1.9]) ** 0.25 / math.prod([0.8, 0.85, 0.75, 0.8]) ** 0.25
+    assert claim["verdict"] == "confirmed" and ev["ratio"] == pytest.approx(expected)
+    assert ev["ci_low"] < ev["ratio"] < ev["ci_high"] and ev["rounds"] == 4
+    assert ev["predicted_crossover_batch"] == 16 and ev["arms"] == ["speed-up at batch 8", "speed-up at batch 1"]
     assert speculation_gain_falls(large, small, 1, 8, None, None)["verdict"] == "not_confirmed"
-    assert speculation_gain_falls(small, cmp(1.8, 1.6, 2.0), 1, 8, None, None)["verdict"] == "inconclusive"
-    assert speculation_gain_falls(small, cmp(0.8, 0.7, 0.9, failed=True), 1, 8, None, None)["verdict"] == "inconclusive"
+    close = cmp([1.5, 2.2, 1.7, 2.1])  # about the same speed-up, far noisier
+    assert speculation_gain_falls(small, close, 1, 8, None, None)["verdict"] == "inconclusive"
+    # a failed A/A control of up to 50%: log 1.05 + log 1.5 = 0.45 is less than log(1.9 / 0.8) = 0.86: it stands
+    assert speculation_gain_falls(small, cmp([0.8, 0.85, 0.75, 0.8], True), 1, 8, None, None)["verdict"] == "confirmed"
+    slight = [1.5, 1.45, 1.55, 1.5]  # log(1.9 / 1.5) = 0.24: within what the failed control allows
+    assert speculation_gain_falls(small, cmp(slight, True), 1, 8, None, None)["verdict"] == "inconclusive"
+    assert speculation_gain_falls(small, cmp(slight), 1, 8, None, None)["verdict"] == "confirmed"
 
 
 def test_bench_speculative_options() -> None:

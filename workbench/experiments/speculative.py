@@ -26,6 +26,7 @@ roofline and the predicted crossover batch) and the claim functions ``speculatio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,8 +35,8 @@ from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.engine.speculative import SpecStats, SpeculativeConfig, expected_speedup, expected_tokens_per_step
 from workbench.errors import ConfigError
-from workbench.experiments.claims import CONFIRMED, INCONCLUSIVE, NOT_CONFIRMED, PAIRED, make_claim, paired_claim
-from workbench.experiments.trials import THROUGHPUT_MARGIN, Comparison, DecisionRule, Rounds
+from workbench.experiments.claims import PAIRED, make_claim, paired_claim
+from workbench.experiments.trials import THROUGHPUT_MARGIN, Comparison, DecisionRule, Rounds, contrast
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
 from workbench.sim.cluster import SimConfig, simulate
@@ -368,27 +369,30 @@ def speculation_gain_falls(
     small: Comparison, large: Comparison, batch_small: int, batch_large: int,
     predicted_crossover: int | None, measured_crossover: int | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Claim: speculation's gain falls as the batch grows. Confirmed when the speed-up's paired interval at
-    ``batch_large`` lies wholly below the one at ``batch_small``; not confirmed when wholly above; else
-    inconclusive (or when either A/A control failed). The evidence is the large batch's comparison (its ratio and
-    interval at the top, as every paired claim's) with the small one's under ``small``, and the roofline's predicted
-    crossover batch beside the measured one (the smallest measured batch with a speed-up below 1)."""
-    failed = any((c.control or {}).get("failed") for c in (small, large))
-    if failed:
-        verdict = INCONCLUSIVE
-    elif large.ci_high < small.ci_low:
-        verdict = CONFIRMED
-    elif large.ci_low > small.ci_high:
-        verdict = NOT_CONFIRMED
-    else:
-        verdict = INCONCLUSIVE
-    evidence = {**large.evidence(), "batch_small": batch_small, "batch_large": batch_large,
-                "small": {k: v for k, v in small.evidence().items() if k != "values"},
-                "speedup_ratio_large_to_small": large.ratio / small.ratio,
+    """Claim: speculation's gain falls as the batch grows: the speed-up at ``batch_small`` over the speed-up at
+    ``batch_large``, with its interval (``trials.contrast``: Welch over the two comparisons' per-round log-ratios),
+    claimed higher by more than ``THROUGHPUT_MARGIN``. The evidence holds that ratio, both comparisons (without
+    their per-round values) under ``small`` and ``large``, the A/A control that widened the margin (else the one
+    with the larger deviation) under ``control``, and the roofline's predicted crossover batch beside the measured
+    one (the smallest measured batch with a speed-up below 1)."""
+    rule = DecisionRule("higher", THROUGHPUT_MARGIN, small.rule.confidence)
+    ratio, low, high, verdict, reason = contrast(small, large, rule)
+    controls = [c.control for c in (small, large) if c.control]
+    spread = [(c["failed"], max(abs(math.log(c["ci_low"])), abs(math.log(c["ci_high"])))) for c in controls]
+    control = max(zip(spread, controls), key=lambda sc: sc[0], default=(None, None))[1]
+    evidence = {"arms": [f"speed-up at batch {batch_large}", f"speed-up at batch {batch_small}"], "ratio": ratio,
+                "ci_low": low, "ci_high": high, "rounds": min(small.rounds, large.rounds), "margin": rule.margin,
+                "confidence": rule.confidence, "direction": rule.direction, "reason": reason, "control": control,
+                "interval": "welch", "batch_small": batch_small, "batch_large": batch_large,
+                **{name: {k: v for k, v in c.evidence().items() if k != "values"}
+                   for name, c in (("small", small), ("large", large))},
                 "predicted_crossover_batch": predicted_crossover,
                 "measured_crossover_batch": measured_crossover}  # fmt: skip
-    detail = (f"speed-up at batch {batch_small}: {small.summary()}; at batch {batch_large}: {large.summary()} "
-              f"({small.rule.confidence:.0%} intervals{', an A/A control failed' if failed else ''}); the roofline "
+    failed = "; an A/A control failed" if reason.startswith("control_failed") else ""
+    detail = (f"speed-up at batch {batch_small} over the speed-up at batch {batch_large}: {ratio:.3g} "
+              f"[{low:.3g}, {high:.3g}] ({rule.confidence:.0%} Welch interval over the rounds' log-ratios; claimed "
+              f"higher by more than {THROUGHPUT_MARGIN:.0%}{failed}); "
+              f"at batch {batch_small}: {small.summary()}; at batch {batch_large}: {large.summary()}; the roofline "
               f"predicts no gain from batch {predicted_crossover}, measured: "
               f"{'a gain at every batch measured' if measured_crossover is None else measured_crossover}")  # fmt: skip
     return make_claim("Speculation's gain falls as the batch grows", verdict, evidence, detail, (PAIRED,))

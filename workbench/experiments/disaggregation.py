@@ -46,6 +46,16 @@ from workbench.workloads import Request, prompt_token_ids
 
 
 # ---- real: colocated against disaggregated --------------------------------------------------------------------
+def open_pair(source: str, engine_config: EngineConfig, threads: int = 2, seed: int = 0) -> Any:
+    """The disaggregated 1:1 pair of ``real_comparison`` and ``interference_trial``: a started ``DisaggCluster`` of
+    two processes loading ``source``, ``threads // 2`` threads each, both engines configured by ``engine_config``
+    (close it, or use it as a context manager)."""
+    from workbench.cluster.disagg import DisaggCluster, DisaggConfig
+
+    cfg = DisaggConfig(prefill=engine_config, decode=engine_config, threads_per_engine=max(1, threads // 2))
+    return DisaggCluster(source, cfg, seed)
+
+
 def real_comparison(
     source: str,
     model: Any,
@@ -55,16 +65,16 @@ def real_comparison(
     threads: int = 2,
     seed: int = 0,
     slos: Mapping[str, float | None] | None = None,
+    cluster: Any = None,
 ) -> pd.DataFrame:
     """Each workload through colocated ``continuous`` and ``chunked`` engines on ``model`` (the loaded
-    ``source``; one process, ``threads`` threads) and through one disaggregated 1:1 pair (two processes loading
-    ``source``, ``threads // 2`` threads each, started once for all workloads); one row per workload and setup, with
+    ``source``; one process, ``threads`` threads) and through one disaggregated 1:1 pair (``open_pair``, started
+    once for all workloads, or ``cluster`` when given, left open); one row per workload and setup, with
     ``kv_bytes`` and ``kv_transfer_ms`` for the disaggregated ones. Every engine gets the pool ``engine_config``
     sizes, so give it a ``num_blocks`` the workload needs rather than the default (which reserves
     ``max_num_seqs x max_model_len`` tokens per engine)."""
+    import contextlib
     import dataclasses
-
-    from workbench.cluster.disagg import DisaggCluster, DisaggConfig
 
     slos = dict(slos or {})
     setups = {
@@ -81,8 +91,8 @@ def real_comparison(
                 rows.append({"workload": name} | summary_row(label, result, **slos) | {"processes": 1,
                             "threads_each": threads})  # fmt: skip
     vocab = model.config.vocab_size
-    cfg = DisaggConfig(prefill=engine_config, decode=engine_config, threads_per_engine=max(1, threads // 2))
-    with DisaggCluster(source, cfg, seed) as cluster:
+    opened = contextlib.nullcontext(cluster) if cluster is not None else open_pair(source, engine_config, threads, seed)
+    with opened as cluster:
         for name, requests in workloads.items():
             work = [
                 (
@@ -101,7 +111,7 @@ def real_comparison(
                 | metrics_row("disaggregated 1:1", summary, steps)
                 | {
                     "processes": 2,
-                    "threads_each": cfg.threads_per_engine,
+                    "threads_each": cluster.cfg.threads_per_engine,
                     "kv_bytes": kv["bytes"],
                     "kv_transfer_ms": kv["seconds"] * 1e3,
                     "num_backpressure": kv["num_backpressure"],
@@ -127,14 +137,12 @@ def interference_trial(
     cluster: Any = None,
 ) -> Comparison:
     """The colocated prefill-first engine (A: one process, ``threads`` threads) against the disaggregated 1:1 pair
-    (B: two processes of ``threads // 2``, started once for all rounds, or ``cluster`` when given, left open) on
+    (B: ``open_pair``, started once for all rounds, or ``cluster`` when given, left open) on
     the same slice of ``requests``, each round with arrivals drawn afresh (``reseed_arrivals``, ``seed`` + round),
     in paired rounds decided on the p99 ITL (B lower by more than ``margin``); the A/A control is the colocated
     engine again. Every figure of ``metrics_row`` is in the rounds' records (``Comparison.on``)."""
     import contextlib
     import dataclasses
-
-    from workbench.cluster.disagg import DisaggCluster, DisaggConfig
 
     slos = dict(slos or {})
     colocated = dataclasses.replace(engine_config, policy="continuous")
@@ -145,8 +153,7 @@ def interference_trial(
             result = Engine(model, colocated).replay(reseed_arrivals(requests, seed + index), seed=seed)
         return _numbers(summary_row("", result, **slos))
 
-    cfg = DisaggConfig(prefill=engine_config, decode=engine_config, threads_per_engine=max(1, threads // 2))
-    opened = contextlib.nullcontext(cluster) if cluster is not None else DisaggCluster(source, cfg, seed)
+    opened = contextlib.nullcontext(cluster) if cluster is not None else open_pair(source, engine_config, threads, seed)
     with opened as cluster:
 
         def disaggregated_arm(index: int) -> dict[str, float]:

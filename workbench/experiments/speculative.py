@@ -26,7 +26,6 @@ roofline and the predicted crossover batch) and the claim functions ``speculatio
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +35,14 @@ from workbench.engine.engine import Engine
 from workbench.engine.speculative import SpecStats, SpeculativeConfig, expected_speedup, expected_tokens_per_step
 from workbench.errors import ConfigError
 from workbench.experiments.claims import PAIRED, make_claim, paired_claim
-from workbench.experiments.trials import THROUGHPUT_MARGIN, Comparison, DecisionRule, Rounds, contrast
+from workbench.experiments.trials import (
+    THROUGHPUT_MARGIN,
+    Comparison,
+    DecisionRule,
+    Rounds,
+    contrast,
+    control_deviation,
+)
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams
 from workbench.sim.cluster import SimConfig, simulate
@@ -378,8 +384,7 @@ def speculation_gain_falls(
     rule = DecisionRule("higher", THROUGHPUT_MARGIN, small.rule.confidence)
     ratio, low, high, verdict, reason = contrast(small, large, rule)
     controls = [c.control for c in (small, large) if c.control]
-    spread = [(c["failed"], max(abs(math.log(c["ci_low"])), abs(math.log(c["ci_high"])))) for c in controls]
-    control = max(zip(spread, controls), key=lambda sc: sc[0], default=(None, None))[1]
+    control = max(controls, key=lambda c: (c["failed"], control_deviation(c)), default=None)
     evidence = {"arms": [f"speed-up at batch {batch_large}", f"speed-up at batch {batch_small}"], "ratio": ratio,
                 "ci_low": low, "ci_high": high, "rounds": min(small.rounds, large.rounds), "margin": rule.margin,
                 "confidence": rule.confidence, "direction": rule.direction, "reason": reason, "control": control,

@@ -134,6 +134,20 @@ def decide(low: float, high: float, rule: DecisionRule) -> tuple[str, str]:
     return _decide_at(low, high, rule.direction, math.log1p(rule.margin))
 
 
+def control_deviation(control: Mapping[str, Any]) -> float:
+    """D, how far an A/A control's interval reaches from 1 in log-ratio: max(|log ci_low|, |log ci_high|)."""
+    return max(abs(math.log(control["ci_low"])), abs(math.log(control["ci_high"])))
+
+
+def _despite_failed_control(low: float, high: float, direction: str, bound: float, deviation: float) -> tuple[str, str]:
+    """(verdict, reason) of a log-ratio interval when an A/A control failed: decided at the bound widened by the
+    control's ``deviation``; only a directional verdict (confirmed, opposite) stands, anything else is voided."""
+    verdict, reason = _decide_at(low, high, direction, bound + deviation)
+    if verdict == CONFIRMED or reason == "opposite":
+        return verdict, reason
+    return INCONCLUSIVE, "control_failed: the A/A interval lies beyond the margin"
+
+
 def _decide_at(low: float, high: float, direction: str, bound: float) -> tuple[str, str]:
     """``decide`` with the margin given as its log-ratio bound L."""
     sign = 1.0 if direction == "higher" else -1.0
@@ -328,10 +342,11 @@ def contrast(first: Comparison, second: Comparison, rule: DecisionRule) -> tuple
     mean = m1 - m2
     bound = math.log1p(rule.margin)
     failed = [c.control for c in (first, second) if c.control and c.control["failed"]]
-    deviation = max((max(abs(math.log(c["ci_low"])), abs(math.log(c["ci_high"]))) for c in failed), default=0.0)
-    verdict, reason = _decide_at(mean - half, mean + half, rule.direction, bound + deviation)
-    if failed and not (verdict == CONFIRMED or reason == "opposite"):
-        verdict, reason = INCONCLUSIVE, "control_failed: an A/A interval lies beyond the margin"
+    if failed:
+        deviation = max(control_deviation(c) for c in failed)
+        verdict, reason = _despite_failed_control(mean - half, mean + half, rule.direction, bound, deviation)
+    else:
+        verdict, reason = _decide_at(mean - half, mean + half, rule.direction, bound)
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half), verdict, reason
 
 
@@ -411,15 +426,10 @@ def _conclude(
         bound = math.log1p(rule.margin)
         failed = math.log(c_low) > bound or math.log(c_high) < -bound
         control_record = {"ratio": c_ratio, "ci_low": c_low, "ci_high": c_high, "failed": failed}
-        deviation = max(abs(math.log(c_low)), abs(math.log(c_high)))
         if failed:
+            deviation = control_deviation(control_record)
             control_record["deviation"] = math.expm1(deviation)
-        if failed and verdict != INCONCLUSIVE:
-            clear, why = _decide_at(math.log(low), math.log(high), rule.direction, bound + deviation)
-            if clear == CONFIRMED or why == "opposite":
-                verdict, reason = clear, why
-            else:
-                verdict, reason = INCONCLUSIVE, "control_failed: the A/A interval lies beyond the margin"
+            verdict, reason = _despite_failed_control(math.log(low), math.log(high), rule.direction, bound, deviation)
     return Comparison(
         arms=(name_a, name_b),
         rule=rule,

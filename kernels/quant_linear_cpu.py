@@ -10,20 +10,21 @@ session per matrix. The fix is the one llama.cpp's R4/R8 layouts made: rows inte
 feeds several accumulators.
 
 The op (``kernels/csrc/quant_linear_cpu.cpp``) reads weights packed 8 output rows interleaved (``pack_int8``,
-``pack_int4``: 64 bytes hold 8 inputs of 8 rows in int8, 128 bytes 32 inputs of 8 rows in int4). int8: fp32
-activations, fp32 accumulation; at one row of x each activation vector load feeds 8 rows' FMAs in 8 accumulators,
-the codes widened and converted in registers. int4 has a scale and an offset per group of inputs and row
-(``w = code * scale + offset``), folded in as ``scale * sum(code * x) + offset * sum(x)``; at one row of x the
-activations are quantized to int8 per group (as llama.cpp's Q8 activations) and ``sum(code * xq)`` runs in
-integers, because with fp32 activations the int4 loop is bound by its per-weight converts, not by memory
-(measured: 7.5 GB/s of int4 against int8's 20 GB/s per thread, int4 slower than int8): one 32-byte load holds two
-rows' 32 codes, ``vpmaddubsw`` (unsigned codes times int8 inputs) sums pairs in int16 for up to 4 chunks, then
-``vpmaddwd`` widens to int32 and the 8 rows' lanes are brought together once per group; the weights are prefetched
-2 KB ahead, without which the hardware prefetcher fell behind the loop (on this 2-core AMD EPYC, bench-300m's
-matrices swept at one row, 2 threads, interleaved: the sweep went from 1.3x to 1.7x faster than int8's). At more
-rows a block of 256 inputs is dequantized once into an L1 buffer (fp32) and every row of x is multiplied against it.
-int8 applies its per-row scale once at the end.
-``workbench.model.quant.int4_op_reference`` states the int4 op in plain PyTorch.
+``pack_int4``: 64 bytes hold 8 inputs of 8 rows in int8, 128 bytes 32 inputs of 8 rows in int4). int8: fp32 activations,
+fp32 accumulation; at one row of x each activation vector load feeds 8 rows' FMAs in 8 accumulators, the codes widened
+and converted in registers (on AVX-512 16 codes per convert, two rows' chunk, and two ranges of the inputs walked side
+by side with a far prefetch: one stream per thread read 8.8 GB/s a core on the 2-core Intel Xeon, where the fp32 GEMV
+reads 14; the measurements are beside ``INT8_PREFETCH`` in the source). int4 has a scale and an offset per group of
+inputs and row (``w = code * scale + offset``), folded in as ``scale * sum(code * x) + offset * sum(x)``; at one row of
+x the activations are quantized to int8 per group (as llama.cpp's Q8 activations) and ``sum(code * xq)`` runs in
+integers, because with fp32 activations the int4 loop is bound by its per-weight converts, not by memory (measured: 7.5
+GB/s of int4 against int8's 20 GB/s per thread, int4 slower than int8): one 32-byte load holds two rows' 32 codes,
+``vpmaddubsw`` (unsigned codes times int8 inputs) sums pairs in int16 for up to 4 chunks, then ``vpmaddwd`` widens to
+int32 and the 8 rows' lanes are brought together once per group; the weights are prefetched 2 KB ahead, without which
+the hardware prefetcher fell behind the loop (on the 2-core AMD EPYC, bench-300m's matrices swept at one row, 2
+threads, interleaved: the sweep went from 1.3x to 1.7x faster than int8's). At more rows a block of 256 inputs is
+dequantized once into an L1 buffer (fp32) and every row of x is multiplied against it. int8 applies its per-row scale
+once at the end. ``workbench.model.quant.int4_op_reference`` states the int4 op in plain PyTorch.
 
 Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under
 ``TORCH_EXTENSIONS_DIR``), registered as ``torch.ops.workbench_quant.int8_linear`` / ``int4_linear`` with fake

@@ -48,7 +48,9 @@ def test_int4_layout_by_hand():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("shape", [(44, 272), (8, 16)])  # 44: a padded tile; 272: past one 256-input block
+# 44: a padded tile; 272: past one 256-input block; 40 and 8: an odd number of 8-input chunks (the AVX-512 loop's
+# two streams over the inputs and its last chunk alone; 8: that chunk only)
+@pytest.mark.parametrize("shape", [(44, 272), (8, 16), (12, 40), (8, 8)])
 def test_int8_matches_the_dequantized_product(isa, shape):
     need_isa(isa)
     w = _weight(*shape, seed=0)

@@ -11,7 +11,9 @@
 //
 // Batch 1 (decode): one pass over the tile's chunks, one activation vector load feeding 8 rows' FMAs, each row its
 // own accumulator (8 independent chains), the codes widened and converted in registers (a sign-extending load and
-// a convert), the 8 accumulators summed across lanes by a tree of pairwise adds into one vector of the 8 rows' sums.
+// a convert), the 8 accumulators summed across lanes by a tree of pairwise adds into one vector of the 8 rows' sums;
+// the AVX-512 body converts 16 codes at a time (two rows' chunk) and walks two ranges of the inputs side by side,
+// prefetched far ahead (INT8_STREAMS).
 // int4 quantizes x to int8 per group once per call and sums each group's code * xq exactly in integers, two rows per
 // 32-byte load (int4_sums), weights prefetched ahead; it folds each group in as
 // scale * xscale * sum(code * xq) + offset * sum(x) (sum(x) per group computed once per call).
@@ -45,6 +47,14 @@ constexpr int64_t BLOCK = 256;  // inputs dequantized together for M > 1
 // of them, interleaved with int8), 2048 bytes ahead took the sweep from 1.3x to 1.7x faster than int8's; int8 gained
 // nothing from it (its loop is bound by its converts), 4096 bytes ahead was no better
 constexpr int64_t INT4_PREFETCH = 2048;
+// int8 at M = 1 on AVX-512: the tile's inputs walked as INT8_STREAMS ranges at once, each prefetched INT8_PREFETCH
+// bytes ahead (past the tile, into the next). Its 512-bit loop computes 25 G weights/s per core on data in cache (the
+// 2-core Intel Xeon, AVX-512, bench-300m's matrices at one row), but one sequential stream per thread read only 8.8
+// GB/s from memory there (fp32's GEMV 14 GB/s); the sweep of all of bench-300m's matrices at 2 threads, one stream,
+// 2 KB ahead: 19.0 ms; two streams: 15.8 ms; two streams, 4 KB / 8 KB / 16 KB / 32 KB ahead: 13.8 / 13.0-13.2 /
+// 12.6-12.7 / 13.7 ms; three or four streams were slower (13.9, 20.9 ms)
+constexpr int64_t INT8_PREFETCH = 16384;
+constexpr int INT8_STREAMS = 2;
 
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
@@ -236,6 +246,48 @@ static AI v8i widen_u8(const uint8_t* p) {
 // y[m, tile rows] for one tile at M = 1, int8
 static AI void tile_int8_m1(const Args& a, int64_t t) {
   const int8_t* w = reinterpret_cast<const int8_t*>(a.w) + t * ROWS * a.K;
+#if QL_ISA >= 2
+  // AVX-512: 16 codes per sign-extend and convert (rows 2q and 2q + 1's 8 inputs of a chunk in one vector, the
+  // chunk's 8 activations in both halves: twice the 256-bit loop's codes per convert, which bound that loop); the
+  // chunks in INT8_STREAMS ranges walked side by side, each range its 4 accumulators, the leftover chunks (chunks
+  // not a multiple of INT8_STREAMS) into the first range's; the ranges added at the end
+  const int64_t chunks = a.K / 8, part = chunks / INT8_STREAMS;
+  __m512 acc[INT8_STREAMS][4];
+#pragma GCC unroll 16
+  for (int i = 0; i < INT8_STREAMS * 4; ++i) acc[i / 4][i % 4] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < part; ++c) {
+#pragma GCC unroll 4
+    for (int j = 0; j < INT8_STREAMS; ++j) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(a.x + 8 * (j * part + c)));
+      const int8_t* p = w + 64 * (j * part + c);
+      _mm_prefetch(reinterpret_cast<const char*>(p + INT8_PREFETCH), _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q));
+        acc[j][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, acc[j][q]);
+      }
+    }
+  }
+  for (int64_t c = INT8_STREAMS * part; c < chunks; ++c) {
+    const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(a.x + 8 * c));
+    const int8_t* p = w + 64 * c;
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q));
+      acc[0][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, acc[0][q]);
+    }
+  }
+  v8f rows[ROWS];
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {
+    __m512 s = acc[0][q];
+#pragma GCC unroll 4
+    for (int j = 1; j < INT8_STREAMS; ++j) s = _mm512_add_ps(s, acc[j][q]);
+    rows[2 * q] = (v8f)_mm512_castps512_ps256(s);
+    rows[2 * q + 1] = (v8f)_mm512_extractf32x8_ps(s, 1);
+  }
+  const v8f s = hsum8(rows) * CV8(a.scale + t * ROWS);
+#else
   v8f acc[ROWS] = {};
   for (int64_t c = 0; c < a.K / 8; ++c) {
     const v8f xv = CV8(a.x + 8 * c);
@@ -244,6 +296,7 @@ static AI void tile_int8_m1(const Args& a, int64_t t) {
     for (int r = 0; r < ROWS; ++r) acc[r] += xv * cvt_i8(p + 8 * r);
   }
   const v8f s = hsum8(acc) * CV8(a.scale + t * ROWS);
+#endif
   float out[ROWS];
   V8(out) = s;
   for (int64_t r = 0; r < ROWS && t * ROWS + r < a.N; ++r) a.y[t * ROWS + r] = out[r];

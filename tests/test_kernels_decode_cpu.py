@@ -91,6 +91,24 @@ def test_quantized_decode_matches_reference(isa, kv_dtype, num_heads, block_size
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_every_fp8_code_decodes_exactly(isa):
+    """Each of e4m3fn's 254 values (normals, subnormals, both zeros; not the NaNs 0x7f/0xff, never written) as V of a
+    one-token context: the output is the value times the layer's scale (a power of two: exact), torch's own
+    float8_e4m3fn -> fp32 conversion being the peer."""
+    need_isa(isa)
+    codes = torch.tensor([c for c in range(256) if c not in (0x7F, 0xFF)], dtype=torch.uint8)
+    d = codes.numel()  # 254 = 31 chunks of 8 and a partial one
+    v = codes.view(torch.float8_e4m3fn).view(1, 1, 1, d)
+    k = torch.zeros(1, 1, 1, d, dtype=torch.float8_e4m3fn)
+    q = torch.randn(1, 1, d)
+    args = (q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32))
+    out = paged_decode_attention_cpu(*args, k_scale=torch.tensor([1.0]), v_scale=torch.tensor([0.5]), isa=isa)
+    expected = codes.view(torch.float8_e4m3fn).float() * 0.5
+    assert torch.equal(out.view(-1), expected)
+    assert expected.abs().min() == 0 and 0 < expected.abs()[expected != 0].min() < 2**-6 * 0.5  # subnormals in it
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("num_heads", NUM_HEADS)
 @pytest.mark.parametrize("head_size", [20, 64])  # 20: each row ends in a partial chunk of 8 values (read padded)
 @pytest.mark.parametrize("threads", [1, 2])  # 1: a task per sequence (5 >= 4 per thread); 2: per (sequence, KV head)

@@ -138,10 +138,12 @@ static AI v8i widen_u16(const uint8_t* p) {
 
 // chunk c (8 values) of a row of KIND as 8 fp32 lanes in a register, nothing stored: fp32 read as is, bf16 widened by a
 // shift, int8 as its integers (the per-row scale is applied to the dot product, or folded into the softmax weight),
-// fp8 e4m3fn as 2^-8 times its value (the layer's scale times 2^8 applied like int8's). fp8 by bits: the 7 magnitude
-// bits placed under fp32's exponent and mantissa give 2^-120 times the value (normals and subnormals alike, no
-// table), the sign bit moves to bit 31, and one exact multiply by 2^112 lifts it out of fp32's subnormal range;
-// 0x7f/0xff (NaN) are never written
+// fp8 e4m3fn as 2^-8 times its value (the layer's scale times 2^8 applied like int8's). fp8 by bits, no table: on
+// AVX2/AVX-512 the 7 magnitude bits placed under fp16's exponent and mantissa (sign to bit 15) are an fp16 of 2^-8
+// times the value, normals and subnormals alike (both formats' subnormals line up), widened by F16C's vcvtph2ps;
+// the baseline places them under fp32's exponent and mantissa (2^-120 times the value, sign to bit 31) and lifts
+// that out of fp32's subnormal range by one exact multiply by 2^112 (on Intel CPUs every multiply of a subnormal
+// takes a microcode assist: that path decoded fp8 at half of fp32's speed there). 0x7f/0xff (NaN) are never written
 template <int KIND, int ISA>
 static AI v8f load8(const uint8_t* row, int64_t c) {
   if constexpr (KIND == KV_F32) {
@@ -150,6 +152,15 @@ static AI v8f load8(const uint8_t* row, int64_t c) {
     return reinterpret_cast<v8f>(widen_u16<ISA>(row + 16 * c) << 16);
   } else if constexpr (KIND == KV_INT8) {
     return __builtin_convertvector(widen_i8<ISA>(row + 8 * c), v8f);
+  } else if constexpr (ISA != ISA_DEFAULT) {
+    typedef char v16qi __attribute__((vector_size(16)));
+    typedef short v8hi __attribute__((vector_size(16)));
+    typedef long long v2di __attribute__((vector_size(16)));
+    long long bytes;
+    std::memcpy(&bytes, row + 8 * c, 8);
+    const v8hi x = __builtin_ia32_pmovzxbw128(reinterpret_cast<v16qi>(v2di{bytes, 0}));
+    const v8hi h = ((x & 0x7F) << 7) | ((x & 0x80) << 8);
+    return reinterpret_cast<v8f>(__builtin_ia32_vcvtph2ps256(h));
   } else {
     const v8u bits = (reinterpret_cast<v8u>(widen_i8<ISA>(row + 8 * c)) << 20) & 0x87F00000u;
     return reinterpret_cast<v8f>(bits) * 0x1p112f;
@@ -426,12 +437,12 @@ static AI void task_body(const Args& a, int64_t b, int64_t h0, float* work) {
   else task_kind<KV_F32, ISA>(a, b, h0, work);
 }
 
-__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void task_avx512(const Args& a, int64_t b,
+__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void task_avx512(const Args& a, int64_t b,
                                                                                    int64_t h, float* work) {
   task_body<ISA_AVX512>(a, b, h, work);
 }
 
-__attribute__((noinline, target("avx2,fma"))) void task_avx2(const Args& a, int64_t b, int64_t h, float* work) {
+__attribute__((noinline, target("avx2,fma,f16c"))) void task_avx2(const Args& a, int64_t b, int64_t h, float* work) {
   task_body<ISA_AVX2>(a, b, h, work);
 }
 
@@ -442,8 +453,10 @@ __attribute__((noinline)) void task_default(const Args& a, int64_t b, int64_t h,
 bool isa_supported(int64_t isa) {
   __builtin_cpu_init();
   if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                                __builtin_cpu_supports("f16c");
+  if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c");
   return true;
 }
 

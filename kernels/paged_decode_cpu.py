@@ -22,11 +22,11 @@ instead of writing a view of a graph input inside the graph.
 
 Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``,
 one directory per version of the source: ``CppOp``) and registered as ``torch.ops.workbench_cpu.paged_decode`` with a
-fake kernel, so ``torch.compile`` keeps it as one opaque call. The C++ body is compiled three times (AVX-512, AVX2+FMA,
-baseline x86-64, GCC target attributes); ``isa`` picks one per call, by default the best that both the CPU and torch's
-dispatch (``torch.backends.cpu.get_cpu_capability()``) support, so an AVX-512 path is never chosen on an AVX2 machine.
-``available()`` is False when no compiler is present (or the build fails); callers then use the plain-PyTorch path (the
-torch backend; ``workbench.kernels.reference`` is the fp32 reference the tests compare with).
+fake kernel, so ``torch.compile`` keeps it as one opaque call. The C++ body is compiled three times (AVX-512,
+AVX2+FMA+F16C, baseline x86-64, GCC target attributes); ``isa`` picks one per call, by default the best that both the
+CPU and torch's dispatch (``torch.backends.cpu.get_cpu_capability()``) support, so an AVX-512 path is never chosen on an
+AVX2 machine. ``available()`` is False when no compiler is present (or the build fails); callers then use the
+plain-PyTorch path (the torch backend; ``workbench.kernels.reference`` is the fp32 reference the tests compare with).
 """
 
 from __future__ import annotations

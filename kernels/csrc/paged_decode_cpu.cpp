@@ -12,8 +12,8 @@
 // (running max, sum, exp on 8 lanes), and acc += p V the same way, the V scale folded into the weight p, the heads'
 // accumulators held in registers across the rows. The new token's K/V (fp32), when given, are the last key.
 //
-// The same body is compiled three times, for AVX-512, AVX2+FMA and the baseline x86-64 (GCC's target attribute);
-// the caller picks one per call (``isa``), and the Python side only offers what the CPU supports.
+// The same body is compiled three times, for AVX-512, AVX2+FMA+F16C and the baseline x86-64 (GCC's target
+// attribute); the caller picks one per call (``isa``), and the Python side only offers what the CPU supports.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

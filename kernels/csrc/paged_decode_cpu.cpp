@@ -258,36 +258,27 @@ static AI void pv_rows(const float* w, const uint8_t* const* rows, int64_t n, in
 }
 
 // query heads scored (and weighted) per block (GB): a converted row is shared by at most 3 (3 heads x 4 rows = 12
-// accumulators, of AVX2's 16 vector registers; 4 as 2 + 2); an fp32 row needs no conversion, and on AVX2 its heads
-// go one at a time, 8 rows at once (measured, batch 16 x context 2,048, 1 thread: the old per-head fp32 body 0.83x as
-// fast at 3 heads x 4 rows, 1.12x at 1 head x 8 rows: more rows in flight from DRAM). AVX-512's 32 registers hold 3
-// heads x 8 rows, for every kind (Intel Xeon, SmolLM2-135M's 9 heads over 3 KV heads, batch 32 x context 1,024, fp32,
-// 1 thread, 30 layers' pools: 168 -> 160 ms out of memory, 104.5 -> 97.8 ms from the last-level cache)
-template <int KIND, int ISA>
+// accumulators, of AVX2's 16 vector registers; 4 as 2 + 2); an fp32 row needs no conversion, and its heads go one at a
+// time, 8 rows at once (measured, batch 16 x context 2,048, 1 thread: the old per-head fp32 body 0.83x as fast at 3
+// heads x 4 rows, 1.12x at 1 head x 8 rows: more rows in flight from DRAM)
+template <int KIND>
 static AI int head_block(int64_t left) {
-  if constexpr (KIND == KV_F32 && ISA != ISA_AVX512) return 1;
+  if constexpr (KIND == KV_F32) return 1;
   return left >= 3 ? (left == 4 ? 2 : 3) : int(left);
-}
-
-// rows per block of 2 or 3 heads: 4 (12 accumulators) where 16 vector registers are all, 8 with AVX-512's 32
-template <int ISA>
-constexpr int block_rows() {
-  return ISA == ISA_AVX512 ? 8 : 4;
 }
 
 // scores of the G heads (q: G rows of DP) against rows [0, n8) (n8 a multiple of 8; padding rows point at zeros)
 template <int KIND, int ISA>
 static AI void scores_tile(const float* q, int64_t G, int64_t DP, const uint8_t* const* rows, int64_t n8,
                            int64_t NCF, int64_t tail, float* p) {
-  constexpr int R = block_rows<ISA>();
   for (int64_t g = 0; g < G;) {
-    const int gb = head_block<KIND, ISA>(G - g);
+    const int gb = head_block<KIND>(G - g);
     const float* qb = q + g * DP;
     float* pb = p + g * TILE;
     if (gb == 3)
-      for (int64_t i = 0; i < n8; i += R) score_rows<KIND, ISA, 3, R>(qb, DP, rows + i, NCF, tail, pb + i);
+      for (int64_t i = 0; i < n8; i += 4) score_rows<KIND, ISA, 3, 4>(qb, DP, rows + i, NCF, tail, pb + i);
     else if (gb == 2)
-      for (int64_t i = 0; i < n8; i += R) score_rows<KIND, ISA, 2, R>(qb, DP, rows + i, NCF, tail, pb + i);
+      for (int64_t i = 0; i < n8; i += 4) score_rows<KIND, ISA, 2, 4>(qb, DP, rows + i, NCF, tail, pb + i);
     else
       for (int64_t i = 0; i < n8; i += 8) score_rows<KIND, ISA, 1, 8>(qb, DP, rows + i, NCF, tail, pb + i);
     g += gb;
@@ -307,11 +298,10 @@ static AI void pv_heads(const float* w, const uint8_t* const* rows, int64_t n, i
 template <int KIND, int ISA>
 static AI void pv_tile(const float* w, int64_t G, int64_t DP, const uint8_t* const* rows, int64_t n, int64_t NCF,
                        int64_t tail, float* acc) {
-  constexpr int W = block_rows<ISA>();
   for (int64_t g = 0; g < G;) {
-    const int gb = head_block<KIND, ISA>(G - g);
-    if (gb == 3) pv_heads<KIND, ISA, 3, W>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP);
-    else if (gb == 2) pv_heads<KIND, ISA, 2, W>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP);
+    const int gb = head_block<KIND>(G - g);
+    if (gb == 3) pv_heads<KIND, ISA, 3, 4>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP);
+    else if (gb == 2) pv_heads<KIND, ISA, 2, 4>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP);
     else pv_heads<KIND, ISA, 1, 8>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP);
     g += gb;
   }

@@ -255,28 +255,24 @@ static AI void tile_int8_m1(const Args& a, int64_t t) {
   __m512 acc[INT8_STREAMS][4];
 #pragma GCC unroll 16
   for (int i = 0; i < INT8_STREAMS * 4; ++i) acc[i / 4][i % 4] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < part; ++c) {
-#pragma GCC unroll 4
-    for (int j = 0; j < INT8_STREAMS; ++j) {
-      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(a.x + 8 * (j * part + c)));
-      const int8_t* p = w + 64 * (j * part + c);
-      _mm_prefetch(reinterpret_cast<const char*>(p + INT8_PREFETCH), _MM_HINT_T0);
-#pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) {
-        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q));
-        acc[j][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, acc[j][q]);
-      }
-    }
-  }
-  for (int64_t c = INT8_STREAMS * part; c < chunks; ++c) {
+  // chunk c into one range's 4 accumulators
+  const auto chunk = [&](int64_t c, __m512* r) __attribute__((always_inline)) {
     const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(a.x + 8 * c));
     const int8_t* p = w + 64 * c;
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
       const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q));
-      acc[0][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, acc[0][q]);
+      r[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, r[q]);
+    }
+  };
+  for (int64_t c = 0; c < part; ++c) {
+#pragma GCC unroll 4
+    for (int j = 0; j < INT8_STREAMS; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 64 * (j * part + c) + INT8_PREFETCH), _MM_HINT_T0);
+      chunk(j * part + c, acc[j]);
     }
   }
+  for (int64_t c = INT8_STREAMS * part; c < chunks; ++c) chunk(c, acc[0]);
   v8f rows[ROWS];
 #pragma GCC unroll 4
   for (int q = 0; q < 4; ++q) {

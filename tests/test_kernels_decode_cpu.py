@@ -275,17 +275,54 @@ def test_short_chunk_forward_matches_torch_backend(preset):
     torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
 
 
-@pytest.mark.parametrize("compile_decode", [False, True])
-def test_engine_greedy_tokens_identical(compile_decode):
+@pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa", "tiny-mqa"])
+def test_mixed_step_forward_matches_torch_backend(preset):
+    # a chunked-prefill step: a 40-token chunk (SDPA), decodes and a 5-token chunk beside it (the decode op, one call),
+    # and a 17-token chunk (just over the op's limit: SDPA); the torch backend's SDPA over the whole step is the peer
+    from workbench.model.cpu_backend import PAGED_MAX_QUERY_LEN, CpuAttentionBackend
+
+    cfg = ModelConfig.from_name(preset)
+    query_lens, seq_lens, bs = [1, 40, 1, 5, PAGED_MAX_QUERY_LEN + 1, 1], [30, 57, 2, 21, 33, 16], 16
+    gen = torch.Generator().manual_seed(2)
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 2
+    tables = random_block_tables(seq_lens, bs, num_blocks, gen)
+    meta = build_metadata(query_lens, seq_lens, tables, bs)
+    short, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
+    assert long == [1, 4] and short.tolist() == [0, 41, 42, 43, 44, 45, 46, 64]
+    shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    q = torch.randn(sum(query_lens), cfg.num_heads, cfg.head_dim, generator=gen)
+    out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
+    ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+    # the torch backend's subset: only the long chunks' rows are written
+    part = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2, seqs=long, out=torch.zeros_like(ref))
+    rows = torch.zeros(len(q), dtype=torch.bool)
+    rows[1:41], rows[47:64] = True, True
+    torch.testing.assert_close(part[rows], ref[rows], **TOLERANCES[torch.float32])
+    assert not part[~rows].any()
+
+
+@pytest.mark.parametrize(
+    ("compile_decode", "policy"), [(False, "continuous"), (True, "continuous"), (False, "chunked")]
+)
+def test_engine_greedy_tokens_identical(compile_decode, policy):
+    # chunked: 24-token steps, so the prompts' chunks run beside the other requests' decodes (mixed steps)
     prompts = [list(range(3, 40)), list(range(100, 140)), [5, 6, 7]]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
+    budget = {"token_budget": 24} if policy == "chunked" else {}
     results = {}
     for backend in ("torch", "cpu"):
         cfg = EngineConfig(block_size=16, num_blocks=32, max_num_seqs=4, attention_backend=backend, dtype="fp32",
-                           device="cpu", compile_decode=compile_decode)  # fmt: skip
+                           device="cpu", compile_decode=compile_decode, policy=policy, **budget)  # fmt: skip
         engine = Engine(Transformer.from_config(ModelConfig.from_name("tiny-gqa"), device="cpu", seed=0), cfg)
         assert engine.backend.name == backend
+        mixed: list[bool] = []  # per step: a chunk over the op's limit with decodes beside it
+        engine.on_step = lambda plan, rec, mixed=mixed: mixed.append(
+            rec.num_prefill_tokens > 16 and rec.num_decode_tokens > 0
+        )
         results[backend] = [r.tokens for r in engine.generate(prompts, params).requests]
+        assert any(mixed) == (policy == "chunked")
     assert results["cpu"] == results["torch"]
     assert all(len(t) == 20 for t in results["torch"])
 

@@ -53,6 +53,7 @@ class AttentionMetadata:
     seq_block_ids: list[torch.Tensor] = field(default_factory=list)
     seq_masks: list[torch.Tensor | None] = field(default_factory=list)
     _token_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _split: tuple[int, torch.Tensor, list[int]] | None = field(default=None, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -74,6 +75,16 @@ class AttentionMetadata:
             lens = torch.tensor(self.query_lens, device=self.block_tables.device)
             self._token_rows = (self.block_tables.repeat_interleave(lens, dim=0), self.positions + 1)
         return self._token_rows
+
+    def split_chunks(self, max_short: int) -> tuple[torch.Tensor, list[int]]:
+        """The step's chunks of at most ``max_short`` new tokens apart from the longer ones: (the short chunks' token
+        indices in the flat batch, int64; the long chunks' sequence indices). Kept for the step's next layers."""
+        if self._split is None or self._split[0] != max_short:
+            lens = torch.tensor(self.query_lens, device=self.positions.device)
+            short = lens <= max_short
+            tokens = torch.arange(self.num_tokens, device=self.positions.device)[short.repeat_interleave(lens)]
+            self._split = (max_short, tokens, [i for i, n in enumerate(self.query_lens) if n > max_short])
+        return self._split[1], self._split[2]
 
     @property
     def last_token_indices(self) -> torch.Tensor:
@@ -241,12 +252,20 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        seqs: list[int] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Each sequence's new tokens against its context, one SDPA per sequence. ``seqs``: only these sequences
+        (indices into ``meta``), their rows written into ``out`` (given, or new), the other rows left as they are."""
         n_kv, d, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]  # dv < d: MLA's latent (model.mla)
         group = q.shape[1] // n_kv  # query heads per KV head (1: MHA)
-        out = q.new_empty(q.shape[0], q.shape[1], dv)
-        start = 0
-        for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], dv)
+        starts = [0]
+        for q_len in meta.query_lens:
+            starts.append(starts[-1] + q_len)
+        for i in range(meta.num_seqs) if seqs is None else seqs:
+            q_len, s_len, start = meta.query_lens[i], meta.seq_lens[i], starts[i]
             ids = meta.seq_block_ids[i]
             if ids.numel() == 1:  # contiguous slot: a view, no copy
                 ks, vs = k_cache[ids[0], :s_len], v_cache[ids[0], :s_len]
@@ -260,7 +279,6 @@ class TorchAttentionBackend:
                 qg = q[start].view(1, n_kv, group, d)  # (1, kv_heads, group, d)
                 o = F.scaled_dot_product_attention(qg, kt[None], vt[None], scale=scale)  # (1, kv_heads, group, d)
                 out[start] = o.reshape(n_kv * group, dv)  # CUDA SDPA may return a non-contiguous layout
-                start += 1
                 continue
             if group > 1:  # expanded K/V keep SDPA on its fused kernel (enable_gqa falls back to the math path)
                 kt, vt = kt.repeat_interleave(group, dim=0), vt.repeat_interleave(group, dim=0)
@@ -274,7 +292,6 @@ class TorchAttentionBackend:
                 scale=scale,
             )
             out[start : start + q_len] = o[0].transpose(0, 1)
-            start += q_len
         return out
 
     def decode(

@@ -5,9 +5,9 @@ the block tables, with the step's new K/V (as the pool will hold them, ``KVCache
 key: no gather, no concatenation, no dequantized copy of an int8 or fp8 pool, GQA without expanded K/V. Like the
 torch backend it only reads the pool during the step, so the same function runs eagerly and compiled, and the
 step's new K/V are written once afterwards by ``KVCache.write`` (``decode_writes_cache = False``). A ragged step
-(the model has written its K/V first) whose chunks are all short, such as a speculative verify's ``k + 1`` tokens,
-calls the same op with one row per new token reading the pool up to its own position; longer chunks (prefill) attend
-through the torch backend's SDPA path.
+(the model has written its K/V first) calls the same op for its short chunks, such as a speculative verify's
+``k + 1`` tokens or the decodes beside a prefill chunk, one row per new token reading the pool up to its own
+position; longer chunks (prefill) attend through the torch backend's SDPA path.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from workbench.kv.cache import KVCache
 
 
-# A ragged step whose chunks have at most this many new tokens attends row by row through the decode op rather than
-# gathering each sequence's K/V for SDPA: a speculative verify (k + 1 tokens) then attends as k + 1 decode rows.
+# A chunk of a ragged step with at most this many new tokens attends row by row through the decode op rather than
+# gathering its sequence's K/V for SDPA: a speculative verify (k + 1 tokens) then attends as k + 1 decode rows.
 # Chosen to cover verifies of k <= 15, not tuned (a long chunk's SDPA reads each key once for all its queries).
 PAGED_MAX_QUERY_LEN = 16
 
@@ -54,19 +54,27 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """A ragged step whose chunks are all short (at most ``PAGED_MAX_QUERY_LEN`` new tokens: speculative
-        verifies, decodes, short chunks) attends through the decode op, one row per new token over its sequence's
-        blocks (the step's K/V are in the pool by now: a token at position ``p`` reads keys ``0 .. p``), the way a
-        pure decode attends; longer chunks, an int8/fp8 pool and MLA take the torch backend's SDPA path."""
-        if (
-            meta.max_query_len <= PAGED_MAX_QUERY_LEN
-            and isinstance(k_cache, torch.Tensor)  # a quantized pool's layer is a dequantizing view
+        """A ragged step's short chunks (at most ``PAGED_MAX_QUERY_LEN`` new tokens: decodes, speculative verifies,
+        short chunks) attend through the decode op, one row per new token over its sequence's blocks (the step's K/V
+        are in the pool by now: a token at position ``p`` reads keys ``0 .. p``), the way a pure decode attends: all
+        of them in one call, also beside a long chunk (a chunked-prefill step's decodes). Longer chunks, and every
+        chunk of an int8/fp8 pool or of MLA, take the torch backend's SDPA path, one sequence at a time."""
+        if not (
+            isinstance(k_cache, torch.Tensor)  # a quantized pool's layer is a dequantizing view
             and k_cache.dtype == q.dtype
             and v_cache.shape[-1] == k_cache.shape[-1]
         ):
+            return TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale)
+        if meta.max_query_len <= PAGED_MAX_QUERY_LEN:
             tables, num_keys = meta.token_rows()
             return self._decode(q, k_cache, v_cache, tables, num_keys, scale, None, None, None, None, self.isa)
-        return TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale)
+        short, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
+        out = TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, seqs=long)
+        if short.numel():
+            tables, num_keys = meta.token_rows()
+            out[short] = self._decode(q[short], k_cache, v_cache, tables[short], num_keys[short], scale, None, None,
+                                      None, None, self.isa)  # fmt: skip
+        return out
 
     def decode(
         self,

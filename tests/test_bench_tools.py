@@ -67,6 +67,36 @@ def test_quant_ops_bytes_by_hand(capsys) -> None:
     assert r["layers_ms"] == pytest.approx(sum(r[f"{k}_ms"] for k in ("qkv", "o", "gate_up", "down")))
 
 
+def test_attention_bytes_by_hand(capsys) -> None:
+    from workbench.kernels.paged_decode_cpu import supported_isas
+
+    if not supported_isas():
+        pytest.skip("the CPU decode op did not build here")
+    out = run_json(capsys, ["bench", "attention", "--model", "tiny-gqa", "--batch", "3", "--prompt-len", "20",
+                            "--kv-cache-dtype", "auto", "int8", "--scattered", "--repeats", "2", "--threads", "1",
+                            "--json"])  # fmt: skip
+    isas = supported_isas()
+    assert [(r["kv_cache_dtype"], r["isa"]) for r in out["rows"]] == [(kv, i) for kv in ("auto", "int8") for i in isas]
+    # tiny-gqa: 2 layers, 2 KV heads of 16; K and V of 3 sequences x 20 cached tokens, fp32 or int8 + an fp32 scale
+    kv_bytes = {"auto": 3 * 20 * 2 * 2 * 2 * 16 * 4, "int8": 3 * 20 * 2 * 2 * 2 * (16 + 4)}
+    for r in out["rows"]:
+        assert (r["batch"], r["context"]) == (3, 20) and r["kv_bytes"] == kv_bytes[r["kv_cache_dtype"]]
+        assert r["gb_per_s"] == pytest.approx(r["kv_bytes"] / (r["median_ms"] / 1e3) / 1e9)
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+    for kv in ("auto", "int8"):
+        ratios = [r["time_vs_best"] for r in out["rows"] if r["kv_cache_dtype"] == kv]
+        assert min(ratios) == 1.0 and all(x >= 1.0 for x in ratios)
+    assert out["blocks"] == "scattered" and out["num_threads"] == 1
+
+
+def test_attention_refuses_an_mla_model(capsys) -> None:
+    from workbench.errors import ConfigError
+    from workbench.experiments.attention_op import decode_attention_sweep
+
+    with pytest.raises(ConfigError, match="MLA"):
+        decode_attention_sweep(ModelConfig.resolve("tiny-deepseek-v3"), 1, 8, ["auto"], 1)
+
+
 def test_compiled_eager_control_is_identical(capsys) -> None:
     # --eager-control: both arms eager, the A/A run of the harness (inductor's compilation takes minutes)
     out = run_json(capsys, ["bench", "compiled", "--model", "tiny-gqa", "--eager-control", "--batch", "1", "3",

@@ -135,8 +135,9 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
                        "run")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     if owns("decode", "prefill", "offline"):
-        names = ("quantization", "group_size", "kv_cache_dtype") if owns("decode") else ("quantization", "group_size")
-        add_serving_arguments(p, EngineConfig, names, many=True)
+        add_serving_arguments(p, EngineConfig, ("quantization", "group_size"), many=True)
+    if owns("decode", *tools.uses("kv_cache_dtype")):
+        add_serving_arguments(p, EngineConfig, ("kv_cache_dtype",), many=True)
     if owns("decode"):
         p.add_argument("--accuracy-prompts", type=int, default=4,
                        help="with several schemes: random prompts of --prompt-len tokens whose logits are compared "

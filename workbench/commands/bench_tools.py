@@ -1,10 +1,12 @@
 """The ``workbench bench`` modes that measure one part of the stack on its own (what ``scripts/`` held): their
-options and thin runners over the library (``workbench.experiments.weights``, ``.compiled``, ``.breakdown``,
-``.phases``, ``.vs_vllm``, ``.serve_load``; ``workbench.dist.collective_bench``; ``workbench.sim.published``,
-``.speed``, ``.op_steps``).
+options and thin runners over the library (``workbench.experiments.weights``, ``.attention_op``, ``.compiled``,
+``.breakdown``, ``.phases``, ``.vs_vllm``, ``.serve_load``; ``workbench.dist.collective_bench``;
+``workbench.sim.published``, ``.speed``, ``.op_steps``).
 
     workbench bench linear       [--model bench-300m] [--rows 1 2 4 ...] [--repeats 3] [--threads N] [--json]
     workbench bench quant-ops    [--model ...] [--schemes fp32 bf16 int8 int4] [--batch 1 8 32] [--repeats 3]
+    workbench bench attention    [--model ...] [--batch 1 8 32] [--prompt-len 1024] [--kv-cache-dtype auto int8 fp8]
+                                 [--scattered] [--repeats 3] [--threads N]
     workbench bench compiled     [--model ...] [--batch ...] [--prompt-len 128] [--tokens 64 320 1024]
                                  [--policies continuous chunked] [--no-mm] [--no-offline] [--eager-control]
     workbench bench decode-parts [--model ...] [--steps 8] [--no-compile-decode]
@@ -31,6 +33,7 @@ from typing import Any
 TOOL_HELP = {
     "linear": "the model's weight matrices alone, plain F.linear against oneDNN-packed, per row count: GFLOP/s",
     "quant-ops": "the model's weight matrices alone in fp32, bf16, int8 and int4, interleaved: ms and GB/s",
+    "attention": "the CPU paged decode attention alone, every layer of a model's step, per code path: KV GB/s",
     "compiled": "the compiled decode and ragged steps against the eager ones: single steps and the offline set",
     "decode-parts": "a batch-1 decode step taken apart: each part of the layers, eager and compiled steps",
     "roofline": "prefill and decode steps against the roofline at this machine's measured ceilings",
@@ -43,11 +46,11 @@ TOOL_HELP = {
 }
 # the options of workbench.commands.bench's modes that these modes take too (by dest)
 USES: dict[str, tuple[str, ...]] = {
-    "threads": ("linear", "quant-ops", "compiled", "decode-parts", "roofline", "op-steps", "vllm"),
-    "repeats": ("linear", "quant-ops", "compiled", "roofline", "vllm"),
+    "threads": ("linear", "quant-ops", "attention", "compiled", "decode-parts", "roofline", "op-steps", "vllm"),
+    "repeats": ("linear", "quant-ops", "attention", "compiled", "roofline", "vllm"),
     "warmup": ("quant-ops",),
-    "batch": ("quant-ops", "compiled"),
-    "prompt_len": ("compiled", "vllm", "serve-load"),
+    "batch": ("quant-ops", "attention", "compiled"),
+    "prompt_len": ("attention", "compiled", "vllm", "serve-load"),
     "new_tokens": ("vllm", "serve-load"),
     "steps": ("decode-parts",),
     "offline_set": ("compiled", "vllm"),  # --num-requests, --context, --max-num-seqs
@@ -55,10 +58,12 @@ USES: dict[str, tuple[str, ...]] = {
     "compile_decode": ("decode-parts", "vllm"),
     "compile_prefill": ("vllm",),
     "cached_ceilings": ("roofline",),
+    "kv_cache_dtype": ("attention",),
 }
 NO_MODEL = ("allreduce", "gpu-costs")  # the modes without --model and --seed
 # the counts each mode checks are >= 1 before it starts (by dest)
-POSITIVE = {"linear": ("repeats",), "quant-ops": ("repeats",), "compiled": ("repeats", "num_requests", "max_num_seqs"),
+POSITIVE = {"linear": ("repeats",), "quant-ops": ("repeats",), "attention": ("repeats",),
+            "compiled": ("repeats", "num_requests", "max_num_seqs"),
             "decode-parts": ("steps",), "roofline": ("repeats",),
             "allreduce": ("world_size", "threads_per_rank", "collective_repeats"), "op-steps": ("overhead_requests",),
             "vllm": ("repeats", "num_requests", "max_num_seqs", "new_tokens"),
@@ -88,6 +93,10 @@ def add_tool_options(p: argparse.ArgumentParser, owns: Any) -> None:
         p.add_argument("--schemes", nargs="+", default=["fp32", "bf16", "int8", "int4"],
                        help=f"weight formats swept, interleaved (int4 in groups of {DEFAULT_GROUP_SIZE}; the speed-ups "
                        "are over the first)")  # fmt: skip
+    if owns("attention"):
+        p.add_argument("--scattered", action="store_true",
+                       help="each sequence's blocks scattered over the pool (default: in order, as a fresh engine "
+                       "hands them out)")  # fmt: skip
     if owns("compiled"):
         p.add_argument("--tokens", type=int, nargs="+", default=[64, 320, 1024],
                        help="new tokens of the single ragged steps (four prompts each)")  # fmt: skip
@@ -205,6 +214,35 @@ def _quant_ops(args: argparse.Namespace) -> tuple[dict, Any]:
             lines.append(f"{r['scheme']:>6s} {r['batch']:5d} " + per_kind
                          + f"  {r['layers_gb_per_s']:11.2f}  {r['speedup_head_fp32']:.2f}x (head in it: "
                          f"{r['speedup_head_quantized']:.2f}x)")  # fmt: skip
+        return "\n".join(lines)
+
+    return out, table
+
+
+def _attention(args: argparse.Namespace) -> tuple[dict, Any]:
+    from workbench.config import ModelConfig
+    from workbench.experiments.attention_op import decode_attention_sweep
+    from workbench.experiments.hygiene import load_average
+    from workbench.hardware import cpu_model_name
+
+    threads = _threads(args)
+    cfg = ModelConfig.resolve(args.model)
+    before = load_average()
+    rows = [row for context in args.prompt_len or [1024] for batch in args.batch
+            for row in decode_attention_sweep(cfg, batch, context, args.kv_cache_dtype, args.repeats, args.seed,
+                                              args.scattered)]  # fmt: skip
+    out = {"bench": "attention", "model": cfg.name, "cpu": cpu_model_name(), "num_threads": threads,
+           "blocks": "scattered" if args.scattered else "in order", "rows": rows,
+           "load_average": {"start": before, "end": load_average()}}  # fmt: skip
+
+    def table(o: dict) -> str:
+        lines = [f"{o['model']} decode attention over its {cfg.num_layers} layers (blocks {o['blocks']}), "
+                 f"{o['num_threads']} threads, {o['cpu']} (load {o['load_average']})",
+                 f"{'kv':>5s} {'batch':>5s} {'context':>7s} {'isa':>8s} {'median ms':>10s} {'min':>8s} {'max':>8s} "
+                 f"{'GB/s':>7s} {'vs best':>8s}"]  # fmt: skip
+        lines += [f"{r['kv_cache_dtype']:>5s} {r['batch']:5d} {r['context']:7d} {r['isa']:>8s} {r['median_ms']:10.2f} "
+                  f"{r['min_ms']:8.2f} {r['max_ms']:8.2f} {r['gb_per_s']:7.2f} {r['time_vs_best']:7.2f}x"
+                  for r in o["rows"]]  # fmt: skip
         return "\n".join(lines)
 
     return out, table
@@ -571,6 +609,6 @@ def _serve_load(args: argparse.Namespace) -> tuple[dict, Any]:
     return out, table
 
 
-RUNNERS = {"linear": _linear, "quant-ops": _quant_ops, "compiled": _compiled, "decode-parts": _decode_parts,
-           "roofline": _roofline, "allreduce": _allreduce, "gpu-costs": _gpu_costs, "simulator": _simulator,
-           "op-steps": _op_steps, "vllm": _vllm, "serve-load": _serve_load}  # fmt: skip
+RUNNERS = {"linear": _linear, "quant-ops": _quant_ops, "attention": _attention, "compiled": _compiled,
+           "decode-parts": _decode_parts, "roofline": _roofline, "allreduce": _allreduce, "gpu-costs": _gpu_costs,
+           "simulator": _simulator, "op-steps": _op_steps, "vllm": _vllm, "serve-load": _serve_load}  # fmt: skip

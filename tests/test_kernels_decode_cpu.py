@@ -254,22 +254,27 @@ def test_backend_decode_matches_torch_backend(preset, kv_dtype, compiled):
     torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
 
 
+def _ragged_step(preset: str, query_lens: list[int], seq_lens: list[int], seed: int):
+    """(q, k_cache, v_cache, meta) of a ragged step of ``preset``'s shape: random queries and a random fp32 pool in
+    16-token blocks, each sequence's blocks scattered over it."""
+    cfg, bs = ModelConfig.from_name(preset), 16
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 2
+    meta = build_metadata(query_lens, seq_lens, random_block_tables(seq_lens, bs, num_blocks, gen), bs)
+    shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    return torch.randn(sum(query_lens), cfg.num_heads, cfg.head_dim, generator=gen), k_cache, v_cache, meta
+
+
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa", "tiny-mqa"])
 def test_short_chunk_forward_matches_torch_backend(preset):
     # a ragged step of short chunks (speculative verifies of k + 1 = 5 tokens, a decode, a 3-token first chunk):
     # the cpu backend attends one decode-op row per token over the written pool; the torch backend's SDPA is the peer
     from workbench.model.cpu_backend import PAGED_MAX_QUERY_LEN, CpuAttentionBackend
 
-    cfg = ModelConfig.from_name(preset)
-    query_lens, seq_lens, bs = [5, 1, 3, 5], [21, 9, 3, 40], 16
+    query_lens = [5, 1, 3, 5]
     assert max(query_lens) <= PAGED_MAX_QUERY_LEN
-    gen = torch.Generator().manual_seed(1)
-    num_blocks = sum(-(-s // bs) for s in seq_lens) + 2
-    tables = random_block_tables(seq_lens, bs, num_blocks, gen)
-    meta = build_metadata(query_lens, seq_lens, tables, bs)
-    shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    q = torch.randn(sum(query_lens), cfg.num_heads, cfg.head_dim, generator=gen)
+    q, k_cache, v_cache, meta = _ragged_step(preset, query_lens, [21, 9, 3, 40], seed=1)
     out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
     ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
     torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
@@ -281,17 +286,10 @@ def test_mixed_step_forward_matches_torch_backend(preset):
     # and a 17-token chunk (just over the op's limit: SDPA); the torch backend's SDPA over the whole step is the peer
     from workbench.model.cpu_backend import PAGED_MAX_QUERY_LEN, CpuAttentionBackend
 
-    cfg = ModelConfig.from_name(preset)
-    query_lens, seq_lens, bs = [1, 40, 1, 5, PAGED_MAX_QUERY_LEN + 1, 1], [30, 57, 2, 21, 33, 16], 16
-    gen = torch.Generator().manual_seed(2)
-    num_blocks = sum(-(-s // bs) for s in seq_lens) + 2
-    tables = random_block_tables(seq_lens, bs, num_blocks, gen)
-    meta = build_metadata(query_lens, seq_lens, tables, bs)
+    query_lens, seq_lens = [1, 40, 1, 5, PAGED_MAX_QUERY_LEN + 1, 1], [30, 57, 2, 21, 33, 16]
+    q, k_cache, v_cache, meta = _ragged_step(preset, query_lens, seq_lens, seed=2)
     short, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
     assert long == [1, 4] and short.tolist() == [0, 41, 42, 43, 44, 45, 46, 64]
-    shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    q = torch.randn(sum(query_lens), cfg.num_heads, cfg.head_dim, generator=gen)
     out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
     ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
     torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])

@@ -135,6 +135,17 @@ def test_offline_breakdown_accounts_for_every_step(capsys, fake_ceilings) -> Non
     assert len(b["profiler_top_ops"]) == 3 and sum(op["self_share"] for op in b["profiler_top_ops"]) <= 1.0
 
 
+def test_offline_runs_the_policy_it_is_given(capsys, fake_ceilings) -> None:
+    # chunked with 8 tokens a step: the prompts (up to 15 tokens) go in chunks beside the running decodes
+    out = run_json(capsys, ["bench", "offline", "--model", "tiny-gqa", "--num-requests", "5", "--context", "16",
+                            "--max-num-seqs", "4", "--repeats", "1", "--warmup", "0", "--no-compile-decode",
+                            "--no-compile-prefill", "--policy", "chunked", "--max-num-batched-tokens", "8",
+                            "--breakdown", "--top-ops", "0", "--threads", "1", "--json"])  # fmt: skip
+    o = out["offline"]
+    assert (o["policy"], o["token_budget"]) == ("chunked", 8)
+    assert "mixed" in o["breakdown"]["by_kind"]
+
+
 def test_step_kinds_by_hand() -> None:
     assert [step_kind(5, 0), step_kind(5, 2), step_kind(0, 1), step_kind(0, 8), step_kind(0, 9), step_kind(0, 33)] == [
         "prefill", "mixed", "decode b=1", "decode b<=8", "decode b<=16", "decode b>32"]  # fmt: skip

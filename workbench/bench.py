@@ -517,7 +517,8 @@ def bench_offline(
     engine_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Output and total tokens/s of the engine on the offline set (median of ``repeats``, after a small warm-up).
-    ``engine_options``: more ``EngineConfig`` fields of the engine (``token_budget``, ``enable_prefix_caching``).
+    ``engine_options``: more ``EngineConfig`` fields of the engine (``policy``, ``token_budget``,
+    ``enable_prefix_caching``); the result names the engine's ``policy`` and ``token_budget``.
 
     ``compile_decode``: pure decodes run compiled (``EngineConfig.compile_decode``), every batch bucket compiled
     before the timing; ``compile_s`` reports the seconds of each. ``compile_prefill``: prefill and mixed steps run
@@ -554,6 +555,8 @@ def bench_offline(
         "output_tokens_per_s": out_tokens / t,
         "total_tokens_per_s": all_tokens / t,
         "repeats": repeats,
+        "policy": engine.config.policy,
+        "token_budget": engine.token_budget,
         "compiled_decode": compile_decode,
         "compile_s": compile_s,
         "compiled_prefill": compile_prefill,

@@ -4,11 +4,13 @@
                             [--quantization none int8 int4] [--group-size 128] [--kv-cache-dtype auto int8]
     workbench bench prefill [--model ...] [--prompt-len 128 512 1024] [--json]
     workbench bench offline [--model ...] [--num-requests 64] [--context 256] [--max-num-seqs 32] [--json]
-                            [--max-num-batched-tokens N] [--enable-prefix-caching] [--breakdown [--top-ops 12]]
+                            [--policy continuous] [--max-num-batched-tokens N] [--enable-prefix-caching]
+                            [--breakdown [--top-ops 12]]
     workbench bench hf      [--model ...] [--prompt-len 32] [--new-tokens 32] [--no-offline] [--json]
     workbench bench serve   --base-url URL --model NAME [vllm bench serve's flags]   (workbench.commands.bench_serve)
-    workbench bench linear | quant-ops | compiled | decode-parts | roofline | allreduce | gpu-costs | simulator
-                    | op-steps | vllm | serve-load    (one part of the stack on its own: workbench.commands.bench_tools)
+    workbench bench linear | quant-ops | attention | compiled | decode-parts | roofline | allreduce | gpu-costs
+                    | simulator | op-steps | vllm | serve-load    (one part of the stack on its own:
+                    workbench.commands.bench_tools)
     workbench bench soak    [--model tiny-gqa] [--num-requests 2000] [--abort-fraction 0.1] [--speculative-config JSON]
                             [--server]   (workbench.commands.bench_soak: no leaked block, no finished request held)
     workbench bench speculative [--speculative-config JSON] [--batch 1 2 4 8] [--cost-model profiled] [--json]
@@ -310,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
                 model, args.num_requests, args.context, args.max_num_seqs, args.repeats, seed=args.seed,
                 compile_decode=compile_decode, compile_prefill=compile_prefill,
                 breakdown_top_ops=args.top_ops if args.breakdown else None,
-                engine_options={"token_budget": args.token_budget,
+                engine_options={"policy": args.policy, "token_budget": args.token_budget,
                                 "enable_prefix_caching": args.enable_prefix_caching},
             )  # fmt: skip
     if args.json:
@@ -452,7 +454,8 @@ def format_table(out: dict[str, Any]) -> str:
         o = out["offline"]
         lines.append(
             f"{o['num_requests']} requests, {o['output_tokens']} output tokens in {o['time_s']:.2f} s: "
-            f"{o['output_tokens_per_s']:.1f} output tok/s, {o['total_tokens_per_s']:.1f} total tok/s"
+            f"{o['output_tokens_per_s']:.1f} output tok/s, {o['total_tokens_per_s']:.1f} total tok/s "
+            f"(policy {o['policy']}, {o['token_budget']} tokens a step)"
         )
         if o.get("compile_s"):
             lines.append("decode compiled first (not timed): " + _compile_note(o["compile_s"]))

@@ -81,7 +81,7 @@ def add_tool_options(p: argparse.ArgumentParser, owns: Any) -> None:
     from workbench.config import DEFAULT_GROUP_SIZE
     from workbench.engine.config import EngineConfig
 
-    if owns("simulator", "vllm"):
+    if owns("simulator", "vllm", "offline"):
         add_serving_arguments(p, EngineConfig, ("policy",))
     if owns("vllm", "offline"):  # vllm: both engines, the workbench's and vLLM's the same; offline: vLLM's bench
         add_serving_arguments(p, EngineConfig, ("token_budget", "enable_prefix_caching"))  # throughput takes them

@@ -288,8 +288,10 @@ def test_mixed_step_forward_matches_torch_backend(preset):
 
     query_lens, seq_lens = [1, 40, 1, 5, PAGED_MAX_QUERY_LEN + 1, 1], [30, 57, 2, 21, 33, 16]
     q, k_cache, v_cache, meta = _ragged_step(preset, query_lens, seq_lens, seed=2)
-    short, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
+    short, tables, num_keys, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
     assert long == [1, 4] and short.tolist() == [0, 41, 42, 43, 44, 45, 46, 64]
+    all_tables, all_keys = meta.token_rows()  # every token as a decode row: the short ones' must be these
+    assert torch.equal(tables, all_tables[short]) and torch.equal(num_keys, all_keys[short])
     out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
     ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
     torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])

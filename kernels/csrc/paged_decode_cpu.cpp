@@ -102,10 +102,11 @@ static AI v8f exp_neg8(v8f x) {
 // values of a row scored and each V row weighted, so the requests go out spread through this tile's work. One thread
 // streams the pool at the rate of its outstanding misses (a handful of fill buffers a core): a burst of the whole
 // tile's lines at its start (768 for SmolLM2-135M's fp32 rows) held the core until the burst was served, and memory
-// and compute took turns. Measured on an AVX-512 Xeon, one thread, notebook 01's shape (SmolLM2-135M, batch 32 x
-// context 1,024, 30 layers' pools in order): the op read 10.0 GB/s with the burst, 12.6 spread, 9.6 with no software
-// prefetch (the hardware prefetcher alone), where a plain read streams 15.6; a line per two slots, or two per slot,
-// was slower than one per slot.
+// and compute took turns. Measured on an AVX-512 Xeon (`workbench bench attention --model SmolLM2-135M --threads 1
+// --batch 32 --prompt-len 1024`, the burst's source and this one alternated): fp32 KV 151-153 ms (9.9-10.0 GB/s)
+// with the burst, 119-123 ms (12.3-12.7 GB/s) spread, where a plain read streams 15.6 GB/s; in a harness of source
+// variants at that shape, no software prefetch at all (the hardware prefetcher alone) read 9.6 GB/s, and a line per
+// two slots, or two per slot, was slower than one per slot.
 struct NextTile {
   const uint8_t* k[TILE];
   const uint8_t* v[TILE];

@@ -60,6 +60,14 @@ def decode_attention_sweep(
     q = torch.randn(batch, cfg.num_heads, d, generator=gen)
     k_new, v_new = torch.randn(batch, n_kv, d, generator=gen), torch.randn(batch, n_kv, d, generator=gen)
     scale = d**-0.5
+    backends = {isa: CpuAttentionBackend(isa) for isa in isas}
+
+    def step(backend: CpuAttentionBackend, cache: KVCache) -> float:
+        t0 = now()
+        for layer in range(L):
+            backend.decode(layer, q, k_new, v_new, cache, meta, scale)
+        return now() - t0
+
     rows = []
     for kv_dtype in kv_dtypes:
         cache = KVCache(cfg, num_blocks, BLOCK_SIZE, kv_cache_dtype=kv_dtype)
@@ -67,20 +75,12 @@ def decode_attention_sweep(
         for layer in range(L):  # one layer at a time: a model's whole KV in fp32 at once may not fit beside it
             shape = (len(slots), n_kv, d)
             cache.write(slots, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), layer=layer)
-        backends = {isa: CpuAttentionBackend(isa) for isa in isas}
-
-        def step(backend: CpuAttentionBackend, cache: KVCache = cache) -> float:
-            t0 = now()
-            for layer in range(L):
-                backend.decode(layer, q, k_new, v_new, cache, meta, scale)
-            return now() - t0
-
         for backend in backends.values():
-            step(backend)  # warm-up
+            step(backend, cache)  # warm-up
         times: dict[str, list[float]] = {isa: [] for isa in isas}
         for r in range(repeats):
             for isa in isas if r % 2 == 0 else isas[::-1]:
-                times[isa].append(step(backends[isa]))
+                times[isa].append(step(backends[isa], cache))
         kv_bytes = batch * context * cfg.kv_bytes_per_token("fp32" if kv_dtype == "auto" else kv_dtype)
         best = min(statistics.median(t) for t in times.values())
         for isa, t in times.items():
@@ -88,5 +88,5 @@ def decode_attention_sweep(
             rows.append({"kv_cache_dtype": kv_dtype, "batch": batch, "context": context, "isa": isa,
                          "median_ms": med * 1e3, "min_ms": min(t) * 1e3, "max_ms": max(t) * 1e3, "kv_bytes": kv_bytes,
                          "gb_per_s": kv_bytes / med / 1e9, "time_vs_best": med / best})  # fmt: skip
-        del cache
+        del cache  # this dtype's pools go before the next dtype's are made
     return rows

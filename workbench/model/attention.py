@@ -53,7 +53,8 @@ class AttentionMetadata:
     seq_block_ids: list[torch.Tensor] = field(default_factory=list)
     seq_masks: list[torch.Tensor | None] = field(default_factory=list)
     _token_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    _split: tuple[int, torch.Tensor, list[int]] | None = field(default=None, repr=False)
+    _splits: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = field(default_factory=dict,
+                                                                                            repr=False)  # fmt: skip
 
     @property
     def num_seqs(self) -> int:
@@ -76,15 +77,18 @@ class AttentionMetadata:
             self._token_rows = (self.block_tables.repeat_interleave(lens, dim=0), self.positions + 1)
         return self._token_rows
 
-    def split_chunks(self, max_short: int) -> tuple[torch.Tensor, list[int]]:
+    def split_chunks(self, max_short: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """The step's chunks of at most ``max_short`` new tokens apart from the longer ones: (the short chunks' token
-        indices in the flat batch, int64; the long chunks' sequence indices). Kept for the step's next layers."""
-        if self._split is None or self._split[0] != max_short:
+        indices in the flat batch, int64; their tokens as decode rows, as ``token_rows`` gives them: block tables and
+        key counts; the long chunks' sequence indices). Computed on first use and kept for the step's next layers."""
+        if max_short not in self._splits:
             lens = torch.tensor(self.query_lens, device=self.positions.device)
             short = lens <= max_short
             tokens = torch.arange(self.num_tokens, device=self.positions.device)[short.repeat_interleave(lens)]
-            self._split = (max_short, tokens, [i for i, n in enumerate(self.query_lens) if n > max_short])
-        return self._split[1], self._split[2]
+            tables = self.block_tables[short].repeat_interleave(lens[short], dim=0)
+            long = [i for i, n in enumerate(self.query_lens) if n > max_short]
+            self._splits[max_short] = (tokens, tables, self.positions[tokens] + 1, long)
+        return self._splits[max_short]
 
     @property
     def last_token_indices(self) -> torch.Tensor:

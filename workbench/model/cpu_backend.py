@@ -68,12 +68,11 @@ class CpuAttentionBackend:
         if meta.max_query_len <= PAGED_MAX_QUERY_LEN:
             tables, num_keys = meta.token_rows()
             return self._decode(q, k_cache, v_cache, tables, num_keys, scale, None, None, None, None, self.isa)
-        short, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
+        short, tables, num_keys, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
         out = TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, seqs=long)
         if short.numel():
-            tables, num_keys = meta.token_rows()
-            out[short] = self._decode(q[short], k_cache, v_cache, tables[short], num_keys[short], scale, None, None,
-                                      None, None, self.isa)  # fmt: skip
+            out[short] = self._decode(q[short], k_cache, v_cache, tables, num_keys, scale, None, None, None, None,
+                                      self.isa)  # fmt: skip
         return out
 
     def decode(

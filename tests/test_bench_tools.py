@@ -144,6 +144,10 @@ def test_offline_runs_the_policy_it_is_given(capsys, fake_ceilings) -> None:
     o = out["offline"]
     assert (o["policy"], o["token_budget"]) == ("chunked", 8)
     assert "mixed" in o["breakdown"]["by_kind"]
+    # the runtime is read after the engine ran: the malloc settings its CPU model runner applied, where it could
+    from workbench.runtime import retain_freed_memory
+
+    assert out["runtime"]["malloc"] == (retain_freed_memory() or "default")
 
 
 def test_step_kinds_by_hand() -> None:

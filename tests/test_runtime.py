@@ -23,6 +23,12 @@ def test_preload_names_and_their_errors(monkeypatch):
         runtime.preload_paths("iomp")
 
 
+def test_malloc_mode_must_be_retain_or_default(monkeypatch):
+    monkeypatch.setenv("WORKBENCH_MALLOC", "jemalloc")
+    with pytest.raises(ConfigError, match="WORKBENCH_MALLOC='jemalloc': expected 'retain' or 'default'"):
+        runtime.retain_freed_memory()
+
+
 def test_reexec_puts_the_libraries_first_in_ld_preload(monkeypatch, tmp_path):
     lib = tmp_path / "libjemalloc.so"
     lib.write_bytes(b"")
@@ -48,3 +54,47 @@ def test_runtime_state_reads_the_mapped_libraries():
     assert state["allocator"] in ("glibc", "jemalloc", "tcmalloc")
     if sys.platform.startswith("linux") and not os.environ.get("LD_PRELOAD"):
         assert state["allocator"] == "glibc" and "gomp" in state["openmp"]
+
+
+_RETAIN_PROBE = """
+import ctypes, json, os
+from workbench import runtime
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+applied = runtime.retain_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_size_t,), (ctypes.c_void_p,)
+size = 24 << 20  # above glibc's mmap threshold in a new process (128 KiB): an mmap of its own by default
+block = libc.malloc(size)
+ctypes.memset(block, 1, size)  # every page touched: resident
+held = rss()
+libc.free(block)
+print(json.dumps({"applied": applied, "returned": held - rss(), "state": runtime.runtime_state()["malloc"]}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.environ.get("LD_PRELOAD"), reason="glibc's malloc")
+@pytest.mark.parametrize("mode", ["retain", "default"])
+def test_retain_freed_memory_keeps_a_freed_block_resident(mode):
+    """A freed 24 MiB block: with retain_freed_memory its pages stay with the process (the next step's activations
+    reuse them); with WORKBENCH_MALLOC=default glibc unmaps it and the resident set drops by its size."""
+    import json
+    import platform
+    import subprocess
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc")
+    env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_MALLOC"}
+    if mode == "default":
+        env["WORKBENCH_MALLOC"] = "default"
+    proc = subprocess.run([sys.executable, "-c", _RETAIN_PROBE], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    size = 24 << 20
+    if mode == "default":
+        assert out["applied"] is None and out["state"] == "default"
+        assert out["returned"] >= 0.9 * size
+    else:
+        assert out["applied"]["trim_threshold"] == runtime.RETAIN_TRIM_THRESHOLD == out["state"]["trim_threshold"]
+        assert out["applied"]["mmap_threshold"] >= 32 << 20
+        assert out["returned"] < 0.1 * size

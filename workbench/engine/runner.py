@@ -28,6 +28,7 @@ from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, TorchAttentionBackend, build_metadata
 from workbench.model.sharding import gather_logits
 from workbench.model.transformer import Transformer
+from workbench.runtime import retain_freed_memory
 from workbench.timing import now
 
 
@@ -136,6 +137,8 @@ class ModelRunner:
         group: Any = None,
     ) -> None:
         self.model, self.cache, self.backend, self.decode = model, cache, backend, decode
+        if model.device.type == "cpu":
+            retain_freed_memory()  # steps reuse the pages of the one before (workbench.runtime)
         self.prefill = PrefillStep(model, cache, backend, compile=False) if prefill is None else prefill
         self.shard, self.group = getattr(model, "tp_shard", None), group
         # when set, each run() records the model's share of the step (forward + LM head + the logits' gather,

@@ -523,6 +523,7 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
     from workbench.experiments.weights import gemm_peak
     from workbench.hardware import cpu_model_name
     from workbench.model.checkpoint import save_random_checkpoint
+    from workbench.runtime import runtime_state
     from workbench.timing import timed
 
     cfg = ModelConfig.resolve(args.model)
@@ -559,6 +560,7 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
            "workbench_offline_prefill_compile_s": ours["offline_prefill_compile_s"],
            "workbench_compile_decode": compile_decode, "workbench_compile_prefill": compile_prefill,
            "workbench_policy": args.policy, "token_budget": args.token_budget,
+           "workbench_runtime": runtime_state(),  # after its engine ran: the malloc settings it applied
            **vs_vllm.compare(job, ours, theirs, cfg, peak)}  # fmt: skip
 
     def table(o: dict) -> str:

@@ -98,3 +98,21 @@ def test_retain_freed_memory_keeps_a_freed_block_resident(mode):
         assert out["applied"]["trim_threshold"] == runtime.RETAIN_TRIM_THRESHOLD == out["state"]["trim_threshold"]
         assert out["applied"]["mmap_threshold"] >= 32 << 20
         assert out["returned"] < 0.1 * size
+
+
+def test_vllm_worker_gets_the_engines_malloc_settings(monkeypatch):
+    """bench vllm's worker runs on the glibc settings the workbench's engine applies (retain_freed_memory), written
+    as GLIBC_TUNABLES, unless WORKBENCH_MALLOC=default or GLIBC_TUNABLES is set already."""
+    from workbench.experiments.vs_vllm import vllm_env
+
+    monkeypatch.delenv("WORKBENCH_MALLOC", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    env = vllm_env(2)
+    assert env["GLIBC_TUNABLES"] == (f"glibc.malloc.mmap_threshold={256 * 2**20}:glibc.malloc.trim_threshold={2**30}")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "PYTHONPATH" not in env
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=1")
+    assert vllm_env(2)["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=1"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("WORKBENCH_MALLOC", "default")
+    assert "GLIBC_TUNABLES" not in vllm_env(2)

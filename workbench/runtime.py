@@ -114,12 +114,10 @@ def retain_freed_memory() -> dict[str, int] | None:
     bytes), or None.
     """
     global _malloc_settings
-    mode = os.environ.get(MALLOC_ENV, "").strip().lower()
-    if mode not in ("", "retain", "default"):
-        raise ConfigError(f"{MALLOC_ENV}={os.environ[MALLOC_ENV]!r}: expected 'retain' or 'default'")
+    wanted = retain_tunables() is not None  # checks WORKBENCH_MALLOC
     if _malloc_settings is not None:
         return _malloc_settings
-    if mode == "default" or not sys.platform.startswith("linux"):
+    if not wanted or not sys.platform.startswith("linux"):
         return None
     if platform.libc_ver()[0] != "glibc" or runtime_state()["allocator"] != "glibc":
         return None
@@ -137,6 +135,17 @@ def retain_freed_memory() -> dict[str, int] | None:
         return None
     _malloc_settings = {"mmap_threshold": mmap_threshold, "trim_threshold": RETAIN_TRIM_THRESHOLD}
     return _malloc_settings
+
+
+def retain_tunables() -> str | None:
+    """``retain_freed_memory``'s settings as a ``GLIBC_TUNABLES`` value, for a process of another program (the vLLM
+    side of ``bench vllm``): None when ``WORKBENCH_MALLOC=default``."""
+    mode = os.environ.get(MALLOC_ENV, "").strip().lower()
+    if mode not in ("", "retain", "default"):
+        raise ConfigError(f"{MALLOC_ENV}={os.environ[MALLOC_ENV]!r}: expected 'retain' or 'default'")
+    if mode == "default":
+        return None
+    return f"glibc.malloc.mmap_threshold={RETAIN_MMAP_THRESHOLD}:glibc.malloc.trim_threshold={RETAIN_TRIM_THRESHOLD}"
 
 
 def runtime_state() -> dict[str, object]:

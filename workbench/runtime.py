@@ -99,6 +99,14 @@ _GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # the most some glibc releases accept (the
 _malloc_settings: dict[str, int] | None = None
 
 
+def _malloc_mode() -> str:
+    """``WORKBENCH_MALLOC``: 'retain' (unset too) or 'default'; any other value is a ``ConfigError``."""
+    mode = os.environ.get(MALLOC_ENV, "").strip().lower() or "retain"
+    if mode not in ("retain", "default"):
+        raise ConfigError(f"{MALLOC_ENV}={os.environ[MALLOC_ENV]!r}: expected 'retain' or 'default'")
+    return mode
+
+
 def retain_freed_memory() -> dict[str, int] | None:
     """Make glibc's malloc keep freed memory for reuse instead of returning it to the kernel (process-wide, once).
 
@@ -114,10 +122,10 @@ def retain_freed_memory() -> dict[str, int] | None:
     bytes), or None.
     """
     global _malloc_settings
-    wanted = retain_tunables() is not None  # checks WORKBENCH_MALLOC
+    mode = _malloc_mode()
     if _malloc_settings is not None:
         return _malloc_settings
-    if not wanted or not sys.platform.startswith("linux"):
+    if mode == "default" or not sys.platform.startswith("linux"):
         return None
     if platform.libc_ver()[0] != "glibc" or runtime_state()["allocator"] != "glibc":
         return None
@@ -140,10 +148,7 @@ def retain_freed_memory() -> dict[str, int] | None:
 def retain_tunables() -> str | None:
     """``retain_freed_memory``'s settings as a ``GLIBC_TUNABLES`` value, for a process of another program (the vLLM
     side of ``bench vllm``): None when ``WORKBENCH_MALLOC=default``."""
-    mode = os.environ.get(MALLOC_ENV, "").strip().lower()
-    if mode not in ("", "retain", "default"):
-        raise ConfigError(f"{MALLOC_ENV}={os.environ[MALLOC_ENV]!r}: expected 'retain' or 'default'")
-    if mode == "default":
+    if _malloc_mode() == "default":
         return None
     return f"glibc.malloc.mmap_threshold={RETAIN_MMAP_THRESHOLD}:glibc.malloc.trim_threshold={RETAIN_TRIM_THRESHOLD}"
 

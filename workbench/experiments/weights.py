@@ -2,10 +2,13 @@
 CPU, timed interleaved (``workbench bench linear`` and ``bench quant-ops``).
 
 - ``linear_layouts``: plain ``F.linear`` against oneDNN-packed weights (``workbench.model.packed``) per row count,
-  one step's worth of matrices (each distinct shape of ``workbench.bench.linear_shapes`` once), ABAB, best of
-  ``repeats``: where ``packed_speedup`` is above 1 the packed layout pays, which is what ``PACKED_MIN_ROWS`` /
-  ``PACKED_MAX_ROWS`` should bracket on the machine at hand; matrices that lose at every row count should lie below
-  ``PACKED_MIN_WEIGHT`` elements (they stay plain).
+  one step's worth of matrices (each distinct shape of ``workbench.bench.linear_shapes`` once), and the product as
+  the engine runs it (``PackedLinear``: packed at ``packed_rows(rows)`` rows, the input padded with zero rows, from
+  ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``; plain outside them and for a weight below ``PACKED_MIN_WEIGHT``), the
+  three alternated, best of ``repeats``: where ``packed_speedup`` is above 1 the packed layout pays, which is what
+  ``PACKED_MIN_ROWS`` / ``PACKED_MAX_ROWS`` should bracket on the machine at hand; matrices that lose at every row
+  count should lie below ``PACKED_MIN_WEIGHT`` elements (they stay plain); ``engine_vs_best`` is what the engine's
+  choice and its padding cost against the faster layout at the exact row count.
 - ``gemm_peak``: the faster of the two at 512 rows, in FLOP/s: the fp32 compute ceiling of a prefill on this CPU that
   ``workbench bench vllm`` divides the offline set's FLOPs by.
 - ``quant_sweep``: one sweep of every matrix of the model (qkv, o, gate_up, down per layer, and the LM head) in each
@@ -47,8 +50,13 @@ def linear_flops(cfg: ModelConfig, rows: int) -> float:
 
 @torch.inference_mode()
 def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, seed: int = 0) -> list[dict[str, Any]]:
-    """Per row count: the best seconds of the plain and the packed product of every distinct weight shape, their
-    GFLOP/s and ``packed_speedup`` (plain / packed time), the two layouts alternated ``repeats`` times."""
+    """Per row count: the best seconds of the plain, the packed and the engine's product (``PackedLinear``) of every
+    distinct weight shape, their GFLOP/s (of the ``rows`` asked for; the engine's padded rows are work it adds),
+    ``packed_speedup`` (plain / packed time), ``engine_rows`` (the rows the engine's product runs at; None where it
+    runs plain) and ``engine_vs_best`` (the faster layout's time / the engine's), the three alternated ``repeats``
+    times."""
+    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, packed_rows, worth_packing
+
     _check_onednn()
     if not rows_list or any(r < 1 for r in rows_list) or repeats < 1:
         raise ConfigError(f"need row counts >= 1 and repeats >= 1, got {rows_list} and {repeats}")
@@ -56,6 +64,11 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for i, o in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    engine: list[nn.Module] = []
+    for w in weights:
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        engine.append(PackedLinear.wrap(lin) if worth_packing(*reversed(w.shape)) else lin)
     out = []
     for rows in rows_list:
         xs = {i: torch.randn(rows, i, generator=gen) for i, _ in shapes}
@@ -63,6 +76,7 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
             "plain": lambda xs=xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
             "packed": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                      for w, p in zip(weights, packed)],
+            "engine": lambda xs=xs: [lin(xs[lin.in_features]) for lin in engine],
         }  # fmt: skip
         for run in runs.values():  # warm-up
             run()
@@ -71,9 +85,13 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
             for name, run in runs.items():
                 best[name] = min(best[name], timed(run)[0])
         flops = linear_flops(cfg, rows)
+        in_range = PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and any(isinstance(m, PackedLinear) for m in engine)
         out.append({"rows": rows, "flops": flops, "plain_s": best["plain"], "packed_s": best["packed"],
-                    "plain_gflops": flops / best["plain"] / 1e9, "packed_gflops": flops / best["packed"] / 1e9,
-                    "packed_speedup": best["plain"] / best["packed"]})  # fmt: skip
+                    "engine_s": best["engine"], "plain_gflops": flops / best["plain"] / 1e9,
+                    "packed_gflops": flops / best["packed"] / 1e9, "engine_gflops": flops / best["engine"] / 1e9,
+                    "packed_speedup": best["plain"] / best["packed"],
+                    "engine_rows": packed_rows(rows) if in_range else None,
+                    "engine_vs_best": min(best["plain"], best["packed"]) / best["engine"]})  # fmt: skip
     return out
 
 

@@ -415,7 +415,7 @@ def _stand_in_worker(tmp_path: Path, job: dict, timeout_s: float = 60):
     return VllmWorker(Path(sys.executable), tmp_path / "job.json", tmp_path / "vllm.log", 1, timeout_s, env=env)
 
 
-def test_bench_vllm_rounds_with_the_workbench_and_a_stand_in_vllm(tiny_checkpoint, tmp_path) -> None:
+def test_bench_vllm_rounds_with_the_workbench_and_a_stand_in_vllm(tiny_checkpoint, tmp_path, monkeypatch) -> None:
     # the worker runs by path in vLLM's interpreter; here a stand-in vllm package (no torch in the worker) checks the
     # worker's protocol and formulas, and the workbench's half against transformers, in the paired rounds of
     # bench vllm: the figures are each arm's own trials, in the rounds' order
@@ -427,6 +427,10 @@ def test_bench_vllm_rounds_with_the_workbench_and_a_stand_in_vllm(tiny_checkpoin
                    compile_decode=False, compile_prefill=False)  # fmt: skip
     assert json.loads(json.dumps(job))["offline"] == [[p, n] for p, n in job["offline"]]  # the worker reads JSON
     ours = WorkbenchSide(path, job, threads=1)
+    from workbench.experiments import hygiene
+
+    quiet = iter(0.01 * k for k in range(100))  # each trial's wait for quiet CPUs (a busy test machine never is)
+    monkeypatch.setattr(hygiene, "wait_until_quiet", lambda: next(quiet))
     calls = []
     with _stand_in_worker(tmp_path, job) as theirs:
         assert theirs.version == "stand-in" and theirs.startup_s >= 0
@@ -465,6 +469,11 @@ def test_bench_vllm_rounds_with_the_workbench_and_a_stand_in_vllm(tiny_checkpoin
     assert off["identical_requests"] == sum(a == b for a, b in zip(our_off, their_off))
     assert dec["identical_tokens"] == (our_dec == their_dec)
     assert off["paired"]["verdict"] in ("confirmed", "not_confirmed", "inconclusive")
+    # the waits of the recorded trials, in the rounds' order (ABBA after the warm-up's two: 0.00 and 0.01)
+    assert off["settle_s"] == {
+        "vllm-cpu": pytest.approx([0.02, 0.05, 0.06, 0.09]),
+        "workbench": pytest.approx([0.03, 0.04, 0.07, 0.08]),
+    }
 
 
 def test_the_vllm_worker_refuses_an_unknown_command_and_a_dead_worker_is_reported(tmp_path) -> None:

@@ -71,3 +71,33 @@ def test_ceiling_readings_warm_the_probes_up_once(monkeypatch):
     read = hygiene.ceiling_readings("cuda")  # measure_cuda warms up by calls only
     read(), read()
     assert seen == [{**fresh, "device": "cuda"}] * 2
+
+
+def test_wait_until_quiet_waits_for_a_quiet_window(monkeypatch):
+    # /proc/stat readings by hand, 2 CPUs at 100 jiffies/s: a 0.2 s window holds 40 jiffies. Both CPUs busy, then one
+    # of them (busy share 0.5), then 1 jiffy busy of 40 (0.025 < 0.05): quiet after the third window
+    readings = iter([
+        {"total": 1000, "idle": 500, "steal": 0},
+        {"total": 1040, "idle": 500, "steal": 0},  # 40 of 40 busy
+        {"total": 1080, "idle": 520, "steal": 0},  # 20 of 40 busy
+        {"total": 1120, "idle": 559, "steal": 0},  # 1 of 40 busy: quiet
+        {"total": 1160, "idle": 560, "steal": 0},  # not read
+    ])  # fmt: skip
+    clock = iter(range(100))
+    monkeypatch.setattr(hygiene, "cpu_times", lambda: next(readings))
+    monkeypatch.setattr(hygiene, "now", lambda: float(next(clock)))
+    monkeypatch.setattr(hygiene.time, "sleep", lambda s: None)
+    waited = hygiene.wait_until_quiet(max_s=60, busy_share=0.05, window_s=0.2)
+    assert next(readings)["total"] == 1160  # three windows read, then it returned
+    assert waited == 3.0  # the fake clock: 0 at the start, one reading after each busy window (1, 2), then the return's
+
+
+def test_wait_until_quiet_gives_up_after_max_s(monkeypatch):
+    busy = iter({"total": 1000 + 40 * k, "idle": 0, "steal": 0} for k in range(100))
+    clock = iter(float(k) for k in range(100))
+    monkeypatch.setattr(hygiene, "cpu_times", lambda: next(busy))
+    monkeypatch.setattr(hygiene, "now", lambda: next(clock))
+    monkeypatch.setattr(hygiene.time, "sleep", lambda s: None)
+    assert hygiene.wait_until_quiet(max_s=5, window_s=0.2) >= 5
+    monkeypatch.setattr(hygiene, "cpu_times", lambda: None)  # not Linux: nothing to wait for
+    assert hygiene.wait_until_quiet() == 0.0

@@ -50,7 +50,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workbench.timing import set_threads, time_stats
+from workbench.timing import now, set_threads, time_stats
 
 UTILIZATION_TOLERANCE = 0.10  # MFU/MBU up to 1.10 is measurement noise of the ceiling probes; above is an error
 DRIFT_THRESHOLD = 0.25  # reference step median changed by more than 25% between start and end
@@ -75,13 +75,34 @@ def load_average() -> list[float] | None:
 
 
 def cpu_times() -> dict[str, int] | None:
-    """Aggregate CPU jiffies from /proc/stat: ``total`` and ``steal`` (None off Linux)."""
+    """Aggregate CPU jiffies from /proc/stat: ``total``, ``idle`` (idle and iowait) and ``steal`` (None off
+    Linux)."""
     try:
         line = Path("/proc/stat").read_text().splitlines()[0].split()
     except (OSError, IndexError):
         return None
     values = [int(v) for v in line[1:]]
-    return {"total": sum(values[:8]), "steal": values[7] if len(values) > 7 else 0}
+    return {"total": sum(values[:8]), "idle": sum(values[3:5]), "steal": values[7] if len(values) > 7 else 0}
+
+
+def wait_until_quiet(max_s: float = 10.0, busy_share: float = 0.05, window_s: float = 0.2) -> float:
+    """Wait until the machine's CPUs were busy less than ``busy_share`` of a ``window_s`` window (``cpu_times``), at
+    most ``max_s`` seconds; returns the seconds waited (0 off Linux). Before a trial of one process timed against
+    another's: work the other left running (vLLM's engine keeps its CPUs busy for a while after ``generate``
+    returns, ``workbench bench vllm``) would otherwise fall into this trial's time."""
+    start = now()
+    before = cpu_times()
+    if before is None:
+        return 0.0
+    while True:
+        time.sleep(window_s)
+        after = cpu_times()
+        total = after["total"] - before["total"] if after else 0
+        if after is None or (total > 0 and 1 - (after["idle"] - before["idle"]) / total < busy_share):
+            return now() - start
+        if now() - start >= max_s:
+            return now() - start
+        before = after
 
 
 def steal_share(before: Mapping[str, int] | None, after: Mapping[str, int] | None) -> float | None:

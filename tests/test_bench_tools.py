@@ -362,25 +362,6 @@ def test_offline_flops_by_hand() -> None:
     assert decode == 2 * per_layer + 4 * 64 + 2 * 64 * 256 == 214904
 
 
-def test_bench_vllm_defaults_to_vllms_own_schedule() -> None:
-    # vLLM's LLM class on a CPU chunks prefills with 4,096 tokens a step (vllm/engine/arg_utils.py, 0.32.0): bench
-    # vllm's parser gives the workbench the same unless told; bench offline keeps the engine's defaults
-    import argparse
-
-    from workbench.commands.bench import _mode_options
-
-    parsers = {kind: argparse.ArgumentParser() for kind in ("vllm", "offline")}
-    for kind, p in parsers.items():
-        _mode_options(p, kind)
-    ours = parsers["vllm"].parse_args([])
-    assert (ours.policy, ours.token_budget) == ("chunked", 4096)
-    assert parsers["vllm"].parse_args(["--policy", "continuous"]).policy == "continuous"
-    assert (parsers["offline"].parse_args([]).policy, parsers["offline"].parse_args([]).token_budget) == (
-        "continuous",
-        None,
-    )
-
-
 def test_vllm_refuses_fewer_than_four_rounds(capsys) -> None:
     rc = main(["bench", "vllm", "--repeats", "3", "--vllm-venv", "/nonexistent/venv"])  # before any venv is made
     one_line_error(capsys, rc, "--repeats", "at least 4")

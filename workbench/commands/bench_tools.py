@@ -16,8 +16,7 @@ options and thin runners over the library (``workbench.experiments.weights``, ``
     workbench bench gpu-costs    [--ideal | --fit] [--json]
     workbench bench simulator    [--trace azure-conv] [--model Llama-3.1-8B] [--hardware h100-sxm] [--limit N]
     workbench bench op-steps     [--model SmolLM2-135M] [--op-profile FILE] [--profile-max-tokens 1024]
-    workbench bench vllm         [--model bench-300m] [--repeats 6] [--vllm-venv DIR] [--policy chunked]
-                                 [--max-num-batched-tokens 4096]
+    workbench bench vllm         [--model bench-300m] [--repeats 6] [--vllm-venv DIR] [--max-num-batched-tokens N]
     workbench bench serve-load   [--clients 64] [--disconnect-share 0.1] [--new-tokens 32] [--bench-prompts 64]
 
 Each prints a table, or with ``--json`` one object. The options they share with the engine modes (``--threads``,
@@ -86,17 +85,6 @@ def add_tool_options(p: argparse.ArgumentParser, owns: Any) -> None:
         add_serving_arguments(p, EngineConfig, ("policy",))
     if owns("vllm", "offline"):  # vllm: both engines, the workbench's and vLLM's the same; offline: vLLM's bench
         add_serving_arguments(p, EngineConfig, ("token_budget", "enable_prefix_caching"))  # throughput takes them
-    if owns("vllm") and not owns("offline"):  # bench vllm's own parser: both engines on vLLM's schedule by default
-        from workbench.experiments.vs_vllm import VLLM_CPU_TOKEN_BUDGET
-
-        p.set_defaults(policy="chunked", token_budget=VLLM_CPU_TOKEN_BUDGET)
-        says = {
-            "policy": "chunked: the workbench's; vLLM's scheduler always chunks prefills",
-            "token_budget": f"{VLLM_CPU_TOKEN_BUDGET}, vLLM's own on a CPU, given to both engines",
-        }
-        for action in p._actions:  # the help's defaults are the engine's: say this mode's
-            if action.dest in says and action.help:
-                action.help = f"{action.help.split(' (default')[0]} (bench vllm's default: {says[action.dest]})"
     if owns("linear"):
         from workbench.experiments.weights import DEFAULT_ROWS
 

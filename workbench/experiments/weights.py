@@ -64,11 +64,12 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for i, o in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
-    engine: list[nn.Module] = []
+    engine: list[nn.Module] = []  # each weight as the engine holds it (packed copy only where pack_linears makes one)
     for w in weights:
-        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")  # no weights of its own: given w
         lin.weight = nn.Parameter(w, requires_grad=False)
-        engine.append(PackedLinear.wrap(lin) if worth_packing(*reversed(w.shape)) else lin)
+        engine.append(PackedLinear.wrap(lin) if worth_packing(w.shape[1], w.shape[0]) else lin)
+    any_packed = any(isinstance(m, PackedLinear) for m in engine)
     out = []
     for rows in rows_list:
         xs = {i: torch.randn(rows, i, generator=gen) for i, _ in shapes}
@@ -85,7 +86,7 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
             for name, run in runs.items():
                 best[name] = min(best[name], timed(run)[0])
         flops = linear_flops(cfg, rows)
-        in_range = PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS and any(isinstance(m, PackedLinear) for m in engine)
+        in_range = any_packed and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
         out.append({"rows": rows, "flops": flops, "plain_s": best["plain"], "packed_s": best["packed"],
                     "engine_s": best["engine"], "plain_gflops": flops / best["plain"] / 1e9,
                     "packed_gflops": flops / best["packed"] / 1e9, "engine_gflops": flops / best["engine"] / 1e9,

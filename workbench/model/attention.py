@@ -284,16 +284,20 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(qg, kt[None], vt[None], scale=scale)  # (1, kv_heads, group, d)
                 out[start] = o.reshape(n_kv * group, dv)  # CUDA SDPA may return a non-contiguous layout
                 continue
-            if group > 1:  # expanded K/V keep SDPA on its fused kernel (enable_gqa falls back to the math path)
+            # GQA: torch 2.13's fused CPU kernel takes the KV heads as they are (enable_gqa: the same result, no
+            # expanded copy of K/V); on other devices expanded K/V (not checked there)
+            gqa = group > 1 and q.device.type == "cpu"
+            if group > 1 and not gqa:
                 kt, vt = kt.repeat_interleave(group, dim=0), vt.repeat_interleave(group, dim=0)
             mask = meta.seq_masks[i]
             o = F.scaled_dot_product_attention(
                 q[start : start + q_len].transpose(0, 1)[None],  # (1, heads, q_len, d)
-                kt[None],  # (1, heads, s_len, d)
+                kt[None],  # (1, kv_heads, s_len, d), or (1, heads, s_len, d) expanded
                 vt[None],
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=scale,
+                enable_gqa=gqa,
             )
             out[start : start + q_len] = o[0].transpose(0, 1)
         return out

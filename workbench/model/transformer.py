@@ -13,7 +13,6 @@ is an argument of both: it belongs to the caller, not to the model. MHA, GQA and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -36,6 +35,18 @@ from workbench.request import validate_request
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 """(layer, q (T, heads, d), k (T, kv_heads, d), v, scale) -> attention output (T, heads, d)."""
+
+
+def ragged_attention(meta: AttentionMetadata, cache: KVCache, backend: AttentionBackend) -> Attend:
+    """A ragged step's attention: layer ``i`` writes the step's K/V into ``cache``, then attends through
+    ``backend.forward``."""
+    k_layers, v_layers = cache.layer_views()  # one view per layer (dequantizing ones for int8/fp8)
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        cache.write(meta.slot_mapping, k, v, layer=i)
+        return backend.forward(q, k_layers[i], v_layers[i], meta, scale)
+
+    return attend
 
 
 class Attention(nn.Module):
@@ -76,7 +87,7 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """One pre-norm block, in two parts around its attention: ``pre_attention`` (norm, QKV, rotary) and
     ``post_attention`` (O projection, residual, norm, MLP, residual). ``forward`` runs both with ``attend`` between;
-    the compiled ragged step (``workbench.engine.prefill_step``) compiles the two parts and keeps attention eager."""
+    the compiled ragged step (``workbench.engine.prefill_step``) traces both with attention an opaque operator."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
@@ -105,21 +116,11 @@ class DecoderLayer(nn.Module):
         sin_signed: torch.Tensor,
         attend: Attend,
         layer: int,
-        parts: LayerParts | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(output (T, hidden), this step's K (T, kv_heads, d), V): ``attend`` writes or keeps the K/V.
-        ``parts``: the two parts to call instead of this layer's own methods (their compiled versions)."""
-        pre, post = (DecoderLayer.pre_attention, DecoderLayer.post_attention) if parts is None else parts
-        q, k, v = pre(self, x, cos, sin_signed)
+        """(output (T, hidden), this step's K (T, kv_heads, d), V): ``attend`` writes or keeps the K/V."""
+        q, k, v = self.pre_attention(x, cos, sin_signed)
         o = attend(layer, q, k, v, self.self_attn.scale)  # (T, heads, d)
-        return post(self, x, o), k, v
-
-
-class LayerParts(NamedTuple):
-    """Stand-ins for ``DecoderLayer.pre_attention`` and ``post_attention``, called with the layer first."""
-
-    pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    post: Callable[..., torch.Tensor]
+        return self.post_attention(x, o), k, v
 
 
 class Transformer(nn.Module):
@@ -181,16 +182,15 @@ class Transformer(nn.Module):
 
     # ---- the two entry points over a paged cache: a ragged step, and a pure decode --------------------------------
     def _layers(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, parts: LayerParts | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Embed, every layer with ``attend`` as its attention (and ``parts`` for the rest, when given), final norm:
-        (hidden (T, hidden), K and V per layer)."""
+        """Embed, every layer with ``attend`` as its attention, final norm: (hidden (T, hidden), K and V per layer)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         sin_signed = signed_sin(sin)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer.forward(x, cos, sin_signed, attend, i, parts)
+            x, k, v = layer.forward(x, cos, sin_signed, attend, i)
             ks.append(k)
             vs.append(v)
         return self.norm.forward(x), ks, vs
@@ -202,19 +202,11 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
         cache: KVCache,
         backend: AttentionBackend = TORCH_BACKEND,
-        parts: LayerParts | None = None,
     ) -> torch.Tensor:
         """A ragged step (prefill, chunks, mixed): each layer writes its K/V into ``cache``, then attends.
-        Hidden states after the final norm for every new token; input_ids: (T,) -> (T, hidden).
-        ``parts``: what runs each layer around its attention (default: the layer's own eager methods; the
-        engine's compiled ragged step passes compiled ones, ``workbench.engine.prefill_step``)."""
-        k_layers, v_layers = cache.layer_views()  # one view per layer (dequantizing ones for int8/fp8)
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            cache.write(meta.slot_mapping, k, v, layer=i)
-            return backend.forward(q, k_layers[i], v_layers[i], meta, scale)
-
-        return self._layers(input_ids, meta.positions, attend, parts)[0]
+        Hidden states after the final norm for every new token; input_ids: (T,) -> (T, hidden). (The engine's
+        compiled ragged step, ``workbench.engine.prefill_step``, runs the same layers with the same attention.)"""
+        return self._layers(input_ids, meta.positions, ragged_attention(meta, cache, backend))[0]
 
     def decode_step(
         self,

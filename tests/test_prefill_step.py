@@ -45,13 +45,13 @@ def compiled(tiny_checkpoint):
     return engine, num_compiled_graphs() - before
 
 
-def test_warmup_compiles_one_pair_of_graphs_per_token_count_range(compiled):
+def test_warmup_compiles_one_graph_per_token_count_range(compiled):
     """Token counts 1, 2 and 4 (257 is past the budget): three ranges (dynamo specialises 1; the packed linears'
-    4-256 rows split the rest), two graphs each (before and after attention), however many layers."""
+    4-256 rows split the rest), one graph each for the whole step, attention inside it as an opaque operator."""
     engine, graphs = compiled
     assert engine.model.config.num_layers == 2 and engine.prefill.compiled
     assert sorted(engine.prefill.compile_s) == [1, 2, 4] and all(t > 0 for t in engine.prefill.compile_s.values())
-    assert graphs == 2 * 3
+    assert graphs == 3
 
 
 def test_compiled_prefill_engine_gives_eager_and_hf_tokens(tiny_checkpoint, compiled):
@@ -124,3 +124,19 @@ def test_eager_prefill_step_is_the_default():
     assert engine.prefill.warmup() == {}
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert engine.prefill.steps == 1 and engine.prefill.compile_s == {}
+
+
+@pytest.mark.parametrize("preset, kv_cache_dtype", [("tiny-deepseek-v3", "auto"), ("tiny-qwen2-moe", "int8")])
+def test_compiled_ragged_steps_of_moe_and_mla_give_the_eager_tokens(tiny_checkpoint, preset, kv_cache_dtype):
+    """MoE layers (the expert loop an opaque operator), DeepSeek-V3's MLA (V a view of the latent K entry) and an int8
+    pool (a dequantizing view per layer) in the one compiled graph of a ragged step: the eager engine's tokens with
+    the same settings; the compiled decode step beside it too."""
+    model = load_checkpoint(tiny_checkpoint(preset))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in NEW]
+    cfg = dict(CONFIG, kv_cache_dtype=kv_cache_dtype)
+    want = [r.tokens for r in Engine(model, EngineConfig(**cfg)).generate(PROMPTS, params).requests]
+    engine = Engine(model, EngineConfig(**cfg, compile_prefill=True, compile_decode=True))
+    graphs = num_compiled_graphs()
+    assert [r.tokens for r in engine.generate(PROMPTS, params).requests] == want
+    assert num_compiled_graphs() > graphs and engine.prefill.compile_s  # the ragged steps did run compiled
+    assert engine.decode.compiled_sizes  # and the pure decodes

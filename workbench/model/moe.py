@@ -12,9 +12,10 @@ Routing, the variants of the published models:
 
 Shared experts run on every token: Qwen2-MoE's behind a per-token sigmoid gate, DeepSeek's ungated.
 
-``MoE.forward`` is the grouped expert loop, the reference: each expert hit by the batch multiplies the rows routed
-to it (one gather, two matrix products, one weighted scatter-add). A decode step therefore reads only the experts
-its batch routes to: the distinct experts of B tokens (``workbench.roofline.expected_distinct_experts``).
+``MoE.forward`` runs the grouped expert loop (``grouped_experts``), the reference: each expert hit by the batch
+multiplies the rows routed to it (one gather, two matrix products, one weighted scatter-add); a compiled step calls
+it as one opaque operator (``workbench::moe_experts``). A decode step therefore reads only the experts its batch
+routes to: the distinct experts of B tokens (``workbench.roofline.expected_distinct_experts``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,47 @@ def route(
     return weights * cfg.routed_scaling_factor, ids
 
 
+def grouped_experts(
+    x: torch.Tensor,  # (T, hidden)
+    weights: torch.Tensor,  # (T, k) fp32
+    ids: torch.Tensor,  # (T, k)
+    w_gate_up: torch.Tensor,  # (E, 2I, hidden)
+    w_down: torch.Tensor,  # (E, hidden, I)
+) -> torch.Tensor:
+    """Sum over each token's experts of weight * SwiGLU expert(x): each expert hit by the batch multiplies the rows
+    routed to it (one gather, two matrix products, one weighted scatter-add). (T, hidden)."""
+    out = torch.zeros_like(x)
+    flat = ids.reshape(-1)  # (T*k,): token t's j-th expert at t*k + j
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    token_of = order // ids.shape[1]  # (T*k,) the token of each sorted assignment
+    w_sorted = weights.reshape(-1)[order]
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue  # an expert no token chose is never read
+        rows = token_of[start : start + n]
+        gate, up = F.linear(x[rows], w_gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down[expert])  # (n, hidden)
+        out.index_add_(0, rows, (y * w_sorted[start : start + n, None]).to(x.dtype))
+        start += n
+    return out
+
+
+@torch.library.custom_op("workbench::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """``grouped_experts`` as one operator of a compiled step (its loop runs over the experts the batch routes to,
+    which no graph can trace without a guard on the routing)."""
+    return grouped_experts(x, weights, ids, w_gate_up, w_down)
+
+
+@moe_experts.register_fake
+def _(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
+    return torch.empty_like(x)
+
+
 class MoE(nn.Module):
     """Router + ``num_experts`` SwiGLU experts (weights stacked: ``w_gate_up`` (E, 2I, hidden), ``w_down``
     (E, hidden, I)) + the optional shared expert. ``forward``: (T, hidden) -> (T, hidden)."""
@@ -82,23 +124,11 @@ class MoE(nn.Module):
         return route(logits, self.cfg, self.e_score_correction_bias)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The grouped expert loop: sum over each token's experts of weight * expert(x). x: (T, hidden)."""
-        out = torch.zeros_like(x)
-        flat = ids.reshape(-1)  # (T*k,): token t's j-th expert at t*k + j
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.cfg.num_experts).tolist()
-        token_of = order // ids.shape[1]  # (T*k,) the token of each sorted assignment
-        w_sorted = weights.reshape(-1)[order]
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue  # an expert no token chose is never read
-            rows = token_of[start : start + n]
-            gate, up = F.linear(x[rows], self.w_gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w_down[expert])  # (n, hidden)
-            out.index_add_(0, rows, (y * w_sorted[start : start + n, None]).to(x.dtype))
-            start += n
-        return out
+        """The grouped expert loop (``grouped_experts``): sum over each token's experts of weight * expert(x).
+        x: (T, hidden). Under ``torch.compile`` an opaque operator: the loop's shapes depend on the routing."""
+        if torch.compiler.is_compiling():
+            return moe_experts(x, weights, ids, self.w_gate_up, self.w_down)
+        return grouped_experts(x, weights, ids, self.w_gate_up, self.w_down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -1,6 +1,6 @@
 """The compiled ragged step (``EngineConfig.compile_prefill``): the engine's tokens against the eager engine's and
 transformers' on chunked prefills mixed with decodes, one ragged step's hidden states and cache writes against the
-eager ``Transformer.forward`` within the fp32 tolerance, one pair of graphs per token-count range (not per layer or
+eager ``Transformer.forward`` within the fp32 tolerance, one graph per token-count range (not per layer or
 per token count), and its configuration errors."""
 
 import pytest

@@ -33,7 +33,7 @@ def compiled(tiny_checkpoint):
     from workbench.model import packed
 
     # dynamo keeps compiled graphs on the compiled function's code, across engines: an earlier test in this process
-    # that compiled the same layer parts (reports/PERFORMANCE.md's `bench compiled`, run by
+    # that compiled the same ragged step (reports/PERFORMANCE.md's `bench compiled`, run by
     # tests/test_readme_commands.py) would leave this warm-up nothing to compile
     torch._dynamo.reset()
     with pytest.MonkeyPatch.context() as mp:

@@ -130,13 +130,14 @@ def test_eager_prefill_step_is_the_default():
 def test_compiled_ragged_steps_of_moe_and_mla_give_the_eager_tokens(tiny_checkpoint, preset, kv_cache_dtype):
     """MoE layers (the expert loop an opaque operator), DeepSeek-V3's MLA (V a view of the latent K entry) and an int8
     pool (a dequantizing view per layer) in the one compiled graph of a ragged step: the eager engine's tokens with
-    the same settings; the compiled decode step beside it too."""
+    the same settings; over the int8 pool the compiled decode step beside it too."""
     model = load_checkpoint(tiny_checkpoint(preset))
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in NEW]
     cfg = dict(CONFIG, kv_cache_dtype=kv_cache_dtype)
     want = [r.tokens for r in Engine(model, EngineConfig(**cfg)).generate(PROMPTS, params).requests]
-    engine = Engine(model, EngineConfig(**cfg, compile_prefill=True, compile_decode=True))
+    decode = kv_cache_dtype == "int8"  # the compiled decode too, once (its compilation is the test's cost)
+    engine = Engine(model, EngineConfig(**cfg, compile_prefill=True, compile_decode=decode))
     graphs = num_compiled_graphs()
     assert [r.tokens for r in engine.generate(PROMPTS, params).requests] == want
     assert num_compiled_graphs() > graphs and engine.prefill.compile_s  # the ragged steps did run compiled
-    assert engine.decode.compiled_sizes  # and the pure decodes
+    assert bool(engine.decode.compiled_sizes) == decode  # and the pure decodes, where asked

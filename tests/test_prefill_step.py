@@ -141,3 +141,29 @@ def test_compiled_ragged_steps_of_moe_and_mla_give_the_eager_tokens(tiny_checkpo
     assert [r.tokens for r in engine.generate(PROMPTS, params).requests] == want
     assert num_compiled_graphs() > graphs and engine.prefill.compile_s  # the ragged steps did run compiled
     assert bool(engine.decode.compiled_sizes) == decode  # and the pure decodes, where asked
+
+
+def test_compiled_ragged_steps_of_two_engines_in_two_threads_keep_to_their_own_pools(compiled):
+    """The operator finds the step in flight per thread: two engines over one model, generating at once from two
+    threads (the graph's kernels release the GIL, so their steps interleave), give the tokens each gives alone."""
+    import threading
+
+    engine, _ = compiled
+    other = Engine(engine.model, EngineConfig(**CONFIG, compile_prefill=True))
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in NEW]
+    prompts = {engine: PROMPTS, other: [list(reversed(p)) for p in PROMPTS]}
+    alone = {e: [r.tokens for r in e.generate(ps, params).requests] for e, ps in prompts.items()}
+    together: dict = {}
+
+    def run(e: Engine) -> None:
+        for _ in range(3):
+            together.setdefault(e, []).append([r.tokens for r in e.generate(prompts[e], params).requests])
+
+    threads = [threading.Thread(target=run, args=(e,)) for e in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert alone[engine] != alone[other]
+    assert all(together[e] == [alone[e]] * 3 for e in prompts)

@@ -23,6 +23,8 @@ written); ``compile_s`` keeps the seconds of each step that compiled. Inductor c
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from workbench.config import ceil_div
@@ -47,7 +49,16 @@ def num_compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-_ATTEND: list[Attend] = []  # the attention of the compiled ragged step in flight (``PrefillStep._forward``)
+class _InFlight(threading.local):
+    """The attention of each thread's compiled ragged step in flight (``PrefillStep._forward`` sets it)."""
+
+    attend: list[Attend]
+
+    def __init__(self) -> None:
+        self.attend = []
+
+
+_IN_FLIGHT = _InFlight()
 
 
 @torch.library.custom_op("workbench::ragged_attend", mutates_args=())
@@ -56,7 +67,7 @@ def ragged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     the step's K/V into the pool and attends (``Transformer.forward``'s ``attend``, set by ``PrefillStep``). The
     pool and the metadata are not graph inputs, so no token count, block table or pool shape reaches a guard, and
     inductor never copies the pool."""
-    return _ATTEND[-1](layer, q, k, v, scale)
+    return _IN_FLIGHT.attend[-1](layer, q, k, v, scale)
 
 
 @ragged_attend.register_fake
@@ -102,12 +113,12 @@ class PrefillStep:
         torch._dynamo.maybe_mark_dynamic(input_ids, 0)  # the token count is dynamic from the first compilation on
         torch._dynamo.maybe_mark_dynamic(meta.positions, 0)
         graphs, t0 = num_compiled_graphs(), now()
-        _ATTEND.append(ragged_attention(meta, cache, self.backend))
+        _IN_FLIGHT.attend.append(ragged_attention(meta, cache, self.backend))
         try:
             with torch.inference_mode():
                 hidden = self._graph(self.model, input_ids, meta.positions)
         finally:
-            _ATTEND.pop()
+            _IN_FLIGHT.attend.pop()
         if num_compiled_graphs() > graphs:
             self.compile_s[int(input_ids.shape[0])] = now() - t0
         return hidden

@@ -64,7 +64,7 @@ _IN_FLIGHT = _InFlight()
 @torch.library.custom_op("workbench::ragged_attend", mutates_args=())
 def ragged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """Layer ``layer``'s attention in the step in flight, an opaque operator of the compiled ragged step: it writes
-    the step's K/V into the pool and attends (``Transformer.forward``'s ``attend``, set by ``PrefillStep``). The
+    the step's K/V into the pool and attends (``transformer.ragged_attention``, set by ``PrefillStep``). The
     pool and the metadata are not graph inputs, so no token count, block table or pool shape reaches a guard, and
     inductor never copies the pool."""
     return _IN_FLIGHT.attend[-1](layer, q, k, v, scale)

@@ -184,7 +184,8 @@ class Transformer(nn.Module):
     def _layers(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Embed, every layer with ``attend`` as its attention, final norm: (hidden (T, hidden), K and V per layer)."""
+        """Embed, every layer with ``attend`` as its attention, final norm: (hidden (T, hidden), K and V per layer).
+        What the compiled ragged step traces (``workbench.engine.prefill_step``), with its attention an operator."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, x.dtype)  # once per step, shared by every layer
         sin_signed = signed_sin(sin)

@@ -132,6 +132,31 @@ def test_torch_backend_matches_reference(heads, kv_heads, block_size, q_lens, s_
     # the backend wrote k, v into the cache; the reference reads them from there
     ref = _reference(q, k_cache, v_cache, meta, 24**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # given the step's K/V as written, a whole prompt attends to them rather than to its blocks: the same result
+    written = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 24**-0.5, k, v)
+    torch.testing.assert_close(written, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_step_kv_are_not_used_over_a_quantized_pool():
+    # an int8 pool holds rounded K/V: a whole prompt must attend to what the pool holds (as a later step will), not
+    # to the step's fp32 K/V; the pool's values differ from them, so using the step's would change the result
+    from workbench.config import ModelConfig
+    from workbench.kv.cache import KVCache
+
+    cfg = ModelConfig.from_name("tiny-gqa")
+    q, k, v, _, _, meta = _paged_case(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 4, [7, 1, 3], [7, 9, 12])
+    cache = KVCache(cfg, 12, 4, kv_cache_dtype="int8")
+    cache.write(meta.slot_mapping, k, v, layer=0)
+    k_layers, v_layers = cache.layer_views()
+    backend, scale = TorchAttentionBackend(), cfg.head_dim**-0.5
+    out = backend.forward(q, k_layers[0], v_layers[0], meta, scale, k, v)
+    assert torch.equal(out, backend.forward(q, k_layers[0], v_layers[0], meta, scale))
+    # the same step over a plain pool of the fp32 K/V: the whole prompt's rows differ by the int8 rounding
+    k_plain = torch.zeros(12, 4, cfg.num_kv_heads, cfg.head_dim)
+    v_plain = torch.zeros_like(k_plain)
+    kv_write_reference(k, v, k_plain, v_plain, meta.slot_mapping)
+    plain = backend.forward(q, k_plain, v_plain, meta, scale)
+    assert not torch.allclose(out[:7], plain[:7], atol=1e-4, rtol=0)
 
 
 def test_reference_attention_matches_sdpa_on_contiguous_causal():

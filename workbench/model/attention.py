@@ -226,6 +226,8 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k: torch.Tensor | None = None,  # (num_tokens, num_kv_heads, head_dim): the step's K/V as written, if at hand
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         ...
 
@@ -256,22 +258,36 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
         seqs: list[int] | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Each sequence's new tokens against its context, one SDPA per sequence. ``seqs``: only these sequences
-        (indices into ``meta``), their rows written into ``out`` (given, or new), the other rows left as they are."""
+        """Each sequence's new tokens against its context, one SDPA per sequence. ``k``/``v``: the step's K/V as the
+        model wrote them into the pool; a sequence whose new tokens are its whole context (a fresh prompt) attends to
+        these rows instead of reading its blocks back, when the pool holds them unchanged (a plain pool of their dtype
+        and width). ``seqs``: only these sequences (indices into ``meta``), their rows written into ``out`` (given, or
+        new), the other rows left as they are."""
         n_kv, d, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]  # dv < d: MLA's latent (model.mla)
         group = q.shape[1] // n_kv  # query heads per KV head (1: MHA)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], dv)
+        as_written = (
+            k is not None
+            and v is not None
+            and isinstance(k_cache, torch.Tensor)  # a quantized pool's layer is a dequantizing view
+            and k_cache.dtype == k.dtype
+            and (k.shape[-1], v.shape[-1]) == (d, dv)
+        )
         starts = [0]
         for q_len in meta.query_lens:
             starts.append(starts[-1] + q_len)
         for i in range(meta.num_seqs) if seqs is None else seqs:
             q_len, s_len, start = meta.query_lens[i], meta.seq_lens[i], starts[i]
             ids = meta.seq_block_ids[i]
-            if ids.numel() == 1:  # contiguous slot: a view, no copy
+            if as_written and q_len == s_len:  # the pool's rows of this sequence are these, copied
+                ks, vs = k[start : start + q_len], v[start : start + q_len]
+            elif ids.numel() == 1:  # contiguous slot: a view, no copy
                 ks, vs = k_cache[ids[0], :s_len], v_cache[ids[0], :s_len]
             else:
                 ks = k_cache[ids].view(-1, n_kv, d)[:s_len]

@@ -53,6 +53,8 @@ class CpuAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A ragged step's short chunks (at most ``PAGED_MAX_QUERY_LEN`` new tokens: decodes, speculative verifies,
         short chunks) attend through the decode op, one row per new token over its sequence's blocks (the step's K/V
@@ -64,12 +66,12 @@ class CpuAttentionBackend:
             and k_cache.dtype == q.dtype
             and v_cache.shape[-1] == k_cache.shape[-1]
         ):
-            return TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale)
+            return TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, k, v)
         if meta.max_query_len <= PAGED_MAX_QUERY_LEN:
             tables, num_keys = meta.token_rows()
             return self._decode(q, k_cache, v_cache, tables, num_keys, scale, None, None, None, None, self.isa)
         short, tables, num_keys, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
-        out = TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, seqs=long)
+        out = TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, k, v, seqs=long)
         if short.numel():
             out[short] = self._decode(q[short], k_cache, v_cache, tables, num_keys, scale, None, None, None, None,
                                       self.isa)  # fmt: skip

@@ -44,7 +44,7 @@ def ragged_attention(meta: AttentionMetadata, cache: KVCache, backend: Attention
 
     def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         cache.write(meta.slot_mapping, k, v, layer=i)
-        return backend.forward(q, k_layers[i], v_layers[i], meta, scale)
+        return backend.forward(q, k_layers[i], v_layers[i], meta, scale, k, v)
 
     return attend
 

@@ -46,13 +46,16 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        """Attend each query to its sequence's context (the kernel handles any mix of query lengths).
+        """Attend each query to its sequence's context (the kernel handles any mix of query lengths; it reads every
+        key from the pool, so the step's ``k``/``v`` serve only the torch path).
 
         A quantized pool (``DequantView`` layers) attends through the torch path: the prefill kernel has no
         dequantizing variant (prefill reads each cached byte once per chunk and is compute-bound anyway)."""
         if isinstance(k_cache, DequantView) or v_cache.shape != k_cache.shape:  # quantized, or MLA's latent V
-            return TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale)
+            return TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, k, v)
         return self._prefill(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens_t, meta.cu_seqlens_q, meta.max_query_len, scale=scale
         )

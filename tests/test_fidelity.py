@@ -581,3 +581,39 @@ def test_five_repeats_or_more_decide_the_best_model_on_their_min_max_by_hand() -
     assert refuted["verdict"] == NOT_CONFIRMED and refuted["evidence"]["margin"] == 0.1
     # with 3 repeats the spread-widened tolerance decides, as before: the straddling row is a miss
     assert best_cost_model([{**straddling, "num_repeats": 3}])["verdict"] == NOT_CONFIRMED
+
+
+def test_calibrated_decode_spread_leaves_out_the_step_after_an_idle_wait() -> None:
+    # one request through a 1:1 pair, by hand: its KV lands at t = 10 s on an idle decode engine, whose next step
+    # takes 1.5 ms where the simulator's takes 0.5 ms: the idle excess is 1.0 ms. The decode engine's other pure decode
+    # steps take 0.5, 0.6, 0.5, 0.7 ms against the simulator's 0.5 ms for one sequence: a spread of 0, 0.1, 0, 0.2 ms.
+    # The excess is the simulator's idle_step_s; drawn again as noise it would be counted twice
+    from types import SimpleNamespace
+
+    from workbench.experiments.fidelity import _calibrate_roles
+
+    def step(start: float, ms: float, prefill: int = 0) -> dict:
+        return {"start_s": start, "end_s": start + ms / 1e3, "duration_s": ms / 1e3, "num_prefill_tokens": prefill,
+                "num_seqs": 1}  # fmt: skip
+
+    def log(steps: list[dict]) -> SimpleNamespace:
+        return SimpleNamespace(to_records=lambda: steps)
+
+    decode = [step(10.0, 1.5), step(10.01, 0.5), step(10.02, 0.6), step(10.03, 0.5), step(10.04, 0.7)]
+    real = SimpleNamespace(
+        requests=[SimpleNamespace(request_id=0, arrival_time=9.0)],
+        engines={0: (0, 0)},
+        pools={"prefill0": {"steps": [step(9.001, 3.0, prefill=20)]}, "decode0": {"steps": decode}},
+        transfers={0: {"timeline": {"announced_s": 9.5, "landed_s": 10.0}}},
+    )
+    sim = SimpleNamespace(
+        records=[SimpleNamespace(request_id=0, arrival_time=9.0, first_token_time=9.004)],
+        step_logs=[log([step(9.0, 2.5, prefill=20)]), log([step(9.004 + 0.001 * i, 0.5) for i in range(5)])],
+    )
+    out = _calibrate_roles(real, sim, (1, 1))
+    assert out["prefill"]["idle_step_s"] == pytest.approx(0.5e-3)  # 3.0 against 2.5 ms
+    dec = out["decode"]
+    assert dec["idle_step_s"] == pytest.approx(1.0e-3) and dec["num_paired"] == 1
+    assert min(dec["residual_quantiles_s"]) == pytest.approx(0.0, abs=1e-12)
+    assert max(dec["residual_quantiles_s"]) == pytest.approx(0.2e-3)  # not the 1.0 ms excess
+    assert dec["noise_idle_step_s"] == pytest.approx(1.0e-3 - 0.05e-3)  # less the spread's median, (0 + 0.1) / 2

@@ -738,11 +738,14 @@ def _calibrate_roles(reals: Any, sim: Any, split: tuple[int, int]) -> dict[str, 
     after its arrival; the decode step after its KV landed), at least 0; and ``residual_quantiles_s``, the spread of
     the real steps around the model (prefill: those paired differences less their median; decode: each real pure
     decode step less the median simulated one of as many sequences, so the draws carry the machine's speed during the
-    calibration run), which the ``noise`` variant draws, with ``noise_idle_step_s`` (the excess less the residuals'
-    median, not to count a slower machine twice)."""
+    calibration run, the steps after an idle wait left out: their excess is ``idle_step_s``, which the simulator adds
+    to its own steps after idling, and drawn again as noise it counted twice: ~4% of the steps of a lightly loaded
+    decode engine, enough to move the ITL's p90), which the ``noise`` variant draws, with ``noise_idle_step_s`` (the
+    excess less the residuals' median, not to count a slower machine twice)."""
     runs = reals if isinstance(reals, (list, tuple)) else [reals]
     sim_by_id = {r.request_id: r for r in sim.records}
     diffs: dict[str, list[float]] = {"prefill": [], "decode": []}
+    after_idle: set[tuple[int, int, float]] = set()  # (run, engine, start) of each decode step paired below
     ids = [{r.request_id: r for r in run.requests} for run in runs]
     pairs = [(run, by_id, rid, pd) for run, by_id in zip(runs, ids) for rid, pd in run.engines.items()]
     for real, by_id, rid, (p, d) in pairs:
@@ -760,6 +763,7 @@ def _calibrate_roles(reals: Any, sim: Any, split: tuple[int, int]) -> dict[str, 
             a, b = _first_step_after(steps, tl["landed_s"]), _first_step_after(sim_steps, s.first_token_time)
             if a is not None and b is not None:
                 diffs["decode"].append(a["duration_s"] - b["duration_s"])
+                after_idle.add((id(real), d, a["start_s"]))
     out: dict[str, dict[str, Any]] = {}
     for role, count in (("prefill", split[0]), ("decode", split[1])):
         excess = statistics.median(diffs[role]) if diffs[role] else 0.0
@@ -774,7 +778,8 @@ def _calibrate_roles(reals: Any, sim: Any, split: tuple[int, int]) -> dict[str, 
             typical = {n: statistics.median(v) for n, v in modelled.items()}
             spread = [x["duration_s"] - typical[x["num_seqs"]] for real in runs for i in range(count)
                       for x in real.pools[f"decode{i}"]["steps"]
-                      if x["num_prefill_tokens"] == 0 and x["num_seqs"] in typical]  # fmt: skip
+                      if x["num_prefill_tokens"] == 0 and x["num_seqs"] in typical
+                      and (id(real), i, x["start_s"]) not in after_idle]  # fmt: skip
         shift = statistics.median(spread) if spread else 0.0
         out[role] = {"idle_step_s": max(excess, 0.0), "residual_quantiles_s": _quantiles(spread),
                      "noise_idle_step_s": max(excess - shift, 0.0), "num_paired": len(diffs[role])}  # fmt: skip

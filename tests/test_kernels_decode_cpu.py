@@ -1,6 +1,7 @@
 """The CPU paged decode op (``kernels/paged_decode_cpu.py``) against the fp32 references, on a vLLM-style grid, on every
-code path this CPU can run (the baseline, AVX2 and, on an AVX-512 machine, AVX-512); the backend built on it against
-the torch backend, eagerly and compiled; and the engine's greedy tokens with it against the torch backend's."""
+code path this CPU can run (the baseline, AVX2 and, on an AVX-512 machine, AVX-512); its prompt entry against PyTorch's
+causal SDPA; the backend built on it against the torch backend, eagerly and compiled; and the engine's greedy tokens
+with it against the torch backend's."""
 
 import re
 import shutil
@@ -13,6 +14,7 @@ from workbench.kernels.paged_decode_cpu import (
     available,
     default_isa,
     paged_decode_attention_cpu,
+    prompt_attention_cpu,
     supported_isas,
 )
 from workbench.kernels.reference import paged_decode_attention_quantized_reference, paged_decode_attention_reference
@@ -351,3 +353,67 @@ def test_a_built_op_is_loaded_from_its_versions_directory_without_building(tmp_p
     other = module.CppOp(op.name, changed, op.cflags, lambda: None)
     assert other.build_dir().parent == op.build_dir().parent and other.build_dir() != op.build_dir()
     assert module.CppOp(op.name, op.source, [*op.cflags, "-g"], lambda: None).build_dir() != op.build_dir()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads, kv_heads", NUM_HEADS)
+@pytest.mark.parametrize("head_size", [16, 24, 64, 80, 128])
+def test_prompt_attention_matches_causal_sdpa(isa, heads, kv_heads, head_size):
+    # whole prompts over their own K/V: PyTorch's causal SDPA per prompt (enable_gqa) is the peer. Lengths around the
+    # op's 16-key tiles and its query blocks (32 rows: 32 / group positions), K/V strided rows of one QKV tensor as the
+    # model passes them, the prompts after 3 rows that stay as they were
+    need_isa(isa)
+    gen = torch.Generator().manual_seed(heads * 1000 + kv_heads * 100 + head_size)
+    lens = [1, 15, 16, 17, 33, 70]
+    starts = [3 + sum(lens[:i]) for i in range(len(lens))]
+    t = 3 + sum(lens)
+    qkv = torch.randn(t, heads + 2 * kv_heads, head_size, generator=gen)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    scale = head_size**-0.5
+    ref = torch.full((t, heads, head_size), 7.0)
+    for s, n in zip(starts, lens):
+        rows = slice(s, s + n)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        ref[rows] = o[0].transpose(0, 1)
+    out = prompt_attention_cpu(q, k, v, starts, lens, scale, out=torch.full((t, heads, head_size), 7.0), isa=isa)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+
+
+def test_prompt_attention_rejects_bad_input():
+    q, kv = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
+    with pytest.raises(CpuKernelError, match="non-empty rows"):
+        prompt_attention_cpu(q, kv, kv, [0, 8], [4, 5], 0.25)
+    with pytest.raises(CpuKernelError, match="fp32"):
+        prompt_attention_cpu(q.bfloat16(), kv, kv, [0], [4], 0.25)
+    with pytest.raises(CpuKernelError, match="multiple of KVH"):
+        prompt_attention_cpu(torch.randn(10, 3, 16), kv, kv, [0], [4], 0.25)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa", "tiny-mqa"])
+def test_mixed_step_with_prompts_matches_torch_backend(preset):
+    # a chunked-prefill step as the model hands it over, its K/V written into the pool and given: two whole prompts
+    # (the prompt entry, one call), a chunk over a cached prefix (SDPA), decodes and a short chunk (the decode op);
+    # the torch backend reading everything from the pool is the peer
+    from workbench.kernels.reference import kv_write_reference
+
+    from workbench.model.cpu_backend import CpuAttentionBackend
+
+    cfg = ModelConfig.from_name(preset)
+    query_lens, seq_lens = [1, 40, 30, 5, 1, 21], [30, 40, 57, 21, 16, 21]
+    q, k_cache, v_cache, meta = _ragged_step(preset, query_lens, seq_lens, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(len(q), cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim, generator=gen)
+    k, v = qkv[:, cfg.num_heads : cfg.num_heads + cfg.num_kv_heads], qkv[:, cfg.num_heads + cfg.num_kv_heads :]
+    kv_write_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2, k, v)
+    ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
+    # the prompts' rows come from the step's K/V as given (not read back from the pool): other K/V change them only
+    moved = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2, k + 1.0, v)
+    prompt_rows = torch.zeros(len(q), dtype=torch.bool)
+    prompt_rows[1:41], prompt_rows[77:98] = True, True
+    assert not torch.allclose(moved[prompt_rows], out[prompt_rows])
+    assert torch.equal(moved[~prompt_rows], out[~prompt_rows])

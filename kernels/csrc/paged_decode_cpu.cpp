@@ -15,6 +15,7 @@
 //
 // The same body is compiled three times, for AVX-512, AVX2+FMA+F16C and the baseline x86-64 (GCC's target
 // attribute); the caller picks one per call (``isa``), and the Python side only offers what the CPU supports.
+// A second op, prompt_attention (at the end of the file), attends whole prompts over their own K/V.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include <omp.h>
 
 namespace {
 
@@ -79,24 +82,28 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 #define CV8(PTR) (*reinterpret_cast<const v8f*>(PTR))
 #define AI inline __attribute__((always_inline))
 
-// exp_neg on 8 lanes: n by the round-to-nearest of adding 1.5 * 2^23 (|x log2 e| <= 126 here), 2^n from the bits
-static AI v8f exp_neg8(v8f x) {
-  const v8f lowest = v8f{} - 87.0f;
+// exp_neg on a vector of lanes (8 or 16): n by the round-to-nearest of adding 1.5 * 2^23 (|x log2 e| <= 126 here),
+// 2^n from the bits
+template <typename VF, typename VI>
+static AI VF exp_neg_lanes(VF x) {
+  const VF lowest = VF{} - 87.0f;
   x = x < lowest ? lowest : x;
-  const v8f magic = v8f{} + 12582912.0f;
-  const v8f n = (x * 1.44269504088896341f + magic) - magic;
-  const v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  const VF magic = VF{} + 12582912.0f;
+  const VF n = (x * 1.44269504088896341f + magic) - magic;
+  const VF r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  VF p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8f two_n;
-  std::memcpy(&two_n, &bits, 32);
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  VF two_n;
+  std::memcpy(&two_n, &bits, sizeof(VF));
   return p * two_n;
 }
+
+static AI v8f exp_neg8(v8f x) { return exp_neg_lanes<v8f, v8i>(x); }
 
 // The next tile's rows (this task's KV heads, K and V) asked of memory one cache line at a time, a line for each 8
 // values of a row scored and each V row weighted, so the requests go out spread through this tile's work. One thread
@@ -556,6 +563,302 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out.to(q.scalar_type());
 }
 
+
+// ---- prompt attention: a whole prompt's queries against its own keys, causal (the step's K/V as written) --------
+// A chunk of a ragged step that is its sequence's whole context (a fresh prompt) attends to the step's K/V, which
+// the model has just computed (rows of its QKV projection, a per-token stride apart). Its work is a product, not a
+// stream: each key serves every later query. So a task takes a block of query positions of one KV head (the group's
+// query heads of each position: ~32 query rows, GQA without expanding K/V) and walks the keys up to its last position
+// in tiles of KT = NV x W keys (W the vector width: 16 floats on AVX-512, 8 on AVX2 and the baseline; NV vectors of
+// scores a row between two softmax updates: 2 on AVX-512, 1 elsewhere). K is transposed once per call into (tile, KV
+// head, D, KT) so that a tile's scores are NV vectors per query row, accumulated over D with the query's value
+// broadcast (8 rows at once: a register-blocked product, each K vector loaded once for 8 rows); the
+// causal mask on the diagonal tile, an online softmax per row, then o += p V with 2 rows x 4 vectors of accumulators,
+// V read where the step holds it (or padded when D is not a multiple of W). Tasks go out one at a time, the most
+// expensive (the last positions) first.
+
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+constexpr int64_t PROWS = 32;  // query rows (positions x the group's heads) a task scores against each tile
+
+// a vector's worth of floats at p, at any alignment (a template argument drops a typedef's aligned(4): the plain
+// dereference of a VF* would compile to an aligned load)
+template <typename VF>
+static AI VF loadv(const float* p) {
+  VF x;
+  std::memcpy(&x, p, sizeof(VF));
+  return x;
+}
+
+template <typename VF>
+static AI void storev(float* p, VF x) {
+  std::memcpy(p, &x, sizeof(VF));
+}
+
+// the lanes of a vector reduced by halving (W = 16 or 8): its two halves combined, down to 4 lanes
+typedef float v4f __attribute__((vector_size(16), aligned(4)));
+
+template <typename VF, int W>
+static AI v4f fold_max(VF x) {
+  if constexpr (W == 4) {
+    return x;
+  } else {
+    typedef float vh __attribute__((vector_size(W * 2)));
+    vh lo, hi;
+    std::memcpy(&lo, &x, W * 2);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + W * 2, W * 2);
+    return fold_max<vh, W / 2>(lo > hi ? lo : hi);
+  }
+}
+
+template <typename VF, int W>
+static AI v4f fold_sum(VF x) {
+  if constexpr (W == 4) {
+    return x;
+  } else {
+    typedef float vh __attribute__((vector_size(W * 2)));
+    vh lo, hi;
+    std::memcpy(&lo, &x, W * 2);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + W * 2, W * 2);
+    return fold_sum<vh, W / 2>(lo + hi);
+  }
+}
+
+template <typename VF, int W>
+static AI float lanes_max(VF x) {
+  const v4f c = fold_max<VF, W>(x);
+  return std::max(std::max(c[0], c[1]), std::max(c[2], c[3]));
+}
+
+template <typename VF, int W>
+static AI float lanes_sum(VF x) {
+  const v4f c = fold_sum<VF, W>(x);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+struct PromptArgs {
+  const float* q;  // (T, H, D), already scaled, contiguous
+  const float* k;  // (T, KVH, D) rows sk apart
+  const float* v;  // (T, KVH, D) rows sv apart
+  float* out;      // (T, H, D) rows so apart
+  const float* kt;  // K transposed per tile: (tiles, KVH, D, W), zeros past a prompt's end
+  const int64_t* starts;  // each prompt's first row in T
+  const int64_t* lens;
+  const int64_t* tile0;  // each prompt's first tile in kt
+  int64_t H, KVH, D, G, QB;
+  int64_t sq, sk, sv, so;
+};
+
+// one task: prompt c, KV head h, query positions [p0, p0 + QB). A tile holds KT = NV * W keys (NV vectors of scores
+// a row between two online-softmax updates). work: q and o (R8 x DP), a V tile (KT x DP), scores (R8 x KT), m and l
+// (R8); DP is D rounded up to a multiple of 16
+template <typename VF, typename VI, int W, int NV>
+static AI void prompt_task(const PromptArgs& a, int64_t c, int64_t h, int64_t p0, float* work) {
+  constexpr int64_t KT = NV * W;
+  const int64_t D = a.D, DP = (D + 15) / 16 * 16, G = a.G, L = a.lens[c], s0 = a.starts[c];
+  const int64_t np = std::min(a.QB, L - p0), R = np * G, R8 = (R + 7) / 8 * 8;
+  float* qs = work;
+  float* o = qs + R8 * DP;
+  float* vt = o + R8 * DP;
+  float* s = vt + KT * DP;
+  float* m = s + R8 * KT;
+  float* l = m + R8;
+  std::fill(qs, qs + 2 * R8 * DP, 0.0f);
+  for (int64_t i = 0; i < np; ++i)
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(qs + (i * G + g) * DP, a.q + (s0 + p0 + i) * a.sq + (h * G + g) * D, D * 4);
+  std::fill(m, m + R8, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + R8, 0.0f);
+  const int64_t kend = p0 + np;  // the keys the block's last position reads
+  const int64_t DV = (D + W - 1) / W * W;  // the values a V row is read in
+  for (int64_t j0 = 0; j0 < kend; j0 += KT) {
+    const int64_t n = std::min<int64_t>(KT, kend - j0);
+    const float* ktile = a.kt + ((a.tile0[c] + j0 / KT) * a.KVH + h) * D * KT;
+    const float* vrows = a.v + (s0 + j0) * a.sv + h * D;
+    int64_t vstride = a.sv;
+    if (D % W) {  // a padded copy, so that a row is whole vectors
+      for (int64_t jj = 0; jj < n; ++jj) {
+        std::memcpy(vt + jj * DP, vrows + jj * a.sv, D * 4);
+        std::fill(vt + jj * DP + D, vt + jj * DP + DP, 0.0f);
+      }
+      vrows = vt;
+      vstride = DP;
+    }
+    for (int64_t r = 0; r < R8; r += 8) {  // scores, 8 rows x NV vectors at once
+      VF acc[8][NV] = {};
+      const float* q0 = qs + r * DP;
+      for (int64_t d = 0; d < D; ++d) {
+        VF kv[NV];
+#pragma GCC unroll 2
+        for (int u = 0; u < NV; ++u) kv[u] = loadv<VF>(ktile + d * KT + u * W);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const float qv = q0[i * DP + d];
+#pragma GCC unroll 2
+          for (int u = 0; u < NV; ++u) acc[i][u] += qv * kv[u];
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i)
+#pragma GCC unroll 2
+        for (int u = 0; u < NV; ++u) storev<VF>(s + (r + i) * KT + u * W, acc[i][u]);
+    }
+    for (int64_t r = 0; r < R; ++r) {  // the causal mask, then the online softmax
+      const int64_t allowed = std::min(n, p0 + r / G - j0 + 1);  // keys j0 .. the row's position
+      float* sr = s + r * KT;
+      if (allowed <= 0) {  // the tile lies past this row's position: weight 0
+        std::fill(sr, sr + KT, 0.0f);
+        continue;
+      }
+      for (int64_t jj = allowed; jj < KT; ++jj) sr[jj] = -std::numeric_limits<float>::infinity();
+      VF x[NV];
+      VF mx = loadv<VF>(sr);
+      x[0] = mx;
+      for (int u = 1; u < NV; ++u) {
+        x[u] = loadv<VF>(sr + u * W);
+        mx = mx > x[u] ? mx : x[u];
+      }
+      const float m_new = std::max(m[r], lanes_max<VF, W>(mx));
+      VF sum = {};
+      for (int u = 0; u < NV; ++u) {
+        const VF e = exp_neg_lanes<VF, VI>(x[u] - m_new);
+        sum += e;
+        storev<VF>(sr + u * W, e);
+      }
+      const float corr = m[r] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_neg(m[r] - m_new);
+      l[r] = l[r] * corr + lanes_sum<VF, W>(sum);
+      m[r] = m_new;
+      if (corr != 1.0f)
+        for (int64_t d = 0; d < DV; d += W) storev<VF>(o + r * DP + d, loadv<VF>(o + r * DP + d) * corr);
+    }
+    for (int64_t r = R; r < R8; ++r) std::fill(s + r * KT, s + r * KT + KT, 0.0f);
+    for (int64_t r = 0; r < R; r += 2) {  // o += p V: 2 rows x up to 4 vectors at a time
+      for (int64_t c0 = 0; c0 < DV; c0 += 4 * W) {
+        const int64_t nv = std::min<int64_t>(4, (DV - c0) / W);
+        float* oa = o + r * DP + c0;
+        float* ob = oa + DP;
+        VF x[4], y[4];
+        for (int j = 0; j < 4; ++j) {
+          x[j] = j < nv ? loadv<VF>(oa + W * j) : VF{};
+          y[j] = j < nv ? loadv<VF>(ob + W * j) : VF{};
+        }
+        const float* pa = s + r * KT;
+        const float* pb = pa + KT;
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const float* vr = vrows + jj * vstride + c0;
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j)
+            if (j < nv) {
+              const VF vv = loadv<VF>(vr + W * j);
+              x[j] += pa[jj] * vv;
+              y[j] += pb[jj] * vv;
+            }
+        }
+        for (int j = 0; j < nv; ++j) {
+          storev<VF>(oa + W * j, x[j]);
+          storev<VF>(ob + W * j, y[j]);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < np; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      const float inv = 1.0f / l[r];  // the row's own key is always allowed: l > 0
+      float* dst = a.out + (s0 + p0 + i) * a.so + (h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = o[r * DP + d] * inv;
+    }
+}
+
+__attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void prompt_avx512(
+    const PromptArgs& a, int64_t c, int64_t h, int64_t p0, float* work) {
+  prompt_task<v16f, v16i, 16, 2>(a, c, h, p0, work);
+}
+
+__attribute__((noinline, target("avx2,fma,f16c"))) void prompt_avx2(const PromptArgs& a, int64_t c, int64_t h,
+                                                                    int64_t p0, float* work) {
+  prompt_task<v8f, v8i, 8, 1>(a, c, h, p0, work);
+}
+
+__attribute__((noinline)) void prompt_default(const PromptArgs& a, int64_t c, int64_t h, int64_t p0, float* work) {
+  prompt_task<v8f, v8i, 8, 1>(a, c, h, p0, work);
+}
+
+void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
+                      at::IntArrayRef starts, at::IntArrayRef lens, double scale, int64_t isa) {
+  TORCH_CHECK(isa_supported(isa), "prompt_attention: ISA ", isa, " is not supported by this CPU");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "prompt_attention: q, k, v, out 3-D");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &out})  // q: scaled into a copy
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "prompt_attention: fp32 rows of (heads, D) contiguous");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "prompt_attention: fp32 q");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), C = starts.size();
+  TORCH_CHECK(H % KVH == 0 && k.size(2) == D && v.sizes() == k.sizes() && out.sizes() == q.sizes() &&
+              k.size(0) == T && lens.size() == starts.size(), "prompt_attention: shapes");
+  const int64_t KT = isa == ISA_AVX512 ? 32 : 8;  // keys a tile: the path's vectors of scores x their width
+  std::vector<int64_t> tile0(C + 1, 0);
+  for (int64_t c = 0; c < C; ++c) {
+    TORCH_CHECK(lens[c] > 0 && starts[c] >= 0 && starts[c] + lens[c] <= T, "prompt_attention: prompt ", c);
+    tile0[c + 1] = tile0[c] + (lens[c] + KT - 1) / KT;
+  }
+  at::Tensor qs = q * scale;  // contiguous
+  at::Tensor ktb = at::zeros({tile0[C], KVH, D, KT}, q.options());
+  PromptArgs a{};
+  a.q = qs.data_ptr<float>();
+  a.k = k.data_ptr<float>();
+  a.v = v.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  a.kt = ktb.data_ptr<float>();
+  a.starts = starts.data();
+  a.lens = lens.data();
+  a.tile0 = tile0.data();
+  a.H = H;
+  a.KVH = KVH;
+  a.D = D;
+  a.G = H / KVH;
+  a.QB = std::max<int64_t>(1, PROWS / a.G);
+  a.sq = qs.stride(0);
+  a.sk = k.stride(0);
+  a.sv = v.stride(0);
+  a.so = out.stride(0);
+  float* kt = ktb.data_ptr<float>();
+  at::parallel_for(0, tile0[C] * KVH, 16, [&](int64_t begin, int64_t end) {  // K transposed, tile by tile
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t tile = t / KVH, h = t % KVH;
+      const int64_t c = std::upper_bound(tile0.begin(), tile0.end(), tile) - tile0.begin() - 1;
+      const int64_t j0 = (tile - tile0[c]) * KT, n = std::min(KT, lens[c] - j0);
+      float* dst = kt + t * D * KT;
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const float* kr = a.k + (starts[c] + j0 + jj) * a.sk + h * D;
+        for (int64_t d = 0; d < D; ++d) dst[d * KT + jj] = kr[d];
+      }
+    }
+  });
+  std::vector<int64_t> block_c, block_p;  // (prompt, first position) of every block of QB positions
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t p0 = 0; p0 < lens[c]; p0 += a.QB) {
+      block_c.push_back(c);
+      block_p.push_back(p0);
+    }
+  const int64_t tasks = static_cast<int64_t>(block_c.size()) * KVH;
+  const int64_t DP = (D + 15) / 16 * 16, R8 = (a.QB * a.G + 7) / 8 * 8;
+  const int64_t work_floats = 2 * R8 * DP + 32 * DP + R8 * 32 + 2 * R8;
+  // a block's cost grows with its position (causal): tasks are handed out one at a time, the last blocks first
+  // (at::parallel_for would give each thread one contiguous range: one thread the cheap half, the other the dear one)
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> work(work_floats);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = tasks - 1; t >= 0; --t) {
+      const int64_t b = t / KVH, h = t % KVH;
+      if (isa == ISA_AVX512) prompt_avx512(a, block_c[b], h, block_p[b], work.data());
+      else if (isa == ISA_AVX2) prompt_avx2(a, block_c[b], h, block_p[b], work.data());
+      else prompt_default(a, block_c[b], h, block_p[b], work.data());
+    }
+  }
+}
+
 bool cpu_supports(int64_t isa) { return isa_supported(isa); }
 
 }  // namespace
@@ -564,7 +867,12 @@ TORCH_LIBRARY(workbench_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cached_lens, "
       "Tensor? k_scale, Tensor? v_scale, Tensor? k_new, Tensor? v_new, float scale, int kind, int isa) -> Tensor");
+  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, int[] lens, float scale, "
+        "int isa) -> ()");
   m.def("cpu_supports(int isa) -> bool", &cpu_supports);
 }
 
-TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(workbench_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("prompt_attention", &prompt_attention);
+}

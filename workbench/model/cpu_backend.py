@@ -7,7 +7,9 @@ torch backend it only reads the pool during the step, so the same function runs 
 step's new K/V are written once afterwards by ``KVCache.write`` (``decode_writes_cache = False``). A ragged step
 (the model has written its K/V first) calls the same op for its short chunks, such as a speculative verify's
 ``k + 1`` tokens or the decodes beside a prefill chunk, one row per new token reading the pool up to its own
-position; longer chunks (prefill) attend through the torch backend's SDPA path.
+position; its whole prompts (fp32) through the op's prompt entry, over the step's K/V as the model wrote them
+(``kernels/paged_decode_cpu.py``, ``prompt_attention_cpu``); other long chunks (a chunk over a cached prefix) through
+the torch backend's SDPA path.
 """
 
 from __future__ import annotations
@@ -37,13 +39,20 @@ class CpuAttentionBackend:
     decode_writes_cache = False
 
     def __init__(self, isa: str | None = None) -> None:
-        from workbench.kernels.paged_decode_cpu import available, build_error, default_isa, paged_decode_cpu_op
+        from workbench.kernels.paged_decode_cpu import (
+            ISAS,
+            available,
+            build_error,
+            default_isa,
+            paged_decode_cpu_op,
+        )
 
         if not available():
             raise ConfigError(f"attention_backend 'cpu' needs the C++ decode op, which did not build here "
                               f"({build_error()}); use attention_backend 'torch'")  # fmt: skip
 
         self._decode = paged_decode_cpu_op
+        self._isas = ISAS
         self.isa = default_isa() if isa is None else isa
 
     def forward(
@@ -59,8 +68,10 @@ class CpuAttentionBackend:
         """A ragged step's short chunks (at most ``PAGED_MAX_QUERY_LEN`` new tokens: decodes, speculative verifies,
         short chunks) attend through the decode op, one row per new token over its sequence's blocks (the step's K/V
         are in the pool by now: a token at position ``p`` reads keys ``0 .. p``), the way a pure decode attends: all
-        of them in one call, also beside a long chunk (a chunked-prefill step's decodes). Longer chunks, and every
-        chunk of an int8/fp8 pool or of MLA, take the torch backend's SDPA path, one sequence at a time."""
+        of them in one call, also beside a long chunk (a chunked-prefill step's decodes). Longer chunks that are
+        their sequence's whole context (fresh prompts, fp32, the step's ``k``/``v`` given) attend through the op's
+        prompt entry, all in one call, over the step's K/V as written; the other longer chunks, and every chunk of an
+        int8/fp8 pool or of MLA, take the torch backend's SDPA path, one sequence at a time."""
         if not (
             isinstance(k_cache, torch.Tensor)  # a quantized pool's layer is a dequantizing view
             and k_cache.dtype == q.dtype
@@ -71,7 +82,21 @@ class CpuAttentionBackend:
             tables, num_keys = meta.token_rows()
             return self._decode(q, k_cache, v_cache, tables, num_keys, scale, None, None, None, None, self.isa)
         short, tables, num_keys, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
-        out = TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, k, v, seqs=long)
+        out = q.new_empty(q.shape)
+        # the prompt entry only where it is the faster: on the AVX-512 path (1.0-1.4x torch's flash SDPA at 25-250
+        # tokens, bench-300m's heads, 2-core Xeon); its AVX2 path ran at 0.7-0.9x (with SDPA's products still AVX-512)
+        fast = self.isa == "avx512" and q.dtype == torch.float32
+        prompts = long if fast and k is not None and v is not None else []
+        prompts = [i for i in prompts if meta.query_lens[i] == meta.seq_lens[i]]
+        if len(prompts) < len(long):
+            rest = [i for i in long if i not in prompts]
+            TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, k, v, seqs=rest, out=out)
+        if prompts:
+            starts = meta.cu_seqlens_q.tolist()
+            torch.ops.workbench_cpu.prompt_attention(
+                q, _rows(k), _rows(v), out, [starts[i] for i in prompts], [meta.query_lens[i] for i in prompts],
+                scale, self._isas[self.isa],
+            )  # fmt: skip
         if short.numel():
             out[short] = self._decode(q[short], k_cache, v_cache, tables, num_keys, scale, None, None, None, None,
                                       self.isa)  # fmt: skip
@@ -98,6 +123,12 @@ class CpuAttentionBackend:
             q, cache.k[layer], cache.v[layer], meta.block_tables, meta.positions, scale, k_scale, v_scale, k, v,
             self.isa,
         )  # fmt: skip
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (tokens, heads, D) with each token's heads side by side (what the prompt op reads, a row a token apart):
+    the model's views of its QKV projection are; anything else is copied."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 _DEFAULT: dict[str, object] = {}

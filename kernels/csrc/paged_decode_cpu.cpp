@@ -733,32 +733,31 @@ static AI void prompt_task(const PromptArgs& a, int64_t c, int64_t h, int64_t p0
         for (int64_t d = 0; d < DV; d += W) storev<VF>(o + r * DP + d, loadv<VF>(o + r * DP + d) * corr);
     }
     for (int64_t r = R; r < R8; ++r) std::fill(s + r * KT, s + r * KT + KT, 0.0f);
-    for (int64_t r = 0; r < R; r += 2) {  // o += p V: 2 rows x up to 4 vectors at a time
+    for (int64_t r = 0; r < R; r += 4) {  // o += p V: 4 rows x up to 4 vectors at a time (rows past R: weight 0)
       for (int64_t c0 = 0; c0 < DV; c0 += 4 * W) {
         const int64_t nv = std::min<int64_t>(4, (DV - c0) / W);
-        float* oa = o + r * DP + c0;
-        float* ob = oa + DP;
-        VF x[4], y[4];
-        for (int j = 0; j < 4; ++j) {
-          x[j] = j < nv ? loadv<VF>(oa + W * j) : VF{};
-          y[j] = j < nv ? loadv<VF>(ob + W * j) : VF{};
-        }
-        const float* pa = s + r * KT;
-        const float* pb = pa + KT;
+        VF acc[4][4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) acc[i][j] = j < nv ? loadv<VF>(o + (r + i) * DP + c0 + W * j) : VF{};
+        const float* p0r = s + r * KT;
         for (int64_t jj = 0; jj < n; ++jj) {
           const float* vr = vrows + jj * vstride + c0;
+          const float w0 = p0r[jj], w1 = p0r[KT + jj], w2 = p0r[2 * KT + jj], w3 = p0r[3 * KT + jj];
 #pragma GCC unroll 4
           for (int j = 0; j < 4; ++j)
             if (j < nv) {
               const VF vv = loadv<VF>(vr + W * j);
-              x[j] += pa[jj] * vv;
-              y[j] += pb[jj] * vv;
+              acc[0][j] += w0 * vv;
+              acc[1][j] += w1 * vv;
+              acc[2][j] += w2 * vv;
+              acc[3][j] += w3 * vv;
             }
         }
-        for (int j = 0; j < nv; ++j) {
-          storev<VF>(oa + W * j, x[j]);
-          storev<VF>(ob + W * j, y[j]);
-        }
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+          for (int j = 0; j < nv; ++j) storev<VF>(o + (r + i) * DP + c0 + W * j, acc[i][j]);
       }
     }
   }

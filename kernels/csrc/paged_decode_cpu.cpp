@@ -596,11 +596,12 @@ static AI void storev(float* p, VF x) {
   std::memcpy(p, &x, sizeof(VF));
 }
 
-// the lanes of a vector reduced by halving (W = 16 or 8): its two halves combined, down to 4 lanes
+// the lanes of a vector reduced by halving (W = 16 or 8): its two halves combined (the larger, or the sum), down to
+// 4 lanes, then those 4
 typedef float v4f __attribute__((vector_size(16), aligned(4)));
 
-template <typename VF, int W>
-static AI v4f fold_max(VF x) {
+template <typename VF, int W, bool MAX>
+static AI v4f fold(VF x) {
   if constexpr (W == 4) {
     return x;
   } else {
@@ -608,32 +609,20 @@ static AI v4f fold_max(VF x) {
     vh lo, hi;
     std::memcpy(&lo, &x, W * 2);
     std::memcpy(&hi, reinterpret_cast<const char*>(&x) + W * 2, W * 2);
-    return fold_max<vh, W / 2>(lo > hi ? lo : hi);
-  }
-}
-
-template <typename VF, int W>
-static AI v4f fold_sum(VF x) {
-  if constexpr (W == 4) {
-    return x;
-  } else {
-    typedef float vh __attribute__((vector_size(W * 2)));
-    vh lo, hi;
-    std::memcpy(&lo, &x, W * 2);
-    std::memcpy(&hi, reinterpret_cast<const char*>(&x) + W * 2, W * 2);
-    return fold_sum<vh, W / 2>(lo + hi);
+    if constexpr (MAX) return fold<vh, W / 2, MAX>(lo > hi ? lo : hi);
+    else return fold<vh, W / 2, MAX>(lo + hi);
   }
 }
 
 template <typename VF, int W>
 static AI float lanes_max(VF x) {
-  const v4f c = fold_max<VF, W>(x);
+  const v4f c = fold<VF, W, true>(x);
   return std::max(std::max(c[0], c[1]), std::max(c[2], c[3]));
 }
 
 template <typename VF, int W>
 static AI float lanes_sum(VF x) {
-  const v4f c = fold_sum<VF, W>(x);
+  const v4f c = fold<VF, W, false>(x);
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 

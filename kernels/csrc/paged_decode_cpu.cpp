@@ -581,6 +581,8 @@ typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 constexpr int64_t PROWS = 32;  // query rows (positions x the group's heads) a task scores against each tile
+constexpr int64_t PKT_AVX512 = 32;  // keys a tile on AVX-512: 2 vectors of 16 scores a row
+constexpr int64_t PKT_NARROW = 8;   // on AVX2 and the baseline: 1 vector of 8
 
 // a vector's worth of floats at p, at any alignment (a template argument drops a typedef's aligned(4): the plain
 // dereference of a VF* would compile to an aligned load)
@@ -761,16 +763,16 @@ static AI void prompt_task(const PromptArgs& a, int64_t c, int64_t h, int64_t p0
 
 __attribute__((noinline, target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void prompt_avx512(
     const PromptArgs& a, int64_t c, int64_t h, int64_t p0, float* work) {
-  prompt_task<v16f, v16i, 16, 2>(a, c, h, p0, work);
+  prompt_task<v16f, v16i, 16, PKT_AVX512 / 16>(a, c, h, p0, work);
 }
 
 __attribute__((noinline, target("avx2,fma,f16c"))) void prompt_avx2(const PromptArgs& a, int64_t c, int64_t h,
                                                                     int64_t p0, float* work) {
-  prompt_task<v8f, v8i, 8, 1>(a, c, h, p0, work);
+  prompt_task<v8f, v8i, 8, PKT_NARROW / 8>(a, c, h, p0, work);
 }
 
 __attribute__((noinline)) void prompt_default(const PromptArgs& a, int64_t c, int64_t h, int64_t p0, float* work) {
-  prompt_task<v8f, v8i, 8, 1>(a, c, h, p0, work);
+  prompt_task<v8f, v8i, 8, PKT_NARROW / 8>(a, c, h, p0, work);
 }
 
 void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
@@ -784,7 +786,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(1), C = starts.size();
   TORCH_CHECK(H % KVH == 0 && k.size(2) == D && v.sizes() == k.sizes() && out.sizes() == q.sizes() &&
               k.size(0) == T && lens.size() == starts.size(), "prompt_attention: shapes");
-  const int64_t KT = isa == ISA_AVX512 ? 32 : 8;  // keys a tile: the path's vectors of scores x their width
+  const int64_t KT = isa == ISA_AVX512 ? PKT_AVX512 : PKT_NARROW;  // keys a tile, as prompt_task's
   std::vector<int64_t> tile0(C + 1, 0);
   for (int64_t c = 0; c < C; ++c) {
     TORCH_CHECK(lens[c] > 0 && starts[c] >= 0 && starts[c] + lens[c] <= T, "prompt_attention: prompt ", c);
@@ -831,7 +833,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
   const int64_t tasks = static_cast<int64_t>(block_c.size()) * KVH;
   const int64_t DP = (D + 15) / 16 * 16, R8 = (a.QB * a.G + 7) / 8 * 8;
-  const int64_t work_floats = 2 * R8 * DP + 32 * DP + R8 * 32 + 2 * R8;
+  const int64_t work_floats = 2 * R8 * DP + KT * DP + R8 * KT + 2 * R8;
   // a block's cost grows with its position (causal): tasks are handed out one at a time, the last blocks first
   // (at::parallel_for would give each thread one contiguous range: one thread the cheap half, the other the dear one)
 #pragma omp parallel num_threads(at::get_num_threads())

@@ -40,19 +40,18 @@ class CpuAttentionBackend:
 
     def __init__(self, isa: str | None = None) -> None:
         from workbench.kernels.paged_decode_cpu import (
-            ISAS,
             available,
             build_error,
             default_isa,
             paged_decode_cpu_op,
+            prompt_attention_cpu_op,
         )
 
         if not available():
             raise ConfigError(f"attention_backend 'cpu' needs the C++ decode op, which did not build here "
                               f"({build_error()}); use attention_backend 'torch'")  # fmt: skip
 
-        self._decode = paged_decode_cpu_op
-        self._isas = ISAS
+        self._decode, self._prompts = paged_decode_cpu_op, prompt_attention_cpu_op
         self.isa = default_isa() if isa is None else isa
 
     def forward(
@@ -83,20 +82,17 @@ class CpuAttentionBackend:
             return self._decode(q, k_cache, v_cache, tables, num_keys, scale, None, None, None, None, self.isa)
         short, tables, num_keys, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
         out = q.new_empty(q.shape)
-        # the prompt entry only where it is the faster: on the AVX-512 path (1.0-1.4x torch's flash SDPA at 25-250
-        # tokens, bench-300m's heads, 2-core Xeon); its AVX2 path ran at 0.7-0.9x (with SDPA's products still AVX-512)
-        fast = self.isa == "avx512" and q.dtype == torch.float32
-        prompts = long if fast and k is not None and v is not None else []
-        prompts = [i for i in prompts if meta.query_lens[i] == meta.seq_lens[i]]
-        if len(prompts) < len(long):
-            rest = [i for i in long if i not in prompts]
+        # whole prompts through the prompt entry where it is the faster: on the AVX-512 path (1.1-1.6x torch's flash
+        # SDPA at 25-250 tokens, bench-300m's heads, 2-core Xeon); its AVX2 path ran at 0.7-0.9x of SDPA there
+        fast = self.isa == "avx512" and q.dtype == torch.float32 and k is not None and v is not None
+        prompts = [i for i in long if fast and meta.query_lens[i] == meta.seq_lens[i]]
+        rest = [i for i in long if i not in prompts]
+        if rest:
             TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, k, v, seqs=rest, out=out)
         if prompts:
             starts = meta.cu_seqlens_q.tolist()
-            torch.ops.workbench_cpu.prompt_attention(
-                q, _rows(k), _rows(v), out, [starts[i] for i in prompts], [meta.query_lens[i] for i in prompts],
-                scale, self._isas[self.isa],
-            )  # fmt: skip
+            self._prompts(q, k, v, out, [starts[i] for i in prompts], [meta.query_lens[i] for i in prompts], scale,
+                          self.isa)  # fmt: skip
         if short.numel():
             out[short] = self._decode(q[short], k_cache, v_cache, tables, num_keys, scale, None, None, None, None,
                                       self.isa)  # fmt: skip
@@ -123,12 +119,6 @@ class CpuAttentionBackend:
             q, cache.k[layer], cache.v[layer], meta.block_tables, meta.positions, scale, k_scale, v_scale, k, v,
             self.isa,
         )  # fmt: skip
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (tokens, heads, D) with each token's heads side by side (what the prompt op reads, a row a token apart):
-    the model's views of its QKV projection are; anything else is copied."""
-    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
 
 
 _DEFAULT: dict[str, object] = {}

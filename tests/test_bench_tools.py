@@ -60,6 +60,7 @@ def test_linear_engine_column_follows_the_packed_row_range(capsys, monkeypatch) 
     from workbench.model import packed
 
     monkeypatch.setattr(packed, "PACKED_MIN_WEIGHT", 0)
+    monkeypatch.setattr(packed, "PACKED_MIN_ROWS", packed.packed_min_rows("GenuineIntel"))  # 4 rows, any CPU
     out = run_json(capsys, ["bench", "linear", "--model", "tiny-gqa", "--rows", "3", "12", "17", "--repeats", "1",
                             "--threads", "1", "--json"])  # fmt: skip
     assert [r["engine_rows"] for r in out["rows"]] == [None, 12, 18]

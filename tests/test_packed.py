@@ -11,6 +11,7 @@ from workbench.kernels.testing import TOLERANCES
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
 from workbench.errors import ConfigError
+from workbench.hardware import cpu_vendor
 from workbench.model import quant
 from workbench.model.checkpoint import load_model
 from workbench.model.packed import (
@@ -20,7 +21,9 @@ from workbench.model.packed import (
     PackedLinear,
     count_packed,
     pack_linears,
+    packed_min_rows,
     packed_rows,
+    packed_slices,
     packing_available,
     plain_linears,
     unpack_linears,
@@ -142,8 +145,22 @@ def test_an_engine_over_a_model_of_small_matrices_packs_nothing_and_the_fit_has_
     assert count_packed(model) == 0
     assert engine_kernel_breaks(model) == () and warmup_token_counts(model) == (1, 2)
     pack_linears(model, 0)
-    assert engine_kernel_breaks(model) == (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1) == (4, 257)
-    assert warmup_token_counts(model) == (1, 2, 4, 257)
+    assert engine_kernel_breaks(model) == (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)
+    assert PACKED_MAX_ROWS + 1 == 257
+    assert warmup_token_counts(model) == ((1, 2, 4) if PACKED_MIN_ROWS == 4 else (1, 2))
+
+
+def test_a_product_above_the_largest_call_runs_in_slices():
+    # by hand: 256-row slices, the rest at its padded count (88 rows: a multiple of 8 from 64 on)
+    assert packed_slices(200) == [208] and packed_slices(256) == [256]  # 200: a multiple of 16 from 128 on
+    assert packed_slices(600) == [256, 256, 88] and packed_slices(512) == [256, 256] and packed_slices(257) == [256, 1]
+
+
+def test_packed_min_rows_by_vendor():
+    # 1-3 rows stay plain on Intel CPUs only (MKL's matrix-vector products), packed from 1 row on elsewhere
+    assert packed_min_rows("GenuineIntel") == 4
+    assert packed_min_rows("AuthenticAMD") == packed_min_rows("") == 1
+    assert packed_min_rows(cpu_vendor()) == PACKED_MIN_ROWS
 
 
 def test_packed_rows_are_few_and_pad_at_most_an_eighth():

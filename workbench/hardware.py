@@ -444,15 +444,26 @@ def get_hardware(name: str | HardwareSpec, device: str = "auto") -> HardwareSpec
 _MEASURED: dict[str, HardwareSpec] = {}
 
 
-def cpu_model_name() -> str:
-    """The CPU model string (from /proc/cpuinfo on Linux), or platform.processor() elsewhere."""
+def _cpuinfo_field(name: str) -> str | None:
+    """The first ``name`` line's value in /proc/cpuinfo (Linux), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
+            if line.lower().startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown-cpu"
+    return None
+
+
+def cpu_model_name() -> str:
+    """The CPU model string (from /proc/cpuinfo on Linux), or platform.processor() elsewhere."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string as /proc/cpuinfo gives it (``GenuineIntel``, ``AuthenticAMD``, ...), or "" where
+    the OS does not say."""
+    return _cpuinfo_field("vendor_id") or ""
 
 
 def physical_memory_bytes() -> int | None:

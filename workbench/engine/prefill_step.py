@@ -12,13 +12,13 @@ inputs: nothing about them reaches a guard, and inductor copies no pool (a write
 would make it copy). The step thus costs one compiled call instead of one eager pass through every layer's
 Python.
 
-The token count is a dynamic dimension. The ranges are what the graph is guarded on: dynamo specialises a count of
-1, and, in a model with a packed linear (``count_packed``: only weights of ``PACKED_MIN_WEIGHT`` elements or more
-are), its row range (``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``) splits the rest, so at most four graphs: 1, 2-3,
-4-256 and 257 or more tokens, two (1, 2 or more) without one (``warmup_token_counts`` holds one count of each). A
-range compiles at its first step, or all of them in ``warmup`` (on a scratch cache: the engine's pool is not
-written); ``compile_s`` keeps the seconds of each step that compiled. Inductor caches compiled code on disk
-(``workbench.engine.compile_cache``).
+The token count is a dynamic dimension. The ranges are what the graph is guarded on: dynamo specialises a count of 1,
+and, in a model with a packed linear (``count_packed``: only weights of ``PACKED_MIN_WEIGHT`` elements or more are), its
+first row count (``PACKED_MIN_ROWS``) splits the rest, so at most three graphs: 1, 2-3 and 4 or more tokens where
+packing starts at 4 rows (Intel CPUs), two (1, 2 or more) where it starts at 1 or nothing is packed
+(``warmup_token_counts`` holds one count of each). A range compiles at its first step, or all of them in ``warmup`` (on
+a scratch cache: the engine's pool is not written); ``compile_s`` keeps the seconds of each step that compiled. Inductor
+caches compiled code on disk (``workbench.engine.compile_cache``).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from workbench.config import ceil_div
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, build_metadata
-from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, count_packed
+from workbench.model.packed import PACKED_MIN_ROWS, count_packed
 from workbench.model.transformer import Attend, Transformer, ragged_attention
 from workbench.timing import now
 
 
 def warmup_token_counts(model: Transformer) -> tuple[int, ...]:
-    """One token count of each range the compiled graphs of ``model`` are guarded on: 1 and 2, and the packed row
-    range's two ends (``PACKED_MIN_ROWS``, ``PACKED_MAX_ROWS + 1``) when ``model`` holds a packed linear."""
-    return (1, 2, PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1) if count_packed(model) else (1, 2)
+    """One token count of each range the compiled graphs of ``model`` are guarded on: 1 and 2, and the packed
+    products' first row count (``PACKED_MIN_ROWS``) when ``model`` holds a packed linear."""
+    return tuple(sorted({1, 2, PACKED_MIN_ROWS})) if count_packed(model) else (1, 2)
 
 
 def num_compiled_graphs() -> int:

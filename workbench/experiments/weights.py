@@ -2,13 +2,13 @@
 CPU, timed interleaved (``workbench bench linear`` and ``bench quant-ops``).
 
 - ``linear_layouts``: plain ``F.linear`` against oneDNN-packed weights (``workbench.model.packed``) per row count,
-  one step's worth of matrices (each distinct shape of ``workbench.bench.linear_shapes`` once), and the product as
-  the engine runs it (``PackedLinear``: packed at ``packed_rows(rows)`` rows, the input padded with zero rows, from
-  ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``; plain outside them and for a weight below ``PACKED_MIN_WEIGHT``), the
-  three alternated, best of ``repeats``: where ``packed_speedup`` is above 1 the packed layout pays, which is what
-  ``PACKED_MIN_ROWS`` / ``PACKED_MAX_ROWS`` should bracket on the machine at hand; matrices that lose at every row
-  count should lie below ``PACKED_MIN_WEIGHT`` elements (they stay plain); ``engine_vs_best`` is what the engine's
-  choice and its padding cost against the faster layout at the exact row count.
+  one step's worth of matrices (each distinct shape of ``workbench.bench.linear_shapes`` once), and the product as the
+  engine runs it (``PackedLinear``: packed at ``packed_rows(rows)`` rows, the input padded with zero rows, from
+  ``PACKED_MIN_ROWS`` rows on, in slices of ``PACKED_MAX_ROWS``: ``packed_slices``; plain below it and for a weight
+  below ``PACKED_MIN_WEIGHT``), the three alternated, best of ``repeats``: where ``packed_speedup`` is above 1 the
+  packed layout pays, which is where ``PACKED_MIN_ROWS`` should start on the machine at hand; matrices that lose at
+  every row count should lie below ``PACKED_MIN_WEIGHT`` elements (they stay plain); ``engine_vs_best`` is what the
+  engine's choice and its padding cost against the faster layout at the exact row count.
 - ``gemm_peak``: the faster of the two at 512 rows, in FLOP/s: the fp32 compute ceiling of a prefill on this CPU that
   ``workbench bench vllm`` divides the offline set's FLOPs by.
 - ``quant_sweep``: one sweep of every matrix of the model (qkv, o, gate_up, down per layer, and the LM head) in each
@@ -55,7 +55,7 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
     ``packed_speedup`` (plain / packed time), ``engine_rows`` (the rows the engine's product runs at; None where it
     runs plain) and ``engine_vs_best`` (the faster layout's time / the engine's), the three alternated ``repeats``
     times."""
-    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, packed_rows, worth_packing
+    from workbench.model.packed import PACKED_MIN_ROWS, PackedLinear, packed_slices, worth_packing
 
     _check_onednn()
     if not rows_list or any(r < 1 for r in rows_list) or repeats < 1:
@@ -86,12 +86,12 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
             for name, run in runs.items():
                 best[name] = min(best[name], timed(run)[0])
         flops = linear_flops(cfg, rows)
-        in_range = any_packed and PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS
+        in_range = any_packed and rows >= PACKED_MIN_ROWS
         out.append({"rows": rows, "flops": flops, "plain_s": best["plain"], "packed_s": best["packed"],
                     "engine_s": best["engine"], "plain_gflops": flops / best["plain"] / 1e9,
                     "packed_gflops": flops / best["packed"] / 1e9, "engine_gflops": flops / best["engine"] / 1e9,
                     "packed_speedup": best["plain"] / best["packed"],
-                    "engine_rows": packed_rows(rows) if in_range else None,
+                    "engine_rows": sum(packed_slices(rows)) if in_range else None,
                     "engine_vs_best": min(best["plain"], best["packed"]) / best["engine"]})  # fmt: skip
     return out
 

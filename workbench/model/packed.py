@@ -19,8 +19,11 @@ breaks, the op profile's packed products, the warm-up of packed shapes, the comp
 follows the layers actually packed (``count_packed``), not ``EngineConfig.packed_linears`` alone.
 
 ``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
-quantization code are unchanged) and adds the packed copy, used for ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS``
-rows. The price is a second copy of every packed weight in memory; the bytes a product reads are one copy's.
+quantization code are unchanged) and adds the packed copy, used for products of ``PACKED_MIN_ROWS`` rows or more
+(4 on an Intel CPU, 1 on others: ``packed_min_rows``); a product of more than ``PACKED_MAX_ROWS`` rows runs in
+slices of that many (``packed_slices``), which on both machines measured is at least as fast as one call (oneDNN's
+packed product peaks near 256 rows, 224 GFLOP/s on the AMD EPYC against 209 at 4,096) and adds no shape. The price
+is a second copy of every packed weight in memory; the bytes a product reads are one copy's.
 
 oneDNN builds a primitive for every (matrix, rows) shape it is given and keeps it twice over: in its own primitive
 cache and in ideep's (1,024 entries each, by default), about 0.6 MiB a shape on torch 2.13 whatever the matrix
@@ -30,7 +33,7 @@ would end up holding ~0.6 MiB x 253 x (distinct matrices): a server's RSS rose f
 (``workbench bench soak --server``: +20% over 10,000 requests on tiny-gqa) and, past 1,024 shapes, evicted
 primitives were rebuilt (~0.5-3 ms each). So a product runs at ``packed_rows(rows)`` rows, the input padded with
 zero rows: its own count up to ``PACKED_EXACT_ROWS``, above that the next multiple of an eighth of its power-of-two
-octave (at most 1/8 more rows computed), 45 row counts from 4 to 256 in all, made once each.
+octave (at most 1/8 more rows computed), 48 row counts from 1 to 256 in all, made once each.
 
 Under ``torch.compile`` (the engine's compiled decode step) the packed product is the custom operator
 ``workbench::packed_linear``, which inductor calls as an opaque kernel: inductor's own lowering of
@@ -49,11 +52,14 @@ import torch
 from torch import nn
 
 from workbench.errors import ConfigError
+from workbench.hardware import cpu_vendor
 
 # workbench bench linear on the project's 2-core Intel Xeon (bench-300m's matrices, fp32, 2026-12-01, load
 # 1.3-3.3): packed / plain speed 0.90x at 1 row, 0.82x at 2, 1.37x at 4, 1.85x at 8, 1.26x at 32, 1.13x at 128,
-# 1.03x at 256 and 512, 1.03x at 1024
-PACKED_MIN_ROWS = 4
+# 1.03x at 256 and 512, 1.03x at 1024. On a 2-core AMD EPYC (Zen 4, AVX-512, 2026-12-05, load 0.1-1.0) torch's
+# plain product (MKL) is slower at every row count, most at a few rows: 1.45x at 1 row, 2.85x at 2, 4.71x at 4,
+# 3.14x at 16, 1.62x at 128, 1.48x at 256, 1.25x at 512, 1.13x at 4096. So an Intel CPU multiplies 1-3 rows
+# plain, any other from 1 row on (``packed_min_rows``).
 PACKED_MAX_ROWS = 256
 # one (in x out) matrix at a time, plain and packed alternated, best of 5 (AMD EPYC Zen 3, AVX2, 1 thread, torch
 # 2.13, fp32, 2026-12-04, load 1.5-1.8): packed / plain speed at 4 / 8 / 16 / 64 / 256 rows: 64x320 (20,480
@@ -67,6 +73,16 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 PACKED_EXACT_ROWS = 16  # up to this many rows a product runs at its own row count; above it, at a padded one
 
 
+def packed_min_rows(vendor: str) -> int:
+    """The fewest rows a packed product takes on a CPU of ``vendor`` (``workbench.hardware.cpu_vendor``): 4 on
+    Intel's, whose MKL matrix-vector products beat oneDNN's packed ones at 1-3 rows, 1 elsewhere (the measurements
+    above)."""
+    return 4 if vendor == "GenuineIntel" else 1
+
+
+PACKED_MIN_ROWS = packed_min_rows(cpu_vendor())
+
+
 def packed_rows(rows: int) -> int:
     """The row count a packed product of ``rows`` rows runs at (the module docstring): ``rows`` up to
     ``PACKED_EXACT_ROWS``, above it ``rows`` rounded up to a multiple of 1/8 of the power of two at or above it
@@ -77,10 +93,20 @@ def packed_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def packed_slices(rows: int) -> list[int]:
+    """The row counts of the oneDNN calls a packed product of ``rows`` rows makes: ``packed_rows(rows)`` up to
+    ``PACKED_MAX_ROWS``, above it slices of ``PACKED_MAX_ROWS`` rows and the rest at ``packed_rows`` of its count."""
+    full, rest = divmod(rows, PACKED_MAX_ROWS) if rows > PACKED_MAX_ROWS else (0, rows)
+    return [PACKED_MAX_ROWS] * full + ([packed_rows(rest)] if rest else [])
+
+
 def _packed_product(x2: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x2`` (rows, in) times the packed weight (+ bias), run at ``packed_rows(rows)`` rows (zero rows added, their
-    results dropped)."""
+    """``x2`` (rows, in) times the packed weight (+ bias), in the calls of ``packed_slices(rows)`` (zero rows added
+    to the last, their results dropped)."""
     rows = x2.shape[0]
+    if rows > PACKED_MAX_ROWS:
+        step = PACKED_MAX_ROWS
+        return torch.cat([_packed_product(x2[i : i + step], packed_weight, bias) for i in range(0, rows, step)])
     pad = packed_rows(rows) - rows
     if pad:
         x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
@@ -136,7 +162,7 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not PACKED_MIN_ROWS <= rows <= PACKED_MAX_ROWS or x.dtype != self.weight.dtype:
+        if rows < PACKED_MIN_ROWS or x.dtype != self.weight.dtype:
             return super().forward(x)
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         if torch.compiler.is_compiling():  # an opaque call in the graph (see the module's docstring)

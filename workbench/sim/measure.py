@@ -480,11 +480,11 @@ def refit_steps(record: Any, meta: dict | None = None, where: str = "steps") -> 
 
 
 def engine_kernel_breaks(model: Any) -> tuple[int, ...]:
-    """The token counts where the engine's dense layers switch kernels (``fit_profile``'s ``kernel_breaks``), from
-    what ``model`` (the net the measured engines ran) holds: with any oneDNN-packed layer (``workbench.model.packed``,
-    ``count_packed``), products of ``PACKED_MIN_ROWS`` to ``PACKED_MAX_ROWS`` rows run the packed kernel and the
-    others the plain one; none when nothing was packed (another device or dtype, packing off, or a model of small
-    matrices: ``PACKED_MIN_WEIGHT``)."""
+    """The token counts where the engine's dense layers switch kernels (``fit_profile``'s ``kernel_breaks``), from what
+    ``model`` (the net the measured engines ran) holds: with any oneDNN-packed layer (``workbench.model.packed``,
+    ``count_packed``), products of ``PACKED_MIN_ROWS`` rows or more run the packed kernel, one call more every
+    ``PACKED_MAX_ROWS`` rows (``packed_slices``), and the others the plain one; none when nothing was packed (another
+    device or dtype, packing off, or a model of small matrices: ``PACKED_MIN_WEIGHT``)."""
     from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, count_packed
 
     if not count_packed(model):

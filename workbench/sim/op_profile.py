@@ -38,7 +38,7 @@ product costs more inside a forward pass than timed alone, by more than a plain 
 2.13, tiny-gqa, load 5) a packed QKV projection at 4 rows took 47 us alone, an RMSNorm 31 us, the two in a row
 117 us (+39 us), against +12 us with the plain product at 3 rows; fitted to the engine's steps the term came out
 at 40 us a product, and the steps of 4 to 6 decodes, priced 15-19% low without it, 12-13% low with it (the
-projections switch to the packed product at ``PACKED_MIN_ROWS`` rows, so every step of 4 or more tokens pays it
+projections switch to the packed product at ``PACKED_MIN_ROWS`` rows, so every step of that many tokens or more pays it
 on all of them). Most of that extra comes with other processes on the cores: the same machine at load 1.1-1.5
 fitted 1.4 us a product (the steps of 4 decodes then 0.53 ms above those of 3, the summed operations 0.42 ms).
 The gap between steps, the extra
@@ -199,10 +199,10 @@ class OpProfileCostModel(ProfiledCostModel):
     """Step time = the sum of the step's operations (``op_times``) + the fitted overhead (``overhead_time``).
 
     ``ops``: one ``OpTable`` per operation of ``OPS_1D`` and ``OPS_2D``; ``num_layers``: the profiled model's;
-    ``max_key_slots``: the engine's padded-gather limit for a pure decode (batch x longest context);
-    ``overhead``: coefficients of ``OVERHEAD_FEATURES`` (missing ones 0); ``packed_products``: where the profiled
-    model's linears were oneDNN-packed, ``(min_rows, max_rows, per_layer, head)``: the row range the engine packs, the
-    packed products of a layer and whether the LM head is one (None: no packed products). The clock's host gap,
+    ``max_key_slots``: the engine's padded-gather limit for a pure decode (batch x longest context); ``overhead``:
+    coefficients of ``OVERHEAD_FEATURES`` (missing ones 0); ``packed_products``: where the profiled model's linears were
+    oneDNN-packed, ``(min_rows, max_rows, per_layer, head)``: the fewest rows the engine packs, the most in one call,
+    the packed products of a layer and whether the LM head is one (None: no packed products). The clock's host gap,
     idle-step excess and wake-up delay are ``ProfiledCostModel``'s; its linear coefficients stay empty.
     """
 
@@ -263,15 +263,16 @@ class OpProfileCostModel(ProfiledCostModel):
         return out
 
     def packed_calls(self, stats: StepStats) -> int:
-        """The oneDNN-packed products this step runs (``packed_products``): every layer's packed projections when
-        its token count is in the packed row range, the LM head when its sampled rows are; 0 for a profile of
-        plain linears."""
+        """The oneDNN-packed calls this step makes (``packed_products``): every layer's packed projections when its
+        token count is ``min_rows`` or more, the LM head when its sampled rows are, each one call per ``max_rows``
+        rows or part of it (``workbench.model.packed.packed_slices``); 0 for a profile of plain linears."""
         if self.packed_products is None:
             return 0
         lo, hi, per_layer, head = self.packed_products
         t = stats.prefill_tokens + stats.decode_seqs
         rows = stats.prefill_seqs + stats.decode_seqs + stats.spec_tokens  # the LM head's rows, as in op_times
-        return (per_layer * self.num_layers if lo <= t <= hi else 0) + (1 if head and lo <= rows <= hi else 0)
+        calls = per_layer * self.num_layers * (-(-t // hi) if t >= lo else 0)
+        return calls + (-(-rows // hi) if head and rows >= lo else 0)
 
     def overhead_features(self, stats: StepStats, ops_s: float) -> tuple[float, ...]:
         """The ``OVERHEAD_FEATURES`` of a step whose summed operations take ``ops_s``."""

@@ -83,9 +83,9 @@ def profile_ops(
     op profile file (``OP_PROFILE_FORMAT``) without its overhead and machine facts (``workbench profile-ops`` adds
     them). ``grids``: sizes per axis (``default_grids``). ``passes``: sweeps over every point, interleaved (each
     point once per pass); a point's median is the median of its passes' medians. ``packed_linears``: time the linear
-    layers (projections and LM head) as an engine with ``EngineConfig.packed_linears`` runs them (oneDNN-packed
-    weights from 4 to 256 rows, ``workbench.model.packed``, where the device and dtype allow it and for the weights
-    of at least ``PACKED_MIN_WEIGHT`` elements only); the profile records whether any was packed (and, if so,
+    layers (projections and LM head) as an engine with ``EngineConfig.packed_linears`` runs them (oneDNN-packed weights
+    from ``PACKED_MIN_ROWS`` rows on, ``workbench.model.packed``, where the device and dtype allow it and for the
+    weights of at least ``PACKED_MIN_WEIGHT`` elements only); the profile records whether any was packed (and, if so,
     ``packed_products``: the row range and the packed products of a layer and of the LM head, as packed, which the
     overhead fit prices per product; none for a model of small matrices), and ``measure_overhead`` runs its engine
     the same way. ``attention_backend``: an ``EngineConfig.attention_backend`` name, resolved as the engine resolves

@@ -28,9 +28,10 @@ query heads over 4 KV heads, head 64), a third of what a large product reaches t
 layer. The op takes blocks of query positions of one KV head (about 32 query rows: positions x the group's heads)
 against tiles of K transposed once per call (32 keys on AVX-512: two 16-lane vectors of scores a row; 8 keys on AVX2
 and the baseline), 8 rows register-blocked; an online softmax, then ``p V`` with V read in place; tasks handed out
-dearest first. PyTorch's causal SDPA is its reference in the tests, on every ISA path. The CPU backend calls it on the
-AVX-512 path only, where it measured faster than SDPA (1.1-1.6x a call; 23-26% less attention time on the offline
-set); its AVX2 path ran at 0.7-0.9x of SDPA on the same machine.
+dearest first. PyTorch's causal SDPA is its reference in the tests, on every ISA path. The CPU backend calls it where it
+measured faster than SDPA (``workbench.model.cpu_backend.prompt_op_isas``): on the Xeon its AVX-512 path (1.1-1.6x a
+call; 23-26% less attention time on the offline set) but not its AVX2 path (0.7-0.9x); on an AMD EPYC, where SDPA is
+several times slower, both.
 
 Built on first use with the machine's g++ (``torch.utils.cpp_extension.load``, cached under ``TORCH_EXTENSIONS_DIR``,
 one directory per version of the source: ``CppOp``) and registered as ``torch.ops.workbench_cpu.paged_decode`` with a

@@ -392,8 +392,9 @@ def test_prompt_attention_rejects_bad_input():
         prompt_attention_cpu(torch.randn(10, 3, 16), kv, kv, [0], [4], 0.25)
 
 
+@pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa", "tiny-mqa"])
-def test_mixed_step_with_prompts_matches_torch_backend(preset):
+def test_mixed_step_with_prompts_matches_torch_backend(preset, isa):
     # a chunked-prefill step as the model hands it over, its K/V written into the pool and given: two whole prompts
     # (the prompt entry, one call), a chunk over a cached prefix (SDPA), decodes and a short chunk (the decode op);
     # the torch backend reading everything from the pool is the peer
@@ -408,12 +409,20 @@ def test_mixed_step_with_prompts_matches_torch_backend(preset):
     qkv = torch.randn(len(q), cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim, generator=gen)
     k, v = qkv[:, cfg.num_heads : cfg.num_heads + cfg.num_kv_heads], qkv[:, cfg.num_heads + cfg.num_kv_heads :]
     kv_write_reference(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2, k, v)
+    backend = CpuAttentionBackend(isa)  # prompts through the prompt entry on the paths of prompt_op_isas, else SDPA
+    out = backend.forward(q, k_cache, v_cache, meta, 0.2, k, v)
     ref = TorchAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2)
     torch.testing.assert_close(out, ref, **TOLERANCES[torch.float32])
     # the prompts' rows come from the step's K/V as given (not read back from the pool): other K/V change them only
-    moved = CpuAttentionBackend().forward(q, k_cache, v_cache, meta, 0.2, k + 1.0, v)
+    moved = backend.forward(q, k_cache, v_cache, meta, 0.2, k + 1.0, v)
     prompt_rows = torch.zeros(len(q), dtype=torch.bool)
     prompt_rows[1:41], prompt_rows[77:98] = True, True
     assert not torch.allclose(moved[prompt_rows], out[prompt_rows])
     assert torch.equal(moved[~prompt_rows], out[~prompt_rows])
+
+
+def test_prompts_take_the_op_on_avx2_off_intel_only():
+    from workbench.model.cpu_backend import prompt_op_isas
+
+    assert prompt_op_isas("GenuineIntel") == ("avx512",)
+    assert prompt_op_isas("AuthenticAMD") == prompt_op_isas("") == ("avx512", "avx2")

@@ -140,8 +140,10 @@ def test_a_step_pays_each_packed_product_it_runs() -> None:
     four = StepStats(decode_seqs=4, decode_context=80, decode_max_context=20)
     ragged = StepStats(10, 1, 55, 10, 2, 40, 20)
     assert [cost.packed_calls(s) for s in (three, four, ragged)] == [0, 9, 8]
-    # 600 tokens (598 prompt + 2 decodes, 3 rows sampled): each of the 8 products in slices of 256, 256 and 88 rows
-    assert cost.packed_calls(StepStats(598, 1, 598 * 599 // 2, 598, 2, 40, 20)) == 8 * 3
+    # 600 tokens (598 prompt + 2 decodes, 3 rows sampled): each of the 8 products in calls of 512 and 88 rows; 512
+    # tokens in one call each
+    assert cost.packed_calls(StepStats(598, 1, 598 * 599 // 2, 598, 2, 40, 20)) == 8 * 2
+    assert cost.packed_calls(StepStats(510, 1, 510 * 511 // 2, 510, 2, 40, 20)) == 8
     assert [plain.packed_calls(s) for s in (three, four, ragged)] == [0, 0, 0]
     assert cost.step_time(three) == pytest.approx(plain.step_time(three))
     assert cost.step_time(four) - plain.step_time(four) == pytest.approx(9 * 40 * US)

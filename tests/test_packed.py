@@ -36,7 +36,7 @@ needs_onednn = pytest.mark.skipif(
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 512, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float64_product(rows, bias):
     gen = torch.Generator().manual_seed(rows)
@@ -150,10 +150,11 @@ def test_an_engine_over_a_model_of_small_matrices_packs_nothing_and_the_fit_has_
     assert warmup_token_counts(model) == ((1, 2, 4) if PACKED_MIN_ROWS == 4 else (1, 2))
 
 
-def test_a_product_above_the_largest_call_runs_in_slices():
-    # by hand: 256-row slices, the rest at its padded count (88 rows: a multiple of 8 from 64 on)
+def test_a_product_above_the_largest_call_runs_in_two_at_most():
+    # by hand: the largest multiple of 256 rows in one call, the rest at its padded count (88: a multiple of 8 from 64)
     assert packed_slices(200) == [208] and packed_slices(256) == [256]  # 200: a multiple of 16 from 128 on
-    assert packed_slices(600) == [256, 256, 88] and packed_slices(512) == [256, 256] and packed_slices(257) == [256, 1]
+    assert packed_slices(600) == [512, 88] and packed_slices(512) == [512] and packed_slices(257) == [256, 1]
+    assert packed_slices(4096) == [4096] and packed_slices(4100) == [4096, 4]
 
 
 def test_packed_min_rows_by_vendor():

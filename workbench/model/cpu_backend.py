@@ -1,13 +1,13 @@
 """The CPU paged attention backend: decode reads K/V where the pool holds them (``workbench.kernels.paged_decode_cpu``).
 
-Same protocol as ``TorchAttentionBackend`` (``workbench.model.attention``). A pure decode calls the C++ op over
-the block tables, with the step's new K/V (as the pool will hold them, ``KVCache.round_trip``) as each row's last
-key: no gather, no concatenation, no dequantized copy of an int8 or fp8 pool, GQA without expanded K/V. Like the
-torch backend it only reads the pool during the step, so the same function runs eagerly and compiled, and the
-step's new K/V are written once afterwards by ``KVCache.write`` (``decode_writes_cache = False``). A ragged step
-(the model has written its K/V first) calls the same op for its short chunks, such as a speculative verify's
-``k + 1`` tokens or the decodes beside a prefill chunk, one row per new token reading the pool up to its own
-position; its whole prompts (fp32) through the op's prompt entry, over the step's K/V as the model wrote them
+Same protocol as ``TorchAttentionBackend`` (``workbench.model.attention``). A pure decode calls the C++ op over the
+block tables, with the step's new K/V (as the pool will hold them, ``KVCache.round_trip``) as each row's last key: no
+gather, no concatenation, no dequantized copy of an int8 or fp8 pool, GQA without expanded K/V. Like the torch backend
+it only reads the pool during the step, so the same function runs eagerly and compiled, and the step's new K/V are
+written once afterwards by ``KVCache.write`` (``decode_writes_cache = False``). A ragged step (the model has written its
+K/V first) calls the same op for its short chunks, such as a speculative verify's ``k + 1`` tokens or the decodes beside
+a prefill chunk, one row per new token reading the pool up to its own position; its whole prompts (fp32) through the
+op's prompt entry where it beats SDPA (``prompt_op_isas``), over the step's K/V as the model wrote them
 (``kernels/paged_decode_cpu.py``, ``prompt_attention_cpu``); other long chunks (a chunk over a cached prefix) through
 the torch backend's SDPA path.
 """
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from workbench.errors import ConfigError
+from workbench.hardware import cpu_vendor
 from workbench.model.attention import TORCH_BACKEND, AttentionBackend, AttentionMetadata, DecodeMetadata
 
 if TYPE_CHECKING:
@@ -29,6 +30,15 @@ if TYPE_CHECKING:
 # gathering its sequence's K/V for SDPA: a speculative verify (k + 1 tokens) then attends as k + 1 decode rows.
 # Chosen to cover verifies of k <= 15, not tuned (a long chunk's SDPA reads each key once for all its queries).
 PAGED_MAX_QUERY_LEN = 16
+
+
+def prompt_op_isas(vendor: str) -> tuple[str, ...]:
+    """The op's ISA paths on which whole prompts attend through its prompt entry rather than PyTorch's SDPA, on a CPU
+    of ``vendor`` (``workbench.hardware.cpu_vendor``), bench-300m's heads, 25-250-token prompts, 2 threads: on the
+    Intel Xeon its AVX-512 path ran at 1.1-1.6x of SDPA and its AVX2 path at 0.69-0.94x; on the AMD EPYC (Zen 4)
+    SDPA itself is 2.6-5x slower (6.3 against 1.6 ms at 250 tokens) and both paths beat it (AVX-512 2.7-5.2x, AVX2
+    2.2-2.9x)."""
+    return ("avx512",) if vendor == "GenuineIntel" else ("avx512", "avx2")
 
 
 class CpuAttentionBackend:
@@ -53,6 +63,7 @@ class CpuAttentionBackend:
 
         self._decode, self._prompts = paged_decode_cpu_op, prompt_attention_cpu_op
         self.isa = default_isa() if isa is None else isa
+        self.prompt_op = self.isa in prompt_op_isas(cpu_vendor())
 
     def forward(
         self,
@@ -82,9 +93,8 @@ class CpuAttentionBackend:
             return self._decode(q, k_cache, v_cache, tables, num_keys, scale, None, None, None, None, self.isa)
         short, tables, num_keys, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
         out = q.new_empty(q.shape)
-        # whole prompts through the prompt entry where it is the faster: on the AVX-512 path (1.1-1.6x torch's flash
-        # SDPA at 25-250 tokens, bench-300m's heads, 2-core Xeon); its AVX2 path ran at 0.7-0.9x of SDPA there
-        fast = self.isa == "avx512" and q.dtype == torch.float32 and k is not None and v is not None
+        # whole prompts through the prompt entry where it is the faster (prompt_op_isas)
+        fast = self.prompt_op and q.dtype == torch.float32 and k is not None and v is not None
         prompts = [i for i in long if fast and meta.query_lens[i] == meta.seq_lens[i]]
         rest = [i for i in long if i not in prompts]
         if rest:

@@ -20,10 +20,9 @@ follows the layers actually packed (``count_packed``), not ``EngineConfig.packed
 
 ``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
 quantization code are unchanged) and adds the packed copy, used for products of ``PACKED_MIN_ROWS`` rows or more
-(4 on an Intel CPU, 1 on others: ``packed_min_rows``); a product of more than ``PACKED_MAX_ROWS`` rows runs in
-slices of that many (``packed_slices``), which on both machines measured is at least as fast as one call (oneDNN's
-packed product peaks near 256 rows, 224 GFLOP/s on the AMD EPYC against 209 at 4,096) and adds no shape. The price
-is a second copy of every packed weight in memory; the bytes a product reads are one copy's.
+(4 on an Intel CPU, 1 on others: ``packed_min_rows``); a product of more than ``PACKED_MAX_ROWS`` rows runs its
+largest multiple of ``PACKED_MAX_ROWS`` rows in one call and the rest in a second (``packed_slices``). The price is
+a second copy of every packed weight in memory; the bytes a product reads are one copy's.
 
 oneDNN builds a primitive for every (matrix, rows) shape it is given and keeps it twice over: in its own primitive
 cache and in ideep's (1,024 entries each, by default), about 0.6 MiB a shape on torch 2.13 whatever the matrix
@@ -33,7 +32,11 @@ would end up holding ~0.6 MiB x 253 x (distinct matrices): a server's RSS rose f
 (``workbench bench soak --server``: +20% over 10,000 requests on tiny-gqa) and, past 1,024 shapes, evicted
 primitives were rebuilt (~0.5-3 ms each). So a product runs at ``packed_rows(rows)`` rows, the input padded with
 zero rows: its own count up to ``PACKED_EXACT_ROWS``, above that the next multiple of an eighth of its power-of-two
-octave (at most 1/8 more rows computed), 48 row counts from 1 to 256 in all, made once each.
+octave (at most 1/8 more rows computed), 48 row counts from 1 to 256 in all, made once each; above 256 rows the
+multiples of 256 up to the largest step (16 more for a 4,096-token budget). Slicing a large product into 256-row
+calls instead would add no shape, but concatenating the slices' outputs copies them all once: 196 against 209
+GFLOP/s for one call at 4,096 rows (bench-300m's layer matrices, AMD EPYC, 2 threads, 2026-12-05), while the
+plain product ran at 180.
 
 Under ``torch.compile`` (the engine's compiled decode step) the packed product is the custom operator
 ``workbench::packed_linear``, which inductor calls as an opaque kernel: inductor's own lowering of
@@ -95,18 +98,22 @@ def packed_rows(rows: int) -> int:
 
 def packed_slices(rows: int) -> list[int]:
     """The row counts of the oneDNN calls a packed product of ``rows`` rows makes: ``packed_rows(rows)`` up to
-    ``PACKED_MAX_ROWS``, above it slices of ``PACKED_MAX_ROWS`` rows and the rest at ``packed_rows`` of its count."""
-    full, rest = divmod(rows, PACKED_MAX_ROWS) if rows > PACKED_MAX_ROWS else (0, rows)
-    return [PACKED_MAX_ROWS] * full + ([packed_rows(rest)] if rest else [])
+    ``PACKED_MAX_ROWS``; above it the largest multiple of ``PACKED_MAX_ROWS`` in one call and the rest, if any, at
+    ``packed_rows`` of its count."""
+    whole = rows - rows % PACKED_MAX_ROWS if rows > PACKED_MAX_ROWS else 0
+    return ([whole] if whole else []) + ([packed_rows(rows - whole)] if rows > whole else [])
 
 
 def _packed_product(x2: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x2`` (rows, in) times the packed weight (+ bias), in the calls of ``packed_slices(rows)`` (zero rows added
     to the last, their results dropped)."""
     rows = x2.shape[0]
-    if rows > PACKED_MAX_ROWS:
-        step = PACKED_MAX_ROWS
-        return torch.cat([_packed_product(x2[i : i + step], packed_weight, bias) for i in range(0, rows, step)])
+    whole = rows - rows % PACKED_MAX_ROWS if rows > PACKED_MAX_ROWS else 0
+    if whole and whole < rows:
+        return torch.cat([_packed_product(x2[:whole], packed_weight, bias),
+                          _packed_product(x2[whole:], packed_weight, bias)])  # fmt: skip
+    if whole:
+        return torch.ops.mkldnn._linear_pointwise(x2, packed_weight, bias, "none", [], "")
     pad = packed_rows(rows) - rows
     if pad:
         x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))

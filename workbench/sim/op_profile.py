@@ -264,15 +264,18 @@ class OpProfileCostModel(ProfiledCostModel):
 
     def packed_calls(self, stats: StepStats) -> int:
         """The oneDNN-packed calls this step makes (``packed_products``): every layer's packed projections when its
-        token count is ``min_rows`` or more, the LM head when its sampled rows are, each one call per ``max_rows``
-        rows or part of it (``workbench.model.packed.packed_slices``); 0 for a profile of plain linears."""
+        token count is ``min_rows`` or more, the LM head when its sampled rows are, each in two calls above ``max_rows``
+        rows unless a multiple of it (``workbench.model.packed.packed_slices``); 0 for a profile of plain linears."""
         if self.packed_products is None:
             return 0
         lo, hi, per_layer, head = self.packed_products
         t = stats.prefill_tokens + stats.decode_seqs
         rows = stats.prefill_seqs + stats.decode_seqs + stats.spec_tokens  # the LM head's rows, as in op_times
-        calls = per_layer * self.num_layers * (-(-t // hi) if t >= lo else 0)
-        return calls + (-(-rows // hi) if head and rows >= lo else 0)
+
+        def calls(n: int) -> int:  # packed_slices: a multiple of max_rows in one call, the rest in another
+            return 0 if n < lo else 1 if n <= hi else 1 + (n % hi != 0)
+
+        return per_layer * self.num_layers * calls(t) + (calls(rows) if head else 0)
 
     def overhead_features(self, stats: StepStats, ops_s: float) -> tuple[float, ...]:
         """The ``OVERHEAD_FEATURES`` of a step whose summed operations take ``ops_s``."""

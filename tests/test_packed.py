@@ -153,7 +153,7 @@ def test_an_engine_over_a_model_of_small_matrices_packs_nothing_and_the_fit_has_
 def test_a_product_above_the_largest_call_runs_in_two_at_most():
     # by hand: the largest multiple of 256 rows in one call, the rest at its padded count (88: a multiple of 8 from 64)
     assert packed_slices(200) == [208] and packed_slices(256) == [256]  # 200: a multiple of 16 from 128 on
-    assert packed_slices(600) == [512, 88] and packed_slices(512) == [512] and packed_slices(257) == [256, 1]
+    assert packed_slices(600) == [512, 88] and packed_slices(512) == [512] and packed_slices(257) == [256, 4]
     assert packed_slices(4096) == [4096] and packed_slices(4100) == [4096, 4]
 
 
@@ -166,11 +166,11 @@ def test_packed_min_rows_by_vendor():
 
 def test_packed_rows_are_few_and_pad_at_most_an_eighth():
     # by hand: exact up to 16, then multiples of 2 to 32, of 4 to 64, of 8 to 128, of 16 to 256
-    assert [packed_rows(r) for r in (4, 15, 16, 17, 18, 31, 33, 37, 64, 65, 129, 241, 256)] == [
-        4, 15, 16, 18, 18, 32, 36, 40, 64, 72, 144, 256, 256]  # fmt: skip
-    buckets = {packed_rows(r) for r in range(PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)}
-    assert len(buckets) == (PACKED_EXACT_ROWS - PACKED_MIN_ROWS + 1) + 4 * 8 and max(buckets) == PACKED_MAX_ROWS
-    assert all(r <= packed_rows(r) <= r * 9 / 8 for r in range(1, PACKED_MAX_ROWS + 1))
+    assert [packed_rows(r) for r in (1, 3, 4, 15, 16, 17, 18, 31, 33, 37, 64, 65, 129, 241, 256)] == [
+        4, 4, 4, 15, 16, 18, 18, 32, 36, 40, 64, 72, 144, 256, 256]  # fmt: skip
+    buckets = {packed_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}
+    assert len(buckets) == (PACKED_EXACT_ROWS - 4 + 1) + 4 * 8 and max(buckets) == PACKED_MAX_ROWS
+    assert all(r <= packed_rows(r) <= r * 9 / 8 for r in range(4, PACKED_MAX_ROWS + 1))
 
 
 def test_packed_linears_flag_is_a_bool():

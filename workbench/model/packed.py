@@ -32,7 +32,8 @@ would end up holding ~0.6 MiB x 253 x (distinct matrices): a server's RSS rose f
 (``workbench bench soak --server``: +20% over 10,000 requests on tiny-gqa) and, past 1,024 shapes, evicted
 primitives were rebuilt (~0.5-3 ms each). So a product runs at ``packed_rows(rows)`` rows, the input padded with
 zero rows: its own count up to ``PACKED_EXACT_ROWS``, above that the next multiple of an eighth of its power-of-two
-octave (at most 1/8 more rows computed), 48 row counts from 1 to 256 in all, made once each; above 256 rows the
+octave (at most 1/8 more rows computed), and 1-3 rows at 4 (``PACKED_PAD_ROWS``): 45 row counts from 4 to 256
+in all, made once each; above 256 rows the
 multiples of 256 up to the largest step (16 more for a 4,096-token budget). Slicing a large product into 256-row
 calls instead would add no shape, but concatenating the slices' outputs copies them all once: 196 against 209
 GFLOP/s for one call at 4,096 rows (bench-300m's layer matrices, AMD EPYC, 2 threads, 2026-12-05), while the
@@ -74,6 +75,10 @@ PACKED_MAX_ROWS = 256
 PACKED_MIN_WEIGHT = 300_000  # elements (in x out) a weight needs for pack_linears to pack it
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 PACKED_EXACT_ROWS = 16  # up to this many rows a product runs at its own row count; above it, at a padded one
+# fewer rows run padded to this many: oneDNN's packed product of 1 row (its matrix-vector path) is slower than of 4 at
+# the same bytes read (AMD EPYC, every matrix of bench-300m, 2026-12-05: 48.8 against 43.8 ms with 2 threads, 78.0
+# against 61.3 with 1; SmolLM2-135M 24.9 / 22.5 and 36.5 / 31.1 ms)
+PACKED_PAD_ROWS = 4
 
 
 def packed_min_rows(vendor: str) -> int:
@@ -87,11 +92,12 @@ PACKED_MIN_ROWS = packed_min_rows(cpu_vendor())
 
 
 def packed_rows(rows: int) -> int:
-    """The row count a packed product of ``rows`` rows runs at (the module docstring): ``rows`` up to
-    ``PACKED_EXACT_ROWS``, above it ``rows`` rounded up to a multiple of 1/8 of the power of two at or above it
-    (18, 20, ..., 32, then 36, 40, ..., 64, then 72, ...), so that few distinct shapes reach oneDNN."""
+    """The row count a packed product of ``rows`` rows runs at (the module docstring): 4 for 1-3 rows
+    (``PACKED_PAD_ROWS``), ``rows`` up to ``PACKED_EXACT_ROWS``, above it ``rows`` rounded up to a multiple of 1/8 of
+    the power of two at or above it (18, 20, ..., 32, then 36, 40, ..., 64, then 72, ...), so that few distinct
+    shapes reach oneDNN."""
     if rows <= PACKED_EXACT_ROWS:
-        return rows
+        return max(rows, PACKED_PAD_ROWS)
     step = 1 << ((rows - 1).bit_length() - 4)
     return -(-rows // step) * step
 

@@ -105,6 +105,7 @@ def test_linears_are_timed_and_replayed_as_the_engine_runs_them(
         return forward(self, x)
 
     monkeypatch.setattr(packed_mod.PackedLinear, "forward", spy)
+    monkeypatch.setattr(packed_mod, "PACKED_MIN_ROWS", packed_mod.packed_min_rows("GenuineIntel"))  # 4, any CPU
     grids = {"tokens": [1, 4], "rows": [4], "prompt_lens": [4], "contexts": [4], "batch_sizes": [1]}
     profile = profile_ops("tiny-gqa", "cpu", "fp32", grids=grids, warmup=0, max_repeats=3, progress=False, passes=1,
                           packed_linears=packed)  # fmt: skip
@@ -145,6 +146,7 @@ def test_the_profile_records_the_linears_really_packed(min_weight, expected, mon
         pytest.skip("this torch has no oneDNN")
     if min_weight is not None:
         monkeypatch.setattr(packed_mod, "PACKED_MIN_WEIGHT", min_weight)
+    monkeypatch.setattr(packed_mod, "PACKED_MIN_ROWS", packed_mod.packed_min_rows("GenuineIntel"))  # 4, any CPU
     grids = {"tokens": [1, 4], "rows": [4], "prompt_lens": [4], "contexts": [4], "batch_sizes": [1]}
     profile = profile_ops("tiny-gqa", "cpu", "fp32", grids=grids, warmup=0, max_repeats=3, progress=False, passes=1)
     assert profile["packed_linears"] is (expected is not None) and profile["packed_products"] == expected
@@ -201,6 +203,7 @@ def test_warm_packed_linears_calls_each_shape_once_at_every_packed_row_count(mon
 
     if not packing_available(torch.device("cpu"), torch.float32):
         pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(packed_mod, "PACKED_MIN_ROWS", packed_mod.packed_min_rows("GenuineIntel"))  # 4, any CPU
     net = load_model("tiny-gqa", seed=0)
     assert warm_packed_linears(net, 10, 6) == 0  # nothing packed yet
     packed_mod.pack_linears(net)

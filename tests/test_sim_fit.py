@@ -26,6 +26,9 @@ from workbench.sim.stats import StepStats
 DATA = Path(__file__).parent / "data" / "fit_steps_smollm2_amd_epyc_avx2.json"
 ZEN4 = Path(__file__).parent / "data" / "amd_epyc_zen4_2026-12-02"
 
+# the recorded steps' engines packed their linears from 4 rows on, on every CPU (before packed_min_rows)
+RECORDED_MIN_ROWS = 4
+
 
 def _recorded() -> tuple[list[StepStats], list[float], list[float], list[bool], list[float]]:
     data = json.loads(DATA.read_text())
@@ -73,13 +76,13 @@ def test_fit_quality_warns_of_a_biased_kind_of_step_and_of_a_coefficient_at_its_
 
 def test_refit_on_the_amd_epycs_recorded_steps_is_physical() -> None:
     """The acceptance test of issue 33: the engine's own steps (``tests/data``, its provenance inside), re-fitted
-    with the CPU engine's kernel breaks (packed linears from 4 rows on, ``workbench.model.packed``)."""
-    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS
+    with the kernel breaks of the CPU engine that recorded them (packed linears from 4 rows on, every CPU then)."""
+    from workbench.model.packed import PACKED_MAX_ROWS
     from workbench.sim.measure import engine_batched_decode
 
     stats, durations, gaps, idle, wakes = _recorded()
     knots = token_knots([s.num_tokens for s in stats])
-    breaks = (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)
+    breaks = (RECORDED_MIN_ROWS, PACKED_MAX_ROWS + 1)
     model = fit_profile(stats, durations, gaps, knots=knots, batched_decode=engine_batched_decode("cpu"),
                         after_idle=idle, wakes_s=wakes, kernel_breaks=breaks, bootstrap=30)  # fmt: skip
     c, fit = model.coefficients, model.meta["fit"]
@@ -94,7 +97,7 @@ def test_refit_on_the_amd_epycs_recorded_steps_is_physical() -> None:
     # the token curve rises within each kernel's range (its only fall is at the break to the packed kernel)
     tokens, seconds = model.token_curve
     for (t0, s0), (t1, s1) in zip(zip(tokens, seconds), zip(tokens[1:], seconds[1:])):
-        if not t0 < PACKED_MIN_ROWS <= t1:
+        if not t0 < RECORDED_MIN_ROWS <= t1:
             assert s1 >= s0 - 1e-12, (t0, t1)
     # the intervals are ordered
     for lo, mid, hi in [*fit["coefficient_ci"].values(), *fit["token_curve_ci"]]:
@@ -205,24 +208,24 @@ def test_refit_on_the_zen4_notebook_steps_is_physical() -> None:
 
 def test_the_zen4_fits_falling_curve_falls_at_the_packed_kernel_break() -> None:
     """The Zen 4 fidelity file's fitted token curve (d06804d: no monotonicity then) falls from 121 ms at 3 tokens to
-    47 ms at 4: that is the break to the packed linears (``PACKED_MIN_ROWS``; the file's engines ran them), and its
+    47 ms at 4: that is the break to the packed linears (``RECORDED_MIN_ROWS``; the file's engines ran them), and its
     other falls are noise-sized. Projected on today's form (steps that carry their token count alone, one per knot,
     timed as the file's curve) with the kernel breaks, the curve keeps that fall, rises within each segment and stays
     within 10% of the file's; without the breaks it cannot follow the plain kernel's 2-3 rows."""
-    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS
+    from workbench.model.packed import PACKED_MAX_ROWS
 
     profiled = json.loads((ZEN4 / "sim_fidelity.json").read_text())["cost_models"]["profiled"]
     assert all(c["packed_linears"] for c in profiled["meta"]["engine_configs"])
     tokens, seconds = profiled["token_curve"]["tokens"], profiled["token_curve"]["seconds"]
     falls = [(t0, t1, s1 / s0 - 1) for t0, t1, s0, s1 in zip(tokens, tokens[1:], seconds, seconds[1:]) if s1 < s0]
     worst = min(falls, key=lambda f: f[2])
-    assert worst[:2] == (PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS) and worst[2] < -0.5  # 120.6 -> 47.0 ms: -61%
+    assert worst[:2] == (RECORDED_MIN_ROWS - 1, RECORDED_MIN_ROWS) and worst[2] < -0.5  # 120.6 -> 47.0 ms: -61%
     assert all(f[2] > -0.10 for f in falls if f is not worst)  # 5 -> 6: -9.4%, the next largest
 
     stats = [StepStats(t) for t in tokens]
-    breaks = (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)
+    breaks = (RECORDED_MIN_ROWS, PACKED_MAX_ROWS + 1)
     projected = fit_profile(stats, seconds, knots=tokens, kernel_breaks=breaks, bootstrap=0).token_curve[1]
-    i = tokens.index(PACKED_MIN_ROWS)
+    i = tokens.index(RECORDED_MIN_ROWS)
     assert projected[:i] == pytest.approx(seconds[:i], rel=1e-9)  # 1-3 rows already rise: kept as they are
     assert projected[i] < projected[i - 1]
     assert all(b >= a - 1e-12 for j, (a, b) in enumerate(zip(projected, projected[1:])) if j + 1 != i)

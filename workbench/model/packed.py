@@ -26,18 +26,17 @@ a second copy of every packed weight in memory; the bytes a product reads are on
 
 oneDNN builds a primitive for every (matrix, rows) shape it is given and keeps it twice over: in its own primitive
 cache and in ideep's (1,024 entries each, by default), about 0.6 MiB a shape on torch 2.13 whatever the matrix
-(measured: 253 row counts of one 64 x 320 matrix, +154 MiB RSS; both caches at 0 or 1 entries, +2.5 MiB). An
-engine's token counts vary from step to step, so at every row count from 4 to 256 a model's handful of matrices
-would end up holding ~0.6 MiB x 253 x (distinct matrices): a server's RSS rose for as long as new counts came
-(``workbench bench soak --server``: +20% over 10,000 requests on tiny-gqa) and, past 1,024 shapes, evicted
-primitives were rebuilt (~0.5-3 ms each). So a product runs at ``packed_rows(rows)`` rows, the input padded with
-zero rows: its own count up to ``PACKED_EXACT_ROWS``, above that the next multiple of an eighth of its power-of-two
-octave (at most 1/8 more rows computed), and 1-3 rows at 4 (``PACKED_PAD_ROWS``): 45 row counts from 4 to 256
-in all, made once each; above 256 rows the
-multiples of 256 up to the largest step (16 more for a 4,096-token budget). Slicing a large product into 256-row
-calls instead would add no shape, but concatenating the slices' outputs copies them all once: 196 against 209
-GFLOP/s for one call at 4,096 rows (bench-300m's layer matrices, AMD EPYC, 2 threads, 2026-12-05), while the
-plain product ran at 180.
+(measured: 253 row counts of one 64 x 320 matrix, +154 MiB RSS; both caches at 0 or 1 entries, +2.5 MiB). An engine's
+token counts vary from step to step, so at every row count from 4 to 256 a model's handful of matrices would end up
+holding ~0.6 MiB x 253 x (distinct matrices): a server's RSS rose for as long as new counts came (``workbench bench soak
+--server``: +20% over 10,000 requests on tiny-gqa) and, past 1,024 shapes, evicted primitives were rebuilt (~0.5-3 ms
+each). So a product runs at ``packed_rows(rows)`` rows, the input padded with zero rows: its own count up to
+``PACKED_EXACT_ROWS``, above that the next multiple of an eighth of its power-of-two octave (at most 1/8 more rows
+computed), and 1-3 rows at 4 (``PACKED_PAD_ROWS``): 45 row counts from 4 to 256 in all, made once each; above 256 rows
+the multiples of 256 up to the largest step (16 more for a 4,096-token budget). Slicing a large product into 256-row
+calls instead would add no shape, but concatenating the slices' outputs copies them all once: 196 against 209 GFLOP/s
+for one call at 4,096 rows (bench-300m's layer matrices, AMD EPYC, 2 threads, 2026-12-05), while the plain product ran
+at 180.
 
 Under ``torch.compile`` (the engine's compiled decode step) the packed product is the custom operator
 ``workbench::packed_linear``, which inductor calls as an opaque kernel: inductor's own lowering of
@@ -113,18 +112,16 @@ def packed_slices(rows: int) -> list[int]:
 def _packed_product(x2: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x2`` (rows, in) times the packed weight (+ bias), in the calls of ``packed_slices(rows)`` (zero rows added
     to the last, their results dropped)."""
-    rows = x2.shape[0]
-    whole = rows - rows % PACKED_MAX_ROWS if rows > PACKED_MAX_ROWS else 0
-    if whole and whole < rows:
-        return torch.cat([_packed_product(x2[:whole], packed_weight, bias),
-                          _packed_product(x2[whole:], packed_weight, bias)])  # fmt: skip
-    if whole:
-        return torch.ops.mkldnn._linear_pointwise(x2, packed_weight, bias, "none", [], "")
-    pad = packed_rows(rows) - rows
-    if pad:
-        x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
-    y = torch.ops.mkldnn._linear_pointwise(x2, packed_weight, bias, "none", [], "")
-    return y[:rows] if pad else y
+    rows, done, parts = x2.shape[0], 0, []
+    for n in packed_slices(rows):
+        take = min(n, rows - done)
+        xs = x2 if take == rows else x2[done : done + take]
+        if n > take:  # the last call's zero rows
+            xs = torch.nn.functional.pad(xs, (0, 0, 0, n - take))
+        y = torch.ops.mkldnn._linear_pointwise(xs, packed_weight, bias, "none", [], "")
+        parts.append(y[:take] if n > take else y)
+        done += take
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @torch.library.custom_op("workbench::packed_linear", mutates_args=())

@@ -82,15 +82,20 @@ def test_quant_ops_bytes_by_hand(capsys) -> None:
 
 
 def test_attention_bytes_by_hand(capsys) -> None:
-    from workbench.kernels.paged_decode_cpu import supported_isas
+    from workbench.kernels.paged_decode_cpu import SCHEDULES, decode_schedule, supported_isas
+
+    from workbench.hardware import cpu_vendor
 
     if not supported_isas():
         pytest.skip("the CPU decode op did not build here")
     out = run_json(capsys, ["bench", "attention", "--model", "tiny-gqa", "--batch", "3", "--prompt-len", "20",
                             "--kv-cache-dtype", "auto", "int8", "--scattered", "--repeats", "2", "--threads", "1",
                             "--json"])  # fmt: skip
-    isas = supported_isas()
-    assert [(r["kv_cache_dtype"], r["isa"]) for r in out["rows"]] == [(kv, i) for kv in ("auto", "int8") for i in isas]
+    isas, mine = supported_isas(), decode_schedule(cpu_vendor())
+    other = next(s for s in SCHEDULES if s != mine)
+    paths = [(i, mine) for i in isas] + [(isas[-1], other)]  # every path on this CPU's schedule, the best on the other
+    got = [(r["kv_cache_dtype"], r["isa"], r["schedule"]) for r in out["rows"]]
+    assert got == [(kv, *path) for kv in ("auto", "int8") for path in paths]
     # tiny-gqa: 2 layers, 2 KV heads of 16; K and V of 3 sequences x 20 cached tokens, fp32 or int8 + an fp32 scale
     kv_bytes = {"auto": 3 * 20 * 2 * 2 * 2 * 16 * 4, "int8": 3 * 20 * 2 * 2 * 2 * (16 + 4)}
     for r in out["rows"]:

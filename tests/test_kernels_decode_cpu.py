@@ -10,8 +10,10 @@ import subprocess
 import pytest
 import torch
 from workbench.kernels.paged_decode_cpu import (
+    SCHEDULES,
     CpuKernelError,
     available,
+    decode_schedule,
     default_isa,
     paged_decode_attention_cpu,
     prompt_attention_cpu,
@@ -116,22 +118,23 @@ def test_every_fp8_code_decodes_exactly(isa):
 @pytest.mark.parametrize("num_heads", NUM_HEADS)
 @pytest.mark.parametrize("head_size", [20, 64])  # 20: each row ends in a partial chunk of 8 values (read padded)
 @pytest.mark.parametrize("threads", [1, 2])  # 1: a task per sequence (5 >= 4 per thread); 2: per (sequence, KV head)
-def test_decode_task_layouts_match_reference(isa, num_heads, head_size, threads):
+@pytest.mark.parametrize("schedule", list(SCHEDULES))  # the prefetch pace and fp32 head groups of each CPU vendor
+def test_decode_task_layouts_match_reference(isa, num_heads, head_size, threads, schedule):
     need_isa(isa)
     batch = batch_of(num_heads, head_size, 16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         out = paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                                         isa=isa)  # fmt: skip
+                                         isa=isa, schedule=schedule)  # fmt: skip
         kq, ks = quantize_kv_int8(batch.k_cache)
         vq, vs = quantize_kv_int8(batch.v_cache)
         args = (batch.q, kq, vq, batch.block_tables, batch.seq_lens)
-        out_int8 = paged_decode_attention_cpu(*args, k_scale=ks, v_scale=vs, isa=isa)
+        out_int8 = paged_decode_attention_cpu(*args, k_scale=ks, v_scale=vs, isa=isa, schedule=schedule)
         fs = (torch.tensor([0.01]), torch.tensor([0.02]))  # fp8 too: the rows' partial chunks through its conversion
         kf, vf = quantize_kv_fp8(batch.k_cache, fs[0]), quantize_kv_fp8(batch.v_cache, fs[1])
         fp8_args = (batch.q, kf, vf, batch.block_tables, batch.seq_lens)
-        out_fp8 = paged_decode_attention_cpu(*fp8_args, k_scale=fs[0], v_scale=fs[1], isa=isa)
+        out_fp8 = paged_decode_attention_cpu(*fp8_args, k_scale=fs[0], v_scale=fs[1], isa=isa, schedule=schedule)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(out, reference(batch), **TOLERANCES[torch.float32])
@@ -226,6 +229,15 @@ def test_rejects_bad_inputs():
     with pytest.raises(CpuKernelError, match="both k_new and v_new"):
         paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
                                    k_new=batch.k_cache[0, :5])  # fmt: skip
+    with pytest.raises(CpuKernelError, match="schedule 'fast' is not one of"):
+        paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                   schedule="fast")  # fmt: skip
+
+
+def test_decode_schedule_per_vendor():
+    assert decode_schedule("GenuineIntel") == "line-a-slot"
+    assert decode_schedule("AuthenticAMD") == "even"
+    assert decode_schedule("") == "even"  # a CPU that does not say
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])

@@ -6,12 +6,13 @@
 // table in tiles of at most TILE tokens; each tile's rows are found once, then per KV head read in place, 8 values
 // at a time into registers and converted there (fp32 as is, bf16 by a shift, int8 to its integers, fp8 e4m3 by bits):
 // nothing of the pool is copied or dequantized into memory, and the next tile's rows are prefetched a line at a
-// time through the tile's work. The group's query heads (GQA/MQA: num_heads / num_kv_heads) are scored together, up
-// to 3 heads x 4 rows of accumulators, so each converted row serves every head of the block (fp32 rows: one head x 8
-// rows); a quantized row's scale (int8: per token and head; fp8: the layer's) multiplies the dot product, not the
-// row. The scores go into an online softmax (running max, sum, exp on 8 lanes), and acc += p V the same way, the V
-// scale folded into the weight p, the heads' accumulators held in registers across the rows. The new token's K/V
-// (fp32), when given, are the last key.
+// time through the tile's work (NextTile: two schedules, the Xeon's and the AMD EPYC's). The group's query heads
+// (GQA/MQA: num_heads / num_kv_heads) are scored together, up to 3 heads x 4 rows of accumulators, so each converted
+// row serves every head of the block (fp32 rows: one head x 8 rows, or grouped too: head_block); a quantized row's
+// scale (int8: per token and head; fp8: the layer's) multiplies the dot product, not the row. The scores go into an
+// online softmax (running max, sum, exp on 8 lanes), and acc += p V the same way, the V scale folded into the weight
+// p, the heads' accumulators held in registers across the rows. The new token's K/V (fp32), when given, are the last
+// key.
 //
 // The same body is compiled three times, for AVX-512, AVX2+FMA+F16C and the baseline x86-64 (GCC's target
 // attribute); the caller picks one per call (``isa``), and the Python side only offers what the CPU supports.
@@ -73,6 +74,7 @@ struct Args {
   int64_t s_kb, s_kt, s_kh;  // pool strides in elements (block, token, head); the head dim is contiguous
   int64_t s_sb, s_st;        // int8 scale strides (block, token); the head is contiguous
   int64_t heads_per_task;    // KV heads one task walks together (all of a sequence's, or one)
+  bool even;                 // the schedule: NextTile's even spread and head_block's fp32 groups (else as on Intel)
 };
 
 // 8 floats: GCC's vector extension, lowered to one ymm register under AVX2/AVX-512, two xmm ones on the baseline
@@ -105,27 +107,47 @@ static AI VF exp_neg_lanes(VF x) {
 
 static AI v8f exp_neg8(v8f x) { return exp_neg_lanes<v8f, v8i>(x); }
 
-// The next tile's rows (this task's KV heads, K and V) asked of memory one cache line at a time, a line for each 8
-// values of a row scored and each V row weighted, so the requests go out spread through this tile's work. One thread
-// streams the pool at the rate of its outstanding misses (a handful of fill buffers a core): a burst of the whole
-// tile's lines at its start (768 for SmolLM2-135M's fp32 rows) held the core until the burst was served, and memory
-// and compute took turns. Measured on an AVX-512 Xeon (`workbench bench attention --model SmolLM2-135M --threads 1
-// --batch 32 --prompt-len 1024`, the burst's source and this one alternated): fp32 KV 151-153 ms (9.9-10.0 GB/s)
-// with the burst, 119-123 ms (12.3-12.7 GB/s) spread, where a plain read streams 15.6 GB/s; in a harness of source
-// variants at that shape, no software prefetch at all (the hardware prefetcher alone) read 9.6 GB/s, and a line per
-// two slots, or two per slot, was slower than one per slot.
+// The next tile's rows (this task's KV heads, K and V) asked of memory one cache line at a time, spread through this
+// tile's work: a slot at each 8 values of a row scored and each V row weighted. One thread streams the pool at the
+// rate of its outstanding misses (a handful of fill buffers a core): a burst of the whole tile's lines at its start
+// (768 for SmolLM2-135M's fp32 rows) held the core until the burst was served, and memory and compute took turns.
+// Two schedules (``Args::even``, ``SCHEDULES`` in kernels/paged_decode_cpu.py), each the faster where it was measured
+// (`workbench bench attention --model SmolLM2-135M --threads 1 --batch 32 --prompt-len 1024`, which times both):
+// - a line a slot, the lines left over at the tile's end (``even`` 0): on an AVX-512 Xeon fp32 KV 119-123 ms (12.3-12.7
+//   GB/s; a plain read streams 15.6 GB/s) against 151-153 with the burst, 9.6 GB/s with no software prefetch at all,
+//   slower at a line per two slots or two per slot;
+// - the lines spread evenly over the slots the previous whole tile took (``even`` 1; a line a slot until one has been
+//   counted): on an AMD EPYC (Zen 4) fp32 KV 99.0 ms (15.3 GB/s) against 126.3 (12.0) a line a slot, at batch 16 x
+//   2,048 96.8 against 119.2, int8 KV within the runs' spread, batch 2 the same. In variants of this file alternated
+//   in one process there, two lines a slot ran ahead of the tile where fp32 heads went one at a time (more slots than
+//   half the lines), and a burst at the tile's start, or the lines of one head at a time, read no faster than no
+//   prefetch at all (6.7-7.6 GB/s against 7.8).
 struct NextTile {
   const uint8_t* k[TILE];
   const uint8_t* v[TILE];
   int64_t rows = 0, row = 0, line = 0, lines = 0;  // lines: a row's K and V lines, alternating K, V
-  AI void step() {
-    if (row < rows) {
-      __builtin_prefetch((line & 1 ? v[row] : k[row]) + (line >> 1) * 64);
-      if (++line == lines) {
-        line = 0;
-        ++row;
-      }
+  bool even = false;
+  int64_t total = 0, slots = 0, credit = 0, counted = 0;  // even: this tile's lines, the last tile's slots
+  AI void one() {
+    __builtin_prefetch((line & 1 ? v[row] : k[row]) + (line >> 1) * 64);
+    if (++line == lines) {
+      line = 0;
+      ++row;
     }
+  }
+  AI void step() {
+    ++counted;
+    if (!even || slots == 0) {
+      if (row < rows) one();
+      return;
+    }
+    for (credit += total; credit >= slots && row < rows; credit -= slots) one();
+  }
+  // after a tile: what its work left, and (a whole tile) its slots, the pace of the next
+  AI void finish(bool whole) {
+    while (row < rows) one();
+    if (whole) slots = counted;
+    counted = 0;
   }
 };
 
@@ -292,21 +314,23 @@ static AI void pv_rows(const float* w, const uint8_t* const* rows, int64_t n, in
 }
 
 // query heads scored (and weighted) per block (GB): a converted row is shared by at most 3 (3 heads x 4 rows = 12
-// accumulators, of AVX2's 16 vector registers; 4 as 2 + 2); an fp32 row needs no conversion, and its heads go one at a
-// time, 8 rows at once (measured, batch 16 x context 2,048, 1 thread: the old per-head fp32 body 0.83x as fast at 3
-// heads x 4 rows, 1.12x at 1 head x 8 rows: more rows in flight from DRAM)
+// accumulators, of AVX2's 16 vector registers; 4 as 2 + 2). An fp32 row needs no conversion, and on the Xeon its heads
+// went faster one at a time, 8 rows at once (batch 16 x context 2,048, 1 thread: the old per-head fp32 body 0.83x as
+// fast at 3 heads x 4 rows, 1.12x at 1 head x 8 rows: more rows in flight from DRAM); on the AMD EPYC, with the even
+// prefetch, grouped (group_f32) when a task walks all of a sequence's KV heads (variants of this file alternated, batch
+// 32 x 1,024: 114 against 134 ms), one at a time when it walks one (batch 1-2: 8% faster)
 template <int KIND>
-static AI int head_block(int64_t left) {
-  if constexpr (KIND == KV_F32) return 1;
+static AI int head_block(int64_t left, bool group_f32) {
+  if (KIND == KV_F32 && !group_f32) return 1;
   return left >= 3 ? (left == 4 ? 2 : 3) : int(left);
 }
 
 // scores of the G heads (q: G rows of DP) against rows [0, n8) (n8 a multiple of 8; padding rows point at zeros)
 template <int KIND, int ISA>
 static AI void scores_tile(const float* q, int64_t G, int64_t DP, const uint8_t* const* rows, int64_t n8,
-                           int64_t NCF, int64_t tail, float* p, NextTile* next) {
+                           int64_t NCF, int64_t tail, float* p, NextTile* next, bool group_f32) {
   for (int64_t g = 0; g < G;) {
-    const int gb = head_block<KIND>(G - g);
+    const int gb = head_block<KIND>(G - g, group_f32);
     const float* qb = q + g * DP;
     float* pb = p + g * TILE;
     if (gb == 3)
@@ -331,9 +355,9 @@ static AI void pv_heads(const float* w, const uint8_t* const* rows, int64_t n, i
 
 template <int KIND, int ISA>
 static AI void pv_tile(const float* w, int64_t G, int64_t DP, const uint8_t* const* rows, int64_t n, int64_t NCF,
-                       int64_t tail, float* acc, NextTile* next) {
+                       int64_t tail, float* acc, NextTile* next, bool group_f32) {
   for (int64_t g = 0; g < G;) {
-    const int gb = head_block<KIND>(G - g);
+    const int gb = head_block<KIND>(G - g, group_f32);
     if (gb == 3) pv_heads<KIND, ISA, 3, 4>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP, next);
     else if (gb == 2) pv_heads<KIND, ISA, 2, 4>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP, next);
     else pv_heads<KIND, ISA, 1, 8>(w + g * TILE, rows, n, NCF, tail, acc + g * DP, DP, next);
@@ -347,10 +371,10 @@ static AI void pv_tile(const float* w, int64_t G, int64_t DP, const uint8_t* con
 template <int KIND, int ISA>
 static AI void attend_tile(const uint8_t* const* kr, const uint8_t* const* vr, const float* ksc, const float* vsc,
                            int64_t n, int64_t G, int64_t D, const float* q, float* acc, float* m, float* l, float* p,
-                           NextTile* next) {
+                           NextTile* next, bool group_f32) {
   constexpr bool SCALED = KIND == KV_INT8 || KIND == KV_FP8;
   const int64_t DP = (D + 7) / 8 * 8, NCF = D / 8, tail = D % 8, n8 = (n + 7) / 8 * 8;
-  scores_tile<KIND, ISA>(q, G, DP, kr, n8, NCF, tail, p, next);
+  scores_tile<KIND, ISA>(q, G, DP, kr, n8, NCF, tail, p, next, group_f32);
   for (int64_t g = 0; g < G; ++g) {
     float* pg = p + g * TILE;
     if constexpr (SCALED)
@@ -376,7 +400,7 @@ static AI void attend_tile(const uint8_t* const* kr, const uint8_t* const* vr, c
     if (corr != 1.0f)
       for (int64_t d = 0; d < DP; ++d) ag[d] *= corr;
   }
-  pv_tile<KIND, ISA>(p, G, DP, vr, n, NCF, tail, acc, next);
+  pv_tile<KIND, ISA>(p, G, DP, vr, n, NCF, tail, acc, next, group_f32);
 }
 
 // Attention of sequence b's KV heads [h0, h0 + a.heads_per_task), each with its G query rows, over a pool of KIND.
@@ -411,6 +435,8 @@ static AI void task_kind(const Args& a, int64_t b, int64_t h0, float* work) {
   const uint8_t* kr[TILE];
   const uint8_t* vr[TILE];
   NextTile next;
+  next.even = a.even;
+  const bool group_f32 = a.even && NH > 1;  // see head_block
   for (int64_t start = 0; start < n_cached; start += TILE) {
     const int64_t n = std::min(TILE, n_cached - start), n8 = (n + 7) / 8 * 8;
     int64_t logical = start / a.block_size, t = start % a.block_size;  // one division a tile
@@ -424,6 +450,8 @@ static AI void task_kind(const Args& a, int64_t b, int64_t h0, float* work) {
     next.rows = std::max<int64_t>(0, std::min(TILE, n_cached - start - TILE));
     next.row = next.line = 0;
     next.lines = 2 * ((NH * a.s_kh * ES + 63) / 64);
+    next.total = next.rows * next.lines;
+    next.credit = 0;
     for (int64_t i = 0, nl = logical, nt = t; i < next.rows; ++i) {
       const int64_t o = (table[nl] * a.s_kb + nt * a.s_kt + h0 * a.s_kh) * ES;
       next.k[i] = a.k + o;
@@ -443,9 +471,9 @@ static AI void task_kind(const Args& a, int64_t b, int64_t h0, float* work) {
           vsc[i] = a.v_scale[soff[i] + h];
         }
       attend_tile<KIND, ISA>(kr, vr, ksc, vsc, n, G, D, qg + hh * G * DP, acc + hh * G * DP, ml + hh * G,
-                        ml + NH * G + hh * G, p, &next);
+                        ml + NH * G + hh * G, p, &next, group_f32);
     }
-    while (next.row < next.rows) next.step();  // what the tile's work left
+    next.finish(n == TILE);
   }
   next.rows = 0;
   if (a.k_new) {  // the new token's K/V, the last key
@@ -455,7 +483,7 @@ static AI void task_kind(const Args& a, int64_t b, int64_t h0, float* work) {
       kr[0] = reinterpret_cast<const uint8_t*>(a.k_new + (b * a.KVH + h) * D);
       vr[0] = reinterpret_cast<const uint8_t*>(a.v_new + (b * a.KVH + h) * D);
       attend_tile<KV_F32, ISA>(kr, vr, nullptr, nullptr, 1, G, D, qg + hh * G * DP, acc + hh * G * DP, ml + hh * G,
-                          ml + NH * G + hh * G, p, &next);
+                          ml + NH * G + hh * G, p, &next, false);
     }
   }
   for (int64_t j = 0; j < NH * G; ++j) {
@@ -501,7 +529,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& block_tables, const at::Tensor& cached_lens,
                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                         const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new, double scale,
-                        int64_t kind, int64_t isa) {
+                        int64_t kind, int64_t isa, int64_t schedule) {
   TORCH_CHECK(isa_supported(isa), "paged_decode: ISA ", isa, " is not supported by this CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q (B, H, D), caches (blocks, bs, KVH, D)");
   TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1, "paged_decode: cache strides");
@@ -537,6 +565,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   a.lens = lens.data_ptr<int64_t>();
   a.out = out.data_ptr<float>();
   a.kind = kind;
+  a.even = schedule == 1;
   a.H = H;
   a.KVH = KVH;
   a.D = D;
@@ -856,7 +885,8 @@ bool cpu_supports(int64_t isa) { return isa_supported(isa); }
 TORCH_LIBRARY(workbench_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cached_lens, "
-      "Tensor? k_scale, Tensor? v_scale, Tensor? k_new, Tensor? v_new, float scale, int kind, int isa) -> Tensor");
+      "Tensor? k_scale, Tensor? v_scale, Tensor? k_new, Tensor? v_new, float scale, int kind, int isa, int schedule) "
+      "-> Tensor");
   m.def("prompt_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, int[] lens, float scale, "
         "int isa) -> ()");
   m.def("cpu_supports(int isa) -> bool", &cpu_supports);

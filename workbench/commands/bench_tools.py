@@ -246,10 +246,11 @@ def _attention(args: argparse.Namespace) -> tuple[dict, Any]:
     def table(o: dict) -> str:
         lines = [f"{o['model']} decode attention over its {cfg.num_layers} layers (blocks {o['blocks']}), "
                  f"{o['num_threads']} threads, {o['cpu']} (load {o['load_average']})",
-                 f"{'kv':>5s} {'batch':>5s} {'context':>7s} {'isa':>8s} {'median ms':>10s} {'min':>8s} {'max':>8s} "
-                 f"{'GB/s':>7s} {'vs best':>8s}"]  # fmt: skip
-        lines += [f"{r['kv_cache_dtype']:>5s} {r['batch']:5d} {r['context']:7d} {r['isa']:>8s} {r['median_ms']:10.2f} "
-                  f"{r['min_ms']:8.2f} {r['max_ms']:8.2f} {r['gb_per_s']:7.2f} {r['time_vs_best']:7.2f}x"
+                 f"{'kv':>5s} {'batch':>5s} {'context':>7s} {'isa':>8s} {'schedule':>11s} {'median ms':>10s} "
+                 f"{'min':>8s} {'max':>8s} {'GB/s':>7s} {'vs best':>8s}"]  # fmt: skip
+        lines += [f"{r['kv_cache_dtype']:>5s} {r['batch']:5d} {r['context']:7d} {r['isa']:>8s} {r['schedule']:>11s} "
+                  f"{r['median_ms']:10.2f} {r['min_ms']:8.2f} {r['max_ms']:8.2f} {r['gb_per_s']:7.2f} "
+                  f"{r['time_vs_best']:7.2f}x"
                   for r in o["rows"]]  # fmt: skip
         return "\n".join(lines)
 

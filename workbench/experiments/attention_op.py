@@ -33,10 +33,12 @@ def decode_attention_sweep(
     seed: int = 0,
     scattered: bool = False,
 ) -> list[dict[str, Any]]:
-    """Rows of (``kv_cache_dtype``, ``isa``): ``median_ms``/``min_ms``/``max_ms`` of one step's attention over all
-    layers, ``gb_per_s`` (KV bytes read at the median), ``time_vs_best`` (median over the fastest path's, same KV
-    dtype)."""
-    from workbench.kernels.paged_decode_cpu import supported_isas
+    """Rows of (``kv_cache_dtype``, ``isa``, ``schedule``): ``median_ms``/``min_ms``/``max_ms`` of one step's attention
+    over all layers, ``gb_per_s`` (KV bytes read at the median), ``time_vs_best`` (median over the fastest path's, same
+    KV dtype). Every code path runs the schedule of this CPU's vendor (``decode_schedule``), the best path the other
+    schedule too; all of them alternate, round by round."""
+    from workbench.hardware import cpu_vendor
+    from workbench.kernels.paged_decode_cpu import SCHEDULES, decode_schedule, supported_isas
     from workbench.kv.cache import KVCache
     from workbench.model.attention import build_decode_metadata
     from workbench.model.cpu_backend import CpuAttentionBackend
@@ -60,7 +62,12 @@ def decode_attention_sweep(
     q = torch.randn(batch, cfg.num_heads, d, generator=gen)
     k_new, v_new = torch.randn(batch, n_kv, d, generator=gen), torch.randn(batch, n_kv, d, generator=gen)
     scale = d**-0.5
-    backends = {isa: CpuAttentionBackend(isa) for isa in isas}
+    mine = decode_schedule(cpu_vendor())
+    paths = [(isa, mine) for isa in isas] + [(isas[-1], s) for s in SCHEDULES if s != mine]
+    backends = {}
+    for isa, schedule in paths:
+        backends[isa, schedule] = CpuAttentionBackend(isa)
+        backends[isa, schedule].schedule = schedule
 
     def step(backend: CpuAttentionBackend, cache: KVCache) -> float:
         t0 = now()
@@ -77,16 +84,17 @@ def decode_attention_sweep(
             cache.write(slots, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), layer=layer)
         for backend in backends.values():
             step(backend, cache)  # warm-up
-        times: dict[str, list[float]] = {isa: [] for isa in isas}
+        times: dict[tuple[str, str], list[float]] = {path: [] for path in paths}
         for r in range(repeats):
-            for isa in isas if r % 2 == 0 else isas[::-1]:
-                times[isa].append(step(backends[isa], cache))
+            for path in paths if r % 2 == 0 else paths[::-1]:
+                times[path].append(step(backends[path], cache))
         kv_bytes = batch * context * cfg.kv_bytes_per_token("fp32" if kv_dtype == "auto" else kv_dtype)
         best = min(statistics.median(t) for t in times.values())
-        for isa, t in times.items():
+        for (isa, schedule), t in times.items():
             med = statistics.median(t)
             rows.append({"kv_cache_dtype": kv_dtype, "batch": batch, "context": context, "isa": isa,
-                         "median_ms": med * 1e3, "min_ms": min(t) * 1e3, "max_ms": max(t) * 1e3, "kv_bytes": kv_bytes,
-                         "gb_per_s": kv_bytes / med / 1e9, "time_vs_best": med / best})  # fmt: skip
+                         "schedule": schedule, "median_ms": med * 1e3, "min_ms": min(t) * 1e3, "max_ms": max(t) * 1e3,
+                         "kv_bytes": kv_bytes, "gb_per_s": kv_bytes / med / 1e9,
+                         "time_vs_best": med / best})  # fmt: skip
         del cache  # this dtype's pools go before the next dtype's are made
     return rows

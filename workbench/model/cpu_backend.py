@@ -52,6 +52,7 @@ class CpuAttentionBackend:
         from workbench.kernels.paged_decode_cpu import (
             available,
             build_error,
+            decode_schedule,
             default_isa,
             paged_decode_cpu_op,
             prompt_attention_cpu_op,
@@ -64,6 +65,7 @@ class CpuAttentionBackend:
         self._decode, self._prompts = paged_decode_cpu_op, prompt_attention_cpu_op
         self.isa = default_isa() if isa is None else isa
         self.prompt_op = self.isa in prompt_op_isas(cpu_vendor())
+        self.schedule = decode_schedule(cpu_vendor())
 
     def forward(
         self,
@@ -90,7 +92,9 @@ class CpuAttentionBackend:
             return TORCH_BACKEND.forward(q, k_cache, v_cache, meta, scale, k, v)
         if meta.max_query_len <= PAGED_MAX_QUERY_LEN:
             tables, num_keys = meta.token_rows()
-            return self._decode(q, k_cache, v_cache, tables, num_keys, scale, None, None, None, None, self.isa)
+            return self._decode(
+                q, k_cache, v_cache, tables, num_keys, scale, None, None, None, None, self.isa, self.schedule
+            )
         short, tables, num_keys, long = meta.split_chunks(PAGED_MAX_QUERY_LEN)
         out = q.new_empty(q.shape)
         # whole prompts through the prompt entry where it is the faster (prompt_op_isas)
@@ -105,7 +109,7 @@ class CpuAttentionBackend:
                           self.isa)  # fmt: skip
         if short.numel():
             out[short] = self._decode(q[short], k_cache, v_cache, tables, num_keys, scale, None, None, None, None,
-                                      self.isa)  # fmt: skip
+                                      self.isa, self.schedule)  # fmt: skip
         return out
 
     def decode(
@@ -127,7 +131,7 @@ class CpuAttentionBackend:
         k_scale, v_scale = (cache.k_scale[layer], cache.v_scale[layer]) if cache.quantized else (None, None)
         return self._decode(
             q, cache.k[layer], cache.v[layer], meta.block_tables, meta.positions, scale, k_scale, v_scale, k, v,
-            self.isa,
+            self.isa, self.schedule,
         )  # fmt: skip
 
 

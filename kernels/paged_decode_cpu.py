@@ -45,6 +45,7 @@ plain-PyTorch path (the torch backend; ``workbench.kernels.reference`` is the fp
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -201,6 +202,14 @@ def decode_schedule(vendor: str) -> str:
     return "line-a-slot" if vendor == "GenuineIntel" else "even"
 
 
+@functools.cache
+def default_schedule() -> str:
+    """This CPU's schedule (``decode_schedule`` of its vendor), read from /proc/cpuinfo once per process."""
+    from workbench.hardware import cpu_vendor
+
+    return decode_schedule(cpu_vendor())
+
+
 def default_isa() -> str:
     """The best code path here (``WORKBENCH_CPU_ISA`` forces one of ``supported_isas()``)."""
     return pick_isa(supported_isas())
@@ -224,16 +233,13 @@ def paged_decode_attention_cpu(
 
     Same op as ``reference.paged_decode_attention_reference`` (and, with scales, the quantized reference);
     ``isa`` one of ``supported_isas()`` (default ``default_isa()``), ``schedule`` one of ``SCHEDULES`` (default
-    ``decode_schedule`` of this CPU's vendor)."""
+    ``default_schedule()``)."""
     if not available():
         raise CpuKernelError(f"the CPU decode op could not be built ({build_error()}); use the torch backend")
     isa = default_isa() if isa is None else isa
     if isa not in supported_isas():
         raise CpuKernelError(f"isa {isa!r} is not supported on this CPU; use one of {supported_isas()}")
-    if schedule is None:
-        from workbench.hardware import cpu_vendor
-
-        schedule = decode_schedule(cpu_vendor())
+    schedule = default_schedule() if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise CpuKernelError(f"schedule {schedule!r} is not one of {list(SCHEDULES)}")
     if q.device.type != "cpu" or k_cache.device.type != "cpu":

@@ -25,6 +25,7 @@ from workbench.kernels.testing import TOLERANCES, random_block_tables, random_pa
 from workbench.config import ModelConfig
 from workbench.engine.config import EngineConfig
 from workbench.engine.engine import Engine
+from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache, quantize_kv_fp8, quantize_kv_int8
 from workbench.model.attention import TorchAttentionBackend, build_decode_metadata, build_metadata
 from workbench.model.transformer import Transformer
@@ -232,6 +233,10 @@ def test_rejects_bad_inputs():
     with pytest.raises(CpuKernelError, match="schedule 'fast' is not one of"):
         paged_decode_attention_cpu(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
                                    schedule="fast")  # fmt: skip
+    from workbench.model.cpu_backend import CpuAttentionBackend
+
+    with pytest.raises(ConfigError, match="schedule 'fast' is not one of"):
+        CpuAttentionBackend(schedule="fast")
 
 
 def test_decode_schedule_per_vendor():

@@ -35,10 +35,9 @@ def decode_attention_sweep(
 ) -> list[dict[str, Any]]:
     """Rows of (``kv_cache_dtype``, ``isa``, ``schedule``): ``median_ms``/``min_ms``/``max_ms`` of one step's attention
     over all layers, ``gb_per_s`` (KV bytes read at the median), ``time_vs_best`` (median over the fastest path's, same
-    KV dtype). Every code path runs the schedule of this CPU's vendor (``decode_schedule``), the best path the other
+    KV dtype). Every code path runs this CPU's schedule (``default_schedule``), the best path the other
     schedule too; all of them alternate, round by round."""
-    from workbench.hardware import cpu_vendor
-    from workbench.kernels.paged_decode_cpu import SCHEDULES, decode_schedule, supported_isas
+    from workbench.kernels.paged_decode_cpu import SCHEDULES, default_schedule, supported_isas
     from workbench.kv.cache import KVCache
     from workbench.model.attention import build_decode_metadata
     from workbench.model.cpu_backend import CpuAttentionBackend
@@ -62,12 +61,9 @@ def decode_attention_sweep(
     q = torch.randn(batch, cfg.num_heads, d, generator=gen)
     k_new, v_new = torch.randn(batch, n_kv, d, generator=gen), torch.randn(batch, n_kv, d, generator=gen)
     scale = d**-0.5
-    mine = decode_schedule(cpu_vendor())
+    mine = default_schedule()
     paths = [(isa, mine) for isa in isas] + [(isas[-1], s) for s in SCHEDULES if s != mine]
-    backends = {}
-    for isa, schedule in paths:
-        backends[isa, schedule] = CpuAttentionBackend(isa)
-        backends[isa, schedule].schedule = schedule
+    backends = {path: CpuAttentionBackend(*path) for path in paths}
 
     def step(backend: CpuAttentionBackend, cache: KVCache) -> float:
         t0 = now()

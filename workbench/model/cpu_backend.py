@@ -42,18 +42,20 @@ def prompt_op_isas(vendor: str) -> tuple[str, ...]:
 
 
 class CpuAttentionBackend:
-    """Paged decode with the C++ op of ``kernels/paged_decode_cpu.py`` (``isa``: its code path, default the best)."""
+    """Paged decode with the C++ op of ``kernels/paged_decode_cpu.py`` (``isa``: its code path, default the best;
+    ``schedule``: its prefetch schedule, default this CPU's)."""
 
     name = "cpu"
     gathers = False
     decode_writes_cache = False
 
-    def __init__(self, isa: str | None = None) -> None:
+    def __init__(self, isa: str | None = None, schedule: str | None = None) -> None:
         from workbench.kernels.paged_decode_cpu import (
+            SCHEDULES,
             available,
             build_error,
-            decode_schedule,
             default_isa,
+            default_schedule,
             paged_decode_cpu_op,
             prompt_attention_cpu_op,
         )
@@ -63,9 +65,11 @@ class CpuAttentionBackend:
                               f"({build_error()}); use attention_backend 'torch'")  # fmt: skip
 
         self._decode, self._prompts = paged_decode_cpu_op, prompt_attention_cpu_op
+        if schedule is not None and schedule not in SCHEDULES:
+            raise ConfigError(f"CPU decode schedule {schedule!r} is not one of {list(SCHEDULES)}")
         self.isa = default_isa() if isa is None else isa
         self.prompt_op = self.isa in prompt_op_isas(cpu_vendor())
-        self.schedule = decode_schedule(cpu_vendor())
+        self.schedule = default_schedule() if schedule is None else schedule
 
     def forward(
         self,

@@ -28,6 +28,7 @@ import threading
 import torch
 
 from workbench.config import ceil_div
+from workbench.device import graph_op
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, build_metadata
@@ -61,8 +62,7 @@ class _InFlight(threading.local):
 _IN_FLIGHT = _InFlight()
 
 
-@torch.library.custom_op("workbench::ragged_attend", mutates_args=())
-def ragged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _attend_in_flight(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """Layer ``layer``'s attention in the step in flight, an opaque operator of the compiled ragged step: it writes
     the step's K/V into the pool and attends (``transformer.ragged_attention``, set by ``PrefillStep``). The
     pool and the metadata are not graph inputs, so no token count, block table or pool shape reaches a guard, and
@@ -70,13 +70,16 @@ def ragged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     return _IN_FLIGHT.attend[-1](layer, q, k, v, scale)
 
 
-@ragged_attend.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])  # (T, heads, dv): dv < d for MLA's latent
+ragged_attend = graph_op(
+    "workbench::ragged_attend",
+    "(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor",
+    _attend_in_flight,
+    lambda q, k, v, layer, scale: q.new_empty(q.shape[0], q.shape[1], v.shape[2]),  # dv < d for MLA's latent
+)
 
 
 def _graph_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.ops.workbench.ragged_attend(q, k, v, layer, scale)
+    return ragged_attend(q, k, v, layer, scale)
 
 
 def _ragged_body(model: Transformer, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

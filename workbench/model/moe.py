@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workbench.config import ModelConfig
+from workbench.device import graph_op
 from workbench.model.layers import SwiGLU
 
 
@@ -83,18 +84,14 @@ def grouped_experts(
     return out
 
 
-@torch.library.custom_op("workbench::moe_experts", mutates_args=())
-def moe_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
-) -> torch.Tensor:
-    """``grouped_experts`` as one operator of a compiled step (its loop runs over the experts the batch routes to,
-    which no graph can trace without a guard on the routing)."""
-    return grouped_experts(x, weights, ids, w_gate_up, w_down)
-
-
-@moe_experts.register_fake
-def _(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor):
-    return torch.empty_like(x)
+# ``grouped_experts`` as one operator of a compiled step (its loop runs over the experts the batch routes to, which no
+# graph can trace without a guard on the routing)
+moe_experts = graph_op(
+    "workbench::moe_experts",
+    "(Tensor x, Tensor weights, Tensor ids, Tensor w_gate_up, Tensor w_down) -> Tensor",
+    grouped_experts,
+    lambda x, weights, ids, w_gate_up, w_down: torch.empty_like(x),
+)
 
 
 class MoE(nn.Module):

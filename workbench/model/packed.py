@@ -54,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from workbench.device import graph_op
 from workbench.errors import ConfigError
 from workbench.hardware import cpu_vendor
 
@@ -124,19 +125,13 @@ def _packed_product(x2: torch.Tensor, packed_weight: torch.Tensor, bias: torch.T
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-@torch.library.custom_op("workbench::packed_linear", mutates_args=())
-def packed_linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    """``x`` (rows, in) times a weight packed by ``_reorder_linear_weight`` (+ bias): (rows, ``out_features``)."""
-    return _packed_product(x, packed_weight, bias)
-
-
-@packed_linear.register_fake
-def _packed_linear_fake(
-    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
-) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
+# ``x`` (rows, in) times a weight packed by ``_reorder_linear_weight`` (+ bias): (rows, ``out_features``)
+packed_linear = graph_op(
+    "workbench::packed_linear",
+    "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+    lambda x, packed_weight, bias, out_features: _packed_product(x, packed_weight, bias),
+    lambda x, packed_weight, bias, out_features: x.new_empty(x.shape[0], out_features),
+)
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workbench.config import ModelConfig, ceil_div
+from workbench.device import graph_op
 from workbench.errors import ConfigError
 from workbench.model.layers import RotaryEmbedding
 from workbench.model.transformer import Transformer
@@ -168,15 +169,13 @@ def shard_model(model: Transformer, shard: TensorParallelShard, reduce: Callable
 _REDUCERS: list[Callable[[torch.Tensor], torch.Tensor]] = []
 
 
-@torch.library.custom_op("workbench::tp_all_reduce", mutates_args=())
-def _tp_all_reduce(tensor: torch.Tensor, reducer: int) -> torch.Tensor:
-    """A copy of ``tensor`` summed over the ranks by the registered reduce function ``reducer``."""
-    return _REDUCERS[reducer](tensor.clone())
-
-
-@_tp_all_reduce.register_fake
-def _tp_all_reduce_fake(tensor: torch.Tensor, reducer: int) -> torch.Tensor:
-    return torch.empty_like(tensor)
+# a copy of ``tensor`` summed over the ranks by the registered reduce function ``reducer``
+_tp_all_reduce = graph_op(
+    "workbench::tp_all_reduce",
+    "(Tensor tensor, int reducer) -> Tensor",
+    lambda tensor, reducer: _REDUCERS[reducer](tensor.clone()),
+    lambda tensor, reducer: torch.empty_like(tensor),
+)
 
 
 def traced_reduce(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -187,7 +186,7 @@ def traced_reduce(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[t
     index = len(_REDUCERS) - 1
 
     def reduce_op(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.ops.workbench.tp_all_reduce(tensor, index)
+        return _tp_all_reduce(tensor, index)
 
     return reduce_op
 

@@ -237,6 +237,9 @@ def test_rejects_bad_inputs():
 
     with pytest.raises(ConfigError, match="schedule 'fast' is not one of"):
         CpuAttentionBackend(schedule="fast")
+    with pytest.raises(RuntimeError, match="schedule 5 is not 0 or 1"):  # the op itself, past the Python checks
+        torch.ops.workbench_cpu.paged_decode(batch.q, batch.k_cache, batch.v_cache, batch.block_tables.int(),
+                                             batch.seq_lens, None, None, None, None, 0.25, 0, 0, 5)  # fmt: skip
 
 
 def test_decode_schedule_per_vendor():

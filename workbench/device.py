@@ -63,10 +63,9 @@ def graph_op(
     fake tensors, and return it (``torch.ops.namespace.name.default``). ``torch.compile`` keeps a call of it as one
     opaque node, which inductor calls as it is.
 
-    The dispatcher calls ``impl`` directly. ``torch.library.custom_op`` does the same job through wrapper layers
-    that cost ~10 us a call (AMD EPYC, 1 thread, an 8 x 64 oneDNN product: 18.5 us defined here, 28.8 us through
-    ``custom_op``, 14.7 us the product called by hand): a decode step of bench-300m makes 97 calls of
-    ``workbench::packed_linear``. Like an operator of ``custom_op(mutates_args=())``, it has no autograd formula.
+    The dispatcher calls ``impl`` directly, without the wrapper layers of ``torch.library.custom_op`` (~10 us a call
+    less: reports/PERFORMANCE.md), which matters for ``workbench::packed_linear``, called for every product of a
+    compiled step. Like an operator of ``custom_op(mutates_args=())``, it has no autograd formula.
     """
     namespace, name = qualname.split("::")
     if namespace not in _LIBRARIES:

@@ -531,6 +531,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new, double scale,
                         int64_t kind, int64_t isa, int64_t schedule) {
   TORCH_CHECK(isa_supported(isa), "paged_decode: ISA ", isa, " is not supported by this CPU");
+  TORCH_CHECK(schedule == 0 || schedule == 1, "paged_decode: schedule ", schedule, " is not 0 or 1 (SCHEDULES)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q (B, H, D), caches (blocks, bs, KVH, D)");
   TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1, "paged_decode: cache strides");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(), "paged_decode: tables");

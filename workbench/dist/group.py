@@ -145,10 +145,7 @@ def _exit_with_parent(parent_pid: int, heartbeat: Any) -> None:
 
 def _broadcast(message: list[Any], group: Any = None) -> None:
     """``broadcast_object_list`` from the group's first rank: rank 0 of the world, or of ``group`` (a subgroup)."""
-    if group is None:
-        dist.broadcast_object_list(message, src=0)
-    else:
-        dist.broadcast_object_list(message, group=group, group_src=0)
+    dist.broadcast_object_list(message, group=group, group_src=0)  # group None: the world, whose rank 0 is 0
 
 
 def _serve(worker: Any, report: Connection | None, group: Any = None) -> None:
@@ -238,7 +235,7 @@ class ProcessSet:
 
     Liveness: every rank beats every ``HEARTBEAT_S``; a watchdog thread here kills a rank that has beaten once and
     then not for ``liveness_s`` (stopped by SIGSTOP, frozen), so that a collective or a queue waiting on it fails at
-    once, and ``problem()`` names that rank and why it was killed. ``liveness_s`` None: ``liveness_timeout_s()``.
+    once, and ``problem()`` names that rank and why it was killed (``liveness_s``: ``liveness_timeout_s()``).
     """
 
     def __init__(
@@ -251,13 +248,12 @@ class ProcessSet:
         entry: Callable[..., Any],
         entry_args: Callable[[int], tuple[Any, ...]],
         names: Callable[[int], str] = lambda rank: f"workbench-rank{rank}",
-        liveness_s: float | None = None,
     ) -> None:
         context = mp.get_context("spawn")
         self.ranks = list(ranks)
         self.processes: list[mp.Process] = []
         self.reports: list[Connection] = []
-        self.liveness_s = liveness_timeout_s() if liveness_s is None else liveness_s
+        self.liveness_s = liveness_timeout_s()
         self._beats = [context.Value("d", 0.0, lock=False) for _ in self.ranks]
         self._first_problem: tuple[str, str] | None = None
         self._done = threading.Event()
@@ -301,9 +297,8 @@ class ProcessSet:
         empty._first_problem, empty._done, empty.liveness_s = None, threading.Event(), LIVENESS_TIMEOUT_S
         return empty
 
-    def problem(self, clean_exit_ok: bool = False) -> tuple[str, str] | None:
-        """(what went wrong with a process, its traceback), or None while all are alive (or exited with 0,
-        when ``clean_exit_ok``) and quiet."""
+    def problem(self) -> tuple[str, str] | None:
+        """(what went wrong with a process, its traceback), or None while all are alive and quiet."""
         if self._first_problem is not None:
             return self._first_problem
         for rank, process, report in zip(self.ranks, self.processes, self.reports):
@@ -313,7 +308,7 @@ class ProcessSet:
                     return self._first_problem
                 except EOFError:
                     pass
-            if not process.is_alive() and not (clean_exit_ok and process.exitcode == 0):
+            if not process.is_alive():
                 return f"rank {rank} ({process.name}, pid {process.pid}) exited with code {process.exitcode}", ""
         return None
 

@@ -27,7 +27,7 @@ from workbench.model.sampler import Sampler
 
 class Executor:
     """The driver's side of an engine's workers: ``worker`` (rank 0, in this process) alone, or with ``workers``,
-    the group of all ranks. ``runner`` is the driver's ``ModelRunner`` (after ``init_cache``); the sampler and
+    the group of all ranks (``init_cache`` returns the driver's ``ModelRunner``); the sampler and
     speculative decoding's proposer state live here, on the driver, released with each request."""
 
     def __init__(self, worker: Worker, workers: WorkerGroup | None = None) -> None:
@@ -44,10 +44,6 @@ class Executor:
     def init_cache(self, config: EngineConfig, num_blocks: int, block_size: int, max_model_len: int) -> ModelRunner:
         """Every rank's runner for an engine of ``config`` (``Worker.init_cache``); returns the driver's."""
         self.call("init_cache", config, num_blocks, block_size, max_model_len)
-        return self.runner
-
-    @property
-    def runner(self) -> ModelRunner:
         return self.worker.runner
 
     def execute(self, plan: StepPlan) -> dict[int, int | list[int]]:

@@ -51,14 +51,7 @@ def stats(values: Any) -> dict[str, float]:
     if len(values) == 0:
         return {k: 0.0 for k in STAT_KEYS}
     arr = np.asarray(values, dtype=np.float64)
-    p90, p95, p99 = np.percentile(arr, [90, 95, 99])
-    return {
-        "mean": float(arr.mean()),
-        "median": float(np.median(arr)),
-        "p90": float(p90),
-        "p95": float(p95),
-        "p99": float(p99),
-    }
+    return dict(zip(STAT_KEYS, map(float, (arr.mean(), np.median(arr), *np.percentile(arr, [90, 95, 99])))))
 
 
 def counted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float]:
@@ -86,13 +79,7 @@ def counted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float]:
     pct = np.where(gamma >= 0.5, b - diff * (1 - gamma), a + diff * gamma)  # numpy's _lerp
     middle = at(np.array([(n - 1) // 2, n // 2]))
     median = middle[0] if n % 2 else (middle[0] + middle[1]) / 2
-    return {
-        "mean": float(np.dot(values, counts.astype(np.float64)) / n),
-        "median": float(median),
-        "p90": float(pct[0]),
-        "p95": float(pct[1]),
-        "p99": float(pct[2]),
-    }
+    return dict(zip(STAT_KEYS, map(float, (np.dot(values, counts.astype(np.float64)) / n, median, *pct))))
 
 
 def _record(item: Sequence | RequestRecord) -> RequestRecord:

@@ -117,10 +117,9 @@ class SchedulerConfig:
         check_positive_ints(self, ("max_num_seqs", "max_model_len"))
         if self.token_budget is None:
             self.token_budget = default_token_budget(self.policy, self.max_model_len)
-        check_positive_ints(self, ("token_budget",))
         if self.chunk_size is None:
             self.chunk_size = self.token_budget
-        check_positive_ints(self, ("chunk_size",))
+        check_positive_ints(self, ("token_budget", "chunk_size"))
         if self.policy != "chunked" and self.token_budget < self.max_model_len:
             raise ConfigError(
                 f"token_budget ({self.token_budget}) must be >= max_model_len ({self.max_model_len}) "
@@ -507,11 +506,7 @@ class Scheduler:
             raise ValueError(f"update(): tokens {emitted} are not an accepted prefix of {chunk.spec_token_ids} + one")
         self.spec_stats.record(k, len(emitted) - 1)
         self.num_decode_tokens += chunk.num_new_tokens
-        done = False
-        for token in emitted:
-            if self._append_token(seq, token, now):
-                done = True
-                break
+        done = any(self._append_token(seq, token, now) for token in emitted)  # stops at the token that finishes
         # positions start .. start + m - 1 hold the last token and the m - 1 accepted proposals: their K/V stand
         seq.num_computed_tokens = seq.num_tokens - 1
         self.block_manager.truncate(seq, seq.num_computed_tokens)
@@ -527,14 +522,9 @@ class Scheduler:
         free pool would run out of blocks (taking a free block is bookkeeping, not a scheduling decision)."""
         if (self.waiting and self.policy != "static") or not self.running or self._rejected:
             return 0
-        steps = None
-        for seq in self.running:
-            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-            if seq.num_computed_tokens != num_tokens - 1:
-                return 0
-            left = seq.sampling.max_tokens - len(seq.output_token_ids)
-            steps = left if steps is None or left < steps else steps
-        steps = max(steps or 0, 0)
+        if any(s.num_computed_tokens != len(s.prompt_token_ids) + len(s.output_token_ids) - 1 for s in self.running):
+            return 0
+        steps = max(0, min(s.sampling.max_tokens - len(s.output_token_ids) for s in self.running))
         free = self.block_manager.num_free_blocks
         if self._blocks_needed(steps) > free:  # the largest k < steps whose blocks fit (monotone in k)
             lo, hi = 0, steps - 1

@@ -130,8 +130,8 @@ class OracleProposer:
     """The target's greedy continuation, each token kept with probability ``acceptance`` (else a different token,
     seeded coin flips), so a run's acceptance rate is dialled for experiments. The continuation is a reference run
     (``add_reference``: a run without speculation, kept by prompt), or else computed on first need with the static
-    loop (``generate_static``, greedy, EOS ignored) and again whenever the outputs leave it (``num_reference_runs``
-    counts), kept by request until ``release``."""
+    loop (``generate_static``, greedy, EOS ignored) and again whenever the outputs leave it, kept by request until
+    ``release``."""
 
     def __init__(self, model: Transformer, acceptance: float, seed: int = 0) -> None:
         self.model, self.acceptance = model, acceptance
@@ -139,7 +139,6 @@ class OracleProposer:
         self.rng = random.Random(seed)
         self.references: dict[tuple[int, ...], list[int]] = {}  # prompt -> the target's greedy continuation
         self._computed: dict[int, list[int]] = {}  # request id -> a continuation computed here (until release)
-        self.num_reference_runs = 0
 
     def add_reference(self, prompt: list[int], continuation: list[int]) -> None:
         """The target's greedy continuation of ``prompt`` (from a run without speculation)."""
@@ -157,7 +156,6 @@ class OracleProposer:
         horizon = min(max(seq.sampling.max_tokens - n, k), self.model.config.max_position_embeddings - len(context))
         ref = list(out)
         if horizon > 0:
-            self.num_reference_runs += 1
             params = SamplingParams(max_tokens=horizon, ignore_eos=True)
             ref += generate_static(self.model, [context], params)[0].tokens
         self._computed[seq.seq_id] = ref

@@ -18,17 +18,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from workbench.config import check_positive_ints
 from workbench.errors import ConfigError
 
 SPEC_METHODS = ("ngram", "draft", "oracle")
 _METHOD_ALIASES = {"draft_model": "draft", "ngram": "ngram", "draft": "draft", "oracle": "oracle"}
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default when neither prompt_lookup_min nor prompt_lookup_max is given
-
-
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"speculative config: {name} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclass
@@ -60,16 +55,16 @@ class SpeculativeConfig:
             allowed = ", ".join(SPEC_METHODS)
             raise ConfigError(f"speculative config: method must be one of {allowed}, got {self.method!r}")
         self.method = _METHOD_ALIASES[self.method]
-        _positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        check_positive_ints(self, ("num_speculative_tokens",), where="speculative config: ")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if lo is None and hi is None:
                 lo = hi = DEFAULT_PROMPT_LOOKUP
-            lo = _positive_int("prompt_lookup_min", hi if lo is None else lo)
-            hi = _positive_int("prompt_lookup_max", lo if hi is None else hi)
+            self.prompt_lookup_min, self.prompt_lookup_max = hi if lo is None else lo, lo if hi is None else hi
+            check_positive_ints(self, ("prompt_lookup_min", "prompt_lookup_max"), where="speculative config: ")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if lo > hi:
                 raise ConfigError(f"speculative config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
             raise ConfigError(f"speculative config: prompt_lookup_min/max are for method 'ngram', not {self.method!r}")
         if self.method == "draft":

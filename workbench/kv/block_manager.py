@@ -156,14 +156,6 @@ class BlockManager:
         """Tokens of ``seq`` that ``allocate`` would take from the prefix cache now (no side effect)."""
         return len(self._lookup_prefix(seq)) * self.block_size
 
-    def _plan_allocation(self, seq: Sequence, watermark_blocks: int) -> list[int] | None:
-        hits = self._lookup_prefix(seq)
-        num_new = self.num_blocks_for(seq.num_tokens) - len(hits)
-        hits_from_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        if num_new + hits_from_free > self.num_free_blocks - watermark_blocks:
-            return None
-        return hits
-
     def allocate(self, seq: Sequence, watermark_blocks: int = 0) -> bool:
         """Give a waiting sequence blocks for all its current tokens, reusing cached prefix blocks.
 
@@ -173,15 +165,14 @@ class BlockManager:
         """
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds KV blocks")
-        hits = self._plan_allocation(seq, watermark_blocks)
-        if hits is None:
+        hits = self._lookup_prefix(seq)
+        num_new = self.num_blocks_for(seq.num_tokens) - len(hits)
+        hits_from_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if num_new + hits_from_free > self.num_free_blocks - watermark_blocks:
             return False
         for block_id in hits:
             self._acquire_cached(block_id)
-        table = list(hits)
-        for _ in range(self.num_blocks_for(seq.num_tokens) - len(hits)):
-            table.append(self._take_free_block())
-        seq.block_table = table
+        seq.block_table = hits + [self._take_free_block() for _ in range(num_new)]
         seq.num_committed_blocks = len(hits)
         hit_tokens = len(hits) * self.block_size
         seq.num_cached_tokens = hit_tokens

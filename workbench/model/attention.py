@@ -19,6 +19,7 @@ Names follow flash-attention and vLLM: ``cu_seqlens_q``, ``seq_lens`` (K lengths
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -42,8 +43,6 @@ class AttentionMetadata:
 
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # context length per sequence after this step (cached + new)
-    block_size: int
-    block_tables_list: list[list[int]]  # blocks owned per sequence (at least ceil(seq_len / block_size))
     positions: torch.Tensor  # (num_tokens,) int64
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot of each new token
     cu_seqlens_q: torch.Tensor  # (num_seqs + 1,) int32: start of each sequence's queries in the flat batch
@@ -148,22 +147,18 @@ def build_metadata(
         for p in range(s_len - q_len, s_len):
             positions.append(p)
             slots.append(slot_of(table, p, block_size))
-    cu = [0]
-    for q_len in query_lens:
-        cu.append(cu[-1] + q_len)
+    cu = [0, *accumulate(query_lens)]
     max_blocks = max(ceil_div(s, block_size) for s in seq_lens)
     meta = AttentionMetadata(
         query_lens=list(query_lens),
         seq_lens=list(seq_lens),
-        block_size=block_size,
-        block_tables_list=[list(t) for t in block_tables],
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor(pad_block_tables(block_tables, max_blocks), dtype=torch.int32, device=device),
     )
-    for q_len, s_len, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables_list):
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
         meta.seq_block_ids.append(torch.tensor(table[: ceil_div(s_len, block_size)], dtype=torch.int64, device=device))
         if q_len == 1 or q_len == s_len:
             meta.seq_masks.append(None)  # no mask, or plain causal
@@ -279,9 +274,7 @@ class TorchAttentionBackend:
             and k_cache.dtype == k.dtype
             and (k.shape[-1], v.shape[-1]) == (d, dv)
         )
-        starts = [0]
-        for q_len in meta.query_lens:
-            starts.append(starts[-1] + q_len)
+        starts = [0, *accumulate(meta.query_lens)]
         for i in range(meta.num_seqs) if seqs is None else seqs:
             q_len, s_len, start = meta.query_lens[i], meta.seq_lens[i], starts[i]
             ids = meta.seq_block_ids[i]

@@ -7,27 +7,19 @@ chunking; this loop stays as the reference it is compared with.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from workbench.device import synchronize
 from workbench.model.sampler import Sampler
 from workbench.model.transformer import Transformer
 from workbench.request import SamplingParams, validate_request
-from workbench.timing import now
 
 
 @dataclass
 class GenerationResult:
-    """One request's output and timings (seconds; TTFT from the start of the batch)."""
+    """One request's output."""
 
-    prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = "length"
-    ttft_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def generate_static(
@@ -44,27 +36,17 @@ def generate_static(
     max_len = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
     cache = model.new_cache(len(prompts), max_len)
     sampler = Sampler()
-    results = [GenerationResult(prompt_ids=list(p)) for p in prompts]
+    results = [GenerationResult() for _ in prompts]
     eos = [() if sp.ignore_eos else cfg.eos_token_ids for sp in params]
     active = list(range(len(prompts)))
     seq_ids = list(range(len(prompts)))
-
-    t0 = now()
     logits = model.prefill(prompts, cache, active)
-    last_time = [0.0] * len(prompts)
     while active:
         tokens = sampler(logits, [params[i] for i in active], [seq_ids[i] for i in active])
-        synchronize(model.device)
-        elapsed = now() - t0
         still = []
         for i, tok in zip(active, tokens):
             r = results[i]
             r.tokens.append(tok)
-            if len(r.tokens) == 1:
-                r.ttft_s = elapsed
-            else:
-                r.itl_s.append(elapsed - last_time[i])
-            last_time[i] = elapsed
             if tok in eos[i]:
                 r.finish_reason = "stop"
             elif len(r.tokens) >= params[i].max_tokens:

@@ -102,7 +102,6 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.moe_intermediate_size = i
         self.gate = nn.Linear(h, e, bias=False)  # the router
         if cfg.router_scoring == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(e))
@@ -136,11 +135,6 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
-
-
-def distinct_experts(ids: torch.Tensor) -> int:
-    """How many different experts a batch's routing ``ids`` (T, k) reads: what one layer's decode step loads."""
-    return int(torch.unique(ids).numel())
 
 
 # ---- HF checkpoints: per-expert tensors of Mixtral, Qwen2-MoE and DeepSeek-V3 -> the stacked ones ---------------

@@ -226,12 +226,8 @@ def plain_linears(model: Any) -> Iterator[None]:
     the very ``PackedLinear`` objects it held are put back (no second re-layout). The measurement hygiene's
     reference step uses it: an engine packs the model it is given (``Engine.__init__``), so without it a reference
     timed before the first engine and one timed after would run different products."""
-    swapped = []
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, PackedLinear):
-                setattr(module, name, child.plain())
-                swapped.append((module, name, child))
+    swapped = [(m, name, c) for m in model.modules() for name, c in m.named_children() if isinstance(c, PackedLinear)]
+    unpack_linears(model)
     try:
         yield
     finally:

@@ -118,24 +118,16 @@ class TensorParallelShard:
             return slice(*self.vocab_range)
         return None
 
-    def cols(self, hf_name: str) -> slice | None:
-        """The columns (dim 1) of ``hf_name`` this rank reads (the row-parallel layers), or None for all."""
-        d, i = self.cfg.head_dim, self.cfg.intermediate_size // self.tp
-        if hf_name.endswith("o_proj.weight"):
-            return slice(self.rank * self.num_heads * d, (self.rank + 1) * self.num_heads * d)
-        if hf_name.endswith("down_proj.weight"):
-            return slice(self.rank * i, (self.rank + 1) * i)
-        return None
-
     def take(self, tensor_slice: object, hf_name: str) -> torch.Tensor:
         """This rank's slice of a tensor: ``tensor_slice`` is a safetensors slice (``get_slice``) or a tensor;
         indexing a safetensors slice reads only the selected bytes from the file."""
-        rows, cols = self.rows(hf_name), self.cols(hf_name)
-        if cols is not None:
-            return tensor_slice[:, cols]
-        if rows is not None:
-            return tensor_slice[rows]
-        return tensor_slice[:]
+        d, i = self.cfg.head_dim, self.cfg.intermediate_size // self.tp
+        if hf_name.endswith("o_proj.weight"):  # the row-parallel layers: this rank's columns
+            return tensor_slice[:, self.rank * self.num_heads * d : (self.rank + 1) * self.num_heads * d]
+        if hf_name.endswith("down_proj.weight"):
+            return tensor_slice[:, self.rank * i : (self.rank + 1) * i]
+        rows = self.rows(hf_name)
+        return tensor_slice[:] if rows is None else tensor_slice[rows]
 
 
 def empty_shard_model(shard: TensorParallelShard, device: torch.device | str = "cpu") -> Transformer:
@@ -211,10 +203,7 @@ def gather_logits(
     width = ceil_div(shard.cfg.vocab_size, shard.tp)  # the longest slice of any rank
     padded = torch.nn.functional.pad(local, (0, width - local.shape[-1]))
     parts = [torch.empty_like(padded) for _ in range(shard.tp)] if shard.rank == 0 else None
-    if group is None:
-        dist.gather(padded, parts, dst=0)
-    else:
-        dist.gather(padded, parts, group=group, group_dst=0)
+    dist.gather(padded, parts, group=group, group_dst=0)  # group None: the world, whose rank 0 is 0
     if parts is None:
         return None
     sizes = [TensorParallelShard(shard.cfg, r, shard.tp).vocab_range for r in range(shard.tp)]

@@ -4,6 +4,7 @@ opaquely (``graph_op``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,6 +51,16 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued device work (a no-op on the CPU), so that wall-clock timings are honest."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def inductor_compile(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """``torch.compile(fn, dynamic=False, **kwargs)`` with dynamo's recompile limit raised to at least 64: each batch
+    size, token range, matrix shape and model in a process is a recompilation of the same code object, which past
+    dynamo's default of 8 would run eagerly."""
+    import torch._dynamo as dynamo  # imported when used: it costs a second at import
+
+    dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, dynamic=False, **kwargs)
 
 
 _LIBRARIES: dict[str, torch.library.Library] = {}  # one fragment per namespace, alive as long as the process

@@ -33,6 +33,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from workbench.config import ceil_div
+from workbench.device import inductor_compile
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import (
@@ -113,12 +114,7 @@ class DecodeStep:
         self._graphs: dict[int, _Graph] = {}
         self.buckets = batch_buckets(max_batch) if mode == "graph" else compile_buckets(max_batch)
         if mode == "compile":
-            import torch._dynamo as dynamo  # imported when used: it costs a second at import
-
-            # every batch size (and every model in a process) is a recompilation of the same code object
-            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
-            self._compiled = torch.compile(model.decode_step, fullgraph=True, dynamic=False,
-                                           options={"cpp_wrapper": True})  # fmt: skip
+            self._compiled = inductor_compile(model.decode_step, fullgraph=True, options={"cpp_wrapper": True})
         if mode == "graph":
             self.width = decode_key_width(max_model_len - 1)  # cached-key columns of every static step
             n, dev = self.buckets[-1], model.device

@@ -28,7 +28,7 @@ import threading
 import torch
 
 from workbench.config import ceil_div
-from workbench.device import graph_op
+from workbench.device import graph_op, inductor_compile
 from workbench.errors import ConfigError
 from workbench.kv.cache import KVCache
 from workbench.model.attention import AttentionBackend, AttentionMetadata, build_metadata
@@ -98,11 +98,7 @@ class PrefillStep:
         self.compile_s: dict[int, float] = {}  # compile mode: token count of each step that compiled -> its seconds
         self._graph = None
         if compile:
-            import torch._dynamo as dynamo  # imported when used: it costs a second at import
-
-            dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)  # ranges, models in a process
-            options = {"cpp_wrapper": True}
-            self._graph = torch.compile(_ragged_body, fullgraph=True, dynamic=False, options=options)
+            self._graph = inductor_compile(_ragged_body, fullgraph=True, options={"cpp_wrapper": True})
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One ragged step: writes its K/V into the cache and returns the hidden states after the final norm,

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from workbench.device import synchronize
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.prefill_step import PrefillStep
 from workbench.engine.scheduler import StepPlan
@@ -29,7 +28,7 @@ from workbench.model.attention import AttentionBackend, TorchAttentionBackend, b
 from workbench.model.sharding import gather_logits
 from workbench.model.transformer import Transformer
 from workbench.runtime import retain_freed_memory
-from workbench.timing import now
+from workbench.timing import timed
 
 
 def make_backend(name: str, device_type: str | None = None) -> AttentionBackend:
@@ -180,9 +179,5 @@ class ModelRunner:
     def _timed(self, fn, *args):  # noqa: ANN001, ANN002, ANN202
         if not self.time_model:
             return fn(*args)
-        synchronize(self.model.device)
-        t0 = now()
-        out = fn(*args)
-        synchronize(self.model.device)
-        self.last_model_s = now() - t0
+        self.last_model_s, out = timed(lambda: fn(*args), self.model.device)
         return out

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.config import DEFAULT_GROUP_SIZE
-from workbench.device import resolve_device, synchronize, torch_dtype
+from workbench.device import resolve_device, torch_dtype
 from workbench.engine.config import EngineConfig
 from workbench.engine.decode_step import DecodeStep
 from workbench.engine.prefill_step import PrefillStep
@@ -25,7 +25,7 @@ from workbench.kv.cache import KVCache
 from workbench.model.packed import pack_linears, unpack_linears
 from workbench.model.sharding import all_reduce, traced_reduce
 from workbench.model.transformer import Transformer
-from workbench.timing import now, set_threads
+from workbench.timing import set_threads, timed
 
 
 class Worker:
@@ -80,11 +80,7 @@ class Worker:
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._timing:
             return all_reduce(tensor, self.group)
-        synchronize(tensor.device)
-        start = now()
-        all_reduce(tensor, self.group)
-        synchronize(tensor.device)
-        self.comm_s += now() - start
+        self.comm_s += timed(lambda: all_reduce(tensor, self.group), tensor.device)[0]
         self.num_all_reduces += 1
         return tensor
 

@@ -90,11 +90,8 @@ def _tensor_files(ckpt: Path) -> dict[str, Path]:
 
 def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor names and shapes for this config."""
-    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (cfg.vocab_size, h),
-        "model.norm.weight": (h,),
-    }
+    h, lin = cfg.hidden_size, cfg.linear_shapes()
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for layer in range(cfg.num_layers):
@@ -103,25 +100,15 @@ def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.is_moe_layer(layer):
             shapes |= hf_moe_shapes(cfg, layer)
         else:
-            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i)}  # fmt: skip
+            shapes |= {p + f"mlp.{n}.weight": lin[n] for n in ("gate_proj", "up_proj", "down_proj")}
         if cfg.is_mla:
             shapes |= hf_mla_shapes(cfg, layer)
             continue
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-        }
+        shapes |= {p + f"self_attn.{n}.weight": lin[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
         if cfg.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+            shapes |= {p + f"self_attn.{x}_norm.weight": (cfg.head_dim,) for x in "qk"}
         if cfg.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
+            shapes |= {p + f"self_attn.{x}_proj.bias": lin[f"{x}_proj"][:1] for x in "qkv"}
     return shapes
 
 

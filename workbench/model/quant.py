@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from workbench.config import DEFAULT_GROUP_SIZE, canonical_quantization
+from workbench.device import inductor_compile
 from workbench.errors import ConfigError
 
 AmaxReduce = Callable[[torch.Tensor], torch.Tensor]  # a row-parallel shard's per-row maximum -> the whole row's
@@ -211,13 +212,8 @@ def _compiled(fn: Any) -> Any:
     if torch.compiler.is_compiling():
         return fn
     compiled = _COMPILED.get(fn.__name__)
-    if compiled is None:
-        import torch._dynamo as dynamo  # imported when used: it costs a second at import
-
-        # every (rows, matrix shape, dtype) is a recompilation of the same code object: 4 row counts x the model's
-        # 5 matrix shapes must not hit dynamo's default limit of 8 and fall back to eager
-        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 64)
-        compiled = _COMPILED[fn.__name__] = torch.compile(fn, dynamic=False)
+    if compiled is None:  # each (rows, matrix shape, dtype) recompiles: 4 row counts x a model's 5 matrix shapes
+        compiled = _COMPILED[fn.__name__] = inductor_compile(fn)
     return compiled
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.config import KV_INT8_SCALE_BYTES, ModelConfig, check_positive_ints, resolve_kv_cache_dtype
+from workbench.config import ModelConfig, check_positive_ints, resolve_kv_cache_dtype
 from workbench.errors import ConfigError
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -82,6 +82,7 @@ class KVCache:
         self.latent_dim = cfg.kv_lora_rank if cfg.is_mla else None  # MLA: V is k[..., :latent_dim]
         self.dtype = dtype  # what attention reads: the activation dtype
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, str(dtype))  # what the pool stores
+        self.bytes_per_token = cfg.kv_bytes_per_token(self.kv_cache_dtype)  # K and V of one token, all layers
         self.quantized = self.kv_cache_dtype in ("int8", "fp8")
         if self.quantized and cfg.is_mla:
             raise ConfigError(f"{cfg.name}: a quantized KV cache of an MLA model is not implemented; use auto")
@@ -99,15 +100,6 @@ class KVCache:
         elif self.kv_cache_dtype == "fp8":
             self.k_scale = torch.ones(cfg.num_layers, dtype=torch.float32, device=device)
             self.v_scale = torch.ones(cfg.num_layers, dtype=torch.float32, device=device)
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K and V bytes of one token over all layers: 2 * layers * kv_heads * (head_dim * element size + scale),
-        the scale being int8's fp32 per token and head (``ModelConfig.kv_bytes_per_token`` counts the same)."""
-        scale = KV_INT8_SCALE_BYTES if self.kv_cache_dtype == "int8" else 0
-        if self.latent_dim is not None:  # MLA: one entry, V inside it
-            return self.num_layers * self.head_dim * self.k.element_size()
-        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.k.element_size() + scale)
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
         """The one writer of the pool: row ``t`` of ``k``/``v`` goes to slot ``slot_mapping[t]`` (int64, (T,)).

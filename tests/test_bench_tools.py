@@ -55,15 +55,14 @@ def test_linear_flops_by_hand(capsys) -> None:
 
 
 def test_linear_engine_column_follows_the_packed_row_range(capsys, monkeypatch) -> None:
-    # every matrix packed (threshold 0): 3 rows are below PACKED_MIN_ROWS (plain), 17 rows run padded to 18 (above
-    # PACKED_EXACT_ROWS = 16, 17..32 rounds up to a multiple of 2), 12 rows at their own count
+    # every matrix packed (threshold 0): 3 rows are below PACKED_MIN_ROWS (plain), 12 and 17 rows run packed as they are
     from workbench.model import packed
 
     monkeypatch.setattr(packed, "PACKED_MIN_WEIGHT", 0)
     monkeypatch.setattr(packed, "PACKED_MIN_ROWS", packed.packed_min_rows("GenuineIntel"))  # 4 rows, any CPU
     out = run_json(capsys, ["bench", "linear", "--model", "tiny-gqa", "--rows", "3", "12", "17", "--repeats", "1",
                             "--threads", "1", "--json"])  # fmt: skip
-    assert [r["engine_rows"] for r in out["rows"]] == [None, 12, 18]
+    assert [r["engine_rows"] for r in out["rows"]] == [None, 12, 17]
 
 
 def test_quant_ops_bytes_by_hand(capsys) -> None:

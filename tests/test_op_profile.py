@@ -126,7 +126,7 @@ def test_a_profile_of_a_backend_that_does_not_gather_prices_every_pure_decode_ba
     assert ops["decode_kv_write"] == pytest.approx(4 * US) and "kv_write" not in ops
 
 
-PACKED = {"min_rows": 4, "max_rows": 256, "per_layer": 4, "head": True}  # as profile-ops records tiny-gqa's
+PACKED = {"min_rows": 4, "max_rows": 256, "per_layer": 4, "head": True}  # as profile-ops recorded tiny-gqa's (oneDNN)
 
 
 def test_a_step_pays_each_packed_product_it_runs() -> None:
@@ -144,6 +144,12 @@ def test_a_step_pays_each_packed_product_it_runs() -> None:
     # tokens in one call each
     assert cost.packed_calls(StepStats(598, 1, 598 * 599 // 2, 598, 2, 40, 20)) == 8 * 2
     assert cost.packed_calls(StepStats(510, 1, 510 * 511 // 2, 510, 2, 40, 20)) == 8
+    # a profile of the blocked op (``max_rows`` null): one call a product whatever its rows
+    blocked = OpProfileCostModel.from_dict(
+        {**synthetic_profile(overhead=over), "packed_products": {**PACKED, "max_rows": None}}
+    )
+    assert blocked.packed_calls(StepStats(598, 1, 598 * 599 // 2, 598, 2, 40, 20)) == 8
+    assert [blocked.packed_calls(s) for s in (three, four, ragged)] == [0, 9, 8]
     assert [plain.packed_calls(s) for s in (three, four, ragged)] == [0, 0, 0]
     assert cost.step_time(three) == pytest.approx(plain.step_time(three))
     assert cost.step_time(four) - plain.step_time(four) == pytest.approx(9 * 40 * US)

@@ -1,7 +1,7 @@
-"""oneDNN-packed linear layers (``workbench.model.packed``): the same products as a float64 matrix product, the
-same weights (tied ones stay tied), only plain linears of ``PACKED_MIN_WEIGHT`` elements or more packed (the tiny
-presets' matrices are all smaller: tests of the packed path pack them with a threshold of 0), what depends on
-packing following what was packed, and the engine's tokens with and without them."""
+"""Packed linear layers (``workbench.model.packed``: the blocked op of ``kernels/linear_cpu.py``): the same products
+as a float64 matrix product, the same weights (tied ones stay tied), only plain linears of ``PACKED_MIN_WEIGHT``
+elements or more packed (the tiny presets' matrices are all smaller: tests of the packed path pack them with a
+threshold of 0), what depends on packing following what was packed, and the engine's tokens with and without them."""
 
 import pytest
 import torch
@@ -15,28 +15,24 @@ from workbench.hardware import cpu_vendor
 from workbench.model import quant
 from workbench.model.checkpoint import load_model
 from workbench.model.packed import (
-    PACKED_EXACT_ROWS,
-    PACKED_MAX_ROWS,
     PACKED_MIN_ROWS,
     PackedLinear,
     count_packed,
     pack_linears,
     packed_min_rows,
-    packed_rows,
-    packed_slices,
     packing_available,
     plain_linears,
     unpack_linears,
 )
 from workbench.request import SamplingParams
 
-needs_onednn = pytest.mark.skipif(
-    not packing_available(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
+needs_op = pytest.mark.skipif(
+    not packing_available(torch.device("cpu"), torch.float32), reason="the blocked linear op did not build here"
 )
 
 
-@needs_onednn
-@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 512, 600])
+@needs_op
+@pytest.mark.parametrize("rows", [1, PACKED_MIN_ROWS, 37, 256, 257, 600])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float64_product(rows, bias):
     gen = torch.Generator().manual_seed(rows)
@@ -54,7 +50,7 @@ def test_packed_linear_matches_float64_product(rows, bias):
     assert packed(x3).shape == (1, rows, 80)
 
 
-@needs_onednn
+@needs_op
 def test_pack_linears_shares_weights_keeps_tie_and_skips_quantized():
     model = load_model("tiny-qwen2", dtype=torch.float32, device="cpu", seed=0)
     assert model.config.tie_word_embeddings
@@ -74,7 +70,7 @@ def test_pack_linears_shares_weights_keeps_tie_and_skips_quantized():
     assert not packing_available(torch.device("meta"), torch.float32)
 
 
-@needs_onednn
+@needs_op
 def test_plain_linears_runs_plain_products_and_puts_the_same_packed_layers_back():
     model = load_model("tiny-gqa", dtype=torch.float32, device="cpu", seed=0)
     pack_linears(model, 0)
@@ -95,7 +91,7 @@ def test_plain_linears_runs_plain_products_and_puts_the_same_packed_layers_back(
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
 
 
-@needs_onednn
+@needs_op
 def test_engine_tokens_with_and_without_packed_linears(pack_every_linear):
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [42] * 11, [5] * 3]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -118,7 +114,7 @@ class _TwoLinears(nn.Module):
         self.linears = nn.ModuleList(nn.Linear(i, o, bias=False) for i, o in shapes)
 
 
-@needs_onednn
+@needs_op
 def test_a_small_weight_stays_plain_and_a_large_one_is_packed_by_default():
     """PACKED_MIN_WEIGHT is 300,000 elements: tiny-gqa's largest matrix, 64 x 320 = 20,480, stays plain; SmolLM2's
     smallest, 576 x 576 = 331,776, is packed; 600 x 500 = 300,000 exactly is packed, 599 x 500 = 299,500 is not."""
@@ -133,10 +129,10 @@ def test_a_small_weight_stays_plain_and_a_large_one_is_packed_by_default():
         pack_linears(small, -1)
 
 
-@needs_onednn
+@needs_op
 def test_an_engine_over_a_model_of_small_matrices_packs_nothing_and_the_fit_has_no_kernel_break():
     """tiny-gqa's matrices are all below PACKED_MIN_WEIGHT: an engine with ``packed_linears`` on leaves every linear
-    plain, so the fitted profile's kernel breaks are none (with every linear packed: 4 and 257, the row range)."""
+    plain, so the fitted profile's kernel breaks are none (with every linear packed: where packing starts)."""
     from workbench.engine.prefill_step import warmup_token_counts
     from workbench.sim.measure import engine_kernel_breaks
 
@@ -145,16 +141,8 @@ def test_an_engine_over_a_model_of_small_matrices_packs_nothing_and_the_fit_has_
     assert count_packed(model) == 0
     assert engine_kernel_breaks(model) == () and warmup_token_counts(model) == (1, 2)
     pack_linears(model, 0)
-    assert engine_kernel_breaks(model) == (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)
-    assert PACKED_MAX_ROWS + 1 == 257
+    assert engine_kernel_breaks(model) == (PACKED_MIN_ROWS,)
     assert warmup_token_counts(model) == ((1, 2, 4) if PACKED_MIN_ROWS == 4 else (1, 2))
-
-
-def test_a_product_above_the_largest_call_runs_in_two_at_most():
-    # by hand: the largest multiple of 256 rows in one call, the rest at its padded count (88: a multiple of 8 from 64)
-    assert packed_slices(200) == [208] and packed_slices(256) == [256]  # 200: a multiple of 16 from 128 on
-    assert packed_slices(600) == [512, 88] and packed_slices(512) == [512] and packed_slices(257) == [256, 4]
-    assert packed_slices(4096) == [4096] and packed_slices(4100) == [4096, 4]
 
 
 def test_packed_min_rows_by_vendor():
@@ -164,31 +152,22 @@ def test_packed_min_rows_by_vendor():
     assert packed_min_rows(cpu_vendor()) == PACKED_MIN_ROWS
 
 
-def test_packed_rows_are_few_and_pad_at_most_an_eighth():
-    # by hand: exact up to 16, then multiples of 2 to 32, of 4 to 64, of 8 to 128, of 16 to 256
-    assert [packed_rows(r) for r in (1, 3, 4, 15, 16, 17, 18, 31, 33, 37, 64, 65, 129, 241, 256)] == [
-        4, 4, 4, 15, 16, 18, 18, 32, 36, 40, 64, 72, 144, 256, 256]  # fmt: skip
-    buckets = {packed_rows(r) for r in range(1, PACKED_MAX_ROWS + 1)}
-    assert len(buckets) == (PACKED_EXACT_ROWS - 4 + 1) + 4 * 8 and max(buckets) == PACKED_MAX_ROWS
-    assert all(r <= packed_rows(r) <= r * 9 / 8 for r in range(4, PACKED_MAX_ROWS + 1))
-
-
 def test_packed_linears_flag_is_a_bool():
     with pytest.raises(ConfigError, match="packed_linears must be true or false"):
         EngineConfig(packed_linears="yes")
 
 
-@needs_onednn
+@needs_op
 def test_packed_linear_under_compile_is_the_custom_op_and_matches_float64_product():
-    """Inside a compiled graph the packed product is the opaque ``workbench::packed_linear`` call (inductor's own
-    lowering of oneDNN's op needs frozen weights), with the same numbers."""
+    """Inside a compiled graph the packed product is one opaque call of the blocked op
+    (``workbench_linear::blocked_linear``), with the same numbers."""
     gen = torch.Generator().manual_seed(3)
     lin = nn.Linear(96, 40, bias=True)
     with torch.no_grad():
         lin.weight.normal_(0.0, 0.05, generator=gen)
         lin.bias.normal_(0.0, 0.05, generator=gen)
     packed = PackedLinear.wrap(lin)
-    x = torch.randn(37, 96, generator=gen)  # run at 40 rows (packed_rows): the padding is inside the operator
+    x = torch.randn(37, 96, generator=gen)
     graphs = []
 
     def backend(gm, example_inputs):  # noqa: ANN001, ANN202
@@ -197,6 +176,6 @@ def test_packed_linear_under_compile_is_the_custom_op_and_matches_float64_produc
 
     with torch.no_grad():
         got = torch.compile(packed.forward, backend=backend, fullgraph=True)(x)
-    assert any(n.target is torch.ops.workbench.packed_linear.default for n in graphs[0].graph.nodes)
+    assert any(n.target is torch.ops.workbench_linear.blocked_linear.default for n in graphs[0].graph.nodes)
     want = x.double() @ lin.weight.double().T + lin.bias.double()
     torch.testing.assert_close(got.double(), want, **TOLERANCES[torch.float32])

@@ -96,7 +96,7 @@ def test_linears_are_timed_and_replayed_as_the_engine_runs_them(
     from workbench.sim.op_timing import measure_training_steps, profile_ops
 
     if not packing_available(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch has no oneDNN")
+        pytest.skip("the blocked linear op did not build here")
     rows_seen: list[int] = []
     forward = packed_mod.PackedLinear.forward
 
@@ -111,7 +111,7 @@ def test_linears_are_timed_and_replayed_as_the_engine_runs_them(
                           packed_linears=packed)  # fmt: skip
     assert profile["packed_linears"] is packed
     # tiny-gqa's layer has 4 linears (QKV, O, gate/up, down) and an untied LM head: all packed, or none
-    expected = {"min_rows": 4, "max_rows": 256, "per_layer": 4, "head": True} if packed else None
+    expected = {"min_rows": 4, "max_rows": None, "per_layer": 4, "head": True} if packed else None
     assert profile["packed_products"] == expected
     assert (4 in rows_seen) is packed and (1 in rows_seen) is packed  # 1 row: PackedLinear falls back to the plain
     configs: list[bool] = []
@@ -131,8 +131,8 @@ def test_linears_are_timed_and_replayed_as_the_engine_runs_them(
     [
         (None, None),  # the default threshold: every matrix of tiny-gqa (20,480 elements at most) stays plain
         # 16,385: only gate/up (64 x 320 = 20,480) packs, not the LM head (64 x 256 = 16,384)
-        (16_385, {"min_rows": 4, "max_rows": 256, "per_layer": 1, "head": False}),
-        (16_384, {"min_rows": 4, "max_rows": 256, "per_layer": 1, "head": True}),  # the LM head too
+        (16_385, {"min_rows": 4, "max_rows": None, "per_layer": 1, "head": False}),
+        (16_384, {"min_rows": 4, "max_rows": None, "per_layer": 1, "head": True}),  # the LM head too
     ],
 )
 def test_the_profile_records_the_linears_really_packed(min_weight, expected, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,7 +143,7 @@ def test_the_profile_records_the_linears_really_packed(min_weight, expected, mon
     from workbench.sim.stats import StepStats
 
     if not packing_available(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch has no oneDNN")
+        pytest.skip("the blocked linear op did not build here")
     if min_weight is not None:
         monkeypatch.setattr(packed_mod, "PACKED_MIN_WEIGHT", min_weight)
     monkeypatch.setattr(packed_mod, "PACKED_MIN_ROWS", packed_mod.packed_min_rows("GenuineIntel"))  # 4, any CPU
@@ -192,47 +192,3 @@ def test_an_attention_backend_the_engine_does_not_know_is_refused(capsys: pytest
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "invalid choice: 'flash'" in err and "'auto', 'torch', 'triton', 'cpu'" in err
-
-
-def test_warm_packed_linears_calls_each_shape_once_at_every_packed_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tiny-gqa's packed matrices: QKV 64->128, O 64->64, gate/up 64->320, down 160->64 (shared by both layers) and
-    the LM head 64->256; rows 4 to 10 for the layers' (max_rows), 4 to 6 for the head (max_sampled): 4 x 7 + 3."""
-    from workbench.model import packed as packed_mod
-    from workbench.model.checkpoint import load_model
-    from workbench.sim.measure import warm_packed_linears
-
-    if not packing_available(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch has no oneDNN")
-    monkeypatch.setattr(packed_mod, "PACKED_MIN_ROWS", packed_mod.packed_min_rows("GenuineIntel"))  # 4, any CPU
-    net = load_model("tiny-gqa", seed=0)
-    assert warm_packed_linears(net, 10, 6) == 0  # nothing packed yet
-    packed_mod.pack_linears(net)
-    assert warm_packed_linears(net, 10, 6) == 0  # nor by default: every matrix is below PACKED_MIN_WEIGHT
-    packed_mod.pack_linears(net, 0)
-    seen: list[tuple[int, int, int]] = []
-    forward = packed_mod.PackedLinear.forward
-
-    def spy(self, x):  # noqa: ANN001, ANN202
-        seen.append((self.in_features, self.out_features, x.shape[0]))
-        return forward(self, x)
-
-    monkeypatch.setattr(packed_mod.PackedLinear, "forward", spy)
-    assert warm_packed_linears(net, 10, 6) == 4 * 7 + 3
-    assert len(set(seen)) == len(seen) == 31
-    layer_shapes = {(64, 128), (64, 64), (64, 320), (160, 64)}
-    assert {(i, o, r) for i, o, r in seen if (i, o) != (64, 256)} == {(*s, r) for s in layer_shapes
-                                                                       for r in range(4, 11)}  # fmt: skip
-    assert sorted(r for i, o, r in seen if (i, o) == (64, 256)) == [4, 5, 6]
-
-
-def test_the_onednn_cache_is_enlarged_unless_already_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    from workbench.sim.measure import ONEDNN_CACHE_CAPACITY, enlarge_onednn_cache
-
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    enlarge_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY) == "4096"
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    enlarge_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"  # the user's setting stands

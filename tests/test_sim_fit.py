@@ -28,6 +28,8 @@ ZEN4 = Path(__file__).parent / "data" / "amd_epyc_zen4_2026-12-02"
 
 # the recorded steps' engines packed their linears from 4 rows on, on every CPU (before packed_min_rows)
 RECORDED_MIN_ROWS = 4
+# ... and ran oneDNN's packed products (before the blocked op), at most this many rows a call: a kernel break above it
+RECORDED_MAX_ROWS = 256
 
 
 def _recorded() -> tuple[list[StepStats], list[float], list[float], list[bool], list[float]]:
@@ -77,12 +79,11 @@ def test_fit_quality_warns_of_a_biased_kind_of_step_and_of_a_coefficient_at_its_
 def test_refit_on_the_amd_epycs_recorded_steps_is_physical() -> None:
     """The acceptance test of issue 33: the engine's own steps (``tests/data``, its provenance inside), re-fitted
     with the kernel breaks of the CPU engine that recorded them (packed linears from 4 rows on, every CPU then)."""
-    from workbench.model.packed import PACKED_MAX_ROWS
     from workbench.sim.measure import engine_batched_decode
 
     stats, durations, gaps, idle, wakes = _recorded()
     knots = token_knots([s.num_tokens for s in stats])
-    breaks = (RECORDED_MIN_ROWS, PACKED_MAX_ROWS + 1)
+    breaks = (RECORDED_MIN_ROWS, RECORDED_MAX_ROWS + 1)
     model = fit_profile(stats, durations, gaps, knots=knots, batched_decode=engine_batched_decode("cpu"),
                         after_idle=idle, wakes_s=wakes, kernel_breaks=breaks, bootstrap=30)  # fmt: skip
     c, fit = model.coefficients, model.meta["fit"]
@@ -212,8 +213,6 @@ def test_the_zen4_fits_falling_curve_falls_at_the_packed_kernel_break() -> None:
     other falls are noise-sized. Projected on today's form (steps that carry their token count alone, one per knot,
     timed as the file's curve) with the kernel breaks, the curve keeps that fall, rises within each segment and stays
     within 10% of the file's; without the breaks it cannot follow the plain kernel's 2-3 rows."""
-    from workbench.model.packed import PACKED_MAX_ROWS
-
     profiled = json.loads((ZEN4 / "sim_fidelity.json").read_text())["cost_models"]["profiled"]
     assert all(c["packed_linears"] for c in profiled["meta"]["engine_configs"])
     tokens, seconds = profiled["token_curve"]["tokens"], profiled["token_curve"]["seconds"]
@@ -223,7 +222,7 @@ def test_the_zen4_fits_falling_curve_falls_at_the_packed_kernel_break() -> None:
     assert all(f[2] > -0.10 for f in falls if f is not worst)  # 5 -> 6: -9.4%, the next largest
 
     stats = [StepStats(t) for t in tokens]
-    breaks = (RECORDED_MIN_ROWS, PACKED_MAX_ROWS + 1)
+    breaks = (RECORDED_MIN_ROWS, RECORDED_MAX_ROWS + 1)
     projected = fit_profile(stats, seconds, knots=tokens, kernel_breaks=breaks, bootstrap=0).token_curve[1]
     i = tokens.index(RECORDED_MIN_ROWS)
     assert projected[:i] == pytest.approx(seconds[:i], rel=1e-9)  # 1-3 rows already rise: kept as they are

@@ -75,8 +75,8 @@ def graph_op(
     opaque node, which inductor calls as it is.
 
     The dispatcher calls ``impl`` directly, without the wrapper layers of ``torch.library.custom_op`` (~10 us a call
-    less: reports/PERFORMANCE.md), which matters for ``workbench::packed_linear``, called for every product of a
-    compiled step. Like an operator of ``custom_op(mutates_args=())``, it has no autograd formula.
+    less: reports/PERFORMANCE.md), which matters for an operator called for every layer of a compiled step
+    (``workbench::ragged_attend``). Like an operator of ``custom_op(mutates_args=())``, it has no autograd formula.
     """
     namespace, name = qualname.split("::")
     if namespace not in _LIBRARIES:

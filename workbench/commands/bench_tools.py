@@ -32,7 +32,7 @@ import json
 from typing import Any
 
 TOOL_HELP = {
-    "linear": "the model's weight matrices alone, plain F.linear against oneDNN-packed, per row count: GFLOP/s",
+    "linear": "the model's weight matrices alone, plain F.linear against packed (blocked op), per row count: GFLOP/s",
     "quant-ops": "the model's weight matrices alone in fp32, bf16, int8 and int4, interleaved: ms and GB/s",
     "attention": "the CPU paged decode attention alone, every layer of a model's step, per code path: KV GB/s",
     "compiled": "the compiled decode and ragged steps against the eager ones: single steps and the offline set",
@@ -467,10 +467,6 @@ def _simulator(args: argparse.Namespace) -> tuple[dict, Any]:
 
 
 def _op_steps(args: argparse.Namespace) -> tuple[dict, Any]:
-    from workbench.sim.measure import enlarge_onednn_cache
-
-    enlarge_onednn_cache()  # before torch's first oneDNN primitive, here and in the engines started later
-
     from workbench.experiments.hygiene import load_average
     from workbench.sim.op_steps import first_products, op_profile_steps
     from workbench.sim.op_timing import profile_ops
@@ -489,7 +485,7 @@ def _op_steps(args: argparse.Namespace) -> tuple[dict, Any]:
             raise ConfigError(f"--op-profile {args.op_profile}: not a readable op profile ({exc})") from None
         if profile.get("model") != args.model:
             raise ConfigError(f"--op-profile is of model {profile.get('model')!r}, not --model {args.model!r}")
-    firsts = first_products(args.model, args.seed)  # first: oneDNN's primitives are per process
+    firsts = first_products(args.model, args.seed)  # first: before the steps' products
     if profile is None:
         profile = profile_ops(args.model, "cpu", "fp32", max_tokens=args.profile_max_tokens, progress=False)
         profile["model"] = args.model

@@ -53,9 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from workbench.sim.measure import enlarge_onednn_cache
-
-    enlarge_onednn_cache()  # before torch's first oneDNN primitive, here and in the engine processes started later
     from workbench.atomic import atomic_write_text
     from workbench.commands.common import check_output_file
     from workbench.experiments import fidelity

@@ -64,9 +64,6 @@ def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import check_output_file, progress_bar
     from workbench.engine.scheduler import POLICIES
     from workbench.errors import ConfigError
-    from workbench.sim.measure import enlarge_onednn_cache
-
-    enlarge_onednn_cache()  # before the first oneDNN primitive: the measured engine keeps all its shapes
     from workbench.sim.measure import default_profile_path, fit_engine_profile, training_workloads
 
     for name in ("num_requests", "threads", "max_num_seqs", "max_model_len"):

@@ -14,7 +14,7 @@ gather), through the attention backend the engine runs (``--attention-backend``,
 decode on a CPU where its op builds, else torch; the profile records the backend it timed). Each point is a median
 over repeats after warm-up, with min and max, in each of ``--passes`` sweeps over all points; the profile keeps the
 median of the passes' medians (a burst of load from another process moves one pass, not the profile). The linear
-layers are timed as the engine runs them: with oneDNN-packed weights where they are large enough to pay
+layers are timed as the engine runs them: with packed weights where they are large enough to pay
 (``EngineConfig.packed_linears``, the default, and ``PACKED_MIN_WEIGHT``; ``--no-packed-linears`` for an engine
 without them). Then, unless ``--no-overhead``, it replays short workloads on
 the real engine and fits the per-step overhead the summed operations miss (``workbench.sim.op_profile``). The file
@@ -67,9 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from workbench.commands.common import check_output_file
     from workbench.errors import ConfigError
-    from workbench.sim.measure import default_op_profile_path, enlarge_onednn_cache
-
-    enlarge_onednn_cache()  # before the first oneDNN primitive: the overhead fit's engine then keeps all its shapes
+    from workbench.sim.measure import default_op_profile_path
 
     counts = ("threads", "passes", "max_tokens", "max_repeats", "overhead_requests", "max_num_seqs", "max_model_len")
     for name in counts:

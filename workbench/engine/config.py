@@ -152,11 +152,11 @@ class EngineConfig(ServingConfig):
     pure-decode steps replay CUDA graphs; otherwise they run eagerly (``decode_mode``). ``compile_prefill`` (CPU, one
     process): ragged steps run as one compiled graph a step, each layer's attention an opaque operator in it
     (``workbench.engine.prefill_step``). ``quantization`` / ``group_size`` are applied by ``Engine.from_model`` at load
-    time. ``packed_linears`` (CPU, fp32 or bf16, every rank): the plain linear layers whose weight has at least
-    ``PACKED_MIN_WEIGHT`` elements also hold oneDNN's packed copy of it, used for products of ``PACKED_MIN_ROWS`` (4 on
-    an Intel CPU, 1 on others) or more rows (``workbench.model.packed``; smaller matrices lose by it and stay plain);
-    the engine applies it to the model it is given. ``speculative_config``: a ``SpeculativeConfig``, its dict or JSON
-    text; None: off.
+    time. ``packed_linears`` (CPU, fp32, every rank): the plain linear layers whose weight has at least
+    ``PACKED_MIN_WEIGHT`` elements also hold a packed copy of it (``kernels/linear_cpu.py``'s blocked layout), used
+    for products of ``PACKED_MIN_ROWS`` (4 on an Intel CPU, 1 on others) or more rows (``workbench.model.packed``;
+    smaller matrices lose by it and stay plain); the engine applies it to the model it is given.
+    ``speculative_config``: a ``SpeculativeConfig``, its dict or JSON text; None: off.
     """
 
     cache: str = "paged"
@@ -164,7 +164,7 @@ class EngineConfig(ServingConfig):
     device: str = "auto"
     compile_decode: bool = False
     compile_prefill: bool = False  # CPU: a ragged step as one compiled graph (engine.prefill_step)
-    packed_linears: bool = True  # CPU fp32/bf16: oneDNN-packed copies of the large weights (model.packed)
+    packed_linears: bool = True  # CPU fp32: packed copies of the large weights (model.packed)
     speculative_config: SpeculativeConfig | dict | str | None = None  # speculative decoding (engine.speculative)
 
     def __post_init__(self) -> None:

@@ -48,17 +48,18 @@ def held_out_workload(num_requests: int = 40, rate: float = 10.0, seed: int = 7)
                               seed=seed)  # fmt: skip
 
 
-def warmup_workload(max_model_len: int = 256, max_num_seqs: int = 16, gap_s: float = 0.01) -> list[Request]:
-    """A warm-up for engines in other processes (``disaggregated_fidelity``), where ``warm_packed_linears`` cannot
-    reach: one request of every prompt length from 1 to ``min(PACKED_MAX_ROWS, max_model_len - 2)``, ``gap_s``
-    apart (each prefilled alone when a prefill takes less: every token count a prefill step packs), then a burst of
-    ``max_num_seqs`` requests with 2 to ``max_num_seqs + 1`` output tokens (decode batches of every size from
-    ``max_num_seqs`` down to 1 as they finish). The first product of a (matrix, rows) shape in a process builds
-    oneDNN's primitive for it, a cost a steady-state server has long paid (``warm_packed_linears``); for a model
-    with nothing packed (``PACKED_MIN_WEIGHT``) it only costs the run some time."""
-    from workbench.model.packed import PACKED_MAX_ROWS
+WARMUP_MAX_PROMPT = 256  # the longest prompt ``warmup_workload`` sends
 
-    top = max(1, min(PACKED_MAX_ROWS, max_model_len - 2))
+
+def warmup_workload(max_model_len: int = 256, max_num_seqs: int = 16, gap_s: float = 0.01) -> list[Request]:
+    """A warm-up for engines in other processes (``disaggregated_fidelity``): one request of every prompt length
+    from 1 to ``min(WARMUP_MAX_PROMPT, max_model_len - 2)``, ``gap_s`` apart (each prefilled alone when a prefill
+    takes less: every token count of a prefill step), then a burst of ``max_num_seqs`` requests with 2 to
+    ``max_num_seqs + 1`` output tokens (decode batches of every size from ``max_num_seqs`` down to 1 as they finish),
+    so that whatever a process pays on the first step of a shape (with oneDNN's packed products, until 2026-12-06, a
+    primitive per (matrix, rows) shape, ~0.7 ms each) is paid before the measured runs, as a steady-state server
+    has long paid it."""
+    top = max(1, min(WARMUP_MAX_PROMPT, max_model_len - 2))
     out = [Request(i, i * gap_s, i + 1, 2) for i in range(top)]
     burst = top * gap_s + 0.1
     out += [Request(top + j, burst, 8, 2 + j) for j in range(max_num_seqs)]
@@ -93,20 +94,19 @@ def measure_policies(
 ) -> dict[str, Any]:
     """The real engine on ``requests`` under each policy, ``repeats`` times, interleaved: ``runs`` (per policy the
     metrics of each repeat), ``loads`` (per run: policy, repeat, load average before and after), ``pool`` (per
-    policy: num_blocks, block_size). One warm-up replay first, not measured, then every packed matrix at every row
-    count (``warm_packed_linears``): the measured runs are the engine's steady state, as the profiles'. ``steps``:
+    policy: num_blocks, block_size). One warm-up replay first, not measured: the measured runs are the engine's
+    steady state, as the profiles'. ``steps``:
     every run's steps (``workbench.sim.measure.StepSamples``), for the cost models' per-step error. ``between``:
     called after each run with the fraction of the runs done (the fidelity check measures a profile's training
     workloads there, ``workbench.sim.measure.InterleavedTraining.run_due``)."""
     from workbench.engine.engine import Engine
-    from workbench.sim.measure import StepSamples, engine_samples, observe_steps, warm_packed_linears
+    from workbench.sim.measure import StepSamples, engine_samples, observe_steps
 
     if repeats < 1:
         from workbench.errors import ConfigError
 
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
     Engine(net, engine_config(policies[0], max_num_seqs, max_model_len)).replay(list(requests[:4]))
-    warm_packed_linears(net, max_model_len, max_num_seqs)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     loads, pool, steps = [], {}, StepSamples()
     bar = None
@@ -432,9 +432,9 @@ def disaggregated_fidelity(
     (``ttft_parts``; of the noise variant, its first seed's).
     The measured repeats replay the held-out ``requests``. Before all of them the engines serve
     ``warmup_workload`` (every prefill length, every decode batch size), so that the calibration and every repeat
-    find oneDNN's primitives of their shapes built: without it the calibration run and the first repeat paid ~0.7
-    ms per new (matrix, rows) shape on nearly every tiny-gqa prefill (3 ms steps, ~1.9 ms of work), the later
-    repeats, on lengths seen before, did not, and the calibrated model carried the first runs' cost."""
+    run shapes the process has seen: with oneDNN's packed products (until 2026-12-06) the calibration run and the
+    first repeat paid ~0.7 ms per new (matrix, rows) shape on nearly every tiny-gqa prefill (3 ms steps, ~1.9 ms of
+    work), the later repeats did not, and the calibrated model carried the first runs' cost."""
     import dataclasses
 
     from workbench.cluster.disagg import DisaggCluster, DisaggConfig

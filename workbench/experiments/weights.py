@@ -1,14 +1,13 @@
 """The weight matrices alone: a model's linear layers multiplied in turn under different layouts and formats, on the
 CPU, timed interleaved (``workbench bench linear`` and ``bench quant-ops``).
 
-- ``linear_layouts``: plain ``F.linear`` against oneDNN-packed weights (``workbench.model.packed``) per row count,
-  one step's worth of matrices (each distinct shape of ``workbench.bench.linear_shapes`` once), and the product as the
-  engine runs it (``PackedLinear``: packed at ``packed_rows(rows)`` rows, the input padded with zero rows, from
-  ``PACKED_MIN_ROWS`` rows on, in slices of ``PACKED_MAX_ROWS``: ``packed_slices``; plain below it and for a weight
-  below ``PACKED_MIN_WEIGHT``), the three alternated, best of ``repeats``: where ``packed_speedup`` is above 1 the
-  packed layout pays, which is where ``PACKED_MIN_ROWS`` should start on the machine at hand; matrices that lose at
-  every row count should lie below ``PACKED_MIN_WEIGHT`` elements (they stay plain); ``engine_vs_best`` is what the
-  engine's choice and its padding cost against the faster layout at the exact row count.
+- ``linear_layouts``: plain ``F.linear`` against packed weights (the blocked op of ``kernels/linear_cpu.py``,
+  ``workbench.model.packed``) per row count, one step's worth of matrices (each distinct shape of
+  ``workbench.bench.linear_shapes`` once), and the product as the engine runs it (``PackedLinear``: packed from
+  ``PACKED_MIN_ROWS`` rows on, plain below it and for a weight below ``PACKED_MIN_WEIGHT``), the three alternated,
+  best of ``repeats``: where ``packed_speedup`` is above 1 the packed layout pays, which is where ``PACKED_MIN_ROWS``
+  should start on the machine at hand; matrices that lose at every row count should lie below ``PACKED_MIN_WEIGHT``
+  elements (they stay plain); ``engine_vs_best`` is what the engine's choice costs against the faster layout.
 - ``gemm_peak``: the faster of the two at 512 rows, in FLOP/s: the fp32 compute ceiling of a prefill on this CPU that
   ``workbench bench vllm`` divides the offline set's FLOPs by.
 - ``quant_sweep``: one sweep of every matrix of the model (qkv, o, gate_up, down per layer, and the LM head) in each
@@ -37,9 +36,11 @@ QUANT_SCHEMES = ("fp32", "bf16", "int8", "int4")
 KINDS = ("qkv", "o", "gate_up", "down")  # the matrices of a layer, in linear_shapes' order
 
 
-def _check_onednn() -> None:
-    if not torch.backends.mkldnn.is_available():
-        raise ConfigError("this torch build has no oneDNN (torch.backends.mkldnn): the packed layout cannot run")
+def _check_packing() -> None:
+    from workbench.kernels import linear_cpu
+
+    if not linear_cpu.available():
+        raise ConfigError(f"the blocked linear op did not build here ({linear_cpu.build_error()}): no packed layout")
 
 
 def linear_flops(cfg: ModelConfig, rows: int) -> float:
@@ -51,19 +52,20 @@ def linear_flops(cfg: ModelConfig, rows: int) -> float:
 @torch.inference_mode()
 def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, seed: int = 0) -> list[dict[str, Any]]:
     """Per row count: the best seconds of the plain, the packed and the engine's product (``PackedLinear``) of every
-    distinct weight shape, their GFLOP/s (of the ``rows`` asked for; the engine's padded rows are work it adds),
-    ``packed_speedup`` (plain / packed time), ``engine_rows`` (the rows the engine's product runs at; None where it
-    runs plain) and ``engine_vs_best`` (the faster layout's time / the engine's), the three alternated ``repeats``
-    times."""
-    from workbench.model.packed import PACKED_MIN_ROWS, PackedLinear, packed_slices, worth_packing
+    distinct weight shape, their GFLOP/s, ``packed_speedup`` (plain / packed time), ``engine_rows`` (the rows the
+    engine's packed product runs; None where it runs plain) and ``engine_vs_best`` (the faster layout's time / the
+    engine's), the three alternated ``repeats`` times."""
+    from workbench.kernels import linear_cpu
+    from workbench.model.packed import PACKED_MIN_ROWS, PackedLinear, worth_packing
 
-    _check_onednn()
+    _check_packing()
     if not rows_list or any(r < 1 for r in rows_list) or repeats < 1:
         raise ConfigError(f"need row counts >= 1 and repeats >= 1, got {rows_list} and {repeats}")
     shapes = sorted(set(linear_shapes(cfg)))
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for i, o in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+    packed = [linear_cpu.pack(w) for w in weights]
+    isa = linear_cpu.default_isa()
     engine: list[nn.Module] = []  # each weight as the engine holds it (packed copy only where pack_linears makes one)
     for w in weights:
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")  # no weights of its own: given w
@@ -75,7 +77,7 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
         xs = {i: torch.randn(rows, i, generator=gen) for i, _ in shapes}
         runs = {
             "plain": lambda xs=xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
-            "packed": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+            "packed": lambda xs=xs: [linear_cpu.blocked_linear(xs[w.shape[1]], p, None, w.shape[0], isa)
                                      for w, p in zip(weights, packed)],
             "engine": lambda xs=xs: [lin(xs[lin.in_features]) for lin in engine],
         }  # fmt: skip
@@ -91,7 +93,7 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
                     "engine_s": best["engine"], "plain_gflops": flops / best["plain"] / 1e9,
                     "packed_gflops": flops / best["packed"] / 1e9, "engine_gflops": flops / best["engine"] / 1e9,
                     "packed_speedup": best["plain"] / best["packed"],
-                    "engine_rows": sum(packed_slices(rows)) if in_range else None,
+                    "engine_rows": rows if in_range else None,
                     "engine_vs_best": min(best["plain"], best["packed"]) / best["engine"]})  # fmt: skip
     return out
 

@@ -1,48 +1,32 @@
-"""oneDNN-packed weights for the CPU's middle-sized matrix products: decode batches and short prefill chunks.
+"""Weights packed once for the CPU's matrix products, from a batch-1 decode to a prompt of thousands of tokens.
 
 ``torch.nn.functional.linear`` on the CPU runs MKL's / oneDNN's GEMM on the plain (out, in) weight and re-lays the
-weight out for its micro-kernel on every call. For a product of one row (batch-1 decode) that costs nothing next
-to reading the weight, and for hundreds of rows it is amortised; in between (a decode batch of 4 to 64 sequences,
-a 100-token chunk) it is a large share of the call. torch's own ``torch.ops.mkldnn`` operators let the weight be
-re-laid out once, at load (``_reorder_linear_weight``), and multiplied in that blocked layout
-(``_linear_pointwise``), which is also what vLLM's CPU backend does through oneDNN. Measured on the 2-core Intel
-Xeon of this project (AVX-512, torch 2.13, fp32, the model's matrices, same run): 1.85x faster than ``F.linear``
-at 8 rows, 1.26x at 32, 1.13x at 128, even at 256 and more, slower at 1 and 2 rows (0.90x, 0.82x);
-``workbench bench linear`` measures the crossover on the machine at hand.
+weight out for its micro-kernel on every call: nothing next to reading the weight at one row or to the arithmetic of
+hundreds, a large share of a call in between (a decode batch of 4 to 64 sequences, a 100-token chunk). On a 2-core
+AMD EPYC (Zen 4, AVX-512, 2026-12-05) torch's plain product was slower than a weight packed once at every row count:
+1.45x at 1 row, 2.85x at 2, 4.71x at 4, 3.14x at 16, 1.62x at 128, 1.13x at 4,096. So ``PackedLinear`` keeps a copy
+of its weight in the blocked layout of ``kernels/linear_cpu.py`` (blocks of 64 output columns, each one sequential
+stream of memory) and multiplies it with that op, which takes any row count as it is: no per-shape state, no
+padding. Until 2026-12-06 the packed copy was oneDNN's (``torch.ops.mkldnn._reorder_linear_weight`` and
+``_linear_pointwise``), which builds and caches a primitive of ~0.6 MiB per (matrix, row count), so products had to
+be padded to a few row counts and split above 256 rows to bound memory, and which read the weights more slowly at a
+few rows; the op's docstring has the measurements that replaced it.
 
-A small matrix loses by it at every row count: its plain weight stays in cache and the re-layout is cheap, while
-the packed call's fixed cost is not (AMD EPYC Zen 3, AVX2, 1 thread: tiny-gqa's matrices, at most 64 x 320, run
-at 0.21-0.79x of ``F.linear`` from 1 to 256 rows, SmolLM2-135M's, at least 576 x 576, at 1.1-2.3x). So
+A small matrix gains nothing: its plain weight stays in cache and the re-layout is cheap, while a packed call has a
+fixed cost (measured with the oneDNN layout: AMD EPYC Zen 3, AVX2, 1 thread, tiny-gqa's matrices, at most 64 x 320,
+ran at 0.21-0.79x of ``F.linear`` from 1 to 256 rows, SmolLM2-135M's, at least 576 x 576, at 1.1-2.3x). So
 ``pack_linears`` packs only a weight of at least ``PACKED_MIN_WEIGHT`` elements (``worth_packing``): a model of
 small matrices keeps every linear plain, and everything that depends on packing (the fitted profile's kernel
-breaks, the op profile's packed products, the warm-up of packed shapes, the compiled ragged step's row ranges)
-follows the layers actually packed (``count_packed``), not ``EngineConfig.packed_linears`` alone.
+break, the op profile's packed products, the compiled ragged step's row ranges) follows the layers actually packed
+(``count_packed``), not ``EngineConfig.packed_linears`` alone.
 
 ``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
 quantization code are unchanged) and adds the packed copy, used for products of ``PACKED_MIN_ROWS`` rows or more
-(4 on an Intel CPU, 1 on others: ``packed_min_rows``); a product of more than ``PACKED_MAX_ROWS`` rows runs its
-largest multiple of ``PACKED_MAX_ROWS`` rows in one call and the rest in a second (``packed_slices``). The price is
-a second copy of every packed weight in memory; the bytes a product reads are one copy's.
-
-oneDNN builds a primitive for every (matrix, rows) shape it is given and keeps it twice over: in its own primitive
-cache and in ideep's (1,024 entries each, by default), about 0.6 MiB a shape on torch 2.13 whatever the matrix
-(measured: 253 row counts of one 64 x 320 matrix, +154 MiB RSS; both caches at 0 or 1 entries, +2.5 MiB). An engine's
-token counts vary from step to step, so at every row count from 4 to 256 a model's handful of matrices would end up
-holding ~0.6 MiB x 253 x (distinct matrices): a server's RSS rose for as long as new counts came (``workbench bench soak
---server``: +20% over 10,000 requests on tiny-gqa) and, past 1,024 shapes, evicted primitives were rebuilt (~0.5-3 ms
-each). So a product runs at ``packed_rows(rows)`` rows, the input padded with zero rows: its own count up to
-``PACKED_EXACT_ROWS``, above that the next multiple of an eighth of its power-of-two octave (at most 1/8 more rows
-computed), and 1-3 rows at 4 (``PACKED_PAD_ROWS``): 45 row counts from 4 to 256 in all, made once each; above 256 rows
-the multiples of 256 up to the largest step (16 more for a 4,096-token budget). Slicing a large product into 256-row
-calls instead would add no shape, but concatenating the slices' outputs copies them all once: 196 against 209 GFLOP/s
-for one call at 4,096 rows (bench-300m's layer matrices, AMD EPYC, 2 threads, 2026-12-05), while the plain product ran
-at 180.
-
-Under ``torch.compile`` (the engine's compiled decode step) the packed product is the custom operator
-``workbench::packed_linear``, which inductor calls as an opaque kernel: inductor's own lowering of
-``mkldnn._linear_pointwise`` takes only weights frozen into the graph as constants (``freezing``), which would put
-another copy of every weight in each compiled batch size. Without it a compiled step multiplies with plain
-``aten.mm``; ``workbench bench compiled`` compares the two.
+(4 on an Intel CPU, 1 on others: ``packed_min_rows``). The price is a second copy of every packed weight in memory;
+the bytes a product reads are one copy's. Packing needs fp32 weights and the op built (``packing_available``): a
+bf16 model, or a machine without a compiler, runs plain products. Under ``torch.compile`` the product is the op's
+registered operator (``torch.ops.workbench_linear.blocked_linear``, with a fake kernel), which inductor calls as
+one opaque kernel.
 """
 
 from __future__ import annotations
@@ -54,95 +38,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from workbench.device import graph_op
 from workbench.errors import ConfigError
 from workbench.hardware import cpu_vendor
 
-# workbench bench linear on the project's 2-core Intel Xeon (bench-300m's matrices, fp32, 2026-12-01, load
-# 1.3-3.3): packed / plain speed 0.90x at 1 row, 0.82x at 2, 1.37x at 4, 1.85x at 8, 1.26x at 32, 1.13x at 128,
-# 1.03x at 256 and 512, 1.03x at 1024. On a 2-core AMD EPYC (Zen 4, AVX-512, 2026-12-05, load 0.1-1.0) torch's
-# plain product (MKL) is slower at every row count, most at a few rows: 1.45x at 1 row, 2.85x at 2, 4.71x at 4,
-# 3.14x at 16, 1.62x at 128, 1.48x at 256, 1.25x at 512, 1.13x at 4096. So an Intel CPU multiplies 1-3 rows
-# plain, any other from 1 row on (``packed_min_rows``).
-PACKED_MAX_ROWS = 256
-# one (in x out) matrix at a time, plain and packed alternated, best of 5 (AMD EPYC Zen 3, AVX2, 1 thread, torch
-# 2.13, fp32, 2026-12-04, load 1.5-1.8): packed / plain speed at 4 / 8 / 16 / 64 / 256 rows: 64x320 (20,480
-# elements) 0.24 / 0.30 / 0.38 / 0.60 / 0.82x; 384x384 (147,456) 0.78 / 0.83 / 0.83 / 0.86 / 0.93x; 448x448
-# (200,704) 0.88 / 0.96 / 0.88 / 0.85 / 0.89x; 512x512 and 256x1024 (262,144) 0.98-1.00 / 1.06-1.11 / 0.99 /
-# 0.94-0.98 / 0.94-0.97x; 576x576 (331,776) 1.14 / 1.10 / 1.02 / 0.91 / 0.87x; 576x3072 1.45 / 1.38 / 1.11 / 0.88 /
-# 0.94x. Whole models (workbench bench linear --threads 1, same load): tiny-gqa 0.31-0.79x at 4-256 rows,
+# one (in x out) matrix at a time, plain and packed (oneDNN's layout of then) alternated, best of 5 (AMD EPYC
+# Zen 3, AVX2, 1 thread, torch 2.13, fp32, 2026-12-04, load 1.5-1.8): packed / plain speed at 4 / 8 / 16 / 64 / 256
+# rows: 64x320 (20,480 elements) 0.24 / 0.30 / 0.38 / 0.60 / 0.82x; 384x384 (147,456) 0.78 / 0.83 / 0.83 / 0.86 /
+# 0.93x; 448x448 (200,704) 0.88 / 0.96 / 0.88 / 0.85 / 0.89x; 512x512 and 256x1024 (262,144) 0.98-1.00 / 1.06-1.11 /
+# 0.99 / 0.94-0.98 / 0.94-0.97x; 576x576 (331,776) 1.14 / 1.10 / 1.02 / 0.91 / 0.87x; 576x3072 1.45 / 1.38 / 1.11 /
+# 0.88 / 0.94x. Whole models (workbench bench linear --threads 1, same load): tiny-gqa 0.31-0.79x at 4-256 rows,
 # SmolLM2-135M 1.28-2.13x. Break-even near 262,144 elements: pack from 300,000 on.
 PACKED_MIN_WEIGHT = 300_000  # elements (in x out) a weight needs for pack_linears to pack it
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
-PACKED_EXACT_ROWS = 16  # up to this many rows a product runs at its own row count; above it, at a padded one
-# fewer rows run padded to this many: oneDNN's packed product of 1 row (its matrix-vector path) is slower than of 4 at
-# the same bytes read (AMD EPYC, every matrix of bench-300m, 2026-12-05: 48.8 against 43.8 ms with 2 threads, 78.0
-# against 61.3 with 1; SmolLM2-135M 24.9 / 22.5 and 36.5 / 31.1 ms)
-PACKED_PAD_ROWS = 4
+PACKED_DTYPES = (torch.float32,)  # what the blocked op multiplies
 
 
 def packed_min_rows(vendor: str) -> int:
     """The fewest rows a packed product takes on a CPU of ``vendor`` (``workbench.hardware.cpu_vendor``): 4 on
-    Intel's, whose MKL matrix-vector products beat oneDNN's packed ones at 1-3 rows, 1 elsewhere (the measurements
-    above)."""
+    Intel's, whose MKL matrix-vector products beat oneDNN's packed ones at 1-3 rows on the project's Xeon (0.90x at 1
+    row, 0.82x at 2: the packed layout of then; the blocked op has not been measured on an Intel CPU), 1 elsewhere,
+    where the plain product is the slower at every row count (the module docstring)."""
     return 4 if vendor == "GenuineIntel" else 1
 
 
 PACKED_MIN_ROWS = packed_min_rows(cpu_vendor())
 
 
-def packed_rows(rows: int) -> int:
-    """The row count a packed product of ``rows`` rows runs at (the module docstring): 4 for 1-3 rows
-    (``PACKED_PAD_ROWS``), ``rows`` up to ``PACKED_EXACT_ROWS``, above it ``rows`` rounded up to a multiple of 1/8 of
-    the power of two at or above it (18, 20, ..., 32, then 36, 40, ..., 64, then 72, ...), so that few distinct
-    shapes reach oneDNN."""
-    if rows <= PACKED_EXACT_ROWS:
-        return max(rows, PACKED_PAD_ROWS)
-    step = 1 << ((rows - 1).bit_length() - 4)
-    return -(-rows // step) * step
-
-
-def packed_slices(rows: int) -> list[int]:
-    """The row counts of the oneDNN calls a packed product of ``rows`` rows makes: ``packed_rows(rows)`` up to
-    ``PACKED_MAX_ROWS``; above it the largest multiple of ``PACKED_MAX_ROWS`` in one call and the rest, if any, at
-    ``packed_rows`` of its count."""
-    whole = rows - rows % PACKED_MAX_ROWS if rows > PACKED_MAX_ROWS else 0
-    return ([whole] if whole else []) + ([packed_rows(rows - whole)] if rows > whole else [])
-
-
-def _packed_product(x2: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x2`` (rows, in) times the packed weight (+ bias), in the calls of ``packed_slices(rows)`` (zero rows added
-    to the last, their results dropped)."""
-    rows, done, parts = x2.shape[0], 0, []
-    for n in packed_slices(rows):
-        take = min(n, rows - done)
-        xs = x2 if take == rows else x2[done : done + take]
-        if n > take:  # the last call's zero rows
-            xs = torch.nn.functional.pad(xs, (0, 0, 0, n - take))
-        y = torch.ops.mkldnn._linear_pointwise(xs, packed_weight, bias, "none", [], "")
-        parts.append(y[:take] if n > take else y)
-        done += take
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-# ``x`` (rows, in) times a weight packed by ``_reorder_linear_weight`` (+ bias): (rows, ``out_features``)
-packed_linear = graph_op(
-    "workbench::packed_linear",
-    "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
-    lambda x, packed_weight, bias, out_features: _packed_product(x, packed_weight, bias),
-    lambda x, packed_weight, bias, out_features: x.new_empty(x.shape[0], out_features),
-)
-
-
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether packed linears can run here: a CPU, fp32 or bf16, and a torch built with oneDNN."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether packed linears can run here: a CPU, fp32, and the blocked op built (``kernels/linear_cpu.py``)."""
+    from workbench.kernels import linear_cpu
+
+    return device.type == "cpu" and dtype in PACKED_DTYPES and linear_cpu.available()
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` that also holds its weight in oneDNN's blocked layout for middle-sized products."""
+    """An ``nn.Linear`` that also holds its weight in the blocked layout of ``kernels/linear_cpu.py``."""
 
     packed_weight: torch.Tensor
+    isa: int  # the op's code path (``linear_cpu.ISAS``), chosen when the layer is packed
 
     @classmethod
     def wrap(cls, linear: nn.Linear) -> PackedLinear:
@@ -151,10 +83,11 @@ class PackedLinear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 32)
+        from workbench.kernels import linear_cpu
+
         # a plain attribute, not a buffer: it is no state (state_dict, .to(), byte counts over buffers skip it)
-        new.packed_weight = packed
+        new.packed_weight = linear_cpu.pack(linear.weight)
+        new.isa = linear_cpu.ISAS[linear_cpu.default_isa()]
         return new
 
     def plain(self) -> nn.Linear:
@@ -169,11 +102,10 @@ class PackedLinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows < PACKED_MIN_ROWS or x.dtype != self.weight.dtype:
             return super().forward(x)
-        x2 = x.reshape(rows, x.shape[-1]).contiguous()
-        if torch.compiler.is_compiling():  # an opaque call in the graph (see the module's docstring)
-            y = packed_linear(x2, self.packed_weight, self.bias, self.out_features)
-        else:
-            y = _packed_product(x2, self.packed_weight, self.bias)
+        x2 = x.reshape(rows, x.shape[-1])
+        y = torch.ops.workbench_linear.blocked_linear.default(
+            x2, self.packed_weight, self.bias, self.out_features, self.isa
+        )
         return y.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -32,8 +32,9 @@ that keeps rising) from caches filling (steps that level off). At the end the se
 or waiting, no KV block in use and no per-request entry in its engine (``workbench:engine_request_entries``).
 
 What held memory before (issue 29; tiny-gqa, 10,000 requests: 685 -> 823 MiB, +20%): oneDNN's primitives, one per
-(matrix, token count) shape of the packed linears, ~0.6 MiB each, kept in two 1,024-entry caches; the products now
-run at 45 padded row counts (``workbench.model.packed.packed_rows``). Not the allocator: jemalloc grew as glibc did
+(matrix, token count) shape of the packed linears, ~0.6 MiB each, kept in two 1,024-entry caches; the products then
+ran at 45 padded row counts, and since 2026-12-06 run through the blocked op of ``kernels/linear_cpu.py``, which
+keeps no per-shape state. Not the allocator: jemalloc grew as glibc did
 and glibc's free-but-held bytes stayed at 1-2 MiB (``mallinfo2``), and the engine with unpacked linears read the
 same RSS from the 400th request to the 2,000th.
 """

@@ -147,56 +147,10 @@ def step_errors(cost: Any, samples: StepSamples) -> dict[str, Any]:
             "total_ratio": sum(p for p, _ in pairs) / sum(t for _, t in pairs)}  # fmt: skip
 
 
-ONEDNN_CACHE_CAPACITY = 4096  # oneDNN primitives kept per process (its default, 1024, holds about 500 of our shapes)
-
-
-def enlarge_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
-    """Let this process (and the engine processes it starts) keep ``capacity`` oneDNN primitives, unless
-    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` is set already. It takes effect only before the process's first oneDNN
-    primitive, so the measuring entry points call it first. With oneDNN's default (1,024 entries, which on this
-    torch held about 500 (matrix, rows) shapes: two entries a product), a model's 4 packed matrices at 253 row
-    counts each do not fit, and a steady-state engine rebuilds evicted primitives (~0.5 ms each for tiny-gqa) on
-    token counts it has served before: the measurements then depend on the order of the row counts visited."""
-    import os
-
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
-
-
-def warm_packed_linears(model: Any, max_rows: int, max_sampled: int) -> int:
-    """Call every distinct oneDNN-packed matrix of ``model`` (``workbench.model.packed.PackedLinear``: the layers
-    share a handful of shapes) once at each row count it packs, up to ``max_rows`` (the LM head up to
-    ``max_sampled``, the most rows a step samples), so that the steps measured after it find oneDNN's primitive for
-    their shape already made. The first product of a (matrix, rows) shape in a process builds that primitive:
-    ~0.7 ms for tiny-gqa's matrices, ~1 ms for SmolLM2-135M's, once per process, against 0.03-0.2 ms for the product
-    itself (``workbench bench op-steps`` shows it). Without this, the steps of a measurement are a mix of cold
-    and warm shapes, set by which token counts earlier runs in the same process happened to visit, which the
-    simulator's steady-state cost cannot follow. The primitives must fit in oneDNN's cache (``enlarge_onednn_cache``,
-    called before the process's first one). Returns the number of calls made (0 for a model not packed)."""
-    import torch
-
-    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear
-
-    head = getattr(model, "lm_head", None)
-    shapes: dict[tuple[int, int, bool, bool], Any] = {}
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            key = (module.in_features, module.out_features, module.bias is not None, module is head)
-            shapes.setdefault(key, module)
-    calls = 0
-    with torch.inference_mode():
-        for (width, _, _, is_head), module in shapes.items():
-            top = min(PACKED_MAX_ROWS, max_sampled if is_head else max_rows)
-            for rows in range(PACKED_MIN_ROWS, top + 1):
-                module(torch.zeros(rows, width, dtype=module.weight.dtype, device=module.weight.device))
-                calls += 1
-    return calls
-
-
 def measure_training_policy(net: Any, cfg: Any, num_requests: int, seed: int, progress: Any = None) -> StepSamples:
     """The training workloads' steps (``training_workloads``) on engines of ``cfg`` over ``net``, in steady state:
-    one unmeasured replay of part of the first workload, then every packed shape built (``warm_packed_linears``),
-    then the measured replays (``measure_engine_steps``); ``InterleavedTraining`` all at once. Both profiles' fits
-    measure their engine this way."""
+    one unmeasured replay of part of the first workload, then the measured replays (``measure_engine_steps``);
+    ``InterleavedTraining`` all at once. Both profiles' fits measure their engine this way."""
     training = InterleavedTraining(net, [cfg], num_requests, seed, progress=progress)
     training.run_due(1.0)
     return training.samples
@@ -289,7 +243,7 @@ def fit_engine_profile(
 
     ``threads``: torch CPU threads while measuring (1 by default: a small model gains nothing from more, and on a
     shared machine extra threads wait on each other); the simulated engine should run with the same. Each policy
-    is measured after one warm-up replay of the first workload and ``warm_packed_linears``. ``progress``: a
+    is measured after one warm-up replay of the first workload. ``progress``: a
     tqdm-like object updated once per measured workload (``len(policies) * len(training_workloads(...))`` in all).
     """
     from workbench.device import resolve_device, torch_dtype
@@ -351,7 +305,7 @@ class InterleavedTraining:
     profile measured in the 2 minutes before the runs priced their steps ~20% high, which at 2 requests/s (a replica
     busy most of the time) moved the simulated ITL median by +17..+57% and left 2 of 20 statistics within tolerance; the
     same profile scaled by 0.8 held 19 of 20. Each policy's first workload is preceded by one unmeasured warm-up replay
-    of part of it and ``warm_packed_linears`` (as ``measure_training_policy``)."""
+    of part of it (as ``measure_training_policy``)."""
 
     def __init__(
         self,
@@ -386,7 +340,6 @@ class InterleavedTraining:
             if id(cfg) not in self._warm:
                 self._warm.add(id(cfg))
                 Engine(self.net, cfg).replay(requests[: max(2, len(requests) // 4)], seed=self.seed)  # not measured
-                warm_packed_linears(self.net, cfg.max_model_len, cfg.max_num_seqs)
             self.samples.extend(measure_engine_steps(lambda cfg=cfg: Engine(self.net, cfg), [requests], self.seed,
                                                      self.progress))  # fmt: skip
             self.done += 1
@@ -481,15 +434,13 @@ def refit_steps(record: Any, meta: dict | None = None, where: str = "steps") -> 
 
 def engine_kernel_breaks(model: Any) -> tuple[int, ...]:
     """The token counts where the engine's dense layers switch kernels (``fit_profile``'s ``kernel_breaks``), from what
-    ``model`` (the net the measured engines ran) holds: with any oneDNN-packed layer (``workbench.model.packed``,
-    ``count_packed``), products of ``PACKED_MIN_ROWS`` rows or more run the packed kernel, one call more every
-    ``PACKED_MAX_ROWS`` rows (``packed_slices``), and the others the plain one; none when nothing was packed (another
-    device or dtype, packing off, or a model of small matrices: ``PACKED_MIN_WEIGHT``)."""
-    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, count_packed
+    ``model`` (the net the measured engines ran) holds: with any packed layer (``workbench.model.packed``,
+    ``count_packed``), products of ``PACKED_MIN_ROWS`` rows or more run the packed kernel and the others the plain
+    one; none when nothing was packed (another device or dtype, packing off, or a model of small matrices:
+    ``PACKED_MIN_WEIGHT``)."""
+    from workbench.model.packed import PACKED_MIN_ROWS, count_packed
 
-    if not count_packed(model):
-        return ()
-    return (PACKED_MIN_ROWS, PACKED_MAX_ROWS + 1)
+    return (PACKED_MIN_ROWS,) if count_packed(model) else ()
 
 
 def engine_batched_decode(device: Any) -> tuple[int, int] | None:

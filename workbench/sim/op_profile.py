@@ -31,7 +31,7 @@ least squares against real engine steps (``workbench.sim.op_timing.fit_overhead`
 operations (``ops_scale``: the same operations run slower inside a forward pass, whose weight streams evict the
 caches the isolated timings keep warm), a constant per step and per sequence for each kind of step (the
 scheduler, the metadata tensors, the Python between layers; ``decode_step_s``, ``decode_seq_s`` for a pure
-decode, ``ragged_step_s``, ``ragged_seq_s`` otherwise), a per-token term, and a time per oneDNN-packed product
+decode, ``ragged_step_s``, ``ragged_seq_s`` otherwise), a per-token term, and a time per packed product
 the step runs (``packed_call_s``, for a profile with packed linears: ``packed_products``, which records the layers
 really packed; a model whose weights are all below ``PACKED_MIN_WEIGHT`` has none, and no such term). A packed
 product costs more inside a forward pass than timed alone, by more than a plain one: on the 2-core AMD EPYC (AVX2, torch
@@ -175,20 +175,21 @@ def parse_op(name: str, entry: Any, where: str) -> OpTable:
     return OpTable(xs, medians)
 
 
-def parse_packed_products(value: Any, where: str) -> tuple[int, int, int, bool] | None:
+def parse_packed_products(value: Any, where: str) -> tuple[int, int | None, int, bool] | None:
     """A profile's ``packed_products`` (``{"min_rows", "max_rows", "per_layer", "head"}``, written by profile-ops
     when it timed packed linears; absent or null: none) as ``OpProfileCostModel.packed_products``; ConfigError
-    naming ``where`` if malformed."""
+    naming ``where`` if malformed. ``max_rows`` null: one call at any row count (the blocked op, profiles written
+    since 2026-12-06); an integer: the most rows one call took (oneDNN's packed products, profiles written before)."""
     if value is None:
         return None
     keys = ("min_rows", "max_rows", "per_layer", "head")
     if not isinstance(value, dict) or set(value) != set(keys):
         raise ConfigError(f'{where}: "packed_products" must be null or an object of {", ".join(keys)}, got {value!r}')
     lo, hi, per_layer, head = (value[k] for k in keys)
-    counts = (lo, hi, per_layer)
-    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in counts) or not 1 <= lo <= hi:
-        raise ConfigError(f'{where}: "packed_products" needs integers 1 <= min_rows <= max_rows and per_layer >= 0, '
-                          f"got {value!r}")  # fmt: skip
+    counts = (lo, lo if hi is None else hi, per_layer)
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in counts) or not 1 <= lo <= counts[1]:
+        raise ConfigError(f'{where}: "packed_products" needs integers 1 <= min_rows <= max_rows (or null) and '
+                          f"per_layer >= 0, got {value!r}")  # fmt: skip
     if not isinstance(head, bool):
         raise ConfigError(f'{where}: "packed_products.head" must be true or false, got {head!r}')
     return lo, hi, per_layer, head
@@ -201,15 +202,15 @@ class OpProfileCostModel(ProfiledCostModel):
     ``ops``: one ``OpTable`` per operation of ``OPS_1D`` and ``OPS_2D``; ``num_layers``: the profiled model's;
     ``max_key_slots``: the engine's padded-gather limit for a pure decode (batch x longest context); ``overhead``:
     coefficients of ``OVERHEAD_FEATURES`` (missing ones 0); ``packed_products``: where the profiled model's linears were
-    oneDNN-packed, ``(min_rows, max_rows, per_layer, head)``: the fewest rows the engine packs, the most in one call,
-    the packed products of a layer and whether the LM head is one (None: no packed products). The clock's host gap,
-    idle-step excess and wake-up delay are ``ProfiledCostModel``'s; its linear coefficients stay empty.
+    packed, ``(min_rows, max_rows, per_layer, head)``: the fewest rows the engine packs, the most in one call (None:
+    any), the packed products of a layer and whether the LM head is one (None: no packed products). The clock's host
+    gap, idle-step excess and wake-up delay are ``ProfiledCostModel``'s; its linear coefficients stay empty.
     """
 
     ops: dict[str, OpTable] = field(default_factory=dict)
     num_layers: int = 1
     max_key_slots: int = 1 << 16
-    packed_products: tuple[int, int, int, bool] | None = None
+    packed_products: tuple[int, int | None, int, bool] | None = None
     overhead: dict[str, float] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)  # the profile file's content, for to_dict
     name = "op-profile"
@@ -263,17 +264,18 @@ class OpProfileCostModel(ProfiledCostModel):
         return out
 
     def packed_calls(self, stats: StepStats) -> int:
-        """The oneDNN-packed calls this step makes (``packed_products``): every layer's packed projections when its
-        token count is ``min_rows`` or more, the LM head when its sampled rows are, each in two calls above ``max_rows``
-        rows unless a multiple of it (``workbench.model.packed.packed_slices``); 0 for a profile of plain linears."""
+        """The packed calls this step makes (``packed_products``): every layer's packed projections when its
+        token count is ``min_rows`` or more, the LM head when its sampled rows are, each one call, or, in a profile of
+        oneDNN's packed products (an integer ``max_rows``), two above ``max_rows`` rows unless a multiple of it; 0 for
+        a profile of plain linears."""
         if self.packed_products is None:
             return 0
         lo, hi, per_layer, head = self.packed_products
         t = stats.prefill_tokens + stats.decode_seqs
         rows = stats.prefill_seqs + stats.decode_seqs + stats.spec_tokens  # the LM head's rows, as in op_times
 
-        def calls(n: int) -> int:  # packed_slices: a multiple of max_rows in one call, the rest in another
-            return 0 if n < lo else 1 if n <= hi else 1 + (n % hi != 0)
+        def calls(n: int) -> int:  # oneDNN's slices: a multiple of max_rows in one call, the rest in another
+            return 0 if n < lo else 1 if hi is None or n <= hi else 1 + (n % hi != 0)
 
         return per_layer * self.num_layers * calls(t) + (calls(rows) if head else 0)
 

@@ -10,9 +10,9 @@ each kind's largest operations; and the first product of a new (matrix, rows) sh
 3. Per kind of step (pure decodes by batch size; ragged steps by tokens, with or without decodes) and set: the
    number of busy steps, the median measured and summed-operation times, the median signed error of the operations
    alone and of the fitted model, and the kind's five largest operations (ms).
-4. ``first_products``: oneDNN builds a primitive per shape once per process (``workbench.sim.measure.
-   warm_packed_linears``): per distinct packed matrix, the median over 7 new row counts of the first product and of
-   a repeat. Run it first in a process: the steps build those primitives.
+4. ``first_products``: per distinct packed matrix, the median over 7 new row counts of the first product in the
+   process and of a repeat (oneDNN's packed products, until 2026-12-06, built a primitive per shape on its first
+   product, ~0.7 ms for tiny-gqa's matrices; the blocked op keeps no per-shape state). Run it first in a process.
 """
 
 from __future__ import annotations

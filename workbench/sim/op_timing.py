@@ -83,7 +83,7 @@ def profile_ops(
     op profile file (``OP_PROFILE_FORMAT``) without its overhead and machine facts (``workbench profile-ops`` adds
     them). ``grids``: sizes per axis (``default_grids``). ``passes``: sweeps over every point, interleaved (each
     point once per pass); a point's median is the median of its passes' medians. ``packed_linears``: time the linear
-    layers (projections and LM head) as an engine with ``EngineConfig.packed_linears`` runs them (oneDNN-packed weights
+    layers (projections and LM head) as an engine with ``EngineConfig.packed_linears`` runs them (packed weights
     from ``PACKED_MIN_ROWS`` rows on, ``workbench.model.packed``, where the device and dtype allow it and for the
     weights of at least ``PACKED_MIN_WEIGHT`` elements only); the profile records whether any was packed (and, if so,
     ``packed_products``: the row range and the packed products of a layer and of the LM head, as packed, which the
@@ -100,7 +100,7 @@ def profile_ops(
     from workbench.model.attention import MAX_GATHER_KEY_SLOTS, build_decode_metadata, build_metadata
     from workbench.model.checkpoint import load_model
     from workbench.model.layers import apply_rotary_rolled, signed_sin
-    from workbench.model.packed import PACKED_MAX_ROWS, PACKED_MIN_ROWS, PackedLinear, count_packed, pack_linears
+    from workbench.model.packed import PACKED_MIN_ROWS, PackedLinear, count_packed, pack_linears
     from workbench.model.sampler import Sampler
     from workbench.request import SamplingParams
 
@@ -115,8 +115,7 @@ def profile_ops(
         # head is), and the LM head
         per_layer = count_packed(net.layers[0])
         head = isinstance(getattr(net, "lm_head", None), PackedLinear)
-        packed_products = {"min_rows": PACKED_MIN_ROWS, "max_rows": PACKED_MAX_ROWS, "per_layer": per_layer,
-                           "head": head}  # fmt: skip
+        packed_products = {"min_rows": PACKED_MIN_ROWS, "max_rows": None, "per_layer": per_layer, "head": head}
     cfg = net.config
     g = {**default_grids(cfg, max_tokens), **(grids or {})}
     for axis, values in g.items():
@@ -375,9 +374,7 @@ def measure_training_steps(
     seed: int = 1000,
 ) -> tuple[Any, list[Any]]:
     """(``StepSamples``, engine configs): the fit-profile training workloads of ``seed`` replayed on the real engine
-    (same model, device and dtype as ``profile``; ``overhead_engine_configs``) under each policy, its packed shapes
-    all built before the measured steps (``warm_packed_linears``), as profile-ops' warm-up calls build them before
-    the timed ones."""
+    (same model, device and dtype as ``profile``; ``overhead_engine_configs``) under each policy."""
     from workbench.device import resolve_device, torch_dtype
     from workbench.model.checkpoint import load_model
     from workbench.sim.measure import StepSamples, measure_training_policy

@@ -74,10 +74,11 @@ class CppOp:
     build (no compiler, no headers) is remembered with its reason, and the caller falls back to plain PyTorch.
 
     The build lives in a directory named by a hash of what the library depends on (``build_key``: the source text,
-    the flags, torch's version, the Python ABI) under torch's extension root (``TORCH_EXTENSIONS_DIR``), and a
-    process that finds the library built there loads it without calling the build at all. Torch's own cache keys the
-    build by the op's name only, so two checkouts (or versions) of the source took turns rebuilding one directory, a
-    minute of g++ each time, and even an unchanged one re-ran ninja; here each version keeps its build."""
+    the headers of ``csrc/``, the flags, torch's version, the Python ABI) under torch's extension root
+    (``TORCH_EXTENSIONS_DIR``), and a process that finds the library built there loads it without calling the build
+    at all. Torch's own cache keys the build by the op's name only, so two checkouts (or versions) of the source took
+    turns rebuilding one directory, a minute of g++ each time, and even an unchanged one re-ran ninja; here each
+    version keeps its build."""
 
     def __init__(self, name: str, source: Path, cflags: list[str], register_fakes: Callable[[], None]) -> None:
         self.name, self.source, self.cflags, self.register_fakes = name, source, cflags, register_fakes
@@ -87,9 +88,11 @@ class CppOp:
         self.loaded_from_cache: bool | None = None  # after the first use: whether the library was already built
 
     def build_key(self) -> str:
-        """16 hex digits of a hash of the source text, the flags, torch's version and the Python ABI."""
+        """16 hex digits of a hash of the source text, the headers beside it (``csrc/*.h``), the flags, torch's version
+        and the Python ABI."""
         digest = hashlib.sha256()
-        for part in (self.source.read_bytes(), " ".join(self.cflags).encode(), torch.__version__.encode(),
+        headers = [h.read_bytes() for h in sorted(self.source.parent.glob("*.h"))]
+        for part in (self.source.read_bytes(), *headers, " ".join(self.cflags).encode(), torch.__version__.encode(),
                      sys.implementation.cache_tag.encode()):  # fmt: skip
             digest.update(part + b"\0")
         return digest.hexdigest()[:16]

@@ -25,15 +25,13 @@
 #include <cstdint>
 #include <cstring>
 
-namespace {
+#include "cpu_isa.h"
 
-enum Isa : int64_t { ISA_DEFAULT = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+namespace {
 
 constexpr int64_t COLS = 64;  // output columns per block
 constexpr int64_t KC = 512;   // inputs per chunk: a 128 KB panel of the block
 constexpr int64_t MC = 192;   // rows of x per task
-
-#define AI inline __attribute__((always_inline))
 
 struct Args {
   const float* x;     // (M, K), contiguous
@@ -68,14 +66,6 @@ namespace isa_default {
 }
 #undef BL_ISA
 #undef BL_BODY
-
-bool isa_supported(int64_t isa) {
-  __builtin_cpu_init();
-  if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return true;
-}
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                           int64_t n_out, int64_t isa) {

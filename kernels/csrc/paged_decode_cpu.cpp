@@ -31,12 +31,13 @@
 
 #include <omp.h>
 
+#include "cpu_isa.h"
+
 namespace {
 
 constexpr int64_t TILE = 32;  // tokens scored together before one online-softmax update
 
 enum KvKind : int64_t { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
-enum Isa : int64_t { ISA_DEFAULT = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 
 // exp(x) for x <= 0 in a form the vectorizer takes (a libm call per score was most of the op's time): x = n ln2 + r,
@@ -82,7 +83,6 @@ typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 #define V8(PTR) (*reinterpret_cast<v8f*>(PTR))
 #define CV8(PTR) (*reinterpret_cast<const v8f*>(PTR))
-#define AI inline __attribute__((always_inline))
 
 // exp_neg on a vector of lanes (8 or 16): n by the round-to-nearest of adding 1.5 * 2^23 (|x log2 e| <= 126 here),
 // 2^n from the bits
@@ -515,22 +515,12 @@ __attribute__((noinline)) void task_default(const Args& a, int64_t b, int64_t h,
   task_body<ISA_DEFAULT>(a, b, h, work);
 }
 
-bool isa_supported(int64_t isa) {
-  __builtin_cpu_init();
-  if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                                __builtin_cpu_supports("f16c");
-  if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                             __builtin_cpu_supports("f16c");
-  return true;
-}
-
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& cached_lens,
                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                         const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new, double scale,
                         int64_t kind, int64_t isa, int64_t schedule) {
-  TORCH_CHECK(isa_supported(isa), "paged_decode: ISA ", isa, " is not supported by this CPU");
+  TORCH_CHECK(isa_supported(isa, /*need_f16c=*/true), "paged_decode: ISA ", isa, " is not supported by this CPU");
   TORCH_CHECK(schedule == 0 || schedule == 1, "paged_decode: schedule ", schedule, " is not 0 or 1 (SCHEDULES)");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q (B, H, D), caches (blocks, bs, KVH, D)");
   TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1, "paged_decode: cache strides");
@@ -807,7 +797,7 @@ __attribute__((noinline)) void prompt_default(const PromptArgs& a, int64_t c, in
 
 void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor out,
                       at::IntArrayRef starts, at::IntArrayRef lens, double scale, int64_t isa) {
-  TORCH_CHECK(isa_supported(isa), "prompt_attention: ISA ", isa, " is not supported by this CPU");
+  TORCH_CHECK(isa_supported(isa, /*need_f16c=*/true), "prompt_attention: ISA ", isa, " is not supported by this CPU");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "prompt_attention: q, k, v, out 3-D");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &out})  // q: scaled into a copy
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->stride(2) == 1 && t->stride(1) == t->size(2),
@@ -879,7 +869,7 @@ void prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   }
 }
 
-bool cpu_supports(int64_t isa) { return isa_supported(isa); }
+bool cpu_supports(int64_t isa) { return isa_supported(isa, /*need_f16c=*/true); }
 
 }  // namespace
 

@@ -36,9 +36,9 @@
 #include <cstring>
 #include <vector>
 
-namespace {
+#include "cpu_isa.h"
 
-enum Isa : int64_t { ISA_DEFAULT = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+namespace {
 
 constexpr int64_t ROWS = 8;    // output rows per tile
 constexpr int64_t BLOCK = 256;  // inputs dequantized together for M > 1
@@ -60,7 +60,6 @@ typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 #define CV8(PTR) (*reinterpret_cast<const v8f*>(PTR))
 #define V8(PTR) (*reinterpret_cast<v8f*>(PTR))
-#define AI inline __attribute__((always_inline))
 
 // lane r of the result: the sum of a[r]'s 8 lanes (the AVX hadd transpose as pairwise adds)
 static AI v8f hsum8(const v8f* a) {
@@ -113,14 +112,6 @@ namespace isa_default {
 }
 #undef QL_ISA
 #undef QL_BODY
-
-bool isa_supported(int64_t isa) {
-  __builtin_cpu_init();
-  if (isa == ISA_AVX512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return true;
-}
 
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor* offset,
                int64_t n_out, int64_t group, int64_t isa) {

@@ -34,7 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from workbench.kernels.paged_decode_cpu import ISAS, CppOp, CpuKernelError, isa_paths, pick_isa
+from workbench.kernels.paged_decode_cpu import ISAS, CppOp, CpuKernelError
 
 COLS = 64  # output columns per block of the layout
 _SOURCE = Path(__file__).with_name("csrc") / "linear_cpu.cpp"
@@ -46,27 +46,11 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], n_out)
 
 
-_OP = CppOp("workbench_linear_cpu", _SOURCE, ["-O3", "-fno-math-errno"], _register_fakes)
-
-
-def available() -> bool:
-    """Whether the op could be built and loaded here (the first call builds it)."""
-    return _OP.available()
-
-
-def build_error() -> str | None:
-    """Why the op is not available (None when it is)."""
-    return _OP.build_error()
-
-
-def supported_isas() -> list[str]:
-    """The code paths this CPU can run, best last (``paged_decode_cpu.isa_paths``); none without the op."""
-    return isa_paths(torch.ops.workbench_linear.cpu_supports) if available() else []
-
-
-def default_isa() -> str:
-    """The best code path here (``WORKBENCH_CPU_ISA`` forces one of ``supported_isas()``)."""
-    return pick_isa(supported_isas())
+_OP = CppOp("workbench_linear_cpu", _SOURCE, ["-O3", "-fno-math-errno"], _register_fakes, "workbench_linear")
+available = _OP.available
+build_error = _OP.build_error
+supported_isas = _OP.supported_isas
+default_isa = _OP.default_isa
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -85,8 +69,5 @@ def blocked_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, isa: str
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for (rows, in) fp32 ``x`` over ``pack``'s layout of W: (rows, out_features) fp32."""
-    if not available():
-        raise CpuKernelError(f"the CPU blocked linear op could not be built ({build_error()})")
-    if isa not in supported_isas():
-        raise CpuKernelError(f"isa {isa!r} is not supported on this CPU; use one of {supported_isas()}")
+    _OP.check_isa(isa, "CPU blocked linear op")
     return torch.ops.workbench_linear.blocked_linear(x, packed, bias, out_features, ISAS[isa])

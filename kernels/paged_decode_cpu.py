@@ -80,8 +80,11 @@ class CppOp:
     turns rebuilding one directory, a minute of g++ each time, and even an unchanged one re-ran ninja; here each
     version keeps its build."""
 
-    def __init__(self, name: str, source: Path, cflags: list[str], register_fakes: Callable[[], None]) -> None:
+    def __init__(
+        self, name: str, source: Path, cflags: list[str], register_fakes: Callable[[], None], library: str
+    ) -> None:
         self.name, self.source, self.cflags, self.register_fakes = name, source, cflags, register_fakes
+        self.library = library  # the torch.ops namespace the source registers, with its ``cpu_supports`` probe
         self._lock = threading.Lock()
         self._error: str | None = None
         self._built = False
@@ -142,6 +145,23 @@ class CppOp:
         self._build()
         return self._error
 
+    def supported_isas(self) -> list[str]:
+        """The code paths this CPU can run, best last (``isa_paths`` over the op's own ``cpu_supports`` probe); none
+        when the op did not build."""
+        return isa_paths(getattr(torch.ops, self.library).cpu_supports) if self.available() else []
+
+    def default_isa(self) -> str:
+        """The best code path here (``WORKBENCH_CPU_ISA`` forces one of ``supported_isas()``)."""
+        return pick_isa(self.supported_isas())
+
+    def check_isa(self, isa: str, what: str) -> None:
+        """CpuKernelError naming ``what`` (the op, for the message) unless the op built and ``isa`` is one of
+        ``supported_isas()``."""
+        if not self.available():
+            raise CpuKernelError(f"the {what} could not be built ({self.build_error()})")
+        if isa not in self.supported_isas():
+            raise CpuKernelError(f"isa {isa!r} is not supported on this CPU; use one of {self.supported_isas()}")
+
 
 def _register_fakes() -> None:
     @torch.library.register_fake("workbench_cpu::paged_decode")
@@ -155,23 +175,19 @@ def _register_fakes() -> None:
         return None
 
 
-_OP = CppOp("workbench_paged_decode_cpu", _SOURCE, ["-O3", "-fopenmp-simd", "-fno-math-errno"], _register_fakes)
-
-
-def available() -> bool:
-    """Whether the op could be built and loaded here (first call builds it)."""
-    return _OP.available()
-
-
-def build_error() -> str | None:
-    """Why the op is not available (None when it is)."""
-    return _OP.build_error()
+_OP = CppOp(
+    "workbench_paged_decode_cpu", _SOURCE, ["-O3", "-fopenmp-simd", "-fno-math-errno"], _register_fakes, "workbench_cpu"
+)
+available = _OP.available
+build_error = _OP.build_error
+supported_isas = _OP.supported_isas
+default_isa = _OP.default_isa
 
 
 def isa_paths(cpu_supports: Callable[[int], bool]) -> list[str]:
-    """The code paths of a C++ op compiled per ISA (this one, ``kernels/quant_linear_cpu.py``) that this CPU can run,
-    best last: always 'default', then 'avx2', 'avx512' where the CPU has them (``cpu_supports``, the op's own probe)
-    and torch's own dispatch would use them too (``torch.backends.cpu.get_cpu_capability()``)."""
+    """The code paths of a C++ op compiled per ISA (every op of ``kernels/csrc``: ``CppOp.supported_isas``) that
+    this CPU can run, best last: always 'default', then 'avx2', 'avx512' where the CPU has them (``cpu_supports``, the
+    op's own probe) and torch's own dispatch would use them too (``torch.backends.cpu.get_cpu_capability()``)."""
     cap = torch.backends.cpu.get_cpu_capability()  # 'DEFAULT', 'AVX2', 'AVX512', ...
     out = ["default"]
     if cap in ("AVX2", "AVX512") and cpu_supports(ISAS["avx2"]):
@@ -191,13 +207,6 @@ def pick_isa(isas: list[str]) -> str:
     return isas[-1]
 
 
-def supported_isas() -> list[str]:
-    """The code paths this CPU can run, best last (``isa_paths``); none when the op did not build."""
-    if not available():
-        return []
-    return isa_paths(torch.ops.workbench_cpu.cpu_supports)
-
-
 def decode_schedule(vendor: str) -> str:
     """The decode op's schedule for a CPU of ``vendor`` (``workbench.hardware.cpu_vendor()``): on Intel a line of the
     next tile a slot and fp32 heads one at a time (measured on a Sapphire Rapids Xeon), elsewhere the lines spread
@@ -211,11 +220,6 @@ def default_schedule() -> str:
     from workbench.hardware import cpu_vendor
 
     return decode_schedule(cpu_vendor())
-
-
-def default_isa() -> str:
-    """The best code path here (``WORKBENCH_CPU_ISA`` forces one of ``supported_isas()``)."""
-    return pick_isa(supported_isas())
 
 
 def paged_decode_attention_cpu(
@@ -237,11 +241,8 @@ def paged_decode_attention_cpu(
     Same op as ``reference.paged_decode_attention_reference`` (and, with scales, the quantized reference);
     ``isa`` one of ``supported_isas()`` (default ``default_isa()``), ``schedule`` one of ``SCHEDULES`` (default
     ``default_schedule()``)."""
-    if not available():
-        raise CpuKernelError(f"the CPU decode op could not be built ({build_error()}); use the torch backend")
     isa = default_isa() if isa is None else isa
-    if isa not in supported_isas():
-        raise CpuKernelError(f"isa {isa!r} is not supported on this CPU; use one of {supported_isas()}")
+    _OP.check_isa(isa, "CPU decode op (use the torch backend)")
     schedule = default_schedule() if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise CpuKernelError(f"schedule {schedule!r} is not one of {list(SCHEDULES)}")
@@ -305,11 +306,8 @@ def prompt_attention_cpu(
     ``prompt_attention`` in ``kernels/csrc/paged_decode_cpu.cpp``): what ``F.scaled_dot_product_attention`` with
     ``is_causal=True`` (and ``enable_gqa``) computes per prompt, all prompts and KV heads in one call. The other rows
     of ``out`` are left as they are. ``isa`` one of ``supported_isas()`` (default ``default_isa()``)."""
-    if not available():
-        raise CpuKernelError(f"the CPU attention op could not be built ({build_error()}); use the torch backend")
     isa = default_isa() if isa is None else isa
-    if isa not in supported_isas():
-        raise CpuKernelError(f"isa {isa!r} is not supported on this CPU; use one of {supported_isas()}")
+    _OP.check_isa(isa, "CPU attention op (use the torch backend)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3:
             raise CpuKernelError(f"{name} must be a 3-D fp32 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")

@@ -40,7 +40,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from workbench.kernels.paged_decode_cpu import ISAS, CppOp, CpuKernelError, isa_paths, pick_isa
+from workbench.kernels.paged_decode_cpu import ISAS, CppOp, CpuKernelError
 
 ROWS = 8  # output rows interleaved per tile
 _SOURCE = Path(__file__).with_name("csrc") / "quant_linear_cpu.cpp"
@@ -56,27 +56,11 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], n_out)
 
 
-_OP = CppOp("workbench_quant_linear_cpu", _SOURCE, ["-O3", "-fno-math-errno"], _register_fakes)
-
-
-def available() -> bool:
-    """Whether the op could be built and loaded here (the first call builds it)."""
-    return _OP.available()
-
-
-def build_error() -> str | None:
-    """Why the op is not available (None when it is)."""
-    return _OP.build_error()
-
-
-def supported_isas() -> list[str]:
-    """The code paths this CPU can run, best last (``paged_decode_cpu.isa_paths``); none without the op."""
-    return isa_paths(torch.ops.workbench_quant.cpu_supports) if available() else []
-
-
-def default_isa() -> str:
-    """The best code path here (``WORKBENCH_CPU_ISA`` forces one of ``supported_isas()``)."""
-    return pick_isa(supported_isas())
+_OP = CppOp("workbench_quant_linear_cpu", _SOURCE, ["-O3", "-fno-math-errno"], _register_fakes, "workbench_quant")
+available = _OP.available
+build_error = _OP.build_error
+supported_isas = _OP.supported_isas
+default_isa = _OP.default_isa
 
 
 # ---- packing (plain tensor operations, at load time) ---------------------------------------------------------------
@@ -117,18 +101,11 @@ def pack_int4(
 
 
 # ---- the products ----------------------------------------------------------------------------------------------------
-def _check(isa: str) -> None:
-    if not available():
-        raise CpuKernelError(f"the CPU quantized linear op could not be built ({build_error()})")
-    if isa not in supported_isas():
-        raise CpuKernelError(f"isa {isa!r} is not supported on this CPU; use one of {supported_isas()}")
-
-
 def int8_linear(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int, isa: str
 ) -> torch.Tensor:
     """``x @ (q * scale)^T`` for (rows, in) fp32 ``x`` over ``pack_int8``'s layout: (rows, out_features) fp32."""
-    _check(isa)
+    _OP.check_isa(isa, "CPU quantized linear op")
     return torch.ops.workbench_quant.int8_linear(x, packed, scale, out_features, ISAS[isa])
 
 
@@ -142,5 +119,5 @@ def int4_linear(
     isa: str,
 ) -> torch.Tensor:
     """``x @ W^T`` for (rows, in) fp32 ``x``, W int4 in ``pack_int4``'s layout: (rows, out_features) fp32."""
-    _check(isa)
+    _OP.check_isa(isa, "CPU quantized linear op")
     return torch.ops.workbench_quant.int4_linear(x, packed, scale, offset, out_features, group_size, ISAS[isa])

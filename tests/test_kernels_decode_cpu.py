@@ -366,19 +366,19 @@ def test_a_built_op_is_loaded_from_its_versions_directory_without_building(tmp_p
     op = module._OP
     assert (op.build_dir() / f"{op.name}.so").exists()  # available() built it there
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("a built op was built again"))
-    again = module.CppOp(op.name, op.source, op.cflags, lambda: None)
+    again = module.CppOp(op.name, op.source, op.cflags, lambda: None, op.library)
     assert again.available() and again.loaded_from_cache is True
     changed = tmp_path / op.source.name
     changed.write_text(op.source.read_text() + "\n// another version\n")
-    other = module.CppOp(op.name, changed, op.cflags, lambda: None)
+    other = module.CppOp(op.name, changed, op.cflags, lambda: None, op.library)
     assert other.build_dir().parent == op.build_dir().parent and other.build_dir() != op.build_dir()
-    assert module.CppOp(op.name, op.source, [*op.cflags, "-g"], lambda: None).build_dir() != op.build_dir()
+    assert module.CppOp(op.name, op.source, [*op.cflags, "-g"], lambda: None, op.library).build_dir() != op.build_dir()
     # the headers beside the source (kernels/csrc/*.h) are part of its version too
     copy = tmp_path / "csrc"
     copy.mkdir()
     for path in (op.source, *op.source.parent.glob("*.h")):
         (copy / path.name).write_bytes(path.read_bytes())
-    same = module.CppOp(op.name, copy / op.source.name, op.cflags, lambda: None)
+    same = module.CppOp(op.name, copy / op.source.name, op.cflags, lambda: None, op.library)
     assert same.build_dir() == op.build_dir()
     (copy / "cpu_isa.h").write_text((copy / "cpu_isa.h").read_text() + "\n// another version\n")
     assert same.build_dir() != op.build_dir()

@@ -171,9 +171,10 @@ void task(const Args& a, int64_t b, int64_t m0, float* buf) {
   }
   const float* wb = a.w + b * a.K * COLS;
   const float* xb = a.x + m0 * a.K;
-  for (int64_t k0 = 0; k0 < a.K || k0 == 0; k0 += KC) {
-    const int64_t kc = std::min<int64_t>(KC, a.K - k0);
-    const bool first = k0 == 0;
+  const int64_t k_chunks = std::max<int64_t>(1, (a.K + KC - 1) / KC);  // one (empty) chunk when K is 0: y = bias
+  for (int64_t c = 0; c < k_chunks; ++c) {
+    const int64_t k0 = c * KC, kc = std::min<int64_t>(KC, a.K - k0);
+    const bool first = c == 0;
     const float* w = wb + k0 * COLS;
     int64_t m = 0;
     for (; m + MR <= rows; m += MR) rows_of<MR>(xb + m * a.K + k0, a.K, w, kc, buf + m * COLS, first, init);
@@ -187,7 +188,6 @@ void task(const Args& a, int64_t b, int64_t m0, float* buf) {
       case 1: rows_of<1>(xb + m * a.K + k0, a.K, w, kc, buf + m * COLS, first, init); break;
       default: break;
     }
-    if (a.K == 0) break;
   }
   for (int64_t m = 0; m < rows; ++m) std::memcpy(a.y + (m0 + m) * a.N + col0, buf + m * COLS, cols * sizeof(float));
 }

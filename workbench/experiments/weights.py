@@ -65,7 +65,9 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
     gen = torch.Generator().manual_seed(seed)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for i, o in shapes]
     packed = [linear_cpu.pack(w) for w in weights]
-    isa = linear_cpu.default_isa()
+    # the op as the engine calls it (PackedLinear), its ISA checked once here rather than in every timed call
+    isa = linear_cpu.ISAS[linear_cpu.default_isa()]
+    op = torch.ops.workbench_linear.blocked_linear.default
     engine: list[nn.Module] = []  # each weight as the engine holds it (packed copy only where pack_linears makes one)
     for w in weights:
         lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")  # no weights of its own: given w
@@ -77,8 +79,7 @@ def linear_layouts(cfg: ModelConfig, rows_list: list[int], repeats: int = 3, see
         xs = {i: torch.randn(rows, i, generator=gen) for i, _ in shapes}
         runs = {
             "plain": lambda xs=xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
-            "packed": lambda xs=xs: [linear_cpu.blocked_linear(xs[w.shape[1]], p, None, w.shape[0], isa)
-                                     for w, p in zip(weights, packed)],
+            "packed": lambda xs=xs: [op(xs[w.shape[1]], p, None, w.shape[0], isa) for w, p in zip(weights, packed)],
             "engine": lambda xs=xs: [lin(xs[lin.in_features]) for lin in engine],
         }  # fmt: skip
         for run in runs.values():  # warm-up

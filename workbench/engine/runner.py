@@ -2,11 +2,13 @@
 
 Two named paths, as in the seed's pseudocode (the driver's ``Executor`` builds each step's ``StepInput`` once):
 
-- ``prepare_prefill`` / ``run_prefill``: a step with any prefill chunk (or a pure decode the decode executor
-  refuses) as one flat ragged batch, positions and cache slots from each sequence's block table, through the one
-  ragged-step executor (``workbench.engine.prefill_step``), then the LM head on the rows that need logits;
-- ``prepare_decode`` / ``run_decode``: a pure decode through the one decode executor
-  (``workbench.engine.decode_step``: eager, compiled or CUDA graphs).
+- ``run_prefill``: a step with any prefill chunk (or a pure decode the decode executor refuses) as one flat ragged
+  batch, positions and cache slots from each sequence's block table, through the one ragged-step executor
+  (``workbench.engine.prefill_step``), then the LM head on the rows that need logits;
+- ``run_decode``: a pure decode through the one decode executor (``workbench.engine.decode_step``: eager, compiled
+  or CUDA graphs).
+
+``prepare_step`` builds the ``StepInput`` both take.
 
 A tensor-parallel rank runs the same code on its shard; ``run`` gathers the vocabulary slices of the logits on the
 driver (``workbench.model.sharding``).
@@ -84,20 +86,10 @@ class StepInput:
     decode: bool
 
 
-def prepare_decode(plan: StepPlan) -> StepInput:
-    """A pure decode: per sequence its new token, length after the step and block table."""
-    tokens, seq_lens, tables = [], [], []
-    for chunk in plan.chunks:
-        tokens.append(chunk.seq.token_at(chunk.start))
-        seq_lens.append(chunk.start + 1)
-        tables.append(chunk.seq.block_table)
-    n = len(tokens)
-    return StepInput(tokens, [1] * n, seq_lens, tables, list(range(n)), decode=True)
-
-
-def prepare_prefill(plan: StepPlan) -> StepInput:
-    """A ragged step: every chunk's tokens (a speculating chunk's proposals after its last token), its new tokens,
-    length after the step and block table, and the rows that need logits."""
+def prepare_step(plan: StepPlan) -> StepInput:
+    """A non-empty plan as one step: every chunk's tokens (a speculating chunk's proposals after its last token),
+    its new tokens, length after the step and block table, and the rows that need logits; ``decode`` for a pure
+    decode without proposals."""
     ids: list[int] = []
     query_lens, seq_lens, tables, rows = [], [], [], []
     for chunk in plan.chunks:
@@ -109,15 +101,8 @@ def prepare_prefill(plan: StepPlan) -> StepInput:
         tables.append(seq.block_table)
         if chunk.samples:  # the last token, and before it every proposal's position (verification)
             rows.extend(range(len(ids) - 1 - len(chunk.spec_token_ids), len(ids)))
-    return StepInput(ids, query_lens, seq_lens, tables, rows, decode=False)
-
-
-def prepare_step(plan: StepPlan) -> StepInput:
-    """The ``StepInput`` of a non-empty plan: ``prepare_decode`` for a pure decode without proposals, else
-    ``prepare_prefill``."""
-    if plan.is_pure_decode and not plan.num_spec_tokens:
-        return prepare_decode(plan)
-    return prepare_prefill(plan)
+    decode = plan.is_pure_decode and not plan.num_spec_tokens
+    return StepInput(ids, query_lens, seq_lens, tables, rows, decode)
 
 
 class ModelRunner:

@@ -147,25 +147,17 @@ class ServingConfig:
 class EngineConfig(ServingConfig):
     """The engine's settings: the shared ``ServingConfig`` plus cache layout, attention backend and device.
 
-    ``compile_decode`` (CPU): pure-decode steps run as ``torch.compile``d graphs, one per batch bucket
-    (``workbench.engine.decode_step``), compiled at a bucket's first step or all in ``Engine.warmup_decode()``. On CUDA,
-    pure-decode steps replay CUDA graphs; otherwise they run eagerly (``decode_mode``). ``compile_prefill`` (CPU, one
-    process): ragged steps run as one compiled graph a step, each layer's attention an opaque operator in it
-    (``workbench.engine.prefill_step``). ``quantization`` / ``group_size`` are applied by ``Engine.from_model`` at load
-    time. ``packed_linears`` (CPU, fp32, every rank): the plain linear layers whose weight has at least
-    ``PACKED_MIN_WEIGHT`` elements also hold a packed copy of it (``kernels/linear_cpu.py``'s blocked layout), used
-    for products of ``PACKED_MIN_ROWS`` (4 on an Intel CPU, 1 on others) or more rows (``workbench.model.packed``;
-    smaller matrices lose by it and stay plain); the engine applies it to the model it is given.
-    ``speculative_config``: a ``SpeculativeConfig``, its dict or JSON text; None: off.
+    ``quantization`` / ``group_size`` are applied by ``Engine.from_model`` at load time, ``packed_linears`` by the
+    engine to the model it is given; ``decode_mode`` says how pure decodes run.
     """
 
     cache: str = "paged"
     attention_backend: str = "auto"
     device: str = "auto"
-    compile_decode: bool = False
+    compile_decode: bool = False  # CPU: pure decodes as compiled graphs, one per batch bucket (engine.decode_step)
     compile_prefill: bool = False  # CPU: a ragged step as one compiled graph (engine.prefill_step)
     packed_linears: bool = True  # CPU fp32: packed copies of the large weights (model.packed)
-    speculative_config: SpeculativeConfig | dict | str | None = None  # speculative decoding (engine.speculative)
+    speculative_config: SpeculativeConfig | dict | str | None = None  # engine.speculative; dict / JSON; None: off
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,24 +1,17 @@
-"""Speculative decoding's torch half: the verification of a ragged step's proposals, and the proposers that need
-the model (oracle, draft model). The config, the n-gram proposer and the counters are torch-free
-(``workbench.engine.speculative``).
+"""Speculative decoding's torch half: verification (``verify``) and the proposers that need the model
+(``OracleProposer``, ``DraftModelProposer``); the config, the n-gram proposer, the counters and the shape of a
+speculating step are in the torch-free ``workbench.engine.speculative``.
 
-Verification (``verify``). A speculating decode of a sequence whose last token is ``x`` with proposal
-``d_1 .. d_k`` runs ``x, d_1, .., d_k`` as ``k + 1`` query tokens over its cached context in the engine's ragged
-step; row ``i`` of its logits is the target's distribution ``p_i`` of the token after ``d_i`` (``d_0 = x``).
+Row ``i`` of a speculating chunk's logits is the target's distribution ``p_i`` of the token after proposal ``d_i``
+(``d_0``: the sequence's last token).
 
-- greedy (temperature 0): ``t_i = argmax p_i``; the accepted prefix is the longest with ``d_{i+1} = t_i``, and
-  the step emits ``t_0 .. t_a``: the accepted proposals and the target's own next token. Exactly the tokens the
-  target would have produced one step at a time.
-- temperature > 0 (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): every proposer here is deterministic,
-  a point mass ``q_i = 1[d_i]``, so ``d_{i+1}`` is accepted with probability ``min(1, p_i(d)/q_i(d)) = p_i(d)``
-  (one uniform draw from the request's own generator); at the first rejection the emitted token is drawn from the
-  residual ``norm(max(0, p_i - q_i))``, i.e. ``p_i`` with ``d_{i+1}`` removed; when all ``k`` are accepted, a last
-  token is drawn from ``p_k``. Each emitted token is then distributed exactly as the target's own sampling (with
-  its temperature, top-k and top-p: ``p_i`` is the filtered distribution the sampler draws from). The sequences of
-  a step are verified together (``rejection_sample``), each with ``k + 1`` uniforms from its own generator.
-
-The proposers that need a model (each ``propose(seq, k) -> list[int]``) are ``OracleProposer`` and
-``DraftModelProposer`` below.
+- greedy (temperature 0): the accepted prefix is the longest with ``d_{i+1} = argmax p_i``, followed by the
+  target's own next token: exactly the tokens the target would have produced one step at a time.
+- temperature > 0 (Leviathan et al. 2023, Algorithm 1; Chen et al. 2023): every proposer here is deterministic, a
+  point mass ``q_i = 1[d_i]``, so ``d_{i+1}`` is accepted with probability ``min(1, p_i(d)/q_i(d)) = p_i(d)``, and
+  at the first rejection the token is drawn from the residual ``norm(max(0, p_i - q_i))`` (``rejection_sample``).
+  Each emitted token is then distributed exactly as the target's own sampling (``p_i`` is the distribution the
+  sampler draws from, after temperature, top-k and top-p).
 """
 
 from __future__ import annotations

@@ -82,10 +82,6 @@ def counted_stats(values: np.ndarray, counts: np.ndarray) -> dict[str, float]:
     return dict(zip(STAT_KEYS, map(float, (np.dot(values, counts.astype(np.float64)) / n, median, *pct))))
 
 
-def _record(item: Sequence | RequestRecord) -> RequestRecord:
-    return RequestRecord.from_sequence(item) if isinstance(item, Sequence) else item
-
-
 def is_completed(rec: RequestRecord) -> bool:
     return (
         rec.finish_reason not in ("rejected", "abort")
@@ -96,13 +92,11 @@ def is_completed(rec: RequestRecord) -> bool:
 
 
 def request_latencies(rec: RequestRecord) -> dict[str, Any]:
-    """``ttft_s``, ``tpot_s`` (None for a single output token), ``e2el_s`` and the ``itl_s`` list of a request."""
+    """``ttft_s``, ``tpot_s`` (None for a single output token) and ``e2el_s`` of a completed request."""
     ttft = rec.first_token_time - rec.arrival_time  # type: ignore[operator]
     e2el = rec.finish_time - rec.arrival_time  # type: ignore[operator]
     tpot = (e2el - ttft) / (rec.num_output_tokens - 1) if rec.num_output_tokens > 1 else None
-    times = rec.token_times
-    itl = [b - a for a, b in zip(times, times[1:])]
-    return {"ttft_s": ttft, "tpot_s": tpot, "e2el_s": e2el, "itl_s": itl}
+    return {"ttft_s": ttft, "tpot_s": tpot, "e2el_s": e2el}
 
 
 class ServingStats:
@@ -142,14 +136,12 @@ class ServingStats:
         self.first_arrival = min(self.first_arrival, rec.arrival_time)
         if not is_completed(rec):  # type: ignore[arg-type]
             return
-        ttft = rec.first_token_time - rec.arrival_time  # type: ignore[operator]
-        e2el = rec.finish_time - rec.arrival_time  # type: ignore[operator]
-        n_out = rec.num_output_tokens
+        lat = request_latencies(rec)  # type: ignore[arg-type]
         self._position.append(position)
-        self._ttft.append(ttft)
-        self._tpot.append((e2el - ttft) / (n_out - 1) if n_out > 1 else math.nan)
-        self._e2el.append(e2el)
-        self.num_output_tokens += n_out
+        self._ttft.append(lat["ttft_s"])
+        self._tpot.append(math.nan if lat["tpot_s"] is None else lat["tpot_s"])
+        self._e2el.append(lat["e2el_s"])
+        self.num_output_tokens += rec.num_output_tokens
         self.num_prompt_tokens += rec.num_prompt_tokens
         self.last_finish = max(self.last_finish, rec.finish_time)  # type: ignore[type-var]
         times = rec.token_times
@@ -225,15 +217,9 @@ def summarize(
     slo_tpot_s: float | None = None,
     slo_e2el_s: float | None = None,
 ) -> dict[str, Any]:
-    """The contract JSON object of ``replay``/``simulate`` from finished requests and the run's duration.
-
-    ``duration_s`` defaults to last finish - first arrival. ``num_preemptions`` defaults to the sum over
-    the requests. Layout: ``num_requests``, ``num_finished``, ``num_preemptions``, ``duration_s`` and
-    ``metrics`` with ``ttft_s``/``tpot_s``/``itl_s``/``e2el_s`` (each ``mean``, ``median``, ``p90``,
-    ``p95``, ``p99``), ``request_throughput``, ``output_throughput``, ``total_token_throughput``,
-    ``goodput``, ``slo_attainment`` (%; both null when no SLO is given) and the ``slos`` used.
-    Computed by ``ServingStats`` (the same numbers as a run that streams its requests into one).
-    """
+    """The contract JSON object of ``replay``/``simulate`` (the module docstring defines its metrics), computed by
+    ``ServingStats``: ``num_requests``, ``num_finished``, ``num_preemptions`` (default: the sum over the requests),
+    ``duration_s`` (default: last finish - first arrival) and ``metrics`` (with the ``slos`` used)."""
     acc = ServingStats()
     for r in requests:
         acc.add(r)
@@ -246,11 +232,11 @@ def requests_to_dataframe(requests: list[Sequence] | list[RequestRecord]) -> pd.
     import pandas as pd
 
     rows = []
-    for rec in map(_record, requests):
+    for item in requests:
+        rec = RequestRecord.from_sequence(item) if isinstance(item, Sequence) else item
         row = {f.name: getattr(rec, f.name) for f in fields(RequestRecord) if f.name != "token_times"}
         if is_completed(rec):
-            lat = request_latencies(rec)
-            row.update(ttft_s=lat["ttft_s"], tpot_s=lat["tpot_s"], e2el_s=lat["e2el_s"])
+            row.update(request_latencies(rec))
         rows.append(row)
     return pd.DataFrame(rows)
 

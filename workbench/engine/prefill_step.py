@@ -62,29 +62,22 @@ class _InFlight(threading.local):
 _IN_FLIGHT = _InFlight()
 
 
-def _attend_in_flight(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """Layer ``layer``'s attention in the step in flight, an opaque operator of the compiled ragged step: it writes
-    the step's K/V into the pool and attends (``transformer.ragged_attention``, set by ``PrefillStep``). The
-    pool and the metadata are not graph inputs, so no token count, block table or pool shape reaches a guard, and
-    inductor never copies the pool."""
+def _attend_in_flight(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``ragged_attend``'s body: layer ``layer``'s attention in this thread's step in flight."""
     return _IN_FLIGHT.attend[-1](layer, q, k, v, scale)
 
 
 ragged_attend = graph_op(
     "workbench::ragged_attend",
-    "(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor",
+    "(int layer, Tensor q, Tensor k, Tensor v, float scale) -> Tensor",  # the order of an ``Attend``
     _attend_in_flight,
-    lambda q, k, v, layer, scale: q.new_empty(q.shape[0], q.shape[1], v.shape[2]),  # dv < d for MLA's latent
+    lambda layer, q, k, v, scale: q.new_empty(q.shape[0], q.shape[1], v.shape[2]),  # dv < d for MLA's latent
 )
-
-
-def _graph_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return ragged_attend(q, k, v, layer, scale)
 
 
 def _ragged_body(model: Transformer, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """What the compiled ragged step traces: the whole model up to the final norm, attention the opaque op."""
-    return model._layers(input_ids, positions, _graph_attend)[0]
+    return model._layers(input_ids, positions, ragged_attend)[0]
 
 
 class PrefillStep:
@@ -96,9 +89,7 @@ class PrefillStep:
         self.model, self.cache, self.backend, self.compiled = model, cache, backend, compile
         self.steps = 0  # ragged steps served
         self.compile_s: dict[int, float] = {}  # compile mode: token count of each step that compiled -> its seconds
-        self._graph = None
-        if compile:
-            self._graph = inductor_compile(_ragged_body, fullgraph=True, options={"cpp_wrapper": True})
+        self._graph = inductor_compile(_ragged_body, fullgraph=True, options={"cpp_wrapper": True}) if compile else None
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One ragged step: writes its K/V into the cache and returns the hidden states after the final norm,

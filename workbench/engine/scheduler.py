@@ -242,19 +242,14 @@ class Scheduler:
         return self.block_manager.num_hit_tokens
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def max_len_of(self, seq: Sequence) -> int:
-        """The most tokens (prompt + outputs) ``seq`` can reach: prompt + ``max_tokens`` (``check_request`` admits
-        no request beyond ``max_model_len``)."""
-        return seq.num_prompt_tokens + seq.sampling.max_tokens
-
     def check_request(self, seq: Sequence) -> None:
         """Raise RequestError if ``seq`` can never be served by this scheduler and pool: the one request rule
         (``workbench.request.validate_request``: a prompt, prompt + ``max_tokens`` within ``max_model_len``), then
         the pool, which must hold the request's longest KV alone."""
         validate_request(seq.num_prompt_tokens, seq.sampling.max_tokens, self.config.max_model_len)
-        # the last token is sampled, never computed, so the cache holds at most max_len - 1 positions
+        # the last token is sampled, never computed, so the cache holds at most prompt + max_tokens - 1 positions
         bm = self.block_manager
-        needed = bm.num_blocks_for(max(self.max_len_of(seq) - 1, seq.num_prompt_tokens))
+        needed = bm.num_blocks_for(max(seq.num_prompt_tokens + seq.sampling.max_tokens - 1, seq.num_prompt_tokens))
         if needed > bm.num_blocks:
             raise RequestError(
                 f"request needs up to {needed} KV blocks of {bm.block_size} tokens "
@@ -385,7 +380,7 @@ class Scheduler:
         draft = self._drafts.get(seq.seq_id)
         if not draft:
             return []
-        k = min(len(draft), budget, self.max_len_of(seq) - seq.num_tokens - 1)
+        k = min(len(draft), budget, seq.num_prompt_tokens + seq.sampling.max_tokens - seq.num_tokens - 1)
         if k < 1:
             return []
         bm = self.block_manager

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Any
 
 from workbench.config import check_positive_ints
@@ -169,19 +170,13 @@ class SpecStats:
 
 def merged_spec_stats(parts: list[SpecStats]) -> SpecStats:
     """One ``SpecStats`` counting every proposal of ``parts`` (e.g. the replicas of a simulation)."""
-    out = SpecStats()
-    for part in parts:
-        out.num_drafts += part.num_drafts
-        out.num_draft_tokens += part.num_draft_tokens
-        out.num_accepted_tokens += part.num_accepted_tokens
-        grow = len(part.proposed_per_position) - len(out.proposed_per_position)
-        if grow > 0:
-            out.proposed_per_position.extend([0] * grow)
-            out.accepted_per_position.extend([0] * grow)
-        for i, (p, a) in enumerate(zip(part.proposed_per_position, part.accepted_per_position)):
-            out.proposed_per_position[i] += p
-            out.accepted_per_position[i] += a
-    return out
+    return SpecStats(
+        sum(p.num_drafts for p in parts),
+        sum(p.num_draft_tokens for p in parts),
+        sum(p.num_accepted_tokens for p in parts),
+        [sum(c) for c in zip_longest(*(p.proposed_per_position for p in parts), fillvalue=0)],
+        [sum(c) for c in zip_longest(*(p.accepted_per_position for p in parts), fillvalue=0)],
+    )
 
 
 class NgramProposer:

@@ -28,7 +28,7 @@ gathers the cached keys (torch). Steps it refuses go through the ragged ``Transf
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -80,12 +80,6 @@ def _rows(meta: DecodeMetadata, n: int) -> DecodeMetadata:
     return replace(meta, **{f.name: getattr(meta, f.name)[:n] for f in fields(meta) if f.name != "max_seq_len"})
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # (bucket, vocab) fp32, written by each replay
-
-
 class DecodeStep:
     """Pure-decode steps of ``1 .. max_batch`` sequences in one ``mode`` of ``DECODE_MODES``."""
 
@@ -111,7 +105,8 @@ class DecodeStep:
         self.max_batch, self.max_model_len = max_batch, max_model_len
         self.steps = 0  # decode steps served
         self.compile_s: dict[int, float] = {}  # compile mode: seconds of each bucket's first (compiling) call
-        self._graphs: dict[int, _Graph] = {}
+        # graph mode: bucket -> its CUDA graph and the (bucket, vocab) fp32 logits each replay writes
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.buckets = batch_buckets(max_batch) if mode == "graph" else compile_buckets(max_batch)
         if mode == "compile":
             self._compiled = inductor_compile(model.decode_step, fullgraph=True, options={"cpp_wrapper": True})
@@ -202,10 +197,10 @@ class DecodeStep:
         meta.copy_(build_decode_metadata(seq_lens, tables, self.cache.block_size, ids.device, self.width,
                                          self.max_model_len))  # fmt: skip
         ids.copy_(torch.tensor(tokens, dtype=torch.int64), non_blocking=True)
-        graph = self._graphs.get(n)
-        if graph is not None:
-            graph.graph.replay()
-            return graph.logits[:batch]
+        if n in self._graphs:
+            graph, logits = self._graphs[n]
+            graph.replay()
+            return logits[:batch]
         if not self.capture:
             return self.model.decode_step(ids, meta, self.cache, self.backend)[0][:batch]
         # warm up on a side stream (as torch.cuda.graphs recommends), which is also this step's answer, then record
@@ -219,7 +214,7 @@ class DecodeStep:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
             recorded = self.model.decode_step(ids, meta, self.cache, self.backend)[0]  # recorded, not executed
-        self._graphs[n] = _Graph(g, recorded)
+        self._graphs[n] = (g, recorded)
         return logits[:batch]
 
     @property

@@ -245,10 +245,7 @@ class Speculator:
             k = min(self.k, seq.sampling.max_tokens - seq.num_output_tokens - 1)
             if k < 1:
                 continue
-            if isinstance(self.proposer, NgramProposer):
-                draft = self.proposer.propose(seq.token_ids, k)
-            else:
-                draft = self.proposer.propose(seq, k)
+            draft = self.proposer.propose(seq.token_ids if isinstance(self.proposer, NgramProposer) else seq, k)
             if draft:
                 out[seq.seq_id] = draft
         return out
@@ -264,7 +261,7 @@ class Speculator:
 
 
 def make_speculator(
-    config: SpeculativeConfig, model: Transformer, max_num_seqs: int, max_model_len: int, block_size: int, seed: int = 0
+    config: SpeculativeConfig, model: Transformer, max_num_seqs: int, max_model_len: int, block_size: int
 ) -> Speculator:
     """The ``Speculator`` of ``config`` for target ``model``; a draft model is loaded on the target's device and
     dtype with a pool for ``max_num_seqs`` sequences of ``max_model_len`` tokens."""
@@ -275,6 +272,6 @@ def make_speculator(
     from workbench.config import ceil_div
     from workbench.model.checkpoint import load_model
 
-    draft = load_model(config.model, dtype=model.dtype, device=model.device, seed=seed)
+    draft = load_model(config.model, dtype=model.dtype, device=model.device)
     num_blocks = max_num_seqs * ceil_div(max_model_len, block_size)
     return Speculator(config, DraftModelProposer(draft, model.config.vocab_size, num_blocks, block_size))

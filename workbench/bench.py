@@ -317,7 +317,7 @@ def bench_decode(
         first_step_s = 0.0
         for i in range(warmup + steps):
             if workers is not None and i == warmup:
-                workers.call("comm_stats", True, True)  # time the all-reduces of the measured steps
+                workers.call("comm_stats", True)  # time the all-reduces of the measured steps
             context = list(contexts_now.values())  # each decode attends to this many keys
             t, outputs = timed(engine.step, model.device)
             track_contexts(contexts_now, outputs)
@@ -334,7 +334,7 @@ def bench_decode(
         t_step = median(step_s)
         comm: dict[str, Any] = {}
         if workers is not None:
-            stats = workers.call("comm_stats", True, False)
+            stats = workers.call("comm_stats", False)
             reduced = stats["num_all_reduces"] * batch * cfg.hidden_size * model.dtype.itemsize
             comm = {
                 "tensor_parallel_size": workers.world_size,

@@ -33,20 +33,20 @@ from workbench.runtime import retain_freed_memory
 from workbench.timing import timed
 
 
-def make_backend(name: str, device_type: str | None = None) -> AttentionBackend:
-    """The attention backend called ``name`` (``EngineConfig.attention_backend``). 'auto': the paged C++ decode
-    (``kernels/paged_decode_cpu.py``) on a CPU where it builds, else torch (``cpu_backend.default_backend``);
-    ``device_type`` None: CUDA if present, else the CPU."""
+def make_backend(name: str, device_type: str) -> AttentionBackend:
+    """The attention backend called ``name`` (``EngineConfig.attention_backend``) for a model on ``device_type``.
+    'auto': the paged C++ decode (``kernels/paged_decode_cpu.py``) on a CPU where it builds, else torch
+    (``cpu_backend.default_backend``)."""
     if name == "auto":
         from workbench.model.cpu_backend import default_backend
 
-        return default_backend(device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return default_backend(device_type)
     if name == "triton":
         from workbench.model.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     if name == "cpu":
-        if device_type not in (None, "cpu"):
+        if device_type != "cpu":
             raise ConfigError(f"attention_backend 'cpu' runs on the CPU, the model is on {device_type}; use 'auto'")
         from workbench.model.cpu_backend import CpuAttentionBackend
 
@@ -117,13 +117,12 @@ class ModelRunner:
         cache: KVCache,
         backend: AttentionBackend,
         decode: DecodeStep,
-        prefill: PrefillStep | None = None,
+        prefill: PrefillStep,
         group: Any = None,
     ) -> None:
-        self.model, self.cache, self.backend, self.decode = model, cache, backend, decode
+        self.model, self.cache, self.backend, self.decode, self.prefill = model, cache, backend, decode, prefill
         if model.device.type == "cpu":
             retain_freed_memory()  # steps reuse the pages of the one before (workbench.runtime)
-        self.prefill = PrefillStep(model, cache, backend, compile=False) if prefill is None else prefill
         self.shard, self.group = getattr(model, "tp_shard", None), group
         # when set, each run() records the model's share of the step (forward + LM head + the logits' gather,
         # synchronised) in last_model_s: what is left of a step's time is engine overhead (scheduling, tensors,

@@ -107,10 +107,10 @@ class Worker:
         at once under tensor parallelism (the compiled graphs meet in their all-reduces). Returns ``compile_s``."""
         return self.runner.decode.warmup()
 
-    def comm_stats(self, reset: bool = True, enable: bool = True) -> dict[str, float]:
-        """All-reduce seconds and count since the last call on this rank (the driver reports rank 0's)."""
+    def comm_stats(self, enable: bool = True) -> dict[str, float]:
+        """All-reduce seconds and count since the last call on this rank (the driver reports rank 0's); ``enable``:
+        whether to time them from now on."""
         out = {"all_reduce_s": self.comm_s, "num_all_reduces": self.num_all_reduces}
-        if reset:
-            self.comm_s, self.num_all_reduces = 0.0, 0
+        self.comm_s, self.num_all_reduces = 0.0, 0
         self._timing = enable
         return out

@@ -140,6 +140,7 @@ class Engine:
         num_blocks, block_size = self.config.cache_shape(mcfg)
         self.block_manager = BlockManager(num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_config(mcfg), self.block_manager)
+        max_len = self.scheduler.config.max_model_len
         model_q = getattr(model, "quantization", None)
         if model_q != self.config.quantization:
             raise ConfigError(
@@ -151,10 +152,9 @@ class Engine:
         self.ledger = MemoryLedger(
             mcfg, self.block_manager, weight_dtype=dtype_name(model.dtype),
             kv_dtype=self.config.kv_cache_dtype if self.config.kv_cache_quantized else dtype_name(model.dtype),
-            max_model_len=self.scheduler.config.max_model_len, quantization=model_q,
+            max_model_len=max_len, quantization=model_q,
             group_size=getattr(model, "group_size", self.config.group_size),
         )  # fmt: skip
-        max_len = self.scheduler.config.max_model_len
         if self.config.attention_backend == "triton":
             check_triton_backend(model.device)
         # every rank holds its shard of the pool, its own backend, decode step and ragged step
@@ -351,8 +351,7 @@ class Engine:
         )  # fmt: skip
 
     def stats(self) -> dict[str, int]:
-        """The queue and pool gauges a server exports: ``num_running``, ``num_waiting``, ``num_blocks``,
-        ``block_size``, ``num_used_blocks``, ``num_preemptions`` (cumulative) and ``max_model_len``."""
+        """The queue and pool gauges a server exports (``num_preemptions``: cumulative)."""
         sched, bm = self.scheduler, self.block_manager
         return {
             "num_running": sched.num_running, "num_waiting": sched.num_waiting, "num_blocks": bm.num_blocks,
@@ -391,8 +390,7 @@ class Engine:
         """The block manager's invariants against the block tables of every request holding blocks (running or
         held): reference counts, free lists, no block twice (AssertionError on a violation)."""
         sched = self.scheduler
-        tables = [s.block_table for s in sched.running] + [s.block_table for s in sched.held.values()]
-        self.block_manager.check_invariants(tables)
+        self.block_manager.check_invariants([s.block_table for s in (*sched.running, *sched.held.values())])
 
     @property
     def max_model_len(self) -> int:
@@ -410,8 +408,8 @@ class Engine:
 
     # ---- handoff (prefill/decode disaggregation) -------------------------------------------------------------
     def hold(self, enabled: bool = True) -> None:
-        """The prefill side of disaggregation: from now on a finished request keeps its KV blocks (their KV is
-        still to be sent) until ``release``; the pool then fills and admissions stop by themselves (backpressure)."""
+        """The prefill side of disaggregation (``Handoff.hold``): from now on a finished request keeps its KV blocks
+        until ``release``."""
         Handoff.hold(self.scheduler, enabled)
 
     def held_blocks(self, request_id: int) -> list[int]:
@@ -550,12 +548,12 @@ class Engine:
     def _result(self, ids: list[int], duration_s: float) -> RunResult:
         kept, self._keep = self._keep or {}, None
         seqs = [kept[i] for i in ids]
-        extra = {} if self.speculator is None else {"speculative": self.scheduler.spec_stats.to_dict()}
+        spec = self.speculative_stats()
         return RunResult(
             requests=[RequestResult.from_sequence(s) for s in seqs],
             sequences=seqs,
             step_log=self.step_log,
             duration_s=duration_s,
             num_preemptions=sum(s.num_preemptions for s in seqs),
-            extra=extra,
+            extra={} if spec is None else {"speculative": spec},
         )

@@ -3,17 +3,15 @@
 Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 
 - **int8**, symmetric per output channel: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)`` in
-  [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)`` on CUDA;
-  on the CPU (decode, up to ``KERNEL_MAX_ROWS`` rows) the C++ op of ``workbench.kernels.quant_linear_cpu`` on fp32
-  activations, or where it does not build torch's operator fed bf16 activations (AVX2 and up), else ``int8_rows``;
-  the GEMM of ``q`` cast to the activation dtype for many rows.
+  [-127, 127]; ``w ~= q * scale``.
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
-  ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
-  on CUDA over its packed layout; on the CPU (decode) the C++ op of ``kernels/quant_linear_cpu.py`` (one row of x: x
-  quantized to int8 per group, the group's products in int32; more rows: fp32), or where it does not build torch's
-  packed CPU operator ``_weight_int4pack_mm_for_cpu`` fed bf16 activations (AVX2 and up), else ``int4_rows`` over
-  the group-halves layout; the GEMM of the dequantized weight for many rows.
+  ``w ~= (q - 8) * scale + zero`` (the tinygemm convention).
+
+Which operator runs a product (per device and row count) is in ``Int8Linear`` and ``Int4Linear``; why the CPU's
+decode products are our own C++ op is in ``kernels/quant_linear_cpu.py``. ``int8_rows`` and ``int4_rows`` stay as the
+no-compiler fallback and the references the torch operators are tested against; ``int4_op_reference`` states the
+op's int4 product.
 
 What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and the LM head.
 A tied LM head shares the embedding table, which stays in the activation dtype (it is a lookup table read one row
@@ -22,21 +20,6 @@ of the table for the logits product alone. That holds the table and the copy (``
 both: 33 MB more for ``bench-300m`` under int8) and a decode reads the copy instead of the table (the roofline's
 ``lm_head_bytes``; ``bench-300m``'s int8 step reads 305 instead of 403 MB). Norms and biases stay in the activation
 dtype (``ModelConfig.weight_bytes`` counts the same split).
-
-Why our own op on the CPU and not a library (measured on this project's 2-core AMD EPYC, AVX2, torch 2.13, bench-300m's
-matrices, one thread, CPU time, load 8-10): torch's packed operators (``_weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``) are vectorized for bf16 activations only (fed fp32, ``_weight_int8pack_mm`` took 5x the
-fp32 GEMV's time), and fed bf16 they read int8 at 1.62x of fp32 over a whole decode step (target 2.4x) and int4 at 1.13x
-of int8 (target 1.3x); on the 32000 x 1024 head, one row: fp32 ``F.linear`` 8.3 ms, bf16-fed int8 5.1 ms, bf16-fed int4
-5.5 ms, the op's int8 1.6 ms (20 GB/s) and int4 1.1 ms. torchao 0.18 ends in the same aten operators on the CPU (and
-inductor's C++ GEMM template for them needs max-autotune with frozen weights); inductor's own loops (``int8_rows``,
-``int4_rows``) keep one accumulator per output row. ONNX Runtime's ``MatMulNBits`` is not installed here. The op
-interleaves 8 output rows so that one activation load feeds 8 accumulators (the layout fix of llama.cpp's R4/R8
-repacking): ``bench decode`` of bench-300m at batch 1 (compiled, 2 threads, load about 1) ran int8 at 4.00x fp32 and
-int4 at 1.23x int8 (82.8, 20.7, 16.8 ms a step); with the int4 loop reworked (two rows a load, int16 sums, weights
-prefetched) and the op built with OpenMP, int4 ran at 1.50x int8 (2 threads, load 1.2: 14.5 against 21.7 ms a step).
-``int8_rows`` and ``int4_rows`` stay as the no-compiler fallback and the references the torch operators are tested
-against; ``int4_op_reference`` states the op's int4 product.
 """
 
 from __future__ import annotations
@@ -60,17 +43,13 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 operators accept
 # GEMM's time at 32 rows of a 5632 x 1024 matrix on this 2-core AVX-512 CPU, torch 2.13).
 INT8_PACKED_MAX_ROWS = 4
 INT8_SPLIT = 4  # products added per accumulation in int8_rows
-# torch's CPU kernel of ``_weight_int8pack_mm`` is vectorized for bf16 activations only (ATen
-# ``native/cpu/int8mm_kernel.cpp``; fp32 takes a scalar loop). Measured on this project's 2-core AMD EPYC (AVX2,
-# torch 2.13, one thread, CPU time, bench-300m's matrices, one row): bf16 activations 6.7-11.7x faster than
-# ``int8_rows`` compiled and 1.3-2.0x faster than the fp32 GEMV on the fp32 weight (7.75 against 35.97 and 10.06 ms
-# on the 32000 x 1024 head); at 4 rows 2.5-3.3x faster than the fp32 GEMM. The price is bf16's rounding of x and y
-# (a relative error of 3e-3 against the int8 format's own 8e-3 on the same matrices).
+# Where torch's packed CPU operators (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, ATen's
+# ``native/cpu/int8mm_kernel.cpp`` and ``int4mm_kernel.cpp``) are vectorized for bf16 activations (other dtypes: a
+# scalar loop). Fed bf16, one row of bench-300m's matrices ran 6.7-11.7x faster than ``int8_rows`` compiled (2-core
+# AMD EPYC, torch 2.13), at the price of bf16's rounding of x and y (3e-3 relative against the int8 format's 8e-3).
 INT8_BF16_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX")
-# The same holds for torch's packed int4 CPU operator (``_weight_int4pack_mm_for_cpu``, ATen
-# ``native/cpu/int4mm_kernel.cpp``): its AVX2 and AVX-512 kernels take bf16 activations, other dtypes a scalar loop.
-# Its packed layout depends on the ISA torch dispatches to (32 output rows interleaved per block on AVX2, 64 on
-# AVX-512), so a layer packs its codes at load time on the CPU that runs it. It takes row counts that divide by 16.
+# The packed int4 CPU layout depends on the ISA torch dispatches to (32 output rows interleaved per block on AVX2, 64
+# on AVX-512), so a layer packs its codes at load time on the CPU that runs it; it takes row counts that divide by 16.
 INT4_PACKED_ROWS_MULTIPLE = 16
 # Up to this many rows (decode batches) the CPU product is the C++ op of ``kernels/quant_linear_cpu.py``; more rows take
 # the GEMM paths below

@@ -24,6 +24,7 @@ dtype (``ModelConfig.weight_bytes`` counts the same split).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -155,9 +156,6 @@ def int4_op_reference(
     return ((scale * xscale * dots) + offset * xsum).sum(-1)[None]
 
 
-_COMPILED: dict[str, Any] = {}
-
-
 def cpu_packed_bf16() -> bool:
     """Whether torch's packed int8/int4 CPU operators have a vectorized kernel for bf16 activations on this CPU (the
     ISA torch dispatches to, ``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` can lower)."""
@@ -177,23 +175,15 @@ def cpu_kernel_isa() -> str | None:
     return quant_linear_cpu.default_isa() if quant_linear_cpu.available() else None
 
 
-def _isa_code(isa: str | None) -> int:
-    """The op's integer for a code path name (what a compiled graph passes as a constant)."""
-    from workbench.kernels.paged_decode_cpu import ISAS
-
-    return ISAS[isa] if isa is not None else -1
+# each (rows, matrix shape, dtype) recompiles: 4 row counts x a model's 5 matrix shapes
+_compile_once = functools.cache(inductor_compile)
 
 
 def _compiled(fn: Any) -> Any:
     """``fn`` compiled by inductor for eager callers, once per process; inside a compiled graph (the engine's
     compiled decode step) ``fn`` itself, which inductor fuses into the step. One compilation per shape
     (``dynamic=False``: the matrix sizes are constants of the loop), at its first call."""
-    if torch.compiler.is_compiling():
-        return fn
-    compiled = _COMPILED.get(fn.__name__)
-    if compiled is None:  # each (rows, matrix shape, dtype) recompiles: 4 row counts x a model's 5 matrix shapes
-        compiled = _COMPILED[fn.__name__] = inductor_compile(fn)
-    return compiled
+    return fn if torch.compiler.is_compiling() else _compile_once(fn)
 
 
 # ---- the quantized linear layers ---------------------------------------------------------------------------------
@@ -219,10 +209,10 @@ class Int8Linear(nn.Module):
         # the CPU decode product: our op over the interleaved copy, where it built and the input size divides by 8
         self.kernel_isa = cpu_kernel_isa() if dev.type == "cpu" and self.in_features % 8 == 0 else None
         self.qweight_tiles = self.scale_tiles = None
-        self.kernel_isa_code = _isa_code(self.kernel_isa)
         if self.kernel_isa is not None:
-            from workbench.kernels.quant_linear_cpu import pack_int8
+            from workbench.kernels.quant_linear_cpu import ISAS, pack_int8
 
+            self.kernel_isa_code = ISAS[self.kernel_isa]  # what a compiled graph passes as a constant
             self.qweight_tiles, self.scale_tiles = pack_int8(q, scale)
         # else it feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the scale (2
         # bytes an output row, not a buffer: not part of the format's counted bytes, never moved off the CPU)
@@ -274,28 +264,28 @@ class Int4Linear(nn.Module):
         dev, dtype = linear.weight.device, linear.weight.dtype
         self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
         self.on_cuda = dev.type == "cuda"
-        q8 = q.to(torch.uint8)
+        q8, offset = q.to(torch.uint8), zero - 8.0 * scale
+        # (in / g, out, 2): (scale, zero) per group and output row, the layout the packed operators take
+        sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
         if self.on_cuda:  # two values per byte, high nibble first, then tinygemm's tiled layout
             packed = torch.ops.aten._convert_weight_to_int4pack((q8[:, ::2] << 4 | q8[:, 1::2]).to(dev),
                                                                 CUDA_INT4_INNER_K_TILES)  # fmt: skip
             self.register_buffer("qweight", packed)
-            # (in / g, out, 2): the layout the operator takes, in the activation dtype
-            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
             self.register_buffer("scales_and_zeros", sz.to(device=dev, dtype=dtype))
         else:
             g = q8.view(self.out_features, -1, group_size)
             half = group_size // 2
             self.register_buffer("qweight", (g[..., :half] | g[..., half:] << 4).contiguous().to(dev))
             self.register_buffer("scale", scale[..., None].to(device=dev, dtype=dtype))  # (out, groups, 1)
-            self.register_buffer("offset", (zero - 8.0 * scale)[..., None].to(device=dev, dtype=dtype))
+            self.register_buffer("offset", offset[..., None].to(device=dev, dtype=dtype))
         # the CPU decode product: our op over the interleaved copy (group sizes divide by 16, as the op needs) ...
         self.kernel_isa = cpu_kernel_isa() if dev.type == "cpu" else None
         self.qweight_tiles = self.scale_tiles = self.offset_tiles = None
-        self.kernel_isa_code = _isa_code(self.kernel_isa)
         if self.kernel_isa is not None:
-            from workbench.kernels.quant_linear_cpu import pack_int4
+            from workbench.kernels.quant_linear_cpu import ISAS, pack_int4
 
-            self.qweight_tiles, self.scale_tiles, self.offset_tiles = pack_int4(q, scale, zero - 8.0 * scale)
+            self.kernel_isa_code = ISAS[self.kernel_isa]
+            self.qweight_tiles, self.scale_tiles, self.offset_tiles = pack_int4(q, scale, offset)
         # ... else torch's packed operator over its own layout of the same codes, bf16 activations
         self.packed_rows = (
             dev.type == "cpu"
@@ -307,9 +297,7 @@ class Int4Linear(nn.Module):
         if self.packed_rows:
             # (out, in) int32 codes -> (out, in / 2) uint8 in the layout of the ISA torch runs on
             self.qweight_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-            # (in / g, out, 2): (scale, zero) per group and output row, bf16 as the activations
-            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
-            self.scales_and_zeros_bf16 = sz.to(torch.bfloat16)
+            self.scales_and_zeros_bf16 = sz.to(torch.bfloat16)  # bf16 as the activations
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

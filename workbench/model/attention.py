@@ -51,7 +51,6 @@ class AttentionMetadata:
     # per-sequence helpers for the torch backend, computed once per step rather than once per layer
     seq_block_ids: list[torch.Tensor] = field(default_factory=list)
     seq_masks: list[torch.Tensor | None] = field(default_factory=list)
-    _token_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _splits: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]] = field(default_factory=dict,
                                                                                             repr=False)  # fmt: skip
 
@@ -70,11 +69,9 @@ class AttentionMetadata:
     def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step as one decode row per new token, once its K/V are in the pool: (block tables (num_tokens,
         max_blocks) int32, each token's sequence's row; key counts (num_tokens,) int64, its position + 1, the keys
-        it attends causally). Computed on first use and kept (every layer of the step asks)."""
-        if self._token_rows is None:
-            lens = torch.tensor(self.query_lens, device=self.block_tables.device)
-            self._token_rows = (self.block_tables.repeat_interleave(lens, dim=0), self.positions + 1)
-        return self._token_rows
+        it attends causally). Every chunk is short against the longest, so it is ``split_chunks``'s, kept as that is
+        (every layer of the step asks)."""
+        return self.split_chunks(self.max_query_len)[1:3]
 
     def split_chunks(self, max_short: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """The step's chunks of at most ``max_short`` new tokens apart from the longer ones: (the short chunks' token

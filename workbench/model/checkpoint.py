@@ -112,11 +112,6 @@ def _expected_hf_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _is_ignorable(name: str) -> bool:
-    """Tensors a checkpoint may carry that our model recomputes: rotary tables (``rotary_emb.inv_freq``)."""
-    return name.endswith("rotary_emb.inv_freq")
-
-
 def check_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Path], dict[str, tuple[int, ...]]]:
     """Check what a checkpoint directory says without reading a weight: its ``config.json``, every safetensors file
     (its header readable), each tensor the config needs present with its shape and a floating-point dtype, and no
@@ -139,7 +134,8 @@ def check_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, Path], di
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"{ckpt}: missing tensor(s) {missing[:3]}{more}")
 
-    unused = sorted(n for n in files if n not in expected and not _is_ignorable(n))
+    # a checkpoint may carry rotary tables (``rotary_emb.inv_freq``), which our model recomputes
+    unused = sorted(n for n in files if n not in expected and not n.endswith("rotary_emb.inv_freq"))
     if unused:
         more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
         raise CheckpointError(
@@ -299,9 +295,9 @@ def save_random_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), max_shard_size=max_shard_size)
     if tokenizer:
-        from workbench.model.tokenizer import save_tokenizer
+        from workbench.model.tokenizer import train_tokenizer
 
-        save_tokenizer(cfg, out)
+        train_tokenizer(cfg).save_pretrained(str(out))  # tokenizer.json and its configs
     return out
 
 

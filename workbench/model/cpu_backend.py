@@ -1,19 +1,15 @@
-"""The CPU paged attention backend: decode reads K/V where the pool holds them (``workbench.kernels.paged_decode_cpu``).
+"""The CPU paged attention backend: attention reads K/V where the pool holds them (``kernels/paged_decode_cpu.py``).
 
-Same protocol as ``TorchAttentionBackend`` (``workbench.model.attention``). A pure decode calls the C++ op over the
-block tables, with the step's new K/V (as the pool will hold them, ``KVCache.round_trip``) as each row's last key: no
-gather, no concatenation, no dequantized copy of an int8 or fp8 pool, GQA without expanded K/V. Like the torch backend
-it only reads the pool during the step, so the same function runs eagerly and compiled, and the step's new K/V are
-written once afterwards by ``KVCache.write`` (``decode_writes_cache = False``). A ragged step (the model has written its
-K/V first) calls the same op for its short chunks, such as a speculative verify's ``k + 1`` tokens or the decodes beside
-a prefill chunk, one row per new token reading the pool up to its own position; its whole prompts (fp32) through the
-op's prompt entry where it beats SDPA (``prompt_op_isas``), over the step's K/V as the model wrote them
-(``kernels/paged_decode_cpu.py``, ``prompt_attention_cpu``); other long chunks (a chunk over a cached prefix) through
-the torch backend's SDPA path.
+Same protocol as ``TorchAttentionBackend`` (``workbench.model.attention``): no gather, no concatenation, no
+dequantized copy of an int8 or fp8 pool, GQA without expanded K/V. Like the torch backend a decode only reads the pool,
+so the same function runs eagerly and compiled, and the step's new K/V are written once afterwards by
+``KVCache.write`` (``decode_writes_cache = False``). ``CpuAttentionBackend.decode`` and ``forward`` say which entry of
+the op (or the torch backend's SDPA) each kind of step and chunk takes.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -139,16 +135,12 @@ class CpuAttentionBackend:
         )  # fmt: skip
 
 
-_DEFAULT: dict[str, object] = {}
-
-
+@functools.cache
 def default_backend(device_type: str) -> AttentionBackend:
     """What attends when nobody chooses: on the CPU the paged decode above when its op builds here, else (CUDA, or
     no compiler) ``TORCH_BACKEND``. One instance per process (the backends are stateless)."""
     if device_type != "cpu":
         return TORCH_BACKEND
-    if "cpu" not in _DEFAULT:
-        from workbench.kernels.paged_decode_cpu import available
+    from workbench.kernels.paged_decode_cpu import available
 
-        _DEFAULT["cpu"] = CpuAttentionBackend() if available() else TORCH_BACKEND
-    return _DEFAULT["cpu"]  # type: ignore[return-value]
+    return CpuAttentionBackend() if available() else TORCH_BACKEND

@@ -38,20 +38,17 @@ def generate_static(
     sampler = Sampler()
     results = [GenerationResult() for _ in prompts]
     eos = [() if sp.ignore_eos else cfg.eos_token_ids for sp in params]
-    active = list(range(len(prompts)))
-    seq_ids = list(range(len(prompts)))
+    active = list(range(len(prompts)))  # also each request's sampler id
     logits = model.prefill(prompts, cache, active)
     while active:
-        tokens = sampler(logits, [params[i] for i in active], [seq_ids[i] for i in active])
+        tokens = sampler(logits, [params[i] for i in active], active)
         still = []
         for i, tok in zip(active, tokens):
             r = results[i]
             r.tokens.append(tok)
             if tok in eos[i]:
                 r.finish_reason = "stop"
-            elif len(r.tokens) >= params[i].max_tokens:
-                r.finish_reason = "length"
-            else:
+            elif len(r.tokens) < params[i].max_tokens:  # else finished at "length", the default
                 still.append(i)
         active = still
         if active:

@@ -138,11 +138,11 @@ class MoE(nn.Module):
 
 
 # ---- HF checkpoints: per-expert tensors of Mixtral, Qwen2-MoE and DeepSeek-V3 -> the stacked ones ---------------
-def _hf_names(cfg: ModelConfig, layer: int) -> tuple[str, str, tuple[str, str, str]]:
-    """(MLP prefix, router name, expert tensor names (gate, up, down)) of one layer in the checkpoint."""
+def _hf_names(cfg: ModelConfig, layer: int) -> tuple[str, tuple[str, str, str]]:
+    """(MLP prefix, expert tensor names (gate, up, down)) of one layer in the checkpoint; the router is ``gate``."""
     if cfg.architecture == "MixtralForCausalLM":
-        return f"model.layers.{layer}.block_sparse_moe.", "gate", ("w1", "w3", "w2")
-    return f"model.layers.{layer}.mlp.", "gate", ("gate_proj", "up_proj", "down_proj")
+        return f"model.layers.{layer}.block_sparse_moe.", ("w1", "w3", "w2")
+    return f"model.layers.{layer}.mlp.", ("gate_proj", "up_proj", "down_proj")
 
 
 def _shared_prefix(cfg: ModelConfig) -> str:
@@ -151,11 +151,11 @@ def _shared_prefix(cfg: ModelConfig) -> str:
 
 def hf_moe_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """The checkpoint's tensor names and shapes of one MoE layer's MLP."""
-    p, router, (g, u, d) = _hf_names(cfg, layer)
+    p, (g, u, d) = _hf_names(cfg, layer)
     h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    shapes: dict[str, tuple[int, ...]] = {p + f"{router}.weight": (e, h)}
+    shapes: dict[str, tuple[int, ...]] = {p + "gate.weight": (e, h)}
     if cfg.router_scoring == "sigmoid":
-        shapes[p + f"{router}.e_score_correction_bias"] = (e,)
+        shapes[p + "gate.e_score_correction_bias"] = (e,)
     for x in range(e):
         shapes |= {p + f"experts.{x}.{g}.weight": (i, h), p + f"experts.{x}.{u}.weight": (i, h),
                    p + f"experts.{x}.{d}.weight": (h, i)}  # fmt: skip
@@ -170,18 +170,18 @@ def hf_moe_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
 
 def moe_state(cfg: ModelConfig, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our ``layers.{layer}.mlp.*`` parameters and buffers from the checkpoint's tensors of that layer."""
-    p, router, (g, u, d) = _hf_names(cfg, layer)
+    p, (g, u, d) = _hf_names(cfg, layer)
     o = f"layers.{layer}.mlp."
     e = range(cfg.num_experts)
     state = {
-        o + "gate.weight": tensors[p + f"{router}.weight"],
+        o + "gate.weight": tensors[p + "gate.weight"],
         o + "w_gate_up": torch.stack(
             [torch.cat((tensors[p + f"experts.{x}.{g}.weight"], tensors[p + f"experts.{x}.{u}.weight"])) for x in e]
         ),
         o + "w_down": torch.stack([tensors[p + f"experts.{x}.{d}.weight"] for x in e]),
     }
     if cfg.router_scoring == "sigmoid":
-        state[o + "e_score_correction_bias"] = tensors[p + f"{router}.e_score_correction_bias"]
+        state[o + "e_score_correction_bias"] = tensors[p + "gate.e_score_correction_bias"]
     if cfg.shared_expert_intermediate_size:
         s = p + _shared_prefix(cfg)
         state[o + "shared_expert.gate_up_proj.weight"] = torch.cat(

@@ -1,32 +1,21 @@
 """Weights packed once for the CPU's matrix products, from a batch-1 decode to a prompt of thousands of tokens.
 
-``torch.nn.functional.linear`` on the CPU runs MKL's / oneDNN's GEMM on the plain (out, in) weight and re-lays the
-weight out for its micro-kernel on every call: nothing next to reading the weight at one row or to the arithmetic of
-hundreds, a large share of a call in between (a decode batch of 4 to 64 sequences, a 100-token chunk). On a 2-core
-AMD EPYC (Zen 4, AVX-512, 2026-12-05) torch's plain product was slower than a weight packed once at every row count:
-1.45x at 1 row, 2.85x at 2, 4.71x at 4, 3.14x at 16, 1.62x at 128, 1.13x at 4,096. So ``PackedLinear`` keeps a copy
-of its weight in the blocked layout of ``kernels/linear_cpu.py`` (blocks of 64 output columns, each one sequential
-stream of memory) and multiplies it with that op, which takes any row count as it is: no per-shape state, no
-padding. Until 2026-12-06 the packed copy was oneDNN's (``torch.ops.mkldnn._reorder_linear_weight`` and
-``_linear_pointwise``), which builds and caches a primitive of ~0.6 MiB per (matrix, row count), so products had to
-be padded to a few row counts and split above 256 rows to bound memory, and which read the weights more slowly at a
-few rows; the op's docstring has the measurements that replaced it.
+What: ``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
+quantization code are unchanged) and adds a copy in the blocked layout of ``kernels/linear_cpu.py``, whose op
+multiplies it at any row count with no per-shape state (that docstring says why it beats ``F.linear``, which re-lays
+the weight out on every call; reports/PERFORMANCE.md has the measurements: faster at every row count on the AMD EPYC).
+Under ``torch.compile`` the product is the op's registered operator (``torch.ops.workbench_linear.blocked_linear``,
+with a fake kernel), which inductor calls as one opaque kernel.
 
-A small matrix gains nothing: its plain weight stays in cache and the re-layout is cheap, while a packed call has a
-fixed cost (measured with the oneDNN layout: AMD EPYC Zen 3, AVX2, 1 thread, tiny-gqa's matrices, at most 64 x 320,
-ran at 0.21-0.79x of ``F.linear`` from 1 to 256 rows, SmolLM2-135M's, at least 576 x 576, at 1.1-2.3x). So
-``pack_linears`` packs only a weight of at least ``PACKED_MIN_WEIGHT`` elements (``worth_packing``): a model of
-small matrices keeps every linear plain, and everything that depends on packing (the fitted profile's kernel
-break, the op profile's packed products, the compiled ragged step's row ranges) follows the layers actually packed
-(``count_packed``), not ``EngineConfig.packed_linears`` alone.
+When: products of ``PACKED_MIN_ROWS`` rows or more (``packed_min_rows``), for a weight of at least
+``PACKED_MIN_WEIGHT`` elements (``worth_packing``): a small matrix gains nothing, its plain weight stays in cache and
+the re-layout is cheap while a packed call has a fixed cost. So a model of small matrices keeps every linear plain,
+and everything that depends on packing (the fitted profile's kernel break, the op profile's packed products, the
+compiled ragged step's row ranges) follows the layers actually packed (``count_packed``), not
+``EngineConfig.packed_linears`` alone. Packing needs fp32 weights and the op built (``packing_available``): a bf16
+model, or a machine without a compiler, runs plain products.
 
-``PackedLinear`` keeps the plain weight (a ``nn.Linear`` whose parameters, checkpoint mapping, sharding and
-quantization code are unchanged) and adds the packed copy, used for products of ``PACKED_MIN_ROWS`` rows or more
-(4 on an Intel CPU, 1 on others: ``packed_min_rows``). The price is a second copy of every packed weight in memory;
-the bytes a product reads are one copy's. Packing needs fp32 weights and the op built (``packing_available``): a
-bf16 model, or a machine without a compiler, runs plain products. Under ``torch.compile`` the product is the op's
-registered operator (``torch.ops.workbench_linear.blocked_linear``, with a fake kernel), which inductor calls as
-one opaque kernel.
+Cost: a second copy of every packed weight in memory; the bytes a product reads are one copy's.
 """
 
 from __future__ import annotations

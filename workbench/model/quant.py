@@ -3,17 +3,15 @@
 Formats (the bytes ``workbench.config.quantized_matrix_bytes`` counts):
 
 - **int8**, symmetric per output channel: ``scale[n] = max_k |w[n, k]| / 127``, ``q = round(w / scale)`` in
-  [-127, 127]; ``w ~= q * scale``. Matrix product: ``torch.ops.aten._weight_int8pack_mm(x, q, scale)`` on CUDA;
-  on the CPU (decode, up to ``KERNEL_MAX_ROWS`` rows) the C++ op of ``workbench.kernels.quant_linear_cpu`` on fp32
-  activations, or where it does not build torch's operator fed bf16 activations (AVX2 and up), else ``int8_rows``;
-  the GEMM of ``q`` cast to the activation dtype for many rows.
+  [-127, 127]; ``w ~= q * scale``.
 - **int4**, asymmetric group-wise along the input (``group_size`` inputs share a pair): with the group's min and
   max, ``scale = (max - min) / 15``, ``q = round((w - min) / scale)`` in [0, 15], ``zero = min + 8 * scale``, and
-  ``w ~= (q - 8) * scale + zero`` (the tinygemm convention). Matrix product: ``_weight_int4pack_mm`` (bf16 only)
-  on CUDA over its packed layout; on the CPU (decode) the C++ op of ``kernels/quant_linear_cpu.py`` (one row of x: x
-  quantized to int8 per group, the group's products in int32; more rows: fp32), or where it does not build torch's
-  packed CPU operator ``_weight_int4pack_mm_for_cpu`` fed bf16 activations (AVX2 and up), else ``int4_rows`` over
-  the group-halves layout; the GEMM of the dequantized weight for many rows.
+  ``w ~= (q - 8) * scale + zero`` (the tinygemm convention).
+
+Which operator runs a product (per device and row count) is in ``Int8Linear`` and ``Int4Linear``; why the CPU's
+decode products are our own C++ op is in ``kernels/quant_linear_cpu.py``. ``int8_rows`` and ``int4_rows`` stay as the
+no-compiler fallback and the references the torch operators are tested against; ``int4_op_reference`` states the
+op's int4 product.
 
 What is quantized: the linear layers of every decoder layer (the fused qkv, o, fused gate/up, down) and the LM head.
 A tied LM head shares the embedding table, which stays in the activation dtype (it is a lookup table read one row
@@ -22,25 +20,11 @@ of the table for the logits product alone. That holds the table and the copy (``
 both: 33 MB more for ``bench-300m`` under int8) and a decode reads the copy instead of the table (the roofline's
 ``lm_head_bytes``; ``bench-300m``'s int8 step reads 305 instead of 403 MB). Norms and biases stay in the activation
 dtype (``ModelConfig.weight_bytes`` counts the same split).
-
-Why our own op on the CPU and not a library (measured on this project's 2-core AMD EPYC, AVX2, torch 2.13, bench-300m's
-matrices, one thread, CPU time, load 8-10): torch's packed operators (``_weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``) are vectorized for bf16 activations only (fed fp32, ``_weight_int8pack_mm`` took 5x the
-fp32 GEMV's time), and fed bf16 they read int8 at 1.62x of fp32 over a whole decode step (target 2.4x) and int4 at 1.13x
-of int8 (target 1.3x); on the 32000 x 1024 head, one row: fp32 ``F.linear`` 8.3 ms, bf16-fed int8 5.1 ms, bf16-fed int4
-5.5 ms, the op's int8 1.6 ms (20 GB/s) and int4 1.1 ms. torchao 0.18 ends in the same aten operators on the CPU (and
-inductor's C++ GEMM template for them needs max-autotune with frozen weights); inductor's own loops (``int8_rows``,
-``int4_rows``) keep one accumulator per output row. ONNX Runtime's ``MatMulNBits`` is not installed here. The op
-interleaves 8 output rows so that one activation load feeds 8 accumulators (the layout fix of llama.cpp's R4/R8
-repacking): ``bench decode`` of bench-300m at batch 1 (compiled, 2 threads, load about 1) ran int8 at 4.00x fp32 and
-int4 at 1.23x int8 (82.8, 20.7, 16.8 ms a step); with the int4 loop reworked (two rows a load, int16 sums, weights
-prefetched) and the op built with OpenMP, int4 ran at 1.50x int8 (2 threads, load 1.2: 14.5 against 21.7 ms a step).
-``int8_rows`` and ``int4_rows`` stay as the no-compiler fallback and the references the torch operators are tested
-against; ``int4_op_reference`` states the op's int4 product.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -60,17 +44,13 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the packed int4 operators accept
 # GEMM's time at 32 rows of a 5632 x 1024 matrix on this 2-core AVX-512 CPU, torch 2.13).
 INT8_PACKED_MAX_ROWS = 4
 INT8_SPLIT = 4  # products added per accumulation in int8_rows
-# torch's CPU kernel of ``_weight_int8pack_mm`` is vectorized for bf16 activations only (ATen
-# ``native/cpu/int8mm_kernel.cpp``; fp32 takes a scalar loop). Measured on this project's 2-core AMD EPYC (AVX2,
-# torch 2.13, one thread, CPU time, bench-300m's matrices, one row): bf16 activations 6.7-11.7x faster than
-# ``int8_rows`` compiled and 1.3-2.0x faster than the fp32 GEMV on the fp32 weight (7.75 against 35.97 and 10.06 ms
-# on the 32000 x 1024 head); at 4 rows 2.5-3.3x faster than the fp32 GEMM. The price is bf16's rounding of x and y
-# (a relative error of 3e-3 against the int8 format's own 8e-3 on the same matrices).
+# Where torch's packed CPU operators (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``, ATen's
+# ``native/cpu/int8mm_kernel.cpp`` and ``int4mm_kernel.cpp``) are vectorized for bf16 activations (other dtypes: a
+# scalar loop). Fed bf16, one row of bench-300m's matrices ran 6.7-11.7x faster than ``int8_rows`` compiled (2-core
+# AMD EPYC, torch 2.13), at the price of bf16's rounding of x and y (3e-3 relative against the int8 format's 8e-3).
 INT8_BF16_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AVX512_VNNI", "AMX")
-# The same holds for torch's packed int4 CPU operator (``_weight_int4pack_mm_for_cpu``, ATen
-# ``native/cpu/int4mm_kernel.cpp``): its AVX2 and AVX-512 kernels take bf16 activations, other dtypes a scalar loop.
-# Its packed layout depends on the ISA torch dispatches to (32 output rows interleaved per block on AVX2, 64 on
-# AVX-512), so a layer packs its codes at load time on the CPU that runs it. It takes row counts that divide by 16.
+# The packed int4 CPU layout depends on the ISA torch dispatches to (32 output rows interleaved per block on AVX2, 64
+# on AVX-512), so a layer packs its codes at load time on the CPU that runs it; it takes row counts that divide by 16.
 INT4_PACKED_ROWS_MULTIPLE = 16
 # Up to this many rows (decode batches) the CPU product is the C++ op of ``kernels/quant_linear_cpu.py``; more rows take
 # the GEMM paths below
@@ -176,9 +156,6 @@ def int4_op_reference(
     return ((scale * xscale * dots) + offset * xsum).sum(-1)[None]
 
 
-_COMPILED: dict[str, Any] = {}
-
-
 def cpu_packed_bf16() -> bool:
     """Whether torch's packed int8/int4 CPU operators have a vectorized kernel for bf16 activations on this CPU (the
     ISA torch dispatches to, ``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` can lower)."""
@@ -198,23 +175,15 @@ def cpu_kernel_isa() -> str | None:
     return quant_linear_cpu.default_isa() if quant_linear_cpu.available() else None
 
 
-def _isa_code(isa: str | None) -> int:
-    """The op's integer for a code path name (what a compiled graph passes as a constant)."""
-    from workbench.kernels.paged_decode_cpu import ISAS
-
-    return ISAS[isa] if isa is not None else -1
+# each (rows, matrix shape, dtype) recompiles: 4 row counts x a model's 5 matrix shapes
+_compile_once = functools.cache(inductor_compile)
 
 
 def _compiled(fn: Any) -> Any:
     """``fn`` compiled by inductor for eager callers, once per process; inside a compiled graph (the engine's
     compiled decode step) ``fn`` itself, which inductor fuses into the step. One compilation per shape
     (``dynamic=False``: the matrix sizes are constants of the loop), at its first call."""
-    if torch.compiler.is_compiling():
-        return fn
-    compiled = _COMPILED.get(fn.__name__)
-    if compiled is None:  # each (rows, matrix shape, dtype) recompiles: 4 row counts x a model's 5 matrix shapes
-        compiled = _COMPILED[fn.__name__] = inductor_compile(fn)
-    return compiled
+    return fn if torch.compiler.is_compiling() else _compile_once(fn)
 
 
 # ---- the quantized linear layers ---------------------------------------------------------------------------------
@@ -240,10 +209,10 @@ class Int8Linear(nn.Module):
         # the CPU decode product: our op over the interleaved copy, where it built and the input size divides by 8
         self.kernel_isa = cpu_kernel_isa() if dev.type == "cpu" and self.in_features % 8 == 0 else None
         self.qweight_tiles = self.scale_tiles = None
-        self.kernel_isa_code = _isa_code(self.kernel_isa)
         if self.kernel_isa is not None:
-            from workbench.kernels.quant_linear_cpu import pack_int8
+            from workbench.kernels.quant_linear_cpu import ISAS, pack_int8
 
+            self.kernel_isa_code = ISAS[self.kernel_isa]  # what a compiled graph passes as a constant
             self.qweight_tiles, self.scale_tiles = pack_int8(q, scale)
         # else it feeds torch's int8 kernel bf16 (see INT8_BF16_CAPABILITIES), with a bf16 copy of the scale (2
         # bytes an output row, not a buffer: not part of the format's counted bytes, never moved off the CPU)
@@ -295,28 +264,28 @@ class Int4Linear(nn.Module):
         dev, dtype = linear.weight.device, linear.weight.dtype
         self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
         self.on_cuda = dev.type == "cuda"
-        q8 = q.to(torch.uint8)
+        q8, offset = q.to(torch.uint8), zero - 8.0 * scale
+        # (in / g, out, 2): (scale, zero) per group and output row, the layout the packed operators take
+        sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
         if self.on_cuda:  # two values per byte, high nibble first, then tinygemm's tiled layout
             packed = torch.ops.aten._convert_weight_to_int4pack((q8[:, ::2] << 4 | q8[:, 1::2]).to(dev),
                                                                 CUDA_INT4_INNER_K_TILES)  # fmt: skip
             self.register_buffer("qweight", packed)
-            # (in / g, out, 2): the layout the operator takes, in the activation dtype
-            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
             self.register_buffer("scales_and_zeros", sz.to(device=dev, dtype=dtype))
         else:
             g = q8.view(self.out_features, -1, group_size)
             half = group_size // 2
             self.register_buffer("qweight", (g[..., :half] | g[..., half:] << 4).contiguous().to(dev))
             self.register_buffer("scale", scale[..., None].to(device=dev, dtype=dtype))  # (out, groups, 1)
-            self.register_buffer("offset", (zero - 8.0 * scale)[..., None].to(device=dev, dtype=dtype))
+            self.register_buffer("offset", offset[..., None].to(device=dev, dtype=dtype))
         # the CPU decode product: our op over the interleaved copy (group sizes divide by 16, as the op needs) ...
         self.kernel_isa = cpu_kernel_isa() if dev.type == "cpu" else None
         self.qweight_tiles = self.scale_tiles = self.offset_tiles = None
-        self.kernel_isa_code = _isa_code(self.kernel_isa)
         if self.kernel_isa is not None:
-            from workbench.kernels.quant_linear_cpu import pack_int4
+            from workbench.kernels.quant_linear_cpu import ISAS, pack_int4
 
-            self.qweight_tiles, self.scale_tiles, self.offset_tiles = pack_int4(q, scale, zero - 8.0 * scale)
+            self.kernel_isa_code = ISAS[self.kernel_isa]
+            self.qweight_tiles, self.scale_tiles, self.offset_tiles = pack_int4(q, scale, offset)
         # ... else torch's packed operator over its own layout of the same codes, bf16 activations
         self.packed_rows = (
             dev.type == "cpu"
@@ -328,9 +297,7 @@ class Int4Linear(nn.Module):
         if self.packed_rows:
             # (out, in) int32 codes -> (out, in / 2) uint8 in the layout of the ISA torch runs on
             self.qweight_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-            # (in / g, out, 2): (scale, zero) per group and output row, bf16 as the activations
-            sz = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
-            self.scales_and_zeros_bf16 = sz.to(torch.bfloat16)
+            self.scales_and_zeros_bf16 = sz.to(torch.bfloat16)  # bf16 as the activations
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -39,10 +39,7 @@ class Sampler:
         gen = self._generators.get(seq_id)
         if gen is None:
             gen = torch.Generator(device=device)
-            if params.seed is not None:
-                gen.manual_seed(params.seed)
-            else:
-                gen.seed()
+            gen.manual_seed(params.seed) if params.seed is not None else gen.seed()
             self._generators[seq_id] = gen
         return gen
 

@@ -176,11 +176,7 @@ def traced_reduce(reduce: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[t
     as one call in the graph instead of tracing into torch.distributed (a CUDA graph records the collective)."""
     _REDUCERS.append(reduce)
     index = len(_REDUCERS) - 1
-
-    def reduce_op(tensor: torch.Tensor) -> torch.Tensor:
-        return _tp_all_reduce(tensor, index)
-
-    return reduce_op
+    return lambda tensor: _tp_all_reduce(tensor, index)
 
 
 def all_reduce(

@@ -91,13 +91,6 @@ def train_tokenizer(cfg: ModelConfig, text: str | None = None, chat_template: st
     return hf
 
 
-def save_tokenizer(cfg: ModelConfig, out_dir: str | Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """Train ``cfg``'s tokenizer and save it into ``out_dir`` (tokenizer.json and its configs)."""
-    out = Path(out_dir)
-    train_tokenizer(cfg, chat_template=chat_template).save_pretrained(str(out))
-    return out / TOKENIZER_FILE
-
-
 def has_tokenizer(path: str | Path) -> bool:
     return (Path(path) / TOKENIZER_FILE).is_file()
 

@@ -39,7 +39,7 @@ def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as their bytes (uint8): CPU indexing and ``index_copy_`` have no float8 kernels; others as given."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -57,7 +57,7 @@ class DequantView:
         self.shape = data.shape
 
     def __getitem__(self, idx: object) -> torch.Tensor:
-        rows = _unbits(_bits(self.data)[idx], self.data.dtype).float()
+        rows = _unbits(as_bits(self.data)[idx], self.data.dtype).float()
         scale = self.scale[idx][..., None] if self.per_token else self.scale
         return (rows * scale).to(self.dtype)
 
@@ -120,7 +120,7 @@ class KVCache:
                 flat(scales, self.num_kv_heads).index_copy_(dim, slot_mapping, s)
             elif self.kv_cache_dtype == "fp8":
                 x = quantize_kv_fp8(x, scales.view(-1, 1, 1, 1) if layer is None else scales[layer])
-            flat(_bits(pool), *rows).index_copy_(dim, slot_mapping, _bits(x))
+            flat(as_bits(pool), *rows).index_copy_(dim, slot_mapping, as_bits(x))
 
     def layer_views(self) -> tuple[list, list]:
         """Per layer, what a ragged step's attention indexes: the pool's own views, or ``DequantView``s."""
@@ -155,7 +155,7 @@ class KVCache:
             return entry, entry[..., : self.latent_dim]
         if not self.quantized:
             return self.k[layer].view(-1, *rows)[slots], self.v[layer].view(-1, *rows)[slots]
-        k, v = (_unbits(_bits(pool[layer]).view(-1, *rows)[slots], pool.dtype) for pool in (self.k, self.v))
+        k, v = (_unbits(as_bits(pool[layer]).view(-1, *rows)[slots], pool.dtype) for pool in (self.k, self.v))
         if self.kv_cache_dtype == "int8":
             ks = self.k_scale[layer].view(-1, self.num_kv_heads)[slots][..., None]
             vs = self.v_scale[layer].view(-1, self.num_kv_heads)[slots][..., None]

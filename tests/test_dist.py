@@ -64,7 +64,7 @@ def test_a_failing_worker_makes_the_driver_raise_within_a_bounded_time(fault, ti
             assert "\n" not in str(caught.value)
             assert 'raise ValueError("shard 1 is corrupt")' in caught.value.remote_traceback
         assert time.monotonic() - started < timeout_s + 30
-        assert not any(p.is_alive() for p in g._processes), "no orphan worker is left"
+        assert not any(p.is_alive() for p in g._workers.processes), "no orphan worker is left"
         with pytest.raises(WorkerError, match="shut down"):
             g.call("rank_sum", 1.0)
     finally:

@@ -39,7 +39,7 @@ def test_a_killed_worker_makes_the_engine_raise_and_leaves_no_process(tiny_check
     engine = Engine.from_model(str(tiny_checkpoint("tiny-gqa")), EngineConfig(device="cpu", tensor_parallel_size=2))
     try:
         assert len(engine.generate(PROMPTS[:2], GREEDY).requests) == 2
-        worker = engine.workers._processes[0]
+        worker = engine.workers._workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(WorkerError, match="rank 1"):
@@ -57,7 +57,7 @@ def test_a_stopped_worker_ends_the_run_within_15_s_naming_the_rank(tiny_checkpoi
     engine = Engine.from_model(str(tiny_checkpoint("tiny-gqa")), EngineConfig(device="cpu", tensor_parallel_size=2))
     try:
         assert len(engine.generate(PROMPTS[:2], GREEDY).requests) == 2
-        worker = engine.workers._processes[0]
+        worker = engine.workers._workers.processes[0]
         os.kill(worker.pid, signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(WorkerError, match=r"rank 1 .*no sign of life.*WORKBENCH_LIVENESS_TIMEOUT"):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from workbench.config import ModelConfig
 from workbench.errors import ConfigError
+from workbench.experiments.kv import capacity_by_variant
+from workbench.hardware import get_hardware
 from workbench.kv.sizing import attention_variants, max_concurrent_sequences, paged_vs_contiguous
 
 GIB = 2**30
@@ -51,6 +55,17 @@ def test_max_concurrent_sequences_by_hand() -> None:
     assert max_concurrent_sequences(cfg, 10 * GIB, 16).max_seqs == 0
     with pytest.raises(ConfigError, match="seq_len"):
         max_concurrent_sequences(cfg, 80 * GIB, 0)
+
+
+def test_capacity_by_variant_counts_the_weights_in_bf16_under_an_int8_kv_cache() -> None:
+    # Llama-3.1-8B in 80 GiB: the bf16 weights (16,060,522,496 bytes) leave 69,838,823,424 bytes; an int8 token is
+    # 2 (K, V) x 32 layers x 8 KV heads x (128 bytes + a 4-byte fp32 scale) = 67,584 bytes, a 4096-token sequence
+    # 276,824,064 bytes: 252 sequences (252.3). Weights counted at int8's 1 byte would have given 281.
+    hw = dataclasses.replace(get_hardware("h100-sxm"), mem_capacity=80 * GIB)
+    rows = capacity_by_variant(ModelConfig.from_name("Llama-3.1-8B"), hw, 4096, kv_dtype="int8")
+    gqa = next(r for r in rows if r["kind"] == "GQA")
+    assert gqa["bytes_per_seq"] == 4096 * 67_584 == 276_824_064
+    assert gqa["max_seqs"] == 252
 
 
 def test_paged_versus_contiguous_by_hand() -> None:

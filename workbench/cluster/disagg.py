@@ -252,8 +252,8 @@ class KVPeer:
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
 
-    def begin(self, t0: float, timeout_s: float) -> None:
-        self.sender = self.sender_class(self.cache, wall_clock(t0), self.first_head)
+    def begin(self, timeout_s: float) -> None:
+        self.sender = self.sender_class(self.cache, self.first_head)
         self.receiver = KVReceiver(self.cache, timeout_s, self.first_head)
 
     def send(self, rid: int, table: list[int], n: int, pieces: list[Piece], attempt: int) -> list[tuple[int, Piece]]:
@@ -376,7 +376,7 @@ class EngineLoop:
 
     def begin(self, t0: float) -> None:
         """A run starts at ``t0`` (``time.perf_counter``): fresh connectors on every rank."""
-        self.kv.call("begin", t0, self.cfg.transfer_timeout_s)
+        self.kv.call("begin", self.cfg.transfer_timeout_s)
 
     def report(self, result: RequestResult, transfer: dict[str, Any]) -> None:
         """Send a finished request's result (and its transfer's counts) to the coordinator."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from workbench.device import synchronize
 from workbench.errors import ConfigError
 from workbench.timing import now, set_threads
 
@@ -54,11 +55,8 @@ class AllReduceTimer:
     def __init__(self, rank: int, world_size: int, num_threads: int = 1) -> None:
         self.rank, self.world_size = rank, world_size
         set_threads(num_threads)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-
-    def _sync(self) -> None:
-        if self.device != "cpu":
-            torch.cuda.synchronize()
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def time_all_reduce(self, num_bytes: int, repeats: int, warmup: int) -> list[float]:
         """Seconds of each of ``repeats`` all-reduces of a float32 tensor of ``num_bytes`` (slowest rank each)."""
@@ -67,10 +65,10 @@ class AllReduceTimer:
         for i in range(warmup + repeats):
             tensor.fill_(1.0)
             dist.barrier()
-            self._sync()
+            synchronize(self.device)
             start = now()
             dist.all_reduce(tensor)
-            self._sync()
+            synchronize(self.device)
             elapsed = torch.tensor([now() - start], dtype=torch.float64, device=self.device)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if i >= warmup:
@@ -82,4 +80,4 @@ class AllReduceTimer:
 
     def device_name(self) -> str:
         """The accelerator's name (for the profile's ``machine``), or 'cpu'."""
-        return torch.cuda.get_device_name() if self.device != "cpu" else "cpu"
+        return torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu"

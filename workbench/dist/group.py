@@ -133,9 +133,8 @@ def _init(backend: str, init_method: str, rank: int, world_size: int, timeout_s:
 
 
 def _exit_with_parent(parent_pid: int, heartbeat: Any) -> None:
-    """A daemon thread of each spawned worker: it beats (``heartbeat``, a shared double, CLOCK_MONOTONIC, which the
-    processes of a machine share) every ``HEARTBEAT_S``, and ends the worker if its driver process is gone. A rank
-    stopped (SIGSTOP) or frozen stops beating with it, which the parent's ``ProcessSet`` watches for."""
+    """A spawned rank's daemon thread: beat ``heartbeat`` (CLOCK_MONOTONIC, shared by a machine's processes) for the
+    parent's liveness watchdog, and end the rank if its driver is gone (no orphans)."""
     while True:
         heartbeat.value = now()
         time.sleep(HEARTBEAT_S)
@@ -143,21 +142,20 @@ def _exit_with_parent(parent_pid: int, heartbeat: Any) -> None:
             os._exit(3)
 
 
-def _broadcast(message: list[Any], group: Any = None) -> None:
-    """``broadcast_object_list`` from the group's first rank: rank 0 of the world, or of ``group`` (a subgroup)."""
-    dist.broadcast_object_list(message, group=group, group_src=0)  # group None: the world, whose rank 0 is 0
-
-
-def _serve(worker: Any, report: Connection | None, group: Any = None) -> None:
-    """The worker loop: receive a call from the group's rank 0, run it on this rank's worker, until shutdown."""
+def _serve(
+    rank: int, size: int, report: Connection | None, factory: Callable[..., Any], args: tuple, group: Any = None
+) -> None:
+    """A worker rank: build its worker as ``factory(rank, size, *args)``, then run the calls broadcast by rank 0 of
+    ``group`` (None: the world) until shutdown."""
+    worker = factory(rank, size, *args)
     while True:
         message: list[Any] = [None]
-        _broadcast(message, group)
-        method, args, kwargs = message[0]
+        dist.broadcast_object_list(message, group=group, group_src=0)
+        method, call_args, kwargs = message[0]
         if method == _SHUTDOWN:
             return
         try:
-            getattr(worker, method)(*args, **kwargs)
+            getattr(worker, method)(*call_args, **kwargs)
         except BaseException:
             if report is not None:
                 report.send(_describe(f"rank {dist.get_rank()} raised in {method}()"))
@@ -182,11 +180,8 @@ def _spawned_rank(
     report: Connection,
     heartbeat: Any,
 ) -> None:
-    """A spawned process: watch the parent (and beat), join the group, run ``entry(rank, world_size, report,
-    *entry_args)``; an exception is reported on the pipe (one line and the traceback, which the driver's error
-    carries as ``remote_traceback``) and the process exits with code 1 without printing it: the user sees the
-    driver's one line, not a traceback per rank. SIGINT is ignored here (``ProcessSet``): on Ctrl-C the driver
-    stops its ranks."""
+    """A spawned process: join the group and run ``entry(rank, world_size, report, *entry_args)``; a failure goes to
+    the driver on the pipe and exits with code 1 unprinted, so the user sees one line, not a traceback per rank."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid, heartbeat), daemon=True).start()
     try:
         _init(backend, init_method, rank, world_size, timeout_s)
@@ -203,18 +198,10 @@ def _spawned_rank(
         dist.destroy_process_group()
 
 
-def _worker_entry(rank: int, world_size: int, report: Connection, factory: Callable[..., Any], args: tuple) -> None:
-    """A WorkerGroup rank: build the worker, then serve calls from rank 0 until shutdown."""
-    _serve(factory(rank, world_size, *args), report)
-
-
 @contextmanager
 def _sigint_ignored_by_children() -> Iterator[None]:
-    """Processes started inside start with SIGINT ignored (Python keeps a SIGINT disposition it inherits as ignored),
-    so Ctrl-C, which the terminal sends to the whole process group, reaches the driver alone: the driver stops its
-    ranks, and no rank prints a KeyboardInterrupt traceback. SIGINT is blocked meanwhile, so a Ctrl-C in this window
-    is delivered to the driver when it ends, not lost. Only the main thread can change signal handling: elsewhere
-    this does nothing."""
+    """Children started inside inherit SIGINT ignored, so Ctrl-C reaches the driver alone, which stops its ranks;
+    SIGINT is blocked meanwhile so it is not lost. Only the main thread can do this: elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -228,14 +215,10 @@ def _sigint_ignored_by_children() -> Iterator[None]:
 
 
 class ProcessSet:
-    """Spawned processes, each one rank of a torch.distributed group, each with a pipe to report why it failed.
+    """Spawned processes, each one rank of a torch.distributed group with a pipe to report why it failed.
 
-    ``problem()`` polls them without blocking: the first report or unexpected exit, or None. ``stop()`` joins
-    them for a grace period and then terminates and kills what is left: no process outlives the set.
-
-    Liveness: every rank beats every ``HEARTBEAT_S``; a watchdog thread here kills a rank that has beaten once and
-    then not for ``liveness_s`` (stopped by SIGSTOP, frozen), so that a collective or a queue waiting on it fails at
-    once, and ``problem()`` names that rank and why it was killed (``liveness_s``: ``liveness_timeout_s()``).
+    ``problem()`` polls without blocking; ``stop()`` joins, then terminates and kills: no process outlives the set.
+    A watchdog kills a rank silent for ``liveness_s`` so that whatever waits on it fails at once.
     """
 
     def __init__(
@@ -340,7 +323,7 @@ def run_worker(factory: Callable[..., Any], *factory_args: Any, timeout_s: float
     backend = DistConfig(world_size).resolved_backend()
     _init(backend, "env://", rank, world_size, timeout_s)
     try:
-        _serve(factory(rank, world_size, *factory_args), None)
+        _serve(rank, world_size, None, factory, factory_args)
     finally:
         dist.destroy_process_group()
 
@@ -349,8 +332,7 @@ def serve_subgroup(group: Any, factory: Callable[..., Any], factory_args: tuple[
     """Serve as a worker rank of ``group``, a subgroup (``dist.new_group``) of a world already joined: build this
     rank's worker as ``factory(group_rank, group_size, *factory_args)`` and serve the calls of the subgroup's rank 0
     (``WorkerGroup.on_subgroup``) until it shuts the subgroup down. The world stays up (its owner ends it)."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    _serve(factory(rank, size, *factory_args), None, group)
+    _serve(dist.get_rank(group), dist.get_world_size(group), None, factory, factory_args, group)
 
 
 def launched_by_torchrun() -> bool:
@@ -377,9 +359,8 @@ class WorkerGroup:
         init_method = config.init_method or f"tcp://127.0.0.1:{free_port()}"
         self._workers = ProcessSet(
             list(range(1, self.world_size)), self.world_size, self.backend, init_method, config.timeout_s,
-            _worker_entry, lambda rank: (factory, factory_args),
+            _serve, lambda rank: (factory, factory_args),
         )  # fmt: skip
-        self._processes = self._workers.processes
         self.group, self._owns_world = None, True  # the default group: this group's ranks are the whole world
         try:
             _init(self.backend, init_method, 0, self.world_size, config.timeout_s)
@@ -411,7 +392,7 @@ class WorkerGroup:
         world."""
         out = cls.__new__(cls)
         out.config, out.backend, out.world_size = config, config.resolved_backend(), config.world_size
-        out._workers, out._closed, out._processes = ProcessSet.none(), False, []
+        out._workers, out._closed = ProcessSet.none(), False
         out.group, out._owns_world = group, group is None
         out.worker = factory(0, out.world_size, *factory_args)
         return out
@@ -429,7 +410,7 @@ class WorkerGroup:
         if self._workers.problem() is not None:
             self._fail(None, "the previous call")
         try:
-            _broadcast([(method, args, kwargs)], self.group)
+            dist.broadcast_object_list([(method, args, kwargs)], group=self.group, group_src=0)
             return getattr(self.worker, method)(*args, **kwargs)
         except KeyboardInterrupt:
             # Ctrl-C mid-call: the other ranks may be inside a collective rank 0 will never join, so a polite shutdown
@@ -449,7 +430,7 @@ class WorkerGroup:
         if dist.is_initialized():
             if self._workers.problem() is None:
                 try:
-                    _broadcast([(_SHUTDOWN, (), {})], self.group)
+                    dist.broadcast_object_list([(_SHUTDOWN, (), {})], group=self.group, group_src=0)
                 except Exception:  # a worker went away meanwhile: it is reaped below
                     pass
             if self._owns_world:

@@ -1,26 +1,16 @@
-"""The KV connector of prefill/decode disaggregation: which KV to move, and moving it over torch.distributed.
+"""The KV connector of prefill/decode disaggregation: moving a request's KV over torch.distributed.
 
-Its shape follows vLLM v1's KV connector, in the same two halves:
-
-- the **scheduler side** decides: the prefill engine holds a finished prefill's blocks (``Engine.hold``) until its
-  KV has reached the decode engine (``KVSender.finish``), so a full decode pool fills the prefill pool and stops its
-  admissions (backpressure); the decode engine allocates blocks for the request (``Engine.add_prefilled``) and the
-  connector loads the prompt's KV into them before its first decode step.
-- the **worker side** moves the bytes: ``KVSender.start`` packs the prompt's token slots of every layer into one
-  byte buffer per piece (``pack``: an int8 pool's fp32 scales, then K and V) and posts it with ``isend``;
-  ``KVReceiver.receive`` posts the matching ``irecv`` (tagged by request and attempt), waits up to a timeout,
-  checks the checksum and scatters the tokens into its own slots (``unpack``). A transfer is exactly
-  ``num_tokens * ModelConfig.kv_bytes_per_token(kv dtype)`` bytes; an fp8 pool's per-layer scales are announced
-  and checked equal, not sent.
+This is the worker side of vLLM v1's KV connector (the scheduler side, holding blocks, backpressure, retries and
+recomputation, is ``workbench.cluster.disagg``'s). ``KVSender.start`` packs the prompt's token slots of every layer
+into one byte buffer per piece (``pack``: an int8 pool's fp32 scales, then K and V) and posts it with ``isend``;
+``KVReceiver.receive`` posts the matching ``irecv`` (tagged by request and attempt), waits up to a timeout, checks
+the checksum and scatters the tokens into its own slots (``unpack``). A transfer is exactly
+``num_tokens * ModelConfig.kv_bytes_per_token(kv dtype)`` bytes; an fp8 pool's per-layer scales are announced and
+checked equal, not sent.
 
 Under tensor parallelism on either side a request's KV moves as **pieces** (``transfer_plan``), one per (prefill
 rank, decode rank) pair whose KV heads overlap: each decode rank receives the heads it holds from the first prefill
 rank holding them (equal TP: rank i to rank i; each replica of a replicated KV head receives its copy).
-
-Completion is reported on the control channel (``ack``); a transfer whose checksum does not match is sent again
-(``nack``, up to ``max_retries``), and one that still fails, or times out, is recomputed on the decode side. The
-``isend`` is posted at the end of the prefill step that finished the prompt and the prefill engine goes on while
-the bytes move; the decode engine receives between its steps.
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.config import ModelConfig
-from workbench.kv.cache import KVCache
+from workbench.kv.cache import KVCache, as_bits
 from workbench.model.sharding import TensorParallelShard
 from workbench.timing import now
 
@@ -121,7 +111,7 @@ def _pool_parts(cache: KVCache) -> list[torch.Tensor]:
     if cache.kv_cache_dtype == "int8":
         parts += [s.view(s.shape[0], -1, s.shape[3]) for s in (cache.k_scale, cache.v_scale)]
     for pool in (cache.k, cache.v):
-        bits = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+        bits = as_bits(pool)
         parts.append(bits.view(bits.shape[0], -1, *bits.shape[3:]))
     return parts
 
@@ -158,13 +148,8 @@ class KVSender:
 
     ``first_head``: the full model's index of this rank's first local KV head."""
 
-    def __init__(
-        self,
-        cache: KVCache,
-        clock: Callable[[], float],
-        first_head: int = 0,
-    ) -> None:
-        self.cache, self.clock, self.first_head = cache, clock, first_head
+    def __init__(self, cache: KVCache, first_head: int = 0) -> None:
+        self.cache, self.first_head = cache, first_head
         self.in_flight: dict[int, dict[int, tuple[torch.Tensor, dist.Work | None]]] = {}  # rid -> piece -> (buf, work)
 
     def start(

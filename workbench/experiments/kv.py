@@ -11,14 +11,16 @@ from workbench.hardware import HardwareSpec
 from workbench.kv.sizing import attention_variants, max_concurrent_sequences, paged_vs_contiguous
 
 
-def capacity_by_variant(cfg: ModelConfig, hw: HardwareSpec, seq_len: int, kv_dtype: str = "bf16") -> list[dict]:
+def capacity_by_variant(
+    cfg: ModelConfig, hw: HardwareSpec, seq_len: int, kv_dtype: str = "bf16", dtype: str = "bf16"
+) -> list[dict]:
     """Per variant of ``cfg`` (MHA, GQA when it has one, MQA): ``kind``, ``num_kv_heads``, ``bytes_per_token``,
-    ``ratio_to_mha``, ``bytes_per_seq`` and ``max_seqs`` (sequences of ``seq_len`` tokens that fit in ``hw``'s
-    memory after the weights), keyed by kind rather than by position."""
+    ``ratio_to_mha``, ``bytes_per_seq`` and ``max_seqs`` (sequences of ``seq_len`` tokens of ``kv_dtype`` KV that fit
+    in ``hw``'s memory after the weights in ``dtype``), keyed by kind rather than by position."""
     rows = []
     for v in attention_variants(cfg, kv_dtype=kv_dtype):
         variant = cfg.with_overrides(num_kv_heads=v["num_kv_heads"])
-        cap = max_concurrent_sequences(variant, hw.mem_capacity, seq_len, dtype=kv_dtype)
+        cap = max_concurrent_sequences(variant, hw.mem_capacity, seq_len, dtype=dtype, kv_dtype=kv_dtype)
         rows.append(
             {
                 "kind": v["kind"],

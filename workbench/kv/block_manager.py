@@ -29,11 +29,6 @@ from workbench.config import ceil_div, check_positive_ints
 from workbench.request import Sequence
 
 
-def chain_hash(prev_hash: int | None, tokens: tuple[int, ...]) -> int:
-    """The prefix-cache hash of a full block: its tokens chained with its predecessor's hash (-1 for none)."""
-    return hash((-1 if prev_hash is None else prev_hash, tokens))
-
-
 class Block:
     """One KV block: its id, reference count and, once full and registered, its prefix hash and tokens."""
 
@@ -101,8 +96,7 @@ class BlockManager:
             block_id, _ = self._evictable.popitem(last=False)  # least recently freed
             block = self.blocks[block_id]
             del self._hash_to_block[block.hash]  # type: ignore[arg-type]
-            block.hash = None
-            block.token_ids = None
+            block.hash = block.token_ids = None
             self.num_evictions += 1
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -125,13 +119,13 @@ class BlockManager:
                 self._empty.append(block_id)
 
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
-        """The chained hashes of the first ``num_full_blocks`` blocks of ``seq`` (memoised on the seq)."""
+        """The chained hashes of the first ``num_full_blocks`` blocks of ``seq`` (memoised on the seq): each block's
+        tokens hashed with its predecessor's hash (-1 for the first)."""
         hashes = seq.block_hashes
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            prev = hashes[-1] if hashes else None
-            hashes.append(chain_hash(prev, tuple(seq.token_slice(i * bs, (i + 1) * bs))))
+            hashes.append(hash((hashes[-1] if hashes else -1, tuple(seq.token_slice(i * bs, (i + 1) * bs)))))
         return hashes
 
     def _lookup_prefix(self, seq: Sequence) -> list[int]:
@@ -175,8 +169,7 @@ class BlockManager:
         seq.block_table = hits + [self._take_free_block() for _ in range(num_new)]
         seq.num_committed_blocks = len(hits)
         hit_tokens = len(hits) * self.block_size
-        seq.num_cached_tokens = hit_tokens
-        seq.num_computed_tokens = hit_tokens
+        seq.num_cached_tokens = seq.num_computed_tokens = hit_tokens
         self.num_hit_tokens += hit_tokens
         return True
 

@@ -39,7 +39,7 @@ def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as their bytes (uint8): CPU indexing and ``index_copy_`` have no float8 kernels; others as given."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -57,7 +57,7 @@ class DequantView:
         self.shape = data.shape
 
     def __getitem__(self, idx: object) -> torch.Tensor:
-        rows = _unbits(_bits(self.data)[idx], self.data.dtype).float()
+        rows = _unbits(as_bits(self.data)[idx], self.data.dtype).float()
         scale = self.scale[idx][..., None] if self.per_token else self.scale
         return (rows * scale).to(self.dtype)
 
@@ -92,14 +92,9 @@ class KVCache:
         self.v = self.k[..., : self.latent_dim] if cfg.is_mla else torch.zeros(shape, dtype=storage, device=device)
         # int8: one fp32 scale per (token, KV head), (L, num_blocks, block_size, kv_heads); fp8: one per layer, (L,),
         # 1.0 as in vLLM when a checkpoint brings no calibrated scales (the values are saturated at +-448)
-        self.k_scale: torch.Tensor | None = None
-        self.v_scale: torch.Tensor | None = None
-        if self.kv_cache_dtype == "int8":
-            self.k_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)
-            self.v_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)
-        elif self.kv_cache_dtype == "fp8":
-            self.k_scale = torch.ones(cfg.num_layers, dtype=torch.float32, device=device)
-            self.v_scale = torch.ones(cfg.num_layers, dtype=torch.float32, device=device)
+        scale_shape = {"int8": shape[:-1], "fp8": shape[:1]}.get(self.kv_cache_dtype)
+        self.k_scale = None if scale_shape is None else torch.ones(scale_shape, dtype=torch.float32, device=device)
+        self.v_scale = None if self.k_scale is None else torch.ones_like(self.k_scale)
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
         """The one writer of the pool: row ``t`` of ``k``/``v`` goes to slot ``slot_mapping[t]`` (int64, (T,)).
@@ -111,25 +106,21 @@ class KVCache:
         with the layer's scale.
         """
         rows = (self.num_kv_heads, self.head_dim)
+        dim = 1 if layer is None else 0  # the slot dimension of flat(...)
+
+        def flat(pool: torch.Tensor, *row: int) -> torch.Tensor:  # (layers, slots, *row), or (slots, *row) of layer
+            return pool.view(self.num_layers, -1, *row) if layer is None else pool[layer].view(-1, *row)
+
         if self.latent_dim is not None:  # MLA: k is the whole entry, v its first latent_dim values (already in k)
-            if layer is None:
-                self.k.view(self.num_layers, -1, *rows).index_copy_(1, slot_mapping, k)
-            else:
-                self.k[layer].view(-1, *rows).index_copy_(0, slot_mapping, k)
+            flat(self.k, *rows).index_copy_(dim, slot_mapping, k)
             return
         for pool, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             if self.kv_cache_dtype == "int8":
                 x, s = quantize_kv_int8(x)
-                if layer is None:
-                    scales.view(self.num_layers, -1, self.num_kv_heads).index_copy_(1, slot_mapping, s)
-                else:
-                    scales[layer].view(-1, self.num_kv_heads).index_copy_(0, slot_mapping, s)
+                flat(scales, self.num_kv_heads).index_copy_(dim, slot_mapping, s)
             elif self.kv_cache_dtype == "fp8":
                 x = quantize_kv_fp8(x, scales.view(-1, 1, 1, 1) if layer is None else scales[layer])
-            if layer is None:
-                _bits(pool).view(self.num_layers, -1, *rows).index_copy_(1, slot_mapping, _bits(x))
-            else:
-                _bits(pool[layer]).view(-1, *rows).index_copy_(0, slot_mapping, _bits(x))
+            flat(as_bits(pool), *rows).index_copy_(dim, slot_mapping, as_bits(x))
 
     def layer_views(self) -> tuple[list, list]:
         """Per layer, what a ragged step's attention indexes: the pool's own views, or ``DequantView``s."""
@@ -164,7 +155,7 @@ class KVCache:
             return entry, entry[..., : self.latent_dim]
         if not self.quantized:
             return self.k[layer].view(-1, *rows)[slots], self.v[layer].view(-1, *rows)[slots]
-        k, v = (_unbits(_bits(pool[layer]).view(-1, *rows)[slots], pool.dtype) for pool in (self.k, self.v))
+        k, v = (_unbits(as_bits(pool[layer]).view(-1, *rows)[slots], pool.dtype) for pool in (self.k, self.v))
         if self.kv_cache_dtype == "int8":
             ks = self.k_scale[layer].view(-1, self.num_kv_heads)[slots][..., None]
             vs = self.v_scale[layer].view(-1, self.num_kv_heads)[slots][..., None]

@@ -12,7 +12,7 @@ from typing import Any
 from workbench.config import DEFAULT_GROUP_SIZE, ModelConfig
 from workbench.errors import ConfigError
 from workbench.kv.block_manager import BlockManager
-from workbench.kv.sizing import PagingComparison, paged_vs_contiguous
+from workbench.kv.sizing import paged_vs_contiguous
 from workbench.request import Sequence
 
 
@@ -44,20 +44,9 @@ class MemoryLedger:
     def pool_bytes(self) -> int:
         return self.block_manager.num_blocks * self.block_bytes
 
-    def waste(self, sequences: list[Sequence]) -> PagingComparison:
-        """Contiguous-versus-paged memory for the K/V these sequences hold (needs ``max_model_len``)."""
-        if self.max_model_len is None:
-            raise ConfigError("MemoryLedger.max_model_len is needed to compare with a contiguous cache")
-        # K/V positions each holds now (running) or held at its end (finished: all but the last token)
-        counts = [
-            max(s.num_tokens - 1, 0) if s.is_finished else s.num_computed_tokens
-            for s in sequences
-            if s.finish_reason != "rejected"
-        ]
-        return paged_vs_contiguous(self.model, counts, self.block_manager.block_size, self.max_model_len, self.kv_dtype)
-
     def snapshot(self, sequences: list[Sequence] | None = None) -> dict[str, Any]:
-        """A flat dict of the ledger now; with ``sequences``, also the contiguous-versus-paged waste."""
+        """A flat dict of the ledger now; with ``sequences``, also the contiguous-versus-paged waste of the K/V they
+        hold (needs ``max_model_len``)."""
         bm = self.block_manager
         out: dict[str, Any] = {
             "model": self.model.name,
@@ -80,5 +69,14 @@ class MemoryLedger:
             "prefix_hit_tokens": bm.num_hit_tokens,
         }
         if sequences is not None:
-            out["waste"] = self.waste(sequences).to_dict()
+            if self.max_model_len is None:
+                raise ConfigError("MemoryLedger.max_model_len is needed to compare with a contiguous cache")
+            # K/V positions each holds now (running) or held at its end (finished: all but the last token)
+            counts = [
+                max(s.num_tokens - 1, 0) if s.is_finished else s.num_computed_tokens
+                for s in sequences
+                if s.finish_reason != "rejected"
+            ]
+            waste = paged_vs_contiguous(self.model, counts, bm.block_size, self.max_model_len, self.kv_dtype)
+            out["waste"] = waste.to_dict()
         return out

@@ -96,9 +96,6 @@ class CapacityResult:
     seq_len: int
     block_size: int | None
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
 
 def max_concurrent_sequences(
     cfg: ModelConfig,

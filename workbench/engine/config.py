@@ -217,9 +217,6 @@ class EngineConfig(ServingConfig):
             return self.max_num_seqs, max_len
         if self.num_blocks is not None:
             return self.num_blocks, self.block_size
-        if self.kv_cache_bytes is not None:
-            return plan_num_blocks(model, self.block_size, self.kv_cache_dtype, self.kv_cache_bytes), self.block_size
-        wanted = self.max_num_seqs * max_len
-        return plan_num_blocks(
-            model, self.block_size, self.kv_cache_dtype, DEFAULT_KV_BUDGET_BYTES, wanted
-        ), self.block_size
+        wanted = None if self.kv_cache_bytes is not None else self.max_num_seqs * max_len
+        budget = self.kv_cache_bytes or DEFAULT_KV_BUDGET_BYTES
+        return plan_num_blocks(model, self.block_size, self.kv_cache_dtype, budget, wanted), self.block_size

@@ -205,8 +205,7 @@ def _model_from_tensors(
     for layer in range(cfg.num_layers):
         p, o = f"model.layers.{layer}.", f"layers.{layer}."
         attn = p + "self_attn."
-        state[o + "input_layernorm.weight"] = tensors[p + "input_layernorm.weight"]
-        state[o + "post_attention_layernorm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        state |= {o + n: tensors[p + n] for n in ("input_layernorm.weight", "post_attention_layernorm.weight")}
         if cfg.is_moe_layer(layer):
             state |= moe_state(cfg, layer, tensors)
         else:
@@ -222,8 +221,7 @@ def _model_from_tensors(
             state[o + "self_attn.qkv_proj.bias"] = torch.cat([tensors[attn + f"{x}_proj.bias"] for x in "qkv"])
         state[o + "self_attn.o_proj.weight"] = tensors[attn + "o_proj.weight"]
         if cfg.qk_norm:
-            state[o + "self_attn.q_norm.weight"] = tensors[attn + "q_norm.weight"]
-            state[o + "self_attn.k_norm.weight"] = tensors[attn + "k_norm.weight"]
+            state |= {o + f"self_attn.{x}_norm.weight": tensors[attn + f"{x}_norm.weight"] for x in "qk"}
     with torch.no_grad():
         params = dict(model.named_parameters()) | dict(model.named_buffers())  # buffers: a router's bias
         for name, value in state.items():
@@ -259,11 +257,8 @@ def hf_config_object(cfg: ModelConfig):  # noqa: ANN201  (a transformers Pretrai
     """The transformers config object for our ModelConfig."""
     from transformers import AutoConfig
 
-    hf = cfg.to_hf_config()
-    model_type = hf.pop("model_type")
-    hf.pop("architectures")
-    hf.pop("torch_dtype")
-    config = AutoConfig.for_model(model_type, **hf)
+    hf = {k: v for k, v in cfg.to_hf_config().items() if k not in ("architectures", "torch_dtype")}
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
     config.architectures = [cfg.architecture]
     return config
 

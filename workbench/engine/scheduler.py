@@ -98,10 +98,8 @@ def check_policy(policy: object) -> None:
 class SchedulerConfig:
     """Knobs of the scheduler, validated; errors name the field and the allowed values.
 
-    ``token_budget`` is vLLM's ``max_num_batched_tokens``: new tokens per step over all sequences. ``None``
-    picks a default: ``max(max_model_len, 2048)`` for the whole-prompt policies (a prompt is never split,
-    so the budget must hold the longest), ``2048`` for ``chunked``. ``chunk_size`` only matters for
-    ``chunked`` (``None``: the token budget). ``watermark`` is the fraction of blocks kept free at admission.
+    ``token_budget`` is vLLM's ``max_num_batched_tokens``: new tokens per step over all sequences (``None``:
+    ``default_token_budget``). ``chunk_size`` only matters for ``chunked`` (``None``: the token budget).
     """
 
     policy: str = "continuous"
@@ -466,10 +464,9 @@ class Scheduler:
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        num_output = len(seq.output_token_ids)
         if token in seq.eos_token_ids:
             seq.finish_reason = "stop"
-        elif num_output >= seq.sampling.max_tokens:
+        elif len(seq.output_token_ids) >= seq.sampling.max_tokens:
             seq.finish_reason = "length"
         else:
             return False

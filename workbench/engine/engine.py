@@ -279,8 +279,7 @@ class Engine:
             sp = sampling if sampling is not None else SamplingParams()
             validate_request(prompt, sp.max_tokens, self.max_model_len, self.model.config.vocab_size)
         except (RequestError, TypeError) as exc:
-            reason = str(exc)
-            sampling = None
+            reason, sampling = str(exc), None
         seq = Sequence(rid, prompt, sampling, arrival, eos_token_ids=self.model.config.eos_token_ids)
         self.sequences[rid] = seq
         if reason is not None:
@@ -503,8 +502,7 @@ class Engine:
         """
         vocab = self.model.config.vocab_size
         pending = sorted(requests, key=lambda r: r.arrival_time_s)
-        trace_ids = [r.request_id for r in pending if getattr(r, "request_id", None) is not None]
-        counts = Counter(trace_ids)
+        counts = Counter(r.request_id for r in pending if getattr(r, "request_id", None) is not None)
         clash = sorted({i for i in counts if i in self.sequences or counts[i] > 1})
         if clash:  # checked before anything is queued
             raise RequestError(
